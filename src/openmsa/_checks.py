@@ -1,0 +1,86 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Argument validation shared by the public ops: shapes, dtypes and devices only, never values,
+so nothing here synchronises with the GPU (value checks live in `openmsa.validate_batch`)."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+HALF = (torch.bfloat16, torch.float16)
+INT_TYPES = (torch.int32,)
+
+
+def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
+    return "/".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_tensor(name: str, t, *, ndim: int, dtypes: Iterable[torch.dtype] | None = None,
+                 device: torch.device | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if dtypes is not None:
+        dtypes = tuple(dtypes)
+        if t.dtype not in dtypes:
+            raise TypeError(f"{name} must have dtype {_dtype_names(dtypes)}, got "
+                            f"{str(t.dtype).replace('torch.', '')}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device} like the other inputs, got {t.device}")
+
+
+def check_int_tensor(name: str, t, *, ndim: int, device: torch.device | None = None) -> None:
+    check_tensor(name, t, ndim=ndim, dtypes=INT_TYPES, device=device)
+
+
+def check_block_size(block_size) -> None:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0 \
+            or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a positive power of two, got {block_size!r}")
+
+
+def check_step(cu_seqlens_q, seq_lens, block_table, device: torch.device) -> int:
+    """The step's metadata tensors; returns the request count R."""
+    check_int_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, device=device)
+    check_int_tensor("seq_lens", seq_lens, ndim=1, device=device)
+    check_int_tensor("block_table", block_table, ndim=2, device=device)
+    num_requests = seq_lens.shape[0]
+    if cu_seqlens_q.shape[0] != num_requests + 1:
+        raise ValueError(f"cu_seqlens_q must have len(seq_lens) + 1 = {num_requests + 1} entries, "
+                         f"got {cu_seqlens_q.shape[0]}")
+    if block_table.shape[0] < num_requests:
+        raise ValueError(f"block_table must have a row per request ({num_requests}), got "
+                         f"{block_table.shape[0]} rows")
+    return num_requests
+
+
+def check_out(name: str, out, shape: tuple[int, ...], dtype: torch.dtype,
+              device: torch.device) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(out.shape)}")
+    if out.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {_dtype_names([dtype])}, got "
+                        f"{str(out.dtype).replace('torch.', '')}")
+    if out.device != device:
+        raise ValueError(f"{name} must be on {device}, got {out.device}")
+
+
+def check_index_dtypes(index_q: torch.Tensor, index_cache: torch.Tensor) -> None:
+    """MSA-SPEC/API: both fp8; a 16-bit query against the same 16-bit or an fp8 cache; fp32 with
+    fp32 (the reference's own precision, for tests)."""
+    q, c = index_q.dtype, index_cache.dtype
+    ok = (q == c and q in (*HALF, FP8, torch.float32)) or (q in HALF and c == FP8)
+    if not ok:
+        raise TypeError(f"index_q ({str(q).replace('torch.', '')}) and index_cache "
+                        f"({str(c).replace('torch.', '')}) must be both fp8 e4m3, both the same "
+                        f"16-bit type, a 16-bit query against an fp8 cache, or both float32")
+
+
+def check_positive_int(name: str, v, *, minimum: int = 1) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")

@@ -1,0 +1,62 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Argument checks of sparse_attention (shapes, dtypes, devices; no device values)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..._checks import (FP8, HALF, check_block_size, check_int_tensor, check_out, check_step,
+                        check_tensor)
+
+KV_DTYPES = (*HALF, FP8, torch.float32)
+
+
+def check_scale_arg(name, value, device) -> None:
+    if value is None or isinstance(value, float) or (isinstance(value, int)
+                                                     and not isinstance(value, bool)):
+        return
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a float, a one-element fp32 tensor or None, got "
+                        f"{type(value).__name__}")
+    if value.numel() != 1 or value.dtype != torch.float32 or value.device != device:
+        raise ValueError(f"{name} must be a one-element float32 tensor on {device}, got "
+                         f"{tuple(value.shape)} {value.dtype} on {value.device}")
+
+
+def check_attention_args(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, *,
+                         scale, block_size, out, k_scale, v_scale) -> None:
+    check_tensor("q", q, ndim=3, dtypes=(*HALF, torch.float32))
+    device = q.device
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=KV_DTYPES, device=device)
+    check_tensor("v_cache", v_cache, ndim=4, dtypes=KV_DTYPES, device=device)
+    check_block_size(block_size)
+    num_tokens, num_heads, head_dim = q.shape
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache and v_cache must have one shape and dtype, got "
+                         f"{tuple(k_cache.shape)} {k_cache.dtype} and {tuple(v_cache.shape)} "
+                         f"{v_cache.dtype}")
+    _, bs, num_kv_heads, d = k_cache.shape
+    if bs != block_size or d != head_dim:
+        raise ValueError(f"k_cache/v_cache must be [pages, block_size={block_size}, kv_heads, "
+                         f"head_dim={head_dim}], got {tuple(k_cache.shape)}")
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"q's heads ({num_heads}) must be a multiple of the caches' KV heads "
+                         f"({num_kv_heads})")
+    check_int_tensor("indices", indices, ndim=3, device=device)
+    if indices.shape[0] != num_tokens:
+        raise ValueError(f"indices must have a row per token ({num_tokens}), got "
+                         f"{tuple(indices.shape)}")
+    h = indices.shape[1]
+    if h < 1 or (num_kv_heads % h and h % num_kv_heads):
+        raise ValueError(f"indices' index heads ({h}) and the KV heads ({num_kv_heads}) must "
+                         f"divide one another")
+    if indices.shape[2] < 1:
+        raise ValueError("indices must hold at least one block per row")
+    check_step(cu_seqlens_q, seq_lens, block_table, device)
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not scale > 0):
+        raise ValueError(f"scale must be a positive float or None, got {scale!r}")
+    check_scale_arg("k_scale", k_scale, device)
+    check_scale_arg("v_scale", v_scale, device)
+    if out is not None:
+        check_out("out", out, tuple(q.shape), q.dtype, device)

@@ -1,0 +1,101 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The main branch in pure PyTorch, fp32 math: the spec in code (see README.md beside this)."""
+
+from __future__ import annotations
+
+import torch
+
+from ...batch import num_causal_blocks, token_layout
+from .checks import check_attention_args
+
+__all__ = ["sparse_attention", "kv_head_to_index_head"]
+
+# fp32 elements of one gathered K (or V) chunk: bounds the reference's memory (128 MB each).
+_CHUNK_ELEMENTS = 1 << 25
+
+
+def kv_head_to_index_head(num_kv_heads: int, num_index_heads: int) -> torch.Tensor:
+    """KV head g reads the selection of index head g * H // Hkv."""
+    return torch.arange(num_kv_heads) * num_index_heads // num_kv_heads
+
+
+def _as_scale(value, device):
+    if value is None:
+        return 1.0
+    return value.float().reshape(()) if isinstance(value, torch.Tensor) else float(value)
+
+
+def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, *,
+                     scale=None, block_size=128, out=None, return_lse=False, k_scale=None,
+                     v_scale=None):
+    """Exact GQA softmax attention over the tokens of the selected blocks (MSA's main branch).
+
+    Args:
+        q: [T, Hq, D] bf16/fp16 (fp32 accepted by the reference).
+        k_cache, v_cache: [P, B, Hkv, D] views with any strides, bf16/fp16/fp8 e4m3.
+        indices: int32 [T, H, K] block ids per (token, index head); entries < 0 or >= the token's
+            causal blocks are ignored, a repeated id counts once (J is a set).
+        scale: softmax scale, D ** -0.5 by default.
+        out: optional [T, Hq, D] in q's dtype, written in place.
+        return_lse: also return fp32 [T, Hq] natural-log LSE.
+        k_scale, v_scale: optional per-tensor dequantisation scales (fp8 caches).
+
+    Returns:
+        out, or (out, lse). A row with no visible key gives out = 0 and lse = -inf.
+    """
+    check_attention_args(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table,
+                         scale=scale, block_size=block_size, out=out, k_scale=k_scale,
+                         v_scale=v_scale)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    topk = indices.shape[2]
+    device = q.device
+    sm_scale = head_dim ** -0.5 if scale is None else float(scale)
+    ks, vs = _as_scale(k_scale, device), _as_scale(v_scale, device)
+    result = torch.zeros(num_tokens, num_heads, head_dim, dtype=torch.float32, device=device)
+    lse = torch.full((num_tokens, num_heads), float("-inf"), dtype=torch.float32, device=device)
+    _, position = token_layout(cu_seqlens_q, seq_lens, num_tokens)
+    head_map = kv_head_to_index_head(num_kv_heads, indices.shape[1]).to(device)
+    kv_head = torch.arange(num_kv_heads, device=device)[None, :, None]
+    offs = torch.arange(block_size, device=device)
+    earlier = torch.ones(topk, topk, dtype=torch.bool, device=device).tril(-1)  # [i, j]: j < i
+    cu = cu_seqlens_q.tolist()
+    sl = seq_lens.tolist()
+    step = max(1, _CHUNK_ELEMENTS // (num_kv_heads * topk * block_size * head_dim))
+    for r in range(len(sl)):
+        start, end = cu[r], min(cu[r + 1], num_tokens)
+        if end <= start or sl[r] <= 0:
+            continue
+        for s in range(start, end, step):
+            e = min(end, s + step)
+            c = e - s
+            p = position[s:e].long()  # [c]
+            n = num_causal_blocks(p, block_size)[:, None, None]  # [c, 1, 1]
+            sel = indices[s:e].long()[:, head_map, :]  # [c, Hkv, K]
+            valid = (sel >= 0) & (sel < n)
+            # J is a set: an id already listed earlier in the row adds nothing
+            dup = ((sel[..., :, None] == sel[..., None, :]) & valid[..., None, :] & earlier).any(-1)
+            valid &= ~dup
+            blk = torch.where(valid, sel, torch.zeros_like(sel))
+            page = block_table[r].long()[blk]  # [c, Hkv, K]
+            key_pos = blk[..., None] * block_size + offs  # [c, Hkv, K, B]
+            visible = valid[..., None] & (key_pos <= p[:, None, None, None])
+            k = k_cache[page, :, kv_head.expand_as(page)].float() * ks  # [c, Hkv, K, B, D]
+            v = v_cache[page, :, kv_head.expand_as(page)].float() * vs
+            v = torch.where(visible[..., None], v, torch.zeros((), device=device))
+            qq = q[s:e].float().view(c, num_kv_heads, group, head_dim)
+            logits = torch.einsum("cgqd,cgkbd->cgqkb", qq, k) * sm_scale
+            logits = torch.where(visible[:, :, None], logits,
+                                 torch.full((), float("-inf"), device=device))
+            row_lse = torch.logsumexp(logits.flatten(-2), dim=-1)  # [c, Hkv, G]
+            probs = torch.exp(logits - row_lse[..., None, None])
+            probs = torch.where(visible[:, :, None], probs, torch.zeros((), device=device))
+            o = torch.einsum("cgqkb,cgkbd->cgqd", probs, v)
+            result[s:e] = o.reshape(c, num_heads, head_dim)
+            lse[s:e] = row_lse.reshape(c, num_heads)
+    if out is None:
+        out = result.to(q.dtype)
+    else:
+        out.copy_(result)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,101 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Cache writes and the per-layer preparation (Gemma RMSNorm, partial NeoX RoPE, cast) in pure
+PyTorch with fp32 math: the spec in code (see README.md beside this)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..._checks import FP8
+from .checks import check_index_write, check_kv_write
+
+__all__ = ["write_index_cache", "write_kv_cache", "to_cache_dtype", "rms_norm", "apply_rope",
+           "prepare_index_qk", "prepare_qkv"]
+
+FP8_MAX = 448.0
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cast for a cache: fp8 e4m3 saturates at +-448 (no scale); NaN stays NaN."""
+    if dtype == FP8:
+        return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return x.to(dtype)
+
+
+def _scatter_rows(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    block = cache.shape[1]
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    slots, rows = slots[keep], rows[keep]
+    # index through (page, offset) so any strided cache view is written in place
+    cache[torch.div(slots, block, rounding_mode="floor"), slots % block] = rows
+
+
+def write_index_cache(index_k, index_cache, slot_mapping) -> None:
+    """index_k [T, Di] -> index_cache [P, B, Di] at slot = page * B + offset; slot < 0 skipped."""
+    check_index_write(index_k, index_cache, slot_mapping)
+    _scatter_rows(index_cache, to_cache_dtype(index_k, index_cache.dtype), slot_mapping)
+
+
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None) -> None:
+    """k, v [T, Hkv, D] -> caches viewed [P, B, Hkv, D] (any strides); slot < 0 skipped.
+
+    For fp8 caches with a per-tensor scale the stored value is x / scale, saturated.
+    """
+    check_kv_write(k, v, k_cache, v_cache, slot_mapping)
+    for x, cache, s in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        x = x.float() if s is None else x.float() / (s if not isinstance(s, torch.Tensor)
+                                                      else s.float().reshape(()))
+        _scatter_rows(cache, to_cache_dtype(x, cache.dtype), slot_mapping)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma RMSNorm over the last dim: x * rsqrt(mean(x^2) + eps) * (1 + w), fp32."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float
+               ) -> torch.Tensor:
+    """NeoX-style RoPE on the first `rotary_dim` dims of x [T, heads, dim], fp32.
+
+    Halves (x1, x2) of the rotary part turn by angle pos * theta^(-2i/rotary_dim).
+    """
+    x = x.float()
+    if rotary_dim == 0:
+        return x
+    half = rotary_dim // 2
+    inv_freq = theta ** (-torch.arange(0, half, device=x.device, dtype=torch.float64) * 2
+                         / rotary_dim)
+    ang = (positions.to(torch.float64)[:, None] * inv_freq[None, :]).float()  # [T, half]
+    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    x1, x2, rest = x[..., :half], x[..., half:rotary_dim], x[..., rotary_dim:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+
+
+def prepare_index_qk(index_q, index_k, q_norm_weight, k_norm_weight, positions, *, rotary_dim,
+                     rope_theta, eps, cache_dtype):
+    """Index branch: per-head RMSNorm (own weights), partial RoPE, cast to the index cache dtype.
+
+    Args:
+        index_q: [T, H, Di]; index_k: [T, Di] (one head); weights [Di]; positions int [T].
+
+    Returns:
+        (index_q [T, H, Di], index_k [T, Di]) in cache_dtype (fp8 saturating).
+    """
+    q = apply_rope(rms_norm(index_q, q_norm_weight, eps), positions, rotary_dim, rope_theta)
+    k = apply_rope(rms_norm(index_k[:, None, :], k_norm_weight, eps), positions, rotary_dim,
+                   rope_theta)[:, 0]
+    return to_cache_dtype(q, cache_dtype), to_cache_dtype(k, cache_dtype)
+
+
+def prepare_qkv(q, k, v, q_norm_weight, k_norm_weight, positions, *, rotary_dim, rope_theta, eps,
+                dtype):
+    """Main branch: per-head RMSNorm of q and k, partial RoPE, v untouched; all cast to dtype.
+
+    Args:
+        q: [T, Hq, D]; k, v: [T, Hkv, D]; weights [D]; positions int [T].
+    """
+    qq = apply_rope(rms_norm(q, q_norm_weight, eps), positions, rotary_dim, rope_theta)
+    kk = apply_rope(rms_norm(k, k_norm_weight, eps), positions, rotary_dim, rope_theta)
+    return qq.to(dtype), kk.to(dtype), v.to(dtype)

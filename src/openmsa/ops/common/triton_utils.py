@@ -1,0 +1,42 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Shared @triton.jit helpers: the step's layout looked up on device, and packed sort keys."""
+
+import triton
+import triton.language as tl
+
+# a packed key below every real one (a block that does not exist)
+EMPTY_KEY = tl.constexpr(-(2 ** 63))
+# the score half of a forced block's key: above +inf's (0x7F800000); NaN never reaches a key
+FORCED_SCORE_KEY = tl.constexpr(0x7FFFFFFF)
+
+
+@triton.jit
+def find_request(cu_seqlens_ptr, num_requests, token):
+    """The request holding packed token `token`: the smallest r with cu[r+1] > token (R if none).
+    A binary search over the R+1 offsets, so no token->request map is built on the host."""
+    lo = 0
+    hi = num_requests
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(cu_seqlens_ptr + mid + 1) > token:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+@triton.jit
+def pack_score_key(score, block):
+    """One int64 per (score, block): larger means a better score, then a lower block, so every
+    key is distinct and a plain max/sort applies MSA's tie rule. NaN ranks as -inf and -0.0 as 0."""
+    s = tl.where(score != score, float("-inf"), score)
+    s = tl.where(s == 0.0, 0.0, s)
+    bits = s.to(tl.int32, bitcast=True)
+    # flip the magnitude bits of negatives so that int order is float order
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return (key.to(tl.int64) << 32) + (0xFFFFFFFF - block.to(tl.int64))
+
+
+@triton.jit
+def unpack_block(key):
+    return (0xFFFFFFFF - (key & 0xFFFFFFFF)).to(tl.int32)

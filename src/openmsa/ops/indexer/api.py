@@ -1,0 +1,165 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Public index-branch ops: validation, then the Triton kernels (CUDA, or CPU under
+TRITON_INTERPRET=1) or the reference (CPU)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..._checks import FP8, HALF
+from ..._dispatch import use_kernels
+from ...support import indexer_unsupported_reason
+from . import reference
+from .checks import check_indexer_args, check_select_args
+
+__all__ = ["block_scores", "select_blocks"]
+
+# requests with q_len <= SMALL_Q (decode, speculative verify) take the per-request launch
+SMALL_Q = 16
+# rows (token, head pairs) of one tensor-core tile in each launch
+DECODE_ROWS = 16
+PREFILL_ROWS = 128
+PREFILL_BLOCKS_PER_SPLIT = 32
+SELECT_CHUNK = 256
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _programs_wanted(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return 4 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _raise_if_unsupported(index_q, index_cache, block_size, topk) -> None:
+    reason = indexer_unsupported_reason(
+        num_index_heads=index_q.shape[1], index_head_dim=index_q.shape[2], block_size=block_size,
+        topk=topk, query_dtype=index_q.dtype, cache_dtype=index_cache.dtype,
+        device=index_q.device)
+    if reason is not None:
+        raise ValueError(reason)
+
+
+def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores,
+                        block_size: int) -> None:
+    """Write scores[t, h, b] for every block b < ceil(seq_len / B) of each token's request
+    (entries past the token's own causal blocks get -inf; nothing else is written)."""
+    from .scores import _block_scores_kernel
+
+    num_tokens, num_heads, head_dim = index_q.shape
+    num_requests = seq_lens.shape[0]
+    max_blocks = block_table.shape[1]
+    if num_tokens == 0 or num_requests == 0 or max_blocks == 0:
+        return
+    hp = _next_pow2(num_heads)
+    dip = max(16, _next_pow2(head_dim))
+    cast_k = index_q.dtype in HALF and index_cache.dtype == FP8
+    ieee = index_q.dtype == torch.float32
+    common = dict(H=num_heads, HP=hp, DI=head_dim, DIP=dip, BLOCK=block_size, SMALL_Q=SMALL_Q,
+                  CAST_K=cast_k, IEEE=ieee)
+    args = (index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores, num_requests,
+            num_tokens, *index_q.stride(), *index_cache.stride(), *block_table.stride(),
+            *scores.stride())
+    # decode/verify: enough splits of each request's blocks to fill the GPU
+    splits_wanted = -(-_programs_wanted(index_q.device) // num_requests)
+    bps = min(64, max(4, _next_pow2(-(-max_blocks // splits_wanted))))
+    rows_t = max(1, DECODE_ROWS // hp)
+    grid = (num_requests, -(-max_blocks // bps))
+    _block_scores_kernel[grid](*args, BPS=bps, TILE_MODE=False, ROWS_T=rows_t, **common,
+                               num_warps=4, num_stages=3)
+    # prefill chunks: tiles of packed tokens
+    rows_t = max(1, PREFILL_ROWS // hp)
+    bps = PREFILL_BLOCKS_PER_SPLIT
+    grid = (-(-num_tokens // rows_t), -(-max_blocks // bps))
+    _block_scores_kernel[grid](*args, BPS=bps, TILE_MODE=True, ROWS_T=rows_t, **common,
+                               num_warps=8, num_stages=3)
+
+
+def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, local_blocks,
+                  block_size) -> None:
+    from .select import _select_topk_kernel
+
+    num_tokens, num_heads, _ = scores.shape
+    if num_tokens == 0:
+        return
+    kp = _next_pow2(topk)
+    chunk = max(SELECT_CHUNK, 2 * kp)
+    _select_topk_kernel[(num_tokens, num_heads)](
+        scores, cu_seqlens_q, seq_lens, out, seq_lens.shape[0], *scores.stride(), *out.stride(),
+        TOPK=topk, KP=kp, INIT=init_blocks, LOCAL=local_blocks, BLOCK=block_size, CHUNK=chunk,
+        num_warps=4)
+
+
+def block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, block_size=128,
+                 out=None):
+    """S[t, h, b] = max over keys j <= p of block b of dot(index_q[t, h], key[j]), fp32.
+
+    Args:
+        index_q: [T, H, Di] bf16/fp16/fp8 e4m3 (fp32 too), any strides.
+        index_cache: [P, B, Di] of the same dtype, or fp8 e4m3 under a 16-bit query.
+        cu_seqlens_q: int32 [R+1]; seq_lens: int32 [R]; block_table: int32 [R, max_blocks].
+        out: optional fp32 [T, H, max_blocks], any strides, written in place.
+
+    Returns:
+        fp32 [T, H, max_blocks], -inf past each token's causal blocks and for padding tokens.
+        Page ids in block_table are not range-checked here (see `openmsa.validate_batch`).
+    """
+    if not use_kernels(index_q):
+        return reference.block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
+                                      block_size=block_size, out=out)
+    num_tokens, num_heads, _ = index_q.shape
+    shape = (num_tokens, num_heads, block_table.shape[1])
+    check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
+                       block_size=block_size, out=out, out_shape=shape, out_dtype=torch.float32)
+    _raise_if_unsupported(index_q, index_cache, block_size, None)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32, device=index_q.device)
+    out.fill_(float("-inf"))
+    launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, out,
+                        block_size)
+    return out
+
+
+def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, topk=16,
+                  init_blocks=0, local_blocks=1, block_size=128, out=None):
+    """The `topk` best blocks per (token, index head), forced init/local blocks included.
+
+    Args: as `block_scores`, plus the selection rule (topk, init_blocks, local_blocks) and
+        out: optional int32 [T, H, topk], any strides (e.g. a transposed [H, T, K] buffer).
+
+    Returns:
+        int32 [T, H, topk]: ascending block ids, -1 padded; ties go to the lower block, NaN
+        scores rank as -inf; padding tokens get a row of -1. No host synchronisation on the
+        kernel path (CUDA-graph safe for a fixed T, R and block-table width).
+    """
+    if not use_kernels(index_q):
+        return reference.select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
+                                       topk=topk, init_blocks=init_blocks,
+                                       local_blocks=local_blocks, block_size=block_size, out=out)
+    num_tokens, num_heads, _ = index_q.shape
+    check_select_args(topk, init_blocks, local_blocks)
+    check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
+                       block_size=block_size, out=out, out_shape=(num_tokens, num_heads, topk),
+                       out_dtype=torch.int32)
+    _raise_if_unsupported(index_q, index_cache, block_size, topk)
+    if out is None:
+        out = torch.empty((num_tokens, num_heads, topk), dtype=torch.int32,
+                          device=index_q.device)
+    # only blocks below each token's causal count are read back, so no -inf fill is needed
+    scores = torch.empty((num_tokens, num_heads, block_table.shape[1]), dtype=torch.float32,
+                         device=index_q.device)
+    launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores,
+                        block_size)
+    launch_select(scores, cu_seqlens_q, seq_lens, out, topk=topk, init_blocks=init_blocks,
+                  local_blocks=local_blocks, block_size=block_size)
+    return out
+

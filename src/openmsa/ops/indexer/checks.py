@@ -1,0 +1,36 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Argument checks of the index-branch ops (shapes, dtypes, devices; no device values)."""
+
+from __future__ import annotations
+
+from ..._checks import (check_block_size, check_index_dtypes, check_out, check_positive_int,
+                        check_step, check_tensor)
+
+
+def check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, block_size,
+                       out, out_shape, out_dtype) -> None:
+    check_tensor("index_q", index_q, ndim=3)
+    device = index_q.device
+    check_tensor("index_cache", index_cache, ndim=3, device=device)
+    check_index_dtypes(index_q, index_cache)
+    check_block_size(block_size)
+    if index_cache.shape[1] != block_size:
+        raise ValueError(f"index_cache must be [pages, block_size={block_size}, index_head_dim], "
+                         f"got shape {tuple(index_cache.shape)}")
+    if index_cache.shape[2] != index_q.shape[2]:
+        raise ValueError(f"index_cache's last dim ({index_cache.shape[2]}) must equal index_q's "
+                         f"index_head_dim ({index_q.shape[2]})")
+    if index_q.shape[1] < 1:
+        raise ValueError("index_q must have at least one index head")
+    check_step(cu_seqlens_q, seq_lens, block_table, device)
+    if out is not None:
+        check_out("out", out, out_shape, out_dtype, device)
+
+
+def check_select_args(topk, init_blocks, local_blocks) -> None:
+    check_positive_int("topk", topk)
+    check_positive_int("init_blocks", init_blocks, minimum=0)
+    check_positive_int("local_blocks", local_blocks, minimum=0)
+    if init_blocks + local_blocks > topk:
+        raise ValueError(f"init_blocks + local_blocks ({init_blocks} + {local_blocks}) must be "
+                         f"<= topk ({topk})")

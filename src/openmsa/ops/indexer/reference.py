@@ -1,0 +1,122 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The index branch in pure PyTorch, fp32 math: the spec in code (see README.md beside this)."""
+
+from __future__ import annotations
+
+import torch
+
+from ...batch import num_causal_blocks, token_layout
+from .checks import check_indexer_args, check_select_args
+
+__all__ = ["block_scores", "select_blocks", "select_from_scores"]
+
+# fp32 elements of one [tokens, heads, keys] score chunk: bounds the reference's memory (128 MB).
+_CHUNK_ELEMENTS = 1 << 25
+
+
+def block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *,
+                 block_size=128, out=None):
+    """S[t, h, b] = max over keys j <= p of block b of dot(index_q[t, h], key[j]), fp32.
+
+    Args:
+        index_q: [T, H, Di] query of each token and index head.
+        index_cache: [P, B, Di] one index key per token slot (B == block_size).
+        cu_seqlens_q: int32 [R+1]; seq_lens: int32 [R]; block_table: int32 [R, max_blocks].
+        out: optional fp32 [T, H, max_blocks] (any strides), written in place.
+
+    Returns:
+        fp32 [T, H, max_blocks]; -inf for blocks past the token's causal blocks and for padding
+        tokens. A NaN dot product counts as -inf, so S is never NaN.
+    """
+    num_tokens, num_heads, _ = index_q.shape
+    max_blocks = block_table.shape[1]
+    check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
+                       block_size=block_size, out=out, out_shape=(num_tokens, num_heads, max_blocks),
+                       out_dtype=torch.float32)
+    scores = torch.full((num_tokens, num_heads, max_blocks), float("-inf"), dtype=torch.float32,
+                        device=index_q.device)
+    _, position = token_layout(cu_seqlens_q, seq_lens, num_tokens)
+    cu = cu_seqlens_q.tolist()
+    sl = seq_lens.tolist()
+    for r in range(len(sl)):
+        start, end = cu[r], min(cu[r + 1], num_tokens)
+        if end <= start or sl[r] <= 0:
+            continue
+        nb = -(-sl[r] // block_size)
+        pages = block_table[r, :nb].long()
+        keys = index_cache[pages].reshape(nb * block_size, -1).float()  # [nb*B, Di]
+        key_pos = torch.arange(nb * block_size, device=keys.device)
+        step = max(1, _CHUNK_ELEMENTS // (num_heads * nb * block_size))
+        for s in range(start, end, step):
+            e = min(end, s + step)
+            q = index_q[s:e].float()  # [c, H, Di]
+            dots = torch.einsum("thd,jd->thj", q, keys)  # [c, H, nb*B]
+            p = position[s:e].long()
+            # keys past the token's position do not count; NaN counts as -inf
+            dots = dots.masked_fill((key_pos[None, :] > p[:, None])[:, None, :] | dots.isnan(),
+                                    float("-inf"))
+            scores[s:e, :, :nb] = dots.view(e - s, num_heads, nb, block_size).amax(-1)
+    if out is None:
+        return scores
+    out.copy_(scores)
+    return out
+
+
+def select_from_scores(scores, position, *, topk, init_blocks, local_blocks, block_size):
+    """The selection rule of MSA-SPEC.md applied to a score tensor.
+
+    Args:
+        scores: fp32 [T, H, max_blocks] (entries past a token's causal blocks are ignored).
+        position: int32 [T], -1 for padding tokens.
+
+    Returns:
+        int32 [T, H, topk]: forced init/local blocks plus the best others (ties to the lower
+        block, NaN as -inf), ascending, then -1.
+    """
+    num_tokens, num_heads, max_blocks = scores.shape
+    device = scores.device
+    n = num_causal_blocks(position.long(), block_size)[:, None]  # [T, 1]
+    b = torch.arange(max_blocks, device=device)[None, :]  # [1, MB]
+    exists = b < n
+    forced = exists & ((b < init_blocks) | (b >= n - local_blocks))
+    # rank by (forced, existing, score, lower block) through stable sorts, least significant key
+    # first: a stable sort keeps equal keys in block order, which is the tie rule
+    s = torch.nan_to_num(scores.float(), nan=float("-inf"), posinf=float("inf"),
+                         neginf=float("-inf"))
+    order = torch.sort(s, dim=-1, descending=True, stable=True).indices  # [T, H, MB]
+    group = (exists.long() + forced.long())[:, None, :].expand(num_tokens, num_heads, max_blocks)
+    g = torch.gather(group, -1, order)
+    order = torch.gather(order, -1, torch.sort(g, dim=-1, descending=True, stable=True).indices)
+    k = min(topk, max_blocks)
+    chosen = order[..., :k]
+    chosen_ok = torch.gather(group, -1, chosen) > 0
+    big = torch.iinfo(torch.int64).max
+    chosen = torch.where(chosen_ok, chosen, torch.full_like(chosen, big))
+    chosen = torch.sort(chosen, dim=-1).values
+    result = torch.full((num_tokens, num_heads, topk), -1, dtype=torch.int32, device=device)
+    result[..., :k] = torch.where(chosen == big, torch.full_like(chosen, -1), chosen).to(torch.int32)
+    return result
+
+
+def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, topk=16,
+                  init_blocks=0, local_blocks=1, block_size=128, out=None):
+    """Top-`topk` blocks per (token, index head) by block_scores, with forced init/local blocks.
+
+    Returns:
+        int32 [T, H, topk]: ascending block ids (logical, into the request's block table), -1
+        padded. A token with n <= topk causal blocks gets all of 0..n-1.
+    """
+    num_tokens, num_heads, _ = index_q.shape
+    check_select_args(topk, init_blocks, local_blocks)
+    check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
+                       block_size=block_size, out=out, out_shape=(num_tokens, num_heads, topk),
+                       out_dtype=torch.int32)
+    scores = block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
+                          block_size=block_size)
+    _, position = token_layout(cu_seqlens_q, seq_lens, num_tokens)
+    result = select_from_scores(scores, position, topk=topk, init_blocks=init_blocks,
+                                local_blocks=local_blocks, block_size=block_size)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out

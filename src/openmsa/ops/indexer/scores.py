@@ -1,0 +1,120 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Triton kernel of block scoring: S[t, h, b] = max_{j in block b, j <= p} q[t, h] . key[j].
+
+One kernel, launched twice per step so that no host sync splits the batch:
+
+* the "request" launch, grid (R, splits): program (r, s) reads blocks of split s of request r once
+  and scores them for all of r's tokens (decode and speculative verify, q_len <= SMALL_Q) and all
+  index heads, in sub-tiles of Q_SUB tokens. This is the memory-bound decode path.
+* the "tile" launch, grid (ceil(T / Q_TILE), splits): program (i, s) takes packed tokens
+  [i*Q_TILE, (i+1)*Q_TILE) of every long request (q_len > SMALL_Q) overlapping them, a
+  Q_TILE*H-row tensor-core tile against each block of split s. This is the compute-bound prefill
+  path.
+
+Each program writes its [rows, BLOCKS_PER_SPLIT] score tile once, so stores are coalesced along b.
+Bytes: the request launch reads sum_r nb_r * B * Di * bytes(cache) plus the tiny query and score
+traffic; that is the whole cost model of decode.
+"""
+
+import triton
+import triton.language as tl
+
+from ..common.triton_utils import find_request
+
+
+@triton.jit
+def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, seq_len, q_len,
+                       t_req, b_lo, b_hi, stride_qt, stride_qh, stride_qd, stride_cp,
+                       stride_cb, stride_cd, stride_btb, stride_ot, stride_oh, stride_ob,
+                       H: tl.constexpr, HP: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr,
+                       BLOCK: tl.constexpr, ROWS_T: tl.constexpr, BPS: tl.constexpr,
+                       CAST_K: tl.constexpr, IEEE: tl.constexpr):
+    """Score tokens [t_begin, t_end) (< ROWS_T of them, all of one request whose first token is
+    t_req) against blocks [b_lo, b_hi) and store the tile; rows are (token, head) pairs."""
+    M: tl.constexpr = ROWS_T * HP
+    rows = tl.arange(0, M)
+    tok = t_begin + rows // HP  # [M]
+    head = rows % HP
+    row_ok = (tok < t_end) & (head < H)
+    # right-aligned: token i of the request sits at seq_len - q_len + i
+    pos = seq_len - q_len + (tok - t_req)  # [M]
+    d = tl.arange(0, DIP)
+    q = tl.load(q_ptr + tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
+                + d[None, :] * stride_qd, mask=row_ok[:, None] & (d[None, :] < DI), other=0.0)  # [M, DIP]
+    offs = tl.arange(0, BLOCK)
+    cols = tl.arange(0, BPS)
+    tile = tl.full([M, BPS], float("-inf"), tl.float32)
+    for b in range(b_lo, b_hi):
+        page = tl.load(bt_row_ptr + b * stride_btb).to(tl.int64)
+        k = tl.load(cache_ptr + page * stride_cp + offs[:, None] * stride_cb + d[None, :] * stride_cd,
+                    mask=d[None, :] < DI, other=0.0)  # [BLOCK, DIP]
+        if CAST_K:
+            k = k.to(q.dtype)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [M, BLOCK]
+        else:
+            s = tl.dot(q, tl.trans(k))  # [M, BLOCK]
+        key_pos = b * BLOCK + offs
+        # keys after the token do not count; NaN counts as -inf
+        s = tl.where((key_pos[None, :] <= pos[:, None]) & (s == s), s, float("-inf"))
+        best = tl.max(s, axis=1)  # [M]
+        tile = tl.where(cols[None, :] == b - b_lo, best[:, None], tile)
+    blk = b_lo + cols
+    out = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh \
+        + blk.to(tl.int64)[None, :] * stride_ob
+    tl.store(out, tile, mask=row_ok[:, None] & (blk[None, :] < b_hi))
+
+
+@triton.jit
+def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr, num_requests,
+                         num_tokens, stride_qt, stride_qh, stride_qd, stride_cp, stride_cb,
+                         stride_cd, stride_btr,
+                         stride_btb, stride_ot, stride_oh, stride_ob,
+                         H: tl.constexpr, HP: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr,
+                         BLOCK: tl.constexpr, BPS: tl.constexpr, SMALL_Q: tl.constexpr,
+                         TILE_MODE: tl.constexpr, ROWS_T: tl.constexpr, CAST_K: tl.constexpr,
+                         IEEE: tl.constexpr):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b_first = split * BPS
+    if TILE_MODE:
+        tile_begin = pid * ROWS_T
+        tile_end = tl.minimum(tile_begin + ROWS_T, num_tokens)
+        r = find_request(cu_ptr, num_requests, tile_begin)
+        # every long request overlapping this tile of packed tokens
+        while r < num_requests:
+            t_req = tl.load(cu_ptr + r)
+            t_next = tl.load(cu_ptr + r + 1)
+            if t_req >= tile_end:
+                r = num_requests
+            else:
+                q_len = t_next - t_req
+                seq_len = tl.load(seq_lens_ptr + r)
+                if (q_len > SMALL_Q) & (seq_len >= q_len):
+                    t_begin = tl.maximum(t_req, tile_begin)
+                    t_end = tl.minimum(t_next, tile_end)
+                    # causal: the tile's last token sees blocks < its position // B + 1
+                    last_pos = seq_len - q_len + (t_end - 1 - t_req)
+                    b_hi = tl.minimum(b_first + BPS, last_pos // BLOCK + 1)
+                    if b_first < b_hi:
+                        _score_token_range(q_ptr, cache_ptr, bt_ptr + r.to(tl.int64) * stride_btr,
+                                           out_ptr, t_begin, t_end, seq_len, q_len, t_req,
+                                           b_first, b_hi, stride_qt, stride_qh, stride_qd,
+                                           stride_cp, stride_cb, stride_cd, stride_btb, stride_ot, stride_oh,
+                                           stride_ob, H, HP, DI, DIP, BLOCK, ROWS_T, BPS,
+                                           CAST_K, IEEE)
+                r += 1
+    else:
+        r = pid
+        t_req = tl.load(cu_ptr + r)
+        t_next = tl.minimum(tl.load(cu_ptr + r + 1), num_tokens)
+        q_len = tl.load(cu_ptr + r + 1) - t_req
+        seq_len = tl.load(seq_lens_ptr + r)
+        b_hi = tl.minimum(b_first + BPS, (seq_len + BLOCK - 1) // BLOCK)
+        if (q_len > 0) & (q_len <= SMALL_Q) & (seq_len >= q_len) & (b_first < b_hi):
+            for t_begin in range(t_req, t_next, ROWS_T):
+                _score_token_range(q_ptr, cache_ptr, bt_ptr + r.to(tl.int64) * stride_btr,
+                                   out_ptr, t_begin, tl.minimum(t_begin + ROWS_T, t_next),
+                                   seq_len, q_len, t_req, b_first, b_hi, stride_qt, stride_qh,
+                                   stride_qd, stride_cp, stride_cb, stride_cd, stride_btb, stride_ot, stride_oh,
+                                   stride_ob, H, HP, DI, DIP, BLOCK, ROWS_T, BPS, CAST_K, IEEE)

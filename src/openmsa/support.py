@@ -1,0 +1,117 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What the Triton kernels support, said in one sentence when they do not.
+
+Engines call `unsupported_reason` when they choose a back end; the public ops call it before a
+kernel launch and raise ValueError with the same sentence, so CUDA tensors never fall back to the
+slow reference silently.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ._checks import FP8, HALF
+from .config import MSAConfig
+
+__all__ = ["unsupported_reason", "indexer_unsupported_reason", "attention_unsupported_reason"]
+
+MAX_TOPK = 64
+MAX_INDEX_HEADS = 64
+BLOCK_RANGE = (16, 128)
+INDEX_DIM_RANGE = (16, 256)
+HEAD_DIMS = (64, 128, 256)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _device_reason(device, needs_fp8: bool) -> str | None:
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        return f"openmsa's kernels run on CUDA GPUs (or the CPU through Triton's interpreter), " \
+               f"not on {device.type}"
+    major, minor = _capability(device.index if device.index is not None
+                               else torch.cuda.current_device())
+    if (major, minor) < (8, 0):
+        return f"openmsa's kernels need compute capability 8.0 or newer, this GPU has " \
+               f"{major}.{minor}"
+    if needs_fp8 and (major, minor) < (8, 9):
+        return f"fp8 e4m3 inputs need compute capability 8.9 or newer (Ada/Hopper), this GPU " \
+               f"has {major}.{minor}"
+    return None
+
+
+def indexer_unsupported_reason(*, num_index_heads: int, index_head_dim: int, block_size: int,
+                               topk: int | None, query_dtype: torch.dtype,
+                               cache_dtype: torch.dtype, device=None) -> str | None:
+    lo, hi = BLOCK_RANGE
+    if not lo <= block_size <= hi:
+        return f"the indexer kernels take block sizes {lo}-{hi}, got {block_size}"
+    if not INDEX_DIM_RANGE[0] <= index_head_dim <= INDEX_DIM_RANGE[1]:
+        return f"the indexer kernels take index head dims {INDEX_DIM_RANGE[0]}-" \
+               f"{INDEX_DIM_RANGE[1]}, got {index_head_dim}"
+    if num_index_heads > MAX_INDEX_HEADS:
+        return f"the indexer kernels take at most {MAX_INDEX_HEADS} index heads, got " \
+               f"{num_index_heads}"
+    if topk is not None and topk > MAX_TOPK:
+        return f"the selection kernel takes topk up to {MAX_TOPK}, got {topk}"
+    ok = (query_dtype == cache_dtype and query_dtype in (*HALF, FP8, torch.float32)) or \
+        (query_dtype in HALF and cache_dtype == FP8)
+    if not ok:
+        return f"the indexer kernels take a {query_dtype} query only against a cache of the same " \
+               f"type or fp8, got a {cache_dtype} cache"
+    return _device_reason(device, FP8 in (query_dtype, cache_dtype))
+
+
+def attention_unsupported_reason(*, head_dim: int, block_size: int, group_size: int,
+                                 query_dtype: torch.dtype, kv_dtype: torch.dtype,
+                                 device=None) -> str | None:
+    lo, hi = BLOCK_RANGE
+    if not lo <= block_size <= hi:
+        return f"the attention kernels take block sizes {lo}-{hi}, got {block_size}"
+    if head_dim not in HEAD_DIMS:
+        return f"the attention kernels take head dims {HEAD_DIMS}, got {head_dim}"
+    if group_size > 128:
+        return f"the attention kernels take at most 128 query heads per KV head, got {group_size}"
+    if query_dtype not in (*HALF, torch.float32):
+        return f"the attention kernels take bf16/fp16 queries, got {query_dtype}"
+    if kv_dtype not in (*HALF, FP8, torch.float32):
+        return f"the attention kernels take bf16/fp16/fp8 e4m3 K/V, got {kv_dtype}"
+    return _device_reason(device, kv_dtype == FP8)
+
+
+def unsupported_reason(config: MSAConfig | None = None, *, index_dtype: torch.dtype = FP8,
+                       query_dtype: torch.dtype = torch.bfloat16,
+                       kv_dtype: torch.dtype = torch.bfloat16, device=None) -> str | None:
+    """Why openmsa's kernels cannot run a layer of `config` with these dtypes on `device`, in
+    one sentence; None when they can.
+
+    Args:
+        config: the layer (M3's defaults when None).
+        index_dtype: dtype of the index cache (the index query is taken as `query_dtype`, or fp8
+            when the cache is fp8 and query_dtype is fp8).
+        query_dtype: dtype of q (and of the index query when it is not fp8).
+        kv_dtype: dtype of the main K/V cache.
+        device: the target device; None skips the device checks.
+    """
+    config = config or MSAConfig()
+    index_query = index_dtype if index_dtype == FP8 and query_dtype == FP8 else \
+        (query_dtype if index_dtype == FP8 else index_dtype)
+    reason = indexer_unsupported_reason(
+        num_index_heads=config.num_index_heads, index_head_dim=config.index_head_dim,
+        block_size=config.block_size, topk=config.topk_blocks, query_dtype=index_query,
+        cache_dtype=index_dtype, device=device)
+    if reason is not None:
+        return reason
+    return attention_unsupported_reason(
+        head_dim=config.head_dim, block_size=config.block_size, group_size=config.group_size,
+        query_dtype=query_dtype if query_dtype != FP8 else torch.bfloat16, kv_dtype=kv_dtype,
+        device=device)
