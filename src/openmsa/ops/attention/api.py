@@ -4,19 +4,114 @@ TRITON_INTERPRET=1) or the reference (CPU)."""
 
 from __future__ import annotations
 
+import functools
+
+import torch
+
 from ..._dispatch import use_kernels
+from ...support import attention_unsupported_reason
 from . import reference
+from .checks import check_attention_args
 
 __all__ = ["sparse_attention"]
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_splits(num_tokens: int, num_kv_heads: int, topk: int, device: torch.device) -> int:
+    """Split the selection so that T * Hkv * splits programs fill the GPU (2 waves), but give
+    each split at least 2 blocks; a fixed function of shapes, so CUDA graphs see one grid."""
+    if device.type != "cuda":
+        return 2 if topk >= 4 else 1
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    want = -(-2 * sms // max(1, num_tokens * num_kv_heads))
+    return max(1, min(want, topk // 2))
+
+
+def _scale_tensor(value, device):
+    if isinstance(value, torch.Tensor):
+        return value.reshape(1).float()
+    return torch.full((1,), float(value), dtype=torch.float32, device=device)
 
 
 def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, *,
                      scale=None, block_size=128, out=None, return_lse=False, k_scale=None,
                      v_scale=None):
-    """Exact GQA attention over the selected blocks; see reference.sparse_attention."""
+    """Exact GQA softmax attention over the tokens of the selected blocks (MSA's main branch).
+
+    Args:
+        q: [T, Hq, D] bf16/fp16, any strides.
+        k_cache, v_cache: [P, B, Hkv, D] views with any strides (vLLM's packed
+            [P, Hkv, B, 2*D] permuted, or the flash layout), bf16/fp16/fp8 e4m3.
+        indices: int32 [T, H, K] from select_blocks; KV head g reads index head g*H//Hkv.
+            Entries < 0 or >= the token's causal blocks are skipped, never dereferenced; a
+            repeated id counts once.
+        cu_seqlens_q, seq_lens, block_table: the step (int32); page ids are not range-checked.
+        scale: softmax scale (D ** -0.5 when None).
+        out: optional [T, Hq, D] in q's dtype, any strides, written in place.
+        return_lse: also return the fp32 [T, Hq] natural-log LSE.
+        k_scale, v_scale: per-tensor dequantisation scales of fp8 caches (float or a
+            one-element fp32 device tensor, so a graph can change them).
+
+    Returns:
+        out, or (out, lse). An empty row gives 0 output and -inf LSE.
+    """
     if not use_kernels(q):
         return reference.sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens,
                                           block_table, scale=scale, block_size=block_size,
                                           out=out, return_lse=return_lse, k_scale=k_scale,
                                           v_scale=v_scale)
-    raise NotImplementedError("sparse_attention has no kernel yet")
+    from .decode import _merge_splits_kernel, _sparse_attention_kernel
+
+    check_attention_args(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table,
+                         scale=scale, block_size=block_size, out=out, k_scale=k_scale,
+                         v_scale=v_scale)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    reason = attention_unsupported_reason(head_dim=head_dim, block_size=block_size,
+                                          group_size=group, query_dtype=q.dtype,
+                                          kv_dtype=k_cache.dtype, device=q.device)
+    if reason is not None:
+        raise ValueError(reason)
+    device = q.device
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=device)
+    if num_tokens == 0:
+        return (out, lse) if return_lse else out
+    topk = indices.shape[2]
+    splits = _num_splits(num_tokens, num_kv_heads, topk, device)
+    entries = -(-topk // splits)
+    splits = -(-topk // entries)
+    if splits > 1:
+        part_out = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32,
+                               device=device)
+        part_lse = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32,
+                               device=device)
+    else:
+        part_out = part_lse = lse
+    has_scale = k_scale is not None or v_scale is not None
+    ks = _scale_tensor(1.0 if k_scale is None else k_scale, device)
+    vs = _scale_tensor(1.0 if v_scale is None else v_scale, device)
+    sm_scale = head_dim ** -0.5 if scale is None else float(scale)
+    _sparse_attention_kernel[(num_tokens, num_kv_heads, splits)](
+        q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, out, lse, part_out,
+        part_lse, ks, vs, sm_scale, seq_lens.shape[0], *q.stride(), *k_cache.stride(),
+        *v_cache.stride(), *indices.stride(), *block_table.stride(), *out.stride(),
+        *lse.stride(), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
+        NUM_INDEX_HEADS=indices.shape[1], G=group, M=max(16, _next_pow2(group)), D=head_dim,
+        BLOCK=block_size, TOPK=topk, KP=_next_pow2(topk), ENTRIES=entries, SPLITS=splits,
+        HAS_SCALE=has_scale, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=3)
+    if splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            part_out, part_lse, out, lse, *out.stride(), *lse.stride(), NUM_HEADS=num_heads,
+            D=head_dim, SPLITS=splits, SP=_next_pow2(splits), num_warps=4)
+    return (out, lse) if return_lse else out

@@ -116,10 +116,9 @@ def block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, b
     if not use_kernels(index_q):
         return reference.block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
                                       block_size=block_size, out=out)
-    num_tokens, num_heads, _ = index_q.shape
-    shape = (num_tokens, num_heads, block_table.shape[1])
     check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
-                       block_size=block_size, out=out, out_shape=shape, out_dtype=torch.float32)
+                       block_size=block_size, out=out, out_width=None, out_dtype=torch.float32)
+    shape = (*index_q.shape[:2], block_table.shape[1])
     _raise_if_unsupported(index_q, index_cache, block_size, None)
     if out is None:
         out = torch.empty(shape, dtype=torch.float32, device=index_q.device)
@@ -145,11 +144,10 @@ def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, 
         return reference.select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
                                        topk=topk, init_blocks=init_blocks,
                                        local_blocks=local_blocks, block_size=block_size, out=out)
-    num_tokens, num_heads, _ = index_q.shape
     check_select_args(topk, init_blocks, local_blocks)
     check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
-                       block_size=block_size, out=out, out_shape=(num_tokens, num_heads, topk),
-                       out_dtype=torch.int32)
+                       block_size=block_size, out=out, out_width=topk, out_dtype=torch.int32)
+    num_tokens, num_heads, _ = index_q.shape
     _raise_if_unsupported(index_q, index_cache, block_size, topk)
     if out is None:
         out = torch.empty((num_tokens, num_heads, topk), dtype=torch.int32,

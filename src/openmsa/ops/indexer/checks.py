@@ -8,7 +8,8 @@ from ..._checks import (check_block_size, check_index_dtypes, check_out, check_p
 
 
 def check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, block_size,
-                       out, out_shape, out_dtype) -> None:
+                       out, out_width, out_dtype) -> None:
+    """out must be [T, H, out_width] of out_dtype (out_width None: the block table's width)."""
     check_tensor("index_q", index_q, ndim=3)
     device = index_q.device
     check_tensor("index_cache", index_cache, ndim=3, device=device)
@@ -24,7 +25,8 @@ def check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table
         raise ValueError("index_q must have at least one index head")
     check_step(cu_seqlens_q, seq_lens, block_table, device)
     if out is not None:
-        check_out("out", out, out_shape, out_dtype, device)
+        width = block_table.shape[1] if out_width is None else out_width
+        check_out("out", out, (*index_q.shape[:2], width), out_dtype, device)
 
 
 def check_select_args(topk, init_blocks, local_blocks) -> None:

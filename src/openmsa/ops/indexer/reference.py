@@ -28,11 +28,10 @@ def block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *,
         fp32 [T, H, max_blocks]; -inf for blocks past the token's causal blocks and for padding
         tokens. A NaN dot product counts as -inf, so S is never NaN.
     """
+    check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
+                       block_size=block_size, out=out, out_width=None, out_dtype=torch.float32)
     num_tokens, num_heads, _ = index_q.shape
     max_blocks = block_table.shape[1]
-    check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
-                       block_size=block_size, out=out, out_shape=(num_tokens, num_heads, max_blocks),
-                       out_dtype=torch.float32)
     scores = torch.full((num_tokens, num_heads, max_blocks), float("-inf"), dtype=torch.float32,
                         device=index_q.device)
     _, position = token_layout(cu_seqlens_q, seq_lens, num_tokens)
@@ -106,11 +105,10 @@ def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, 
         int32 [T, H, topk]: ascending block ids (logical, into the request's block table), -1
         padded. A token with n <= topk causal blocks gets all of 0..n-1.
     """
-    num_tokens, num_heads, _ = index_q.shape
     check_select_args(topk, init_blocks, local_blocks)
     check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
-                       block_size=block_size, out=out, out_shape=(num_tokens, num_heads, topk),
-                       out_dtype=torch.int32)
+                       block_size=block_size, out=out, out_width=topk, out_dtype=torch.int32)
+    num_tokens = index_q.shape[0]
     scores = block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
                           block_size=block_size)
     _, position = token_layout(cu_seqlens_q, seq_lens, num_tokens)

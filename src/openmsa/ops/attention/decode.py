@@ -1,0 +1,144 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Triton kernels of sparse attention: split-K over the selected blocks, then a log-sum-exp merge.
+
+Grid (T, Hkv, splits): program (t, g, s) takes entries [s*E, (s+1)*E) of token t's selection for
+KV head g (index head g*H//Hkv) and runs the G query heads of g's group as the rows of the matrix
+unit against each selected block's keys, with an online softmax. With one split it writes the
+normalised output and LSE directly; with more, partial (out, lse) go to a workspace and
+`_merge_splits_kernel` combines them. Every token is independent, so decode, speculative verify
+(each draft token with its own causal cut) and prefill chunks share one launch.
+
+Bytes per (token, KV head): selected blocks * B * D * 2 * bytes(kv) read (L2 serves repeats
+between tokens that picked the same blocks).
+"""
+
+import triton
+import triton.language as tl
+
+from ..common.triton_utils import find_request
+
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr,
+                             out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr,
+                             v_scale_ptr, sm_scale, num_requests,
+                             stride_qt, stride_qh, stride_qd,
+                             stride_kp, stride_kb, stride_kh, stride_kd,
+                             stride_vp, stride_vb, stride_vh, stride_vd,
+                             stride_it, stride_ih, stride_ik, stride_btr, stride_btb,
+                             stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
+                             NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                             NUM_INDEX_HEADS: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
+                             D: tl.constexpr, BLOCK: tl.constexpr, TOPK: tl.constexpr,
+                             KP: tl.constexpr, ENTRIES: tl.constexpr, SPLITS: tl.constexpr,
+                             HAS_SCALE: tl.constexpr, IEEE: tl.constexpr):
+    t = tl.program_id(0)
+    g = tl.program_id(1)
+    split = tl.program_id(2)
+    rows = tl.arange(0, M)
+    row_ok = rows < G
+    head = g * G + rows
+    d = tl.arange(0, D)
+    offs = tl.arange(0, BLOCK)
+
+    # the token's request, position and causal block count (0 for padding)
+    r = find_request(cu_ptr, num_requests, t)
+    n = 0
+    pos = -1
+    if r < num_requests:
+        t_req = tl.load(cu_ptr + r)
+        q_len = tl.load(cu_ptr + r + 1) - t_req
+        seq_len = tl.load(seq_lens_ptr + r)
+        pos = tl.where(seq_len >= q_len, seq_len - q_len + (t - t_req), -1)
+        n = tl.where(pos >= 0, pos // BLOCK + 1, 0)
+    r_safe = tl.minimum(r, num_requests - 1).to(tl.int64)
+
+    # the selection row, valid entries only; an id listed earlier in the row counts once
+    ih = g * NUM_INDEX_HEADS // NUM_KV_HEADS
+    idx_row = idx_ptr + t.to(tl.int64) * stride_it + ih * stride_ih
+    kk = tl.arange(0, KP)
+    row_ids = tl.load(idx_row + kk * stride_ik, mask=kk < TOPK, other=-1)
+    row_ok_ids = (row_ids >= 0) & (row_ids < n)
+
+    q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + head[:, None] * stride_qh
+                + d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)  # [M, D]
+    qk_scale = sm_scale * LOG2E
+    if HAS_SCALE:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, D], tl.float32)
+    e_lo = split * ENTRIES
+    e_hi = tl.minimum(e_lo + ENTRIES, TOPK)
+    for e in range(e_lo, e_hi):
+        blk = tl.load(idx_row + e * stride_ik)
+        dup = tl.sum(((kk < e) & (row_ids == blk) & row_ok_ids).to(tl.int32), axis=0) > 0
+        ok = (blk >= 0) & (blk < n) & (dup == 0)
+        page = tl.load(bt_ptr + r_safe * stride_btr + tl.where(ok, blk, 0) * stride_btb,
+                       mask=ok, other=0).to(tl.int64)
+        key_pos = blk * BLOCK + offs
+        # keys after the token (its own block's tail, possibly never written) are masked, and
+        # their V rows zeroed so an unwritten NaN cannot reach the sum
+        vis = ok & (key_pos <= pos)  # [BLOCK]
+        k = tl.load(k_ptr + page * stride_kp + offs[:, None] * stride_kb + g * stride_kh
+                    + d[None, :] * stride_kd, mask=vis[:, None], other=0.0)  # [BLOCK, D]
+        v = tl.load(v_ptr + page * stride_vp + offs[:, None] * stride_vb + g * stride_vh
+                    + d[None, :] * stride_vd, mask=vis[:, None], other=0.0)  # [BLOCK, D]
+        if IEEE:
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))  # [M, BLOCK]
+        s = tl.where(vis[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # rows that have seen nothing yet keep m = -inf; shift by 0 there to avoid inf - inf
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - shift[:, None])
+        alpha = tl.exp2(m_i - shift)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    if HAS_SCALE:
+        acc = acc * tl.load(v_scale_ptr)
+    empty = l_i == 0.0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    if SPLITS == 1:
+        out = out_ptr + t.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od
+        tl.store(out, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(lse_ptr + t.to(tl.int64) * stride_lt + head * stride_lh, lse, mask=row_ok)
+    else:
+        # workspace [T, Hq, SPLITS, D] and [T, Hq, SPLITS], contiguous
+        base = (t.to(tl.int64) * NUM_HEADS + head) * SPLITS + split  # [M]
+        tl.store(part_out_ptr + base[:, None] * D + d[None, :], o, mask=row_ok[:, None])
+        tl.store(part_lse_ptr + base, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, stride_ot, stride_oh,
+                         stride_od, stride_lt, stride_lh, NUM_HEADS: tl.constexpr,
+                         D: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr):
+    """out = sum_s exp(lse_s - lse) * out_s with lse = logsumexp_s lse_s; all -inf gives 0."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SP)
+    d = tl.arange(0, D)
+    base = (t.to(tl.int64) * NUM_HEADS + h) * SPLITS
+    lse_s = tl.load(part_lse_ptr + base + s, mask=s < SPLITS, other=float("-inf"))  # [SP]
+    m = tl.max(lse_s, axis=0)
+    shift = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_s - shift)  # [SP]
+    total = tl.sum(w, axis=0)
+    o_s = tl.load(part_out_ptr + (base + s)[:, None] * D + d[None, :], mask=(s < SPLITS)[:, None],
+                  other=0.0)  # [SP, D]
+    o = tl.sum(o_s * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    lse = tl.where(total == 0.0, float("-inf"), shift + tl.log(tl.where(total == 0.0, 1.0, total)))
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d * stride_od,
+             o.to(out_ptr.dtype.element_ty))
+    tl.store(lse_ptr + t.to(tl.int64) * stride_lt + h * stride_lh, lse)

@@ -1,0 +1,140 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tier 0: the main-branch reference against dense attention and MSA-SPEC.md's rules."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from openmsa import reference as ref
+from openmsa.testing import make_step, random_kv_cache
+
+from brute import positions
+
+pytestmark = pytest.mark.reference
+
+B = 16
+Q_LENS = [1, 3, 0, 20, 1, 0]
+SEQ_LENS = [70, 45, 9, 100, 5, 0]
+
+
+def _step():
+    return make_step(Q_LENS, SEQ_LENS, block_size=B, extra_columns=2, pad_tokens=2)
+
+
+def _all_blocks(step, num_index_heads, topk):
+    """indices selecting every causal block (topk >= every request's block count)."""
+    _, pos = positions(step.cu_seqlens_q.tolist(), step.seq_lens.tolist(), step.num_tokens)
+    idx = torch.full((step.num_tokens, num_index_heads, topk), -1, dtype=torch.int32)
+    for t, p in enumerate(pos):
+        if p >= 0:
+            n = p // B + 1
+            idx[t, :, :n] = torch.arange(n, dtype=torch.int32)
+    return idx
+
+
+def _dense(q, k_cache, v_cache, step, scale=None):
+    """Causal attention per request through scaled_dot_product_attention (an independent path)."""
+    num_tokens, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    out = torch.zeros(num_tokens, hq, d)
+    cu, sl = step.cu_seqlens_q.tolist(), step.seq_lens.tolist()
+    for r in range(len(sl)):
+        ql = cu[r + 1] - cu[r]
+        if ql == 0 or sl[r] == 0:
+            continue
+        nb = -(-sl[r] // B)
+        pages = step.block_table[r, :nb].long()
+        k = k_cache[pages].float().reshape(nb * B, hkv, d)[:sl[r]]
+        v = v_cache[pages].float().reshape(nb * B, hkv, d)[:sl[r]]
+        qq = q[cu[r]:cu[r + 1]].float()
+        mask = torch.arange(sl[r])[None, :] <= (sl[r] - ql + torch.arange(ql))[:, None]
+        o = F.scaled_dot_product_attention(
+            qq.transpose(0, 1), k.transpose(0, 1).repeat_interleave(hq // hkv, 0),
+            v.transpose(0, 1).repeat_interleave(hq // hkv, 0), attn_mask=mask, scale=scale)
+        out[cu[r]:cu[r + 1]] = o.transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("hq, hkv, h", [(8, 2, 2), (4, 4, 1), (6, 3, 3), (8, 2, 4)])
+def test_all_blocks_equals_dense_sdpa(hq, hkv, h):
+    step = _step()
+    k, v = random_kv_cache(step.num_pages, B, hkv, 32, dtype=torch.float32)
+    q = torch.randn(step.num_tokens, hq, 32, generator=torch.Generator().manual_seed(3))
+    idx = _all_blocks(step, h, topk=8)
+    out, lse = ref.sparse_attention(q, k, v, idx, step.cu_seqlens_q, step.seq_lens,
+                                    step.block_table, block_size=B, return_lse=True)
+    torch.testing.assert_close(out, _dense(q, k, v, step), atol=1e-5, rtol=1e-5)
+    pad = torch.tensor([p < 0 for p in positions(step.cu_seqlens_q.tolist(),
+                                                 step.seq_lens.tolist(), step.num_tokens)[1]])
+    assert (out[pad] == 0).all() and torch.isneginf(lse[pad]).all()
+    assert torch.isfinite(lse[~pad]).all()
+
+
+def test_selection_restricts_keys_and_lse_is_natural_log():
+    step = make_step([2], [5 * B], block_size=B)
+    k, v = random_kv_cache(step.num_pages, B, 1, 16, dtype=torch.float32)
+    q = torch.randn(2, 2, 16)
+    idx = torch.tensor([[[1, 4]], [[4, 3]]], dtype=torch.int32)  # token 0 at position 5B-2
+    out, lse = ref.sparse_attention(q, k, v, idx, step.cu_seqlens_q, step.seq_lens,
+                                    step.block_table, block_size=B, scale=0.3, return_lse=True)
+    pages = step.block_table[0].long()
+    for t, blocks in enumerate([[1, 4], [3, 4]]):
+        p = 5 * B - 2 + t
+        keys = [b * B + o for b in blocks for o in range(B) if b * B + o <= p]
+        kk = torch.stack([k[pages[j // B], j % B, 0] for j in keys])
+        vv = torch.stack([v[pages[j // B], j % B, 0] for j in keys])
+        logits = q[t] @ kk.T * 0.3
+        torch.testing.assert_close(lse[t], torch.logsumexp(logits, -1))
+        torch.testing.assert_close(out[t], torch.softmax(logits, -1) @ vv)
+
+
+def test_invalid_and_repeated_entries():
+    step = make_step([1], [3 * B], block_size=B)
+    k, v = random_kv_cache(step.num_pages, B, 1, 16, dtype=torch.float32)
+    q = torch.randn(1, 1, 16)
+    args = (step.cu_seqlens_q, step.seq_lens, step.block_table)
+    base = ref.sparse_attention(q, k, v, torch.tensor([[[0, 2, -1, -1]]], dtype=torch.int32),
+                                *args, block_size=B)
+    # -1, ids >= n and repeats add nothing (J is a set)
+    noisy = torch.tensor([[[2, 0, 7, 2, -5, 0, 3]]], dtype=torch.int32)
+    torch.testing.assert_close(ref.sparse_attention(q, k, v, noisy, *args, block_size=B), base)
+    empty = torch.tensor([[[-1, 5]]], dtype=torch.int32)
+    out, lse = ref.sparse_attention(q, k, v, empty, *args, block_size=B, return_lse=True)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+def test_unwritten_nan_slots_never_leak():
+    step = make_step([1], [B + 3], block_size=B)  # own block holds 3 written keys
+    k, v = random_kv_cache(step.num_pages, B, 1, 16, dtype=torch.float32)
+    own = int(step.block_table[0, 1])
+    k[own, 3:] = float("nan")
+    v[own, 3:] = float("nan")
+    idx = torch.tensor([[[0, 1]]], dtype=torch.int32)
+    out = ref.sparse_attention(torch.randn(1, 1, 16), k, v, idx, step.cu_seqlens_q,
+                               step.seq_lens, step.block_table, block_size=B)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_vllm_packed_layout_equals_flash_layout(dtype):
+    step = _step()
+    k, v = random_kv_cache(step.num_pages, B, 2, 32, dtype=dtype, layout="vllm")
+    assert not k.is_contiguous()
+    kf, vf = k.contiguous(), v.contiguous()
+    q = torch.randn(step.num_tokens, 4, 32).bfloat16()
+    idx = _all_blocks(step, 2, topk=8)
+    args = (idx, step.cu_seqlens_q, step.seq_lens, step.block_table)
+    a = ref.sparse_attention(q, k, v, *args, block_size=B)
+    b = ref.sparse_attention(q, kf, vf, *args, block_size=B)
+    assert torch.equal(a, b)
+
+
+def test_fp8_scales_dequantise():
+    step = _step()
+    k, v = random_kv_cache(step.num_pages, B, 2, 32, dtype=torch.float8_e4m3fn)
+    q = torch.randn(step.num_tokens, 4, 32).bfloat16()
+    idx = _all_blocks(step, 2, topk=8)
+    args = (idx, step.cu_seqlens_q, step.seq_lens, step.block_table)
+    a = ref.sparse_attention(q, k, v, *args, block_size=B, k_scale=0.5, v_scale=2.0)
+    b = ref.sparse_attention(q, k.float() * 0.5, v.float() * 2.0, *args, block_size=B)
+    assert torch.equal(a, b.to(a.dtype))

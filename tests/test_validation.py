@@ -1,0 +1,130 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Bad input raises ValueError/TypeError naming the argument, on every public op, before any
+launch. Runs on the reference path and, under the interpreter, on the kernel path."""
+
+import inspect
+
+import pytest
+import torch
+
+import openmsa
+from openmsa import reference as ref
+from openmsa.testing import make_step
+
+pytestmark = pytest.mark.reference
+
+B = 16
+FP8 = torch.float8_e4m3fn
+
+
+def _i32(x):
+    return torch.tensor(x, dtype=torch.int32)
+
+
+def _indexer_args():
+    step = make_step([1, 2], [40, 20], block_size=B)
+    q = torch.randn(step.num_tokens, 2, 32).half()
+    cache = torch.randn(step.num_pages, B, 32).half()
+    return dict(index_q=q, index_cache=cache, cu_seqlens_q=step.cu_seqlens_q,
+                seq_lens=step.seq_lens, block_table=step.block_table)
+
+
+@pytest.mark.parametrize("fn", [openmsa.block_scores, openmsa.select_blocks])
+@pytest.mark.parametrize("change, exc, match", [
+    (dict(index_q=torch.randn(3, 32).half()), ValueError, "index_q must be 3-D"),
+    (dict(index_q=[1, 2]), TypeError, "index_q must be a torch.Tensor"),
+    (dict(index_cache=torch.randn(4, 8, 32).half()), ValueError, "index_cache must be"),
+    (dict(index_cache=torch.randn(4, B, 16).half()), ValueError, "index_cache's last dim"),
+    (dict(index_cache=torch.randn(4, B, 32).bfloat16()), TypeError, "index_q .* and index_cache"),
+    (dict(index_q=torch.randn(3, 2, 32).to(FP8)), TypeError, "index_q .* and index_cache"),
+    (dict(cu_seqlens_q=torch.tensor([0, 1, 3])), TypeError, "cu_seqlens_q must have dtype"),
+    (dict(cu_seqlens_q=_i32([0, 3])), ValueError, "cu_seqlens_q must have len"),
+    (dict(seq_lens=_i32([[40, 20]])), ValueError, "seq_lens must be 1-D"),
+    (dict(block_table=_i32([[0, 1, 2]])), ValueError, "block_table must have a row per"),
+    (dict(block_size=12), ValueError, "block_size must be a positive power of two"),
+])
+def test_indexer_bad_inputs(fn, change, exc, match):
+    args, change = _indexer_args(), dict(change)
+    block_size = change.pop("block_size", B)
+    args.update(change)
+    with pytest.raises(exc, match=match):
+        fn(*args.values(), block_size=block_size)
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(topk=0), ValueError, "topk"),
+    (dict(topk=2, init_blocks=2, local_blocks=1), ValueError, "init_blocks \\+ local_blocks"),
+    (dict(local_blocks=-1), ValueError, "local_blocks"),
+    (dict(out=torch.zeros(3, 2, 16, dtype=torch.int64)), TypeError, "out must have dtype"),
+    (dict(out=torch.zeros(3, 2, 8, dtype=torch.int32)), ValueError, "out must have shape"),
+])
+def test_select_bad_options(kw, exc, match):
+    with pytest.raises(exc, match=match):
+        openmsa.select_blocks(*_indexer_args().values(), block_size=B, **kw)
+
+
+def test_block_scores_bad_out():
+    with pytest.raises(ValueError, match="out must have shape"):
+        openmsa.block_scores(*_indexer_args().values(), block_size=B,
+                             out=torch.zeros(3, 2, 2))
+
+
+def _attention_args():
+    step = make_step([1, 2], [40, 20], block_size=B)
+    return dict(q=torch.randn(3, 8, 32).half(), k_cache=torch.randn(step.num_pages, B, 2, 32).half(),
+                v_cache=torch.randn(step.num_pages, B, 2, 32).half(),
+                indices=torch.zeros(3, 2, 4, dtype=torch.int32), cu_seqlens_q=step.cu_seqlens_q,
+                seq_lens=step.seq_lens, block_table=step.block_table)
+
+
+@pytest.mark.parametrize("change, exc, match", [
+    (dict(q=torch.randn(3, 8, 32).long()), TypeError, "q must have dtype"),
+    (dict(q=torch.randn(3, 7, 32).half()), ValueError, "multiple of the caches' KV heads"),
+    (dict(k_cache=torch.randn(5, B, 2, 16).half()), ValueError, "k_cache and v_cache must have"),
+    (dict(v_cache=torch.randn(5, B, 2, 32).float()), ValueError, "k_cache and v_cache must have"),
+    (dict(indices=torch.zeros(3, 2, 4)), TypeError, "indices must have dtype int32"),
+    (dict(indices=torch.zeros(2, 2, 4, dtype=torch.int32)), ValueError, "indices must have a row"),
+    (dict(indices=torch.zeros(3, 3, 4, dtype=torch.int32)), ValueError, "index heads"),
+    (dict(scale=-1.0), ValueError, "scale must be a positive"),
+    (dict(k_scale="x"), TypeError, "k_scale"),
+    (dict(out=torch.zeros(3, 8, 32)), TypeError, "out must have dtype"),
+])
+def test_attention_bad_inputs(change, exc, match):
+    args, change = _attention_args(), dict(change)
+    kw = {k: change.pop(k) for k in ("scale", "k_scale", "out") if k in change}
+    args.update(change)
+    with pytest.raises(exc, match=match):
+        openmsa.sparse_attention(*args.values(), block_size=B, **kw)
+
+
+def test_cache_write_bad_inputs():
+    cache = torch.zeros(2, B, 8, dtype=FP8)
+    with pytest.raises(ValueError, match="slot_mapping must have a slot per token"):
+        openmsa.write_index_cache(torch.randn(3, 8), cache, torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(TypeError, match="slot_mapping must have dtype"):
+        openmsa.write_index_cache(torch.randn(3, 8), cache, torch.zeros(3))
+    with pytest.raises(ValueError, match="index_cache's last dim"):
+        openmsa.write_index_cache(torch.randn(3, 4), cache, torch.zeros(3, dtype=torch.int64))
+    kc = torch.zeros(2, B, 2, 8)
+    with pytest.raises(ValueError, match="k_cache must be"):
+        openmsa.write_kv_cache(torch.randn(3, 1, 8), torch.randn(3, 1, 8), kc, kc,
+                               torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="k and v must have one shape"):
+        openmsa.write_kv_cache(torch.randn(3, 2, 8), torch.randn(2, 2, 8), kc, kc,
+                               torch.zeros(3, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("name", ["block_scores", "select_blocks", "sparse_attention",
+                                  "validate_batch", "write_index_cache", "write_kv_cache"])
+def test_reference_signatures_equal_public(name):
+    assert inspect.signature(getattr(openmsa, name)) == inspect.signature(getattr(ref, name))
+
+
+def test_unsupported_reason():
+    assert openmsa.unsupported_reason() is None
+    cfg = openmsa.MSAConfig(block_size=256)
+    assert "block sizes" in openmsa.unsupported_reason(cfg)
+    cfg = openmsa.MSAConfig(topk_blocks=128)
+    assert "topk" in openmsa.unsupported_reason(cfg)
+    assert "head dims" in openmsa.unsupported_reason(openmsa.MSAConfig(head_dim=96,
+                                                                       rotary_dim=32))
