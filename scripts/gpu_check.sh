@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One device call: the GPU test tier, then (optionally) the benchmark. Run from the repo root on
+# the GPU machine; results land in $OUT (the device tool brings them back).
+#   bash scripts/gpu_check.sh tests            # tier 2 + tier 1 on the GPU
+#   bash scripts/gpu_check.sh bench [args...]  # benchmarks/run.py with args
+set -uo pipefail
+OUT=${OUT:-/tmp/openmsa-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
+export PYTHONUNBUFFERED=1
+what=${1:-tests}
+shift || true
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+case "$what" in
+  tests)
+    python3 -m pytest -q -x -m "gpu or interpret" tests "$@" 2>&1 | tee "$OUT/tests.log" ;;
+  bench)
+    python3 benchmarks/run.py "$@" 2>&1 | tee "$OUT/bench.log" ;;
+  all)
+    python3 -m pytest -q -m "gpu or interpret" tests 2>&1 | tee "$OUT/tests.log"
+    python3 benchmarks/run.py "$@" 2>&1 | tee "$OUT/bench.log" ;;
+esac

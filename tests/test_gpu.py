@@ -1,0 +1,207 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tier 2 (an H200): M3 shapes, 1M-token contexts, caches past 2^31 bytes/elements (int64
+offsets), bf16 and kernel-side fp8, determinism and CUDA-graph replay."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import openmsa
+from openmsa import reference as ref
+from openmsa.batch import token_layout
+from openmsa.testing import assert_close, make_step, random_index_inputs
+
+pytestmark = pytest.mark.gpu
+
+FP8 = torch.float8_e4m3fn
+B = 128
+
+
+def _cuda(step):
+    for name in ("cu_seqlens_q", "seq_lens", "block_table", "slot_mapping"):
+        setattr(step, name, getattr(step, name).cuda())
+    return step
+
+
+def _compact(cache, step):
+    """The pages a step uses, copied to a small CPU cache with a renumbered table: the
+    reference then runs on CPU against a cache of any size on the GPU."""
+    used = step.block_table[step.block_table >= 0].unique()
+    remap = torch.full((cache.shape[0],), -1, dtype=torch.int32)
+    remap[used.long().cpu()] = torch.arange(len(used), dtype=torch.int32)
+    table = torch.where(step.block_table.cpu() >= 0, remap[step.block_table.cpu().clamp(min=0).long()],
+                        -1)
+    return cache[used.long()].cpu(), table
+
+
+@pytest.mark.parametrize("q_dtype, c_dtype", [(FP8, FP8), (torch.bfloat16, torch.bfloat16),
+                                              (torch.bfloat16, FP8)])
+def test_million_token_contexts_exact(q_dtype, c_dtype):
+    """Decode and a 4-token verify at 1M and 300K tokens, a prefill chunk after 20K: exact."""
+    q_lens, seq_lens = [1, 4, 600], [1 << 20, 300_001, 20_600]
+    step = make_step(q_lens, seq_lens, block_size=B, extra_columns=3)
+    q, c = random_index_inputs(step, num_heads=4, head_dim=128, block_size=B, q_dtype=q_dtype,
+                               cache_dtype=c_dtype, integer=True)
+    want = ref.select_blocks(q, c, step.cu_seqlens_q, step.seq_lens, step.block_table,
+                             block_size=B)
+    d = _cuda(step)
+    got = openmsa.select_blocks(q.cuda(), c.cuda(), d.cu_seqlens_q, d.seq_lens, d.block_table,
+                                block_size=B)
+    assert torch.equal(got.cpu(), want)
+
+
+def test_index_cache_over_2_31_bytes():
+    pages = (1 << 31) // (B * 128 * 2) + 64  # bf16 cache past 2^31 bytes
+    cache = torch.empty(pages, B, 128, dtype=torch.bfloat16, device="cuda")
+    step = make_step([1, 3], [40 * B, 30 * B + 7], block_size=B)
+    # place every used page at the far end of the cache
+    step.block_table = torch.where(step.block_table >= 0, step.block_table + pages - 200, -1)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cache[-200:] = torch.randint(-2, 3, (200, B, 128), generator=g, device="cuda").bfloat16()
+    q = torch.randint(-2, 3, (4, 4, 128), generator=g, device="cuda").bfloat16()
+    small, table = _compact(cache, step)
+    want = ref.select_blocks(q.cpu(), small, step.cu_seqlens_q, step.seq_lens, table,
+                             block_size=B)
+    d = _cuda(step)
+    got = openmsa.select_blocks(q, cache, d.cu_seqlens_q, d.seq_lens, d.block_table,
+                                block_size=B)
+    assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("c_dtype", [torch.bfloat16, FP8])
+def test_prefill_random_floats_threshold(c_dtype):
+    step = make_step([2048, 1], [2048 + 6000, 9000], block_size=B)
+    q, c = random_index_inputs(step, num_heads=4, head_dim=128, block_size=B,
+                               q_dtype=torch.bfloat16 if c_dtype != FP8 else FP8,
+                               cache_dtype=c_dtype)
+    d = _cuda(step)
+    got = openmsa.select_blocks(q.cuda(), c.cuda(), d.cu_seqlens_q, d.seq_lens, d.block_table,
+                                block_size=B).cpu()
+    scores = ref.block_scores(q, c, step.cu_seqlens_q, step.seq_lens, step.block_table,
+                              block_size=B)
+    s_got = openmsa.block_scores(q.cuda(), c.cuda(), d.cu_seqlens_q, d.seq_lens, d.block_table,
+                                 block_size=B).cpu()
+    assert torch.equal(s_got.isinf(), scores.isinf())
+    fin = scores.isfinite()
+    torch.testing.assert_close(s_got[fin], scores[fin], atol=2e-2, rtol=2e-2)
+    _, pos = token_layout(step.cu_seqlens_q, step.seq_lens, step.num_tokens)
+    n = (pos.long() // B + 1)[:, None]
+    kth = torch.where(torch.arange(scores.shape[-1])[None, None, :] < n[..., None] - 1, scores,
+                      float("-inf")).topk(15, dim=-1).values[..., -1]
+    sel = torch.gather(scores, -1, got.long().clamp(min=0))
+    own = got == (n[..., None] - 1)
+    ok = own | (sel >= kth[..., None] - 0.05 * (1 + kth[..., None].abs()))
+    assert ok.all()
+
+
+def test_select_deterministic_and_graph_replay():
+    """A fixed-shape decode step is captured once and replayed with new lengths and queries."""
+    torch.manual_seed(0)
+    num_req, width, pages = 8, 64, 600
+    cache = torch.randn(pages, B, 128, device="cuda").to(FP8)
+    table = torch.randperm(pages, device="cuda")[:num_req * width].view(num_req, width).int()
+    cu = torch.arange(0, 4 * num_req + 1, 4, dtype=torch.int32, device="cuda")  # q_len 4
+    seq = torch.full((num_req,), 3000, dtype=torch.int32, device="cuda")
+    q = torch.randn(4 * num_req, 4, 128, device="cuda").to(FP8)
+    out = torch.empty(4 * num_req, 4, 16, dtype=torch.int32, device="cuda")
+    args = (q, cache, cu, seq, table)
+    openmsa.select_blocks(*args, block_size=B, out=out)  # compile outside the capture
+    first = out.clone()
+    openmsa.select_blocks(*args, block_size=B, out=out)
+    assert torch.equal(out, first)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        openmsa.select_blocks(*args, block_size=B, out=out)
+    for lens in ([5000] * num_req, [129, 8000, 4, 17, 2048, 6000, 300, 8191]):
+        seq.copy_(torch.tensor(lens, dtype=torch.int32))
+        q.copy_(torch.randn(4 * num_req, 4, 128, device="cuda").to(FP8))
+        graph.replay()
+        eager = openmsa.select_blocks(*args, block_size=B)
+        assert torch.equal(out, eager)
+
+
+def _m3_attention_case(kv_dtype, num_heads=64, num_kv_heads=4, context=65536, q_lens=(1, 4, 1)):
+    seq_lens = [context, context - 1000, 20_000]
+    step = make_step(list(q_lens), seq_lens, block_size=B, extra_columns=1)
+    pages = step.num_pages
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(pages, B, num_kv_heads, 128, generator=g).to(kv_dtype)
+    v = torch.randn(pages, B, num_kv_heads, 128, generator=g).to(kv_dtype)
+    qi, ci = random_index_inputs(step, num_heads=num_kv_heads, head_dim=128, block_size=B,
+                                 q_dtype=torch.bfloat16, cache_dtype=torch.bfloat16)
+    idx = ref.select_blocks(qi, ci, step.cu_seqlens_q, step.seq_lens, step.block_table,
+                            block_size=B)
+    q = torch.randn(step.num_tokens, num_heads, 128, generator=g).bfloat16()
+    return step, q, k, v, idx
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8])
+@pytest.mark.parametrize("heads", [(64, 4), (16, 1)])
+def test_attention_m3_shapes(kv_dtype, heads):
+    step, q, k, v, idx = _m3_attention_case(kv_dtype, *heads)
+    want, want_lse = ref.sparse_attention(q, k, v, idx, step.cu_seqlens_q, step.seq_lens,
+                                          step.block_table, return_lse=True)
+    d = _cuda(step)
+    got, lse = openmsa.sparse_attention(q.cuda(), k.cuda(), v.cuda(), idx.cuda(), d.cu_seqlens_q,
+                                        d.seq_lens, d.block_table, return_lse=True)
+    assert_close(got, want)
+    assert_close(lse, want_lse, torch.bfloat16)
+    again = openmsa.sparse_attention(q.cuda(), k.cuda(), v.cuda(), idx.cuda(), d.cu_seqlens_q,
+                                     d.seq_lens, d.block_table)
+    assert torch.equal(again, got)
+
+
+def test_attention_prefill_equals_dense_sdpa():
+    """topk covering every block: sparse attention is dense causal attention."""
+    ctx, chunk = 1500, 500
+    step = make_step([chunk], [ctx + chunk], block_size=B)
+    d = _cuda(step)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    k = torch.randn(step.num_pages, B, 2, 128, generator=g, device="cuda").bfloat16()
+    v = torch.randn(step.num_pages, B, 2, 128, generator=g, device="cuda").bfloat16()
+    q = torch.randn(chunk, 32, 128, generator=g, device="cuda").bfloat16()
+    qi = torch.randn(chunk, 2, 128, device="cuda").bfloat16()
+    ci = torch.randn(step.num_pages, B, 128, device="cuda").bfloat16()
+    idx = openmsa.select_blocks(qi, ci, d.cu_seqlens_q, d.seq_lens, d.block_table, topk=32,
+                                block_size=B)
+    got = openmsa.sparse_attention(q, k, v, idx, d.cu_seqlens_q, d.seq_lens, d.block_table)
+    nb = -(-(ctx + chunk) // B)
+    pages = d.block_table[0, :nb].long()
+    kk = k[pages].reshape(nb * B, 2, 128)[:ctx + chunk].transpose(0, 1)
+    vv = v[pages].reshape(nb * B, 2, 128)[:ctx + chunk].transpose(0, 1)
+    mask = torch.arange(ctx + chunk, device="cuda")[None, :] <= \
+        (ctx + torch.arange(chunk, device="cuda"))[:, None]
+    want = F.scaled_dot_product_attention(q.transpose(0, 1).float(),
+                                          kk.repeat_interleave(16, 0).float(),
+                                          vv.repeat_interleave(16, 0).float(), attn_mask=mask)
+    assert_close(got, want.transpose(0, 1))
+
+
+def test_attention_cache_over_2_31_elements_and_graph_replay():
+    pages = (1 << 31) // (B * 128) + 64  # one KV head: past 2^31 elements per cache
+    packed = torch.empty(pages, 1, B, 256, dtype=torch.bfloat16, device="cuda")
+    k, v = packed[..., :128].permute(0, 2, 1, 3), packed[..., 128:].permute(0, 2, 1, 3)
+    num_req = 4
+    step = make_step([1] * num_req, [5000, 3000, 129, 2000], block_size=B)
+    step.block_table = torch.where(step.block_table >= 0, step.block_table + pages - 150, -1)
+    packed[-150:] = torch.randn(150, 1, B, 256, device="cuda").bfloat16()
+    d = _cuda(step)
+    q = torch.randn(num_req, 16, 128, device="cuda").bfloat16()
+    idx = torch.randint(0, 40, (num_req, 1, 16), device="cuda").int()
+    out = torch.empty_like(q)
+    run = lambda: openmsa.sparse_attention(q, k, v, idx, d.cu_seqlens_q, d.seq_lens,  # noqa
+                                           d.block_table, out=out)
+    run()
+    small_k, table = _compact(k, step)
+    small_v, _ = _compact(v, step)
+    want = ref.sparse_attention(q.cpu(), small_k, small_v, idx.cpu(), step.cu_seqlens_q,
+                                step.seq_lens, table)
+    assert_close(out, want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    q.copy_(torch.randn_like(q))
+    d.seq_lens.copy_(torch.tensor([4000, 100, 5000, 700], dtype=torch.int32))
+    graph.replay()
+    eager = openmsa.sparse_attention(q, k, v, idx, d.cu_seqlens_q, d.seq_lens, d.block_table)
+    assert torch.equal(out, eager)

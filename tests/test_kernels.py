@@ -1,0 +1,196 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tiers 1 and 2: every kernel against the reference, on the kernel device (the CPU through
+Triton's interpreter, or a GPU). Shapes stay tiny so the interpreter runs them in seconds."""
+
+import pytest
+import torch
+
+import openmsa
+from openmsa import reference as ref
+from openmsa.batch import token_layout
+from openmsa.testing import (assert_close, make_step, nan_poison, random_index_inputs,
+                             random_kv_cache)
+
+pytestmark = pytest.mark.interpret
+
+B = 16
+# decode, 3-token verify, q_len 0, a 20-token prefill chunk (the tile launch), decode in the
+# first block, seq_len 0, and 2 padding tokens after cu_seqlens_q[R]
+Q_LENS = [1, 3, 0, 20, 1, 0]
+SEQ_LENS = [70, 45, 9, 100, 5, 0]
+FP8 = torch.float8_e4m3fn
+INDEX_DTYPES = [(torch.float16, torch.float16), (torch.float16, FP8), (FP8, FP8),
+                (torch.float32, torch.float32)]
+
+
+def _to(step, device):
+    for name in ("cu_seqlens_q", "seq_lens", "block_table", "slot_mapping"):
+        setattr(step, name, getattr(step, name).to(device))
+    return step
+
+
+def _index_case(device, q_dtype, c_dtype, integer, heads=2, dim=32, seed=0):
+    step = make_step(Q_LENS, SEQ_LENS, block_size=B, extra_columns=2, pad_tokens=2,
+                     generator=torch.Generator().manual_seed(seed))
+    q, c = random_index_inputs(step, num_heads=heads, head_dim=dim, block_size=B, q_dtype=q_dtype,
+                               cache_dtype=c_dtype, integer=integer,
+                               generator=torch.Generator().manual_seed(seed + 1))
+    return step, q, c, _to(make_step(Q_LENS, SEQ_LENS, block_size=B, extra_columns=2,
+                                     pad_tokens=2, generator=torch.Generator().manual_seed(seed)),
+                           device)
+
+
+@pytest.mark.parametrize("q_dtype, c_dtype", INDEX_DTYPES)
+@pytest.mark.parametrize("topk, init, local", [(4, 0, 1), (3, 1, 1)])
+def test_select_exact_on_integer_inputs(kernel_device, q_dtype, c_dtype, topk, init, local):
+    """Integer-valued inputs: exact dot products on both sides and many tied blocks, so the
+    indices must agree exactly, tie rule included."""
+    step, q, c, dstep = _index_case(kernel_device, q_dtype, c_dtype, integer=True)
+    args = (step.cu_seqlens_q, step.seq_lens, step.block_table)
+    dargs = (dstep.cu_seqlens_q, dstep.seq_lens, dstep.block_table)
+    want = ref.select_blocks(q, c, *args, topk=topk, init_blocks=init, local_blocks=local,
+                             block_size=B)
+    got = openmsa.select_blocks(q.to(kernel_device), c.to(kernel_device), *dargs, topk=topk,
+                                init_blocks=init, local_blocks=local, block_size=B)
+    assert torch.equal(got.cpu(), want)
+    s_want = ref.block_scores(q, c, *args, block_size=B)
+    s_got = openmsa.block_scores(q.to(kernel_device), c.to(kernel_device), *dargs, block_size=B)
+    assert torch.equal(s_got.cpu(), s_want)
+
+
+@pytest.mark.parametrize("q_dtype, c_dtype", INDEX_DTYPES[:2])
+def test_select_on_random_floats_meets_threshold(kernel_device, q_dtype, c_dtype):
+    """Random floats: rounding may reorder near-equal blocks, so check that every selected block
+    scores at least the K-th best (by the reference's scores) minus a rounding margin."""
+    step, q, c, dstep = _index_case(kernel_device, q_dtype, c_dtype, integer=False, seed=4)
+    topk = 4
+    got = openmsa.select_blocks(q.to(kernel_device), c.to(kernel_device), dstep.cu_seqlens_q,
+                                dstep.seq_lens, dstep.block_table, topk=topk,
+                                block_size=B).cpu()
+    scores = ref.block_scores(q, c, step.cu_seqlens_q, step.seq_lens, step.block_table,
+                              block_size=B)
+    _, pos = token_layout(step.cu_seqlens_q, step.seq_lens, step.num_tokens)
+    for t in range(step.num_tokens):
+        n = int(pos[t]) // B + 1 if pos[t] >= 0 else 0
+        for h in range(q.shape[1]):
+            row = got[t, h].tolist()
+            valid = [b for b in row if b >= 0]
+            assert valid == sorted(set(valid)) and len(valid) == min(n, topk)
+            if n > topk:
+                assert n - 1 in valid
+                others = scores[t, h, :n - 1]
+                kth = torch.topk(others, topk - 1).values[-1]
+                for b in valid:
+                    if b != n - 1:
+                        assert scores[t, h, b] >= kth - 1e-2 * (1 + kth.abs())
+
+
+def test_strided_out_is_written_in_place(kernel_device):
+    step, q, c, dstep = _index_case(kernel_device, torch.float16, torch.float16, integer=True)
+    buf = nan_poison((2, step.num_tokens, 4), torch.int32, kernel_device)
+    out = buf.transpose(0, 1)
+    res = openmsa.select_blocks(q.to(kernel_device), c.to(kernel_device), dstep.cu_seqlens_q,
+                                dstep.seq_lens, dstep.block_table, topk=4, block_size=B, out=out)
+    assert res.data_ptr() == out.data_ptr() and not (buf == -7).any()
+    want = ref.select_blocks(q, c, step.cu_seqlens_q, step.seq_lens, step.block_table, topk=4,
+                             block_size=B)
+    assert torch.equal(out.cpu(), want)
+    sbuf = nan_poison((step.block_table.shape[1], step.num_tokens, 2), torch.float32,
+                      kernel_device)
+    openmsa.block_scores(q.to(kernel_device), c.to(kernel_device), dstep.cu_seqlens_q,
+                         dstep.seq_lens, dstep.block_table, block_size=B,
+                         out=sbuf.permute(1, 2, 0))
+    assert torch.equal(sbuf.permute(1, 2, 0).cpu(),
+                       ref.block_scores(q, c, step.cu_seqlens_q, step.seq_lens, step.block_table,
+                                        block_size=B))
+
+
+def test_select_is_deterministic(kernel_device):
+    _, q, c, dstep = _index_case(kernel_device, torch.float16, torch.float16, integer=False)
+    args = (q.to(kernel_device), c.to(kernel_device), dstep.cu_seqlens_q, dstep.seq_lens,
+            dstep.block_table)
+    a = openmsa.select_blocks(*args, topk=4, block_size=B)
+    b = openmsa.select_blocks(*args, topk=4, block_size=B)
+    assert torch.equal(a, b)
+
+
+def _attention_case(device, kv_dtype, layout, hq=8, hkv=2, h=2, d=64, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    step = make_step(Q_LENS, SEQ_LENS, block_size=B, extra_columns=2, pad_tokens=2, generator=g)
+    qi, ci = random_index_inputs(step, num_heads=h, head_dim=16, block_size=B,
+                                 q_dtype=torch.float32, cache_dtype=torch.float32,
+                                 generator=torch.Generator().manual_seed(seed + 1))
+    idx = ref.select_blocks(qi, ci, step.cu_seqlens_q, step.seq_lens, step.block_table, topk=4,
+                            block_size=B)
+    k, v = random_kv_cache(step.num_pages, B, hkv, d, dtype=kv_dtype, layout=layout,
+                           generator=torch.Generator().manual_seed(seed + 2))
+    q = torch.randn(step.num_tokens, hq, d, generator=torch.Generator().manual_seed(seed + 3))
+    dstep = _to(make_step(Q_LENS, SEQ_LENS, block_size=B, extra_columns=2, pad_tokens=2,
+                          generator=torch.Generator().manual_seed(seed)), device)
+    return step, dstep, q, k, v, idx
+
+
+def _attention_dtype(device):
+    # the interpreter's bf16 arithmetic is wrong (STYLE.md), so it runs fp16
+    return torch.bfloat16 if device == "cuda" else torch.float16
+
+
+@pytest.mark.parametrize("kv_dtype, layout", [("q", "flash"), ("q", "vllm"), (FP8, "vllm")])
+def test_sparse_attention_matches_reference(kernel_device, kv_dtype, layout):
+    dtype = _attention_dtype(kernel_device)
+    kv_dtype = dtype if kv_dtype == "q" else kv_dtype
+    step, dstep, q, k, v, idx = _attention_case(kernel_device, kv_dtype, layout)
+    q = q.to(dtype)
+    want, want_lse = ref.sparse_attention(q, k, v, idx, step.cu_seqlens_q, step.seq_lens,
+                                          step.block_table, block_size=B, return_lse=True)
+    out = nan_poison(q.shape, dtype, kernel_device)
+    got, lse = openmsa.sparse_attention(
+        q.to(kernel_device), k.to(kernel_device), v.to(kernel_device), idx.to(kernel_device),
+        dstep.cu_seqlens_q, dstep.seq_lens, dstep.block_table, block_size=B, out=out,
+        return_lse=True)
+    assert got.data_ptr() == out.data_ptr()
+    assert_close(got, want)
+    assert_close(lse, want_lse, torch.float32 if dtype == torch.float16 else dtype)
+    _, pos = token_layout(step.cu_seqlens_q, step.seq_lens, step.num_tokens)
+    assert (got.cpu()[pos < 0] == 0).all() and torch.isneginf(lse.cpu()[pos < 0]).all()
+
+
+def test_sparse_attention_index_head_sharing_scales_and_noisy_rows(kernel_device):
+    """One index head serving two KV heads, fp8 with per-tensor scales, and rows holding -1,
+    out-of-range and repeated ids."""
+    dtype = _attention_dtype(kernel_device)
+    step, dstep, q, k, v, idx = _attention_case(kernel_device, FP8, "flash", hq=4, hkv=2, h=1)
+    idx = torch.cat([idx, torch.full_like(idx[..., :1], 99), idx[..., :1]], dim=-1)
+    q = q.to(dtype)
+    kw = dict(block_size=B, k_scale=0.75, v_scale=1.5, return_lse=True)
+    want, want_lse = ref.sparse_attention(q, k, v, idx, step.cu_seqlens_q, step.seq_lens,
+                                          step.block_table, **kw)
+    ks = torch.tensor([0.75], device=kernel_device)
+    got, lse = openmsa.sparse_attention(
+        q.to(kernel_device), k.to(kernel_device), v.to(kernel_device), idx.to(kernel_device),
+        dstep.cu_seqlens_q, dstep.seq_lens, dstep.block_table, block_size=B, k_scale=ks,
+        v_scale=1.5, return_lse=True)
+    assert_close(got, want)
+    assert_close(lse, want_lse, torch.float32 if dtype == torch.float16 else dtype)
+
+
+def test_cache_writes_match_reference(kernel_device):
+    g = torch.Generator().manual_seed(11)
+    slots = torch.tensor([5, -1, 17, 30, -3], dtype=torch.int64)
+    for dtype in (torch.float16, FP8):
+        # exact fp8 values: the interpreter's kernel-side fp32->fp8 rounding is unreliable
+        x = torch.randint(-20, 20, (5, 32), generator=g).float() * 32
+        want = torch.zeros(2, B, 32, dtype=dtype)
+        ref.write_index_cache(x, want, slots)
+        got = torch.zeros(2, B, 32, dtype=dtype, device=kernel_device)
+        openmsa.write_index_cache(x.to(kernel_device), got, slots.to(kernel_device))
+        assert torch.equal(got.cpu().float(), want.float())
+    packed = torch.zeros(2, 2, B, 2 * 64, dtype=torch.float16, device=kernel_device)
+    kc, vc = packed[..., :64].permute(0, 2, 1, 3), packed[..., 64:].permute(0, 2, 1, 3)
+    k, v = torch.randn(5, 2, 64, generator=g).half(), torch.randn(5, 2, 64, generator=g).half()
+    wk, wv = torch.zeros(2, B, 2, 64, dtype=torch.float16), torch.zeros(2, B, 2, 64,
+                                                                        dtype=torch.float16)
+    ref.write_kv_cache(k, v, wk, wv, slots)
+    openmsa.write_kv_cache(k.to(kernel_device), v.to(kernel_device), kc, vc,
+                           slots.to(kernel_device))
+    assert torch.equal(kc.cpu(), wk) and torch.equal(vc.cpu(), wv)
