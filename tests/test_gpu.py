@@ -2,6 +2,8 @@
 """Tier 2 (an H200): M3 shapes, 1M-token contexts, caches past 2^31 bytes/elements (int64
 offsets), bf16 and kernel-side fp8, determinism and CUDA-graph replay."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,9 +20,9 @@ B = 128
 
 
 def _cuda(step):
-    for name in ("cu_seqlens_q", "seq_lens", "block_table", "slot_mapping"):
-        setattr(step, name, getattr(step, name).cuda())
-    return step
+    """A copy of the step with its tensors on the GPU (the CPU original feeds the reference)."""
+    return dataclasses.replace(step, **{name: getattr(step, name).cuda() for name in (
+        "cu_seqlens_q", "seq_lens", "block_table", "slot_mapping")})
 
 
 def _compact(cache, step):
