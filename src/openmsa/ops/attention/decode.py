@@ -78,7 +78,9 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
         dup = tl.sum(((kk < e) & (row_ids == blk) & row_ok_ids).to(tl.int32), axis=0) > 0
         ok = (blk >= 0) & (blk < n) & (dup == 0)
         page = tl.load(bt_ptr + r_safe * stride_btr + tl.where(ok, blk, 0) * stride_btb,
-                       mask=ok, other=0).to(tl.int64)
+                       mask=ok, other=-1).to(tl.int64)
+        # a negative page id (a table the engine left unfilled) reads nothing
+        ok = ok & (page >= 0)
         key_pos = blk * BLOCK + offs
         # keys after the token (its own block's tail, possibly never written) are masked, and
         # their V rows zeroed so an unwritten NaN cannot reach the sum

@@ -79,6 +79,9 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
             valid &= ~dup
             blk = torch.where(valid, sel, torch.zeros_like(sel))
             page = block_table[r].long()[blk]  # [c, Hkv, K]
+            # a negative page id (an unfilled table entry) reads nothing
+            valid &= page >= 0
+            page = page.clamp(min=0)
             key_pos = blk[..., None] * block_size + offs  # [c, Hkv, K, B]
             visible = valid[..., None] & (key_pos <= p[:, None, None, None])
             k = k_cache[page, :, kv_head.expand_as(page)].float() * ks  # [c, Hkv, K, B, D]

@@ -43,7 +43,9 @@ def block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *,
             continue
         nb = -(-sl[r] // block_size)
         pages = block_table[r, :nb].long()
-        keys = index_cache[pages].reshape(nb * block_size, -1).float()  # [nb*B, Di]
+        # a negative page id (an unfilled table entry) reads nothing: its block scores -inf
+        unfilled = (pages < 0).repeat_interleave(block_size)  # [nb*B]
+        keys = index_cache[pages.clamp(min=0)].reshape(nb * block_size, -1).float()  # [nb*B, Di]
         key_pos = torch.arange(nb * block_size, device=keys.device)
         step = max(1, _CHUNK_ELEMENTS // (num_heads * nb * block_size))
         for s in range(start, end, step):
@@ -52,8 +54,8 @@ def block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *,
             dots = torch.einsum("thd,jd->thj", q, keys)  # [c, H, nb*B]
             p = position[s:e].long()
             # keys past the token's position do not count; NaN counts as -inf
-            dots = dots.masked_fill((key_pos[None, :] > p[:, None])[:, None, :] | dots.isnan(),
-                                    float("-inf"))
+            hidden = (key_pos[None, :] > p[:, None]) | unfilled[None, :]
+            dots = dots.masked_fill(hidden[:, None, :] | dots.isnan(), float("-inf"))
             scores[s:e, :, :nb] = dots.view(e - s, num_heads, nb, block_size).amax(-1)
     if out is None:
         return scores

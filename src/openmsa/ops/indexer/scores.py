@@ -46,8 +46,11 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
     tile = tl.full([M, BPS], float("-inf"), tl.float32)
     for b in range(b_lo, b_hi):
         page = tl.load(bt_row_ptr + b * stride_btb).to(tl.int64)
-        k = tl.load(cache_ptr + page * stride_cp + offs[:, None] * stride_cb + d[None, :] * stride_cd,
-                    mask=d[None, :] < DI, other=0.0)  # [BLOCK, DIP]
+        # a negative page id (a table the engine left unfilled) reads nothing and scores -inf
+        page_ok = page >= 0
+        k = tl.load(cache_ptr + page * stride_cp + offs[:, None] * stride_cb
+                    + d[None, :] * stride_cd, mask=page_ok & (d[None, :] < DI),
+                    other=0.0)  # [BLOCK, DIP]
         if CAST_K:
             k = k.to(q.dtype)
         if IEEE:
@@ -56,7 +59,7 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
             s = tl.dot(q, tl.trans(k))  # [M, BLOCK]
         key_pos = b * BLOCK + offs
         # keys after the token do not count; NaN counts as -inf
-        s = tl.where((key_pos[None, :] <= pos[:, None]) & (s == s), s, float("-inf"))
+        s = tl.where((key_pos[None, :] <= pos[:, None]) & (s == s) & page_ok, s, float("-inf"))
         best = tl.max(s, axis=1)  # [M]
         tile = tl.where(cols[None, :] == b - b_lo, best[:, None], tile)
     blk = b_lo + cols
