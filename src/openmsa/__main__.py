@@ -1,0 +1,162 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`python -m openmsa demo | env`: a self-contained demonstration, and what will run here."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+
+import torch
+
+import openmsa
+from openmsa._dispatch import backend_name
+from openmsa.batch import token_layout
+
+
+def _env() -> None:
+    import numpy
+    import triton
+
+    print(f"openmsa {openmsa.__version__}  python {platform.python_version()}  torch "
+          f"{torch.__version__}  triton {triton.__version__}  numpy {numpy.__version__}")
+    print(f"CPU tensors run: {backend_name('cpu')}")
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            reason = openmsa.unsupported_reason(device=f"cuda:{i}")
+            print(f"cuda:{i} {p.name} (sm_{p.major}{p.minor}, {p.multi_processor_count} SMs, "
+                  f"{p.total_memory / 2**30:.0f} GiB): "
+                  f"{'triton kernels' if reason is None else 'unsupported: ' + reason}")
+    else:
+        print("CUDA: not available (CUDA tensors would need a GPU)")
+
+
+def _demo(context: int | None, device: str | None) -> None:
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    on_gpu = device.startswith("cuda")
+    cfg = openmsa.MSAConfig()  # MiniMax-M3's geometry at TP1
+    bs, topk = cfg.block_size, cfg.topk_blocks
+    context = context or (131072 if on_gpu else 4096)
+    if context < 8 * bs:
+        raise SystemExit(f"--context must be at least {8 * bs} tokens")
+    g = torch.Generator(device="cpu").manual_seed(0)
+    dt = torch.bfloat16
+    # one step: a prefill chunk, a decode and a 4-token speculative verify
+    q_lens = [bs, 1, 4]
+    seq_lens = [context // 2, context, context - 777]
+    blocks = [-(-s // bs) for s in seq_lens]
+    num_pages = sum(blocks)
+    table = torch.full((3, max(blocks)), -1, dtype=torch.int32)
+    perm = torch.randperm(num_pages, generator=g).to(torch.int32)
+    start = 0
+    for r, nb in enumerate(blocks):
+        table[r, :nb] = perm[start:start + nb]
+        start += nb
+    cu = torch.tensor([0, q_lens[0], q_lens[0] + 1, sum(q_lens)], dtype=torch.int32)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    num_tokens = sum(q_lens)
+
+    # caches full of noise, written through the public slot-mapping writes
+    slots = torch.cat([table[r].long().repeat_interleave(bs)[:s] * bs
+                       + torch.arange(s) % bs for r, s in enumerate(seq_lens)])
+    hkv, d, h, di = cfg.num_kv_heads, cfg.head_dim, cfg.num_index_heads, cfg.index_head_dim
+    index_cache = torch.zeros(num_pages, bs, di, dtype=torch.float8_e4m3fn, device=device)
+    k_cache = torch.zeros(num_pages, bs, hkv, d, dtype=dt, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    index_k = torch.randn(len(slots), di, generator=g)
+    k = torch.randn(len(slots), hkv, d, generator=g)
+    v = torch.randn(len(slots), hkv, d, generator=g)
+    index_q = torch.randn(num_tokens, h, di, generator=g)
+    q = torch.randn(num_tokens, cfg.num_heads, d, generator=g)
+    # the needle: block 3 of the decode request holds keys aligned with its queries
+    needle = 3
+    dec_t = q_lens[0]
+    req1 = slice(seq_lens[0], seq_lens[0] + seq_lens[1])
+    rows = torch.arange(needle * bs, needle * bs + 16)
+    index_k[req1][rows] = 4.0 * index_q[dec_t].mean(0)
+    # the decode token's query heads share one direction per KV group, and the needle's keys
+    # point along it: in dense attention the needle takes nearly all the softmax mass
+    u = torch.randn(hkv, 1, d, generator=g)
+    q[dec_t] = (u + 0.1 * torch.randn(hkv, cfg.group_size, d, generator=g)).view(-1, d)
+    k[req1][rows] = u[:, 0]
+    v[req1][rows] = 5.0
+    index_q_dev = index_q.to(torch.float8_e4m3fn).to(device)
+    openmsa.write_index_cache(index_k.to(device), index_cache, slots.to(device))
+    openmsa.write_kv_cache(k.to(dt).to(device), v.to(dt).to(device), k_cache, v_cache,
+                           slots.to(device))
+    cu, sl, table = cu.to(device), sl.to(device), table.to(device)
+    qd = q.to(dt).to(device)
+
+    def sparse():
+        idx = openmsa.select_blocks(index_q_dev, index_cache, cu, sl, table, topk=topk,
+                                    block_size=bs)
+        return idx, openmsa.sparse_attention(qd, k_cache, v_cache, idx, cu, sl, table,
+                                             block_size=bs)
+
+    def dense():
+        # every causal block selected: exact dense attention through the same op
+        all_idx = torch.arange(table.shape[1], dtype=torch.int32, device=device)
+        all_idx = all_idx.expand(num_tokens, h, -1).contiguous()
+        return openmsa.sparse_attention(qd, k_cache, v_cache, all_idx, cu, sl, table,
+                                        block_size=bs)
+
+    t0 = time.perf_counter()
+    idx, out = sparse()
+    ref_out = dense()
+    if on_gpu:
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    found = bool((idx[dec_t] == needle).any(-1).all())
+    # keys the main branch reads: the causal part of each selected block, averaged over heads
+    _, pos = token_layout(cu, sl, num_tokens)
+    p = pos.long()[:, None, None]
+    sel = idx.long()
+    per_block = (p - sel * bs + 1).clamp(min=0, max=bs) * (sel >= 0)
+    read = float(per_block.sum()) / h / float((p + 1).sum())
+    read_dec = float(per_block[dec_t].sum()) / h / seq_lens[1]
+    err = ((out.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
+    dec_err = ((out[dec_t].float() - ref_out[dec_t].float()).norm()
+               / ref_out[dec_t].float().norm()).item()
+    print(f"MiniMax-M3 sparse layer (64 q / 4 kv / 4 index heads, blocks of {bs}, top-{topk}) "
+          f"on {device} ({backend_name(device)})")
+    print(f"step: prefill chunk {q_lens[0]} tokens @ {seq_lens[0]}, decode @ {seq_lens[1]}, "
+          f"4-token verify @ {seq_lens[2]}; fp8 index cache, bf16 K/V")
+    print(f"needle block {needle} selected by every index head of the decode token: "
+          f"{'yes' if found else 'NO'}  (its selection, head 0: {idx[dec_t, 0].tolist()})")
+    print(f"sparse vs dense attention, relative error: decode token {dec_err:.4f} (the needle "
+          f"holds its softmax mass), whole step {err:.3f} (MSA is not dense attention by design)")
+    print(f"fraction of causal KV the main branch read: {read:.1%} of the step; decode token "
+          f"{read_dec:.1%} of its {seq_lens[1]} keys")
+    if on_gpu:
+        for name, fn in (("sparse (select + attention)", sparse), ("dense attention", dense)):
+            fn()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+            print(f"{name}: {(time.perf_counter() - t) / 20 * 1e6:.0f} us per step (eager)")
+    else:
+        print(f"ran in {elapsed:.1f} s on the CPU reference")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m openmsa")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    demo = sub.add_parser("demo", help="a mixed step with a planted needle, sparse vs dense")
+    demo.add_argument("--context", type=int, default=None,
+                      help="tokens of the longest request (default 4096 on CPU, 131072 on GPU)")
+    demo.add_argument("--device", default=None)
+    sub.add_parser("env", help="versions, GPU and which implementation runs")
+    args = parser.parse_args(argv)
+    if args.cmd == "env":
+        _env()
+    else:
+        _demo(args.context, args.device)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
