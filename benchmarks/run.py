@@ -1,0 +1,467 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The one benchmark driver: openmsa against FlashInfer 0.7.4's msa_ops and dense attention, with
+the H200's measured ceilings, in one run.
+
+    python benchmarks/run.py [--sections ceilings,indexer-decode,indexer-prefill,
+                              attention-decode,attention-prefill] [--quick] [--out DIR]
+
+Times are medians. "device" is the kernels' own time per call (profiler, L2 flushed before each
+call); "call" is what an engine pays per call: CUDA-graph replay for openmsa, an eager call for
+FlashInfer (its calls cannot be captured). Each section checks correctness before timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import shapes  # noqa: E402
+
+import openmsa  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+DTYPES = {"bf16": torch.bfloat16, "fp8": FP8}
+ROWS: list[dict] = []
+CEIL = {"copy_tbs": None, "bf16_tflops": None, "fp8_tflops": None}
+
+
+# ---------------------------------------------------------------------------------------------
+# timing
+
+@triton.jit
+def _bench_l2_flush_kernel(ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(ptr + offs, tl.zeros([BLOCK], tl.int32), mask=offs < n)
+
+
+_FLUSH = None
+
+
+def flush_l2():
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = torch.empty(256 << 20 >> 2, dtype=torch.int32, device="cuda")  # 256 MB > L2
+    n = _FLUSH.numel()
+    _bench_l2_flush_kernel[(triton.cdiv(n, 4096),)](_FLUSH, n, BLOCK=4096)
+
+
+def device_times_us(fn, iters: int) -> list[float]:
+    """Per-call sums of the kernels' own durations (profiler), L2 flushed before each call."""
+    fn()
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            flush_l2()
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and e.device_time_total > 0]
+    kernels.sort(key=lambda e: e.time_range.start)
+    times, cur, started = [], 0.0, False
+    for e in kernels:
+        if "_bench_l2_flush_kernel" in e.name:
+            if started:
+                times.append(cur)
+            cur, started = 0.0, True
+        elif "Memcpy" not in e.name and "Memset" not in e.name:
+            cur += e.time_range.end - e.time_range.start
+    if started:
+        times.append(cur)
+    return times
+
+
+def graph_call_us(fn, iters: int) -> float:
+    """Median event-timed replay of a CUDA graph of (flush, fn) minus one of flush alone."""
+    fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g_both, g_flush = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g_both):
+        flush_l2()
+        fn()
+    with torch.cuda.graph(g_flush):
+        flush_l2()
+
+    def med(g):
+        ts = []
+        for _ in range(iters):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b) * 1e3)
+        return statistics.median(ts)
+
+    med(g_both)
+    return max(0.0, med(g_both) - med(g_flush))
+
+
+def eager_call_us(fn, iters: int) -> float:
+    """Median wall time of an eager call (host launch included), L2 flushed before each."""
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        flush_l2()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append((time.perf_counter() - t) * 1e6)
+    return statistics.median(ts)
+
+
+def med(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def record(**row):
+    ROWS.append(row)
+    keys = [k for k in row if k not in ("section",)]
+    print(" | ".join(f"{k}={_fmt(row[k])}" for k in keys), flush=True)
+
+
+def _fmt(v):
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+# ---------------------------------------------------------------------------------------------
+# peers
+
+def load_flashinfer():
+    try:
+        import flashinfer.msa_ops as fi  # noqa: F401
+        return fi
+    except Exception as e:  # noqa: BLE001
+        print(f"# FlashInfer not available: {type(e).__name__}: {e}")
+        return None
+
+
+def try_peer(fn):
+    """Run a peer call; None with the reason printed when it cannot run this shape."""
+    try:
+        out = fn()
+        torch.cuda.synchronize()
+        return out
+    except Exception as e:  # noqa: BLE001
+        msg = f"{type(e).__name__}: {e}".splitlines()[0][:160]
+        print(f"#   peer not run: {msg}")
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# sections
+
+def ceilings(args):
+    n = 1 << 30  # 1 GiB each way
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    t = med(device_times_us(lambda: dst.copy_(src), 20))
+    CEIL["copy_tbs"] = 2 * n / t / 1e6
+    m = 8192
+    a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    t = med(device_times_us(lambda: a @ b, 20))
+    CEIL["bf16_tflops"] = 2 * m ** 3 / t / 1e6
+    a8, b8 = a.to(FP8), b.to(FP8).t().contiguous().t()
+    one = torch.ones((), device="cuda")
+    try:
+        t = med(device_times_us(lambda: torch._scaled_mm(a8, b8, one, one,
+                                                          out_dtype=torch.bfloat16), 20))
+        CEIL["fp8_tflops"] = 2 * m ** 3 / t / 1e6
+    except Exception as e:  # noqa: BLE001
+        print(f"# fp8 matmul ceiling not measured: {e}")
+    record(section="ceilings", **{k: v for k, v in CEIL.items() if v is not None})
+
+
+def _index_step(batch, context, q_len, heads, dtype, seed=0):
+    bs = 128
+    nb = context // bs
+    pages = batch * nb
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    cache = torch.randn(pages, bs, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    cache = cache.to(dtype)
+    table = torch.randperm(pages, device="cuda", generator=g).int().view(batch, nb)
+    cu = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device="cuda")
+    seq = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch * q_len, heads, 128, device="cuda", generator=g).to(dtype)
+    return q, cache, cu, seq, table
+
+
+def _fi_select(fi, q, cache, cu, seq, table, q_len):
+    """FlashInfer's indexer: proxy score over the paged one-head index cache, then top-16."""
+    ctx = seq.repeat_interleave(torch.diff(cu))
+    off = torch.arange(q.shape[0], device="cuda", dtype=torch.int32) - \
+        cu[:-1].repeat_interleave(torch.diff(cu))
+    nvp = ((ctx - torch.diff(cu).repeat_interleave(torch.diff(cu)) + off) // 128 + 1).int()
+    k4 = cache.unsqueeze(1)  # [P, 1, B, Di]
+    width = table.shape[1]
+
+    def run():
+        s = fi.msa_proxy_score(q, k4, cu, page_table=table, seqused_k=seq, max_seqlen_q=q_len,
+                               max_k_tiles=width)
+        return fi.msa_topk_select(s, 16, num_valid_pages=nvp, force_end_blocks=1)
+    return run
+
+
+def indexer_decode(args, fi):
+    grid = shapes.INDEXER_DECODE
+    batches, contexts = grid["batches"], grid["contexts"]
+    if args.quick:
+        batches, contexts = (1, 128), (128 * 1024, 1024 * 1024)
+    for model_name in ("m3-tp1", "m3-tp4"):
+        heads = shapes.MODELS[model_name].num_index_heads
+        mb = (1, 32) if model_name == "m3-tp4" else batches  # TP4: a subset
+        for dname in grid["dtypes"]:
+            dtype = DTYPES[dname]
+            for context in contexts:
+                for batch in mb:
+                    if batch * context * 128 * (2 if dname == "bf16" else 1) > 40e9:
+                        continue
+                    for q_len in grid["q_lens"]:
+                        _indexer_decode_case(fi, model_name, heads, dname, dtype, context,
+                                             batch, q_len, args)
+                    torch.cuda.empty_cache()
+
+
+def _indexer_decode_case(fi, model_name, heads, dname, dtype, context, batch, q_len, args):
+    q, cache, cu, seq, table = _index_step(batch, context, q_len, heads, dtype)
+    out = torch.empty(q.shape[0], heads, 16, dtype=torch.int32, device="cuda")
+    ours = lambda: openmsa.select_blocks(q, cache, cu, seq, table, out=out)  # noqa: E731
+    ours()
+    nbytes = batch * context * 128 * cache.element_size()
+    dev = med(device_times_us(ours, args.iters))
+    call = graph_call_us(ours, args.iters)
+    row = dict(section="indexer-decode", model=model_name, dtype=dname, L=context, B=batch,
+               q_len=q_len, us=dev, call_us=call, tbs=nbytes / dev / 1e6,
+               pct_copy=100 * nbytes / dev / 1e6 / CEIL["copy_tbs"] if CEIL["copy_tbs"] else None)
+    if fi is not None:
+        run = _fi_select(fi, q, cache, cu, seq, table, q_len)
+        theirs = try_peer(run)
+        if theirs is not None:
+            row["fi_us"] = med(device_times_us(run, args.iters))
+            row["fi_call_us"] = eager_call_us(run, max(5, args.iters // 2))
+            row["ratio"] = dev / row["fi_us"]
+            # the two selections agree except where near-tied scores round differently
+            row["same_rows"] = float((theirs == out).all(-1).float().mean())
+    record(**row)
+
+
+def indexer_prefill(args, fi):
+    grid = shapes.INDEXER_PREFILL
+    chunk = grid["chunk"]
+    for model_name in ("m3-tp1",):
+        heads = shapes.MODELS[model_name].num_index_heads
+        for dname in grid["dtypes"]:
+            dtype = DTYPES[dname]
+            for context in grid["contexts"]:
+                q, cache, cu, seq, table = _index_step(1, context + chunk, chunk, heads, dtype)
+                out = torch.empty(chunk, heads, 16, dtype=torch.int32, device="cuda")
+                ours = lambda: openmsa.select_blocks(q, cache, cu, seq, table, out=out)  # noqa
+                ours()
+                flops = 2 * heads * 128 * chunk * (context + chunk / 2)
+                dev = med(device_times_us(ours, max(5, args.iters // 4)))
+                ceil = CEIL["fp8_tflops" if dname == "fp8" else "bf16_tflops"]
+                row = dict(section="indexer-prefill", model=model_name, dtype=dname,
+                           context=context, T=chunk, us=dev, tflops=flops / dev / 1e6,
+                           pct_mm=100 * flops / dev / 1e6 / ceil if ceil else None)
+                if fi is not None:
+                    run = _fi_select(fi, q, cache, cu, seq, table, chunk)
+                    theirs = try_peer(run)
+                    if theirs is not None:
+                        row["fi_us"] = med(device_times_us(run, max(5, args.iters // 4)))
+                        row["fi_tflops"] = flops / row["fi_us"] / 1e6
+                        row["same_rows"] = float((theirs == out).all(-1).float().mean())
+                record(**row)
+                del q, cache, table
+                torch.cuda.empty_cache()
+
+
+def _attention_step(model, batch, context, q_len, dname, seed=0):
+    """Packed vLLM-style cache [P, Hkv, B, 2D] (K first), random selections with the own block."""
+    bs, d = 128, model.head_dim
+    hkv = model.num_kv_heads
+    nb = -(-context // bs)
+    pages = batch * nb
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    packed = torch.randn(pages, hkv, bs, 2 * d, device="cuda", generator=g,
+                         dtype=torch.bfloat16).to(DTYPES[dname])
+    table = torch.randperm(pages, device="cuda", generator=g).int().view(batch, nb)
+    cu = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device="cuda")
+    seq = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    t = batch * q_len
+    q = torch.randn(t, model.num_heads, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    pos = context - q_len + torch.arange(q_len, device="cuda").repeat(batch)
+    n = pos // bs + 1
+    # 15 distinct earlier blocks + the own block, ascending
+    r = torch.rand(t, model.num_index_heads, nb, device="cuda", generator=g)
+    r = torch.where(torch.arange(nb, device="cuda")[None, None, :] < (n - 1)[:, None, None], r,
+                    -1.0)
+    idx = torch.cat([r.topk(15, dim=-1).indices.int(),
+                     (n - 1).int()[:, None, None].expand(-1, model.num_index_heads, 1)], -1)
+    idx = idx.sort(-1).values.contiguous()
+    return q, packed, idx, cu, seq, table
+
+
+def attention_decode(args, fi):
+    grid = shapes.ATTENTION_DECODE
+    context = grid["context"]
+    for model_name, model in shapes.MODELS.items():
+        for dname in grid["dtypes"]:
+            for batch in grid["batches"]:
+                for q_len in grid["q_lens"]:
+                    _attention_decode_case(fi, model_name, model, dname, batch, context, q_len,
+                                           args)
+                torch.cuda.empty_cache()
+
+
+def _attention_decode_case(fi, model_name, model, dname, batch, context, q_len, args):
+    q, packed, idx, cu, seq, table = _attention_step(model, batch, context, q_len, dname)
+    d = model.head_dim
+    k = packed[..., :d].permute(0, 2, 1, 3)
+    v = packed[..., d:].permute(0, 2, 1, 3)
+    out = torch.empty_like(q)
+    ours = lambda: openmsa.sparse_attention(q, k, v, idx, cu, seq, table, out=out)  # noqa
+    ours()
+    t = q.shape[0]
+    nbytes = t * model.num_kv_heads * 16 * 128 * 2 * d * packed.element_size()
+    dev = med(device_times_us(ours, args.iters))
+    call = graph_call_us(ours, args.iters)
+    row = dict(section="attention-decode", model=model_name, dtype=dname, B=batch, q_len=q_len,
+               L=context, us=dev, call_us=call, tbs=nbytes / dev / 1e6,
+               pct_copy=100 * nbytes / dev / 1e6 / CEIL["copy_tbs"] if CEIL["copy_tbs"] else None)
+    if fi is not None and dname == "fp8":
+        kf, vf = packed[..., :d], packed[..., d:]
+        idx_fi = idx.permute(1, 0, 2).contiguous()  # [Hkv(=H), T, K]
+        fo = torch.empty_like(q)
+        run = lambda: fi.msa_sparse_decode_attention(  # noqa: E731
+            q, kf, vf, idx_fi, page_table=table, seqused_k=seq, seqlen_q=q_len, out=fo)
+        if try_peer(run) is not None:
+            row["fi_us"] = med(device_times_us(run, args.iters))
+            row["fi_call_us"] = eager_call_us(run, max(5, args.iters // 2))
+            row["ratio"] = dev / row["fi_us"]
+            row["max_diff_vs_fi"] = float((fo.float() - out.float()).abs().max())
+    if dname == "bf16" and batch * context * model.num_kv_heads * d * 4 < 24e9:
+        row["dense_us"] = try_peer(lambda: _dense_decode_us(model, batch, context, q_len, args))
+    record(**row)
+
+
+def _dense_decode_us(model, batch, context, q_len, args):
+    """Dense GQA attention over the whole context (SDPA, flash backend when it takes it)."""
+    from torch.nn.attention.bias import causal_lower_right
+    d = model.head_dim
+    kk = torch.randn(batch, model.num_kv_heads, context, d, device="cuda", dtype=torch.bfloat16)
+    vv = torch.randn_like(kk)
+    qq = torch.randn(batch, model.num_heads, q_len, d, device="cuda", dtype=torch.bfloat16)
+    mask = causal_lower_right(q_len, context) if q_len > 1 else None
+    fn = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+        qq, kk, vv, attn_mask=mask, enable_gqa=True)
+    r = med(device_times_us(fn, max(5, args.iters // 2)))
+    del kk, vv
+    return r
+
+
+def attention_prefill(args, fi):
+    grid = shapes.ATTENTION_PREFILL
+    chunk = grid["chunk"]
+    for model_name, model in shapes.MODELS.items():
+        for dname in grid["dtypes"]:
+            for context in grid["contexts"]:
+                q, packed, idx, cu, seq, table = _attention_step(model, 1, context + chunk, chunk,
+                                                                 dname)
+                d = model.head_dim
+                k = packed[..., :d].permute(0, 2, 1, 3)
+                v = packed[..., d:].permute(0, 2, 1, 3)
+                out = torch.empty_like(q)
+                ours = lambda: openmsa.sparse_attention(q, k, v, idx, cu, seq, table,  # noqa
+                                                        out=out)
+                ours()
+                flops = 4 * model.num_heads * d * 16 * 128 * chunk
+                dev = med(device_times_us(ours, max(5, args.iters // 4)))
+                row = dict(section="attention-prefill", model=model_name, dtype=dname,
+                           context=context, T=chunk, us=dev, tflops=flops / dev / 1e6,
+                           pct_bf16_mm=100 * flops / dev / 1e6 / CEIL["bf16_tflops"]
+                           if CEIL["bf16_tflops"] else None)
+                if dname == "bf16":
+                    row["dense_us"] = try_peer(lambda: _dense_prefill_us(model, context, chunk,
+                                                                          args))
+                record(**row)
+                del q, packed, idx
+                torch.cuda.empty_cache()
+
+
+def _dense_prefill_us(model, context, chunk, args):
+    from torch.nn.attention.bias import causal_lower_right
+    d = model.head_dim
+    total = context + chunk
+    kk = torch.randn(1, model.num_heads, total, d, device="cuda", dtype=torch.bfloat16)
+    vv = torch.randn_like(kk)
+    qq = torch.randn(1, model.num_heads, chunk, d, device="cuda", dtype=torch.bfloat16)
+    mask = causal_lower_right(chunk, total)
+    fn = lambda: torch.nn.functional.scaled_dot_product_attention(qq, kk, vv,  # noqa: E731
+                                                                  attn_mask=mask)
+    return med(device_times_us(fn, max(5, args.iters // 4)))
+
+
+SECTIONS = {"ceilings": ceilings, "indexer-decode": indexer_decode,
+            "indexer-prefill": indexer_prefill, "attention-decode": attention_decode,
+            "attention-prefill": attention_prefill}
+
+
+def provenance() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True).stdout.strip() or "unknown"
+    except OSError:
+        sha = "unknown"
+    p = torch.cuda.get_device_properties(0)
+    return (f"# {p.name} ({p.multi_processor_count} SMs), CUDA {torch.version.cuda}, torch "
+            f"{torch.__version__}, triton {triton.__version__}, openmsa {openmsa.__version__} "
+            f"@ {sha}")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sections", default=",".join(SECTIONS))
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--quick", action="store_true", help="a subset of the decode grid")
+    parser.add_argument("--no-peers", action="store_true")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    print(provenance(), flush=True)
+    fi = None if args.no_peers else load_flashinfer()
+    sections = args.sections.split(",")
+    if "ceilings" not in sections:
+        sections.insert(0, "ceilings")
+    for name in sections:
+        print(f"## {name}", flush=True)
+        try:
+            SECTIONS[name](args, fi)
+        except Exception as e:  # noqa: BLE001
+            print(f"# section {name} failed: {type(e).__name__}: {e}", flush=True)
+            import traceback
+            traceback.print_exc()
+    with open(os.path.join(args.out, "bench.json"), "w") as f:
+        json.dump({"provenance": provenance(), "rows": ROWS}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Named benchmark shapes, taken from MiniMax-M3's configuration (MSA-SPEC.md) and the issues'
+grids. Scripts read these; nothing else hard-codes a shape."""
+
+from openmsa import MSAConfig
+
+M3 = MSAConfig()
+MODELS = {
+    "m3-tp1": M3,           # 64 q / 4 kv / 4 index heads per rank
+    "m3-tp4": M3.shard(4),  # 16 q / 1 kv / 1 index head per rank
+}
+
+K = 1024
+INDEXER_DECODE = dict(batches=(1, 8, 32, 64, 128), contexts=(32 * K, 128 * K, 1024 * K),
+                      q_lens=(1, 4), dtypes=("bf16", "fp8"))
+# prefill chunks of 8192 tokens after 0, 120K and ~1M (1M - 8K, so the request ends at 1M)
+INDEXER_PREFILL = dict(chunk=8192, contexts=(0, 120 * K, 1024 * K - 8192), dtypes=("fp8", "bf16"))
+ATTENTION_DECODE = dict(batches=(1, 8, 64, 128), context=64 * K, q_lens=(1, 4),
+                        dtypes=("bf16", "fp8"))
+ATTENTION_PREFILL = dict(chunk=8192, contexts=(8 * K, 128 * K), dtypes=("bf16", "fp8"))
