@@ -8,6 +8,7 @@ import torch
 import openmsa
 from openmsa import reference as ref
 from openmsa.batch import token_layout
+from openmsa.ops.indexer import api as indexer_api
 from openmsa.testing import (assert_close, make_step, nan_poison, random_index_inputs,
                              random_kv_cache)
 
@@ -41,10 +42,14 @@ def _index_case(device, q_dtype, c_dtype, integer, heads=2, dim=32, seed=0):
 
 
 @pytest.mark.parametrize("q_dtype, c_dtype", INDEX_DTYPES)
-@pytest.mark.parametrize("topk, init, local", [(4, 0, 1), (3, 1, 1)])
-def test_select_exact_on_integer_inputs(kernel_device, q_dtype, c_dtype, topk, init, local):
+@pytest.mark.parametrize("topk, init, local, segment", [(4, 0, 1, None), (3, 1, 1, 4)])
+def test_select_exact_on_integer_inputs(kernel_device, q_dtype, c_dtype, topk, init, local,
+                                        segment, monkeypatch):
     """Integer-valued inputs: exact dot products on both sides and many tied blocks, so the
-    indices must agree exactly, tie rule included."""
+    indices must agree exactly, tie rule included. `segment` cuts score rows into several
+    selection programs, so the merge launch runs too."""
+    if segment is not None:
+        monkeypatch.setattr(indexer_api, "SELECT_SEGMENT", segment)
     step, q, c, dstep = _index_case(kernel_device, q_dtype, c_dtype, integer=True)
     args = (step.cu_seqlens_q, step.seq_lens, step.block_table)
     dargs = (dstep.cu_seqlens_q, dstep.seq_lens, dstep.block_table)

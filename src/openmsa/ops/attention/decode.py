@@ -39,7 +39,7 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
     g = tl.program_id(1)
     split = tl.program_id(2)
     rows = tl.arange(0, M)
-    row_ok = rows < G
+    head_ok = rows < G
     head = g * G + rows
     d = tl.arange(0, D)
     offs = tl.arange(0, BLOCK)
@@ -60,11 +60,21 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
     ih = g * NUM_INDEX_HEADS // NUM_KV_HEADS
     idx_row = idx_ptr + t.to(tl.int64) * stride_it + ih * stride_ih
     kk = tl.arange(0, KP)
-    row_ids = tl.load(idx_row + kk * stride_ik, mask=kk < TOPK, other=-1)
-    row_ok_ids = (row_ids >= 0) & (row_ids < n)
+    row_ids = tl.load(idx_row + kk * stride_ik, mask=kk < TOPK, other=-1)  # [KP]
+    in_range = (row_ids >= 0) & (row_ids < n)
+    earlier = kk[None, :] < kk[:, None]  # [KP, KP]: column j before row i
+    dup = tl.sum((earlier & (row_ids[None, :] == row_ids[:, None]) & in_range[None, :])
+                 .to(tl.int32), axis=1) > 0
+    # every page up front: the loop below then issues only K/V loads, whose addresses come from
+    # registers, so the software pipeline can prefetch the next blocks (a load chain of index ->
+    # block table -> K per iteration would serialise three memory latencies)
+    row_pages = tl.load(bt_ptr + r_safe * stride_btr + tl.where(in_range, row_ids, 0) * stride_btb,
+                        mask=in_range & ~dup, other=-1)
+    # a negative page id (a table the engine left unfilled) reads nothing
+    row_ok = in_range & ~dup & (row_pages >= 0)
 
     q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + head[:, None] * stride_qh
-                + d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)  # [M, D]
+                + d[None, :] * stride_qd, mask=head_ok[:, None], other=0.0)  # [M, D]
     qk_scale = sm_scale * LOG2E
     if HAS_SCALE:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
@@ -74,13 +84,10 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
     e_lo = split * ENTRIES
     e_hi = tl.minimum(e_lo + ENTRIES, TOPK)
     for e in range(e_lo, e_hi):
-        blk = tl.load(idx_row + e * stride_ik)
-        dup = tl.sum(((kk < e) & (row_ids == blk) & row_ok_ids).to(tl.int32), axis=0) > 0
-        ok = (blk >= 0) & (blk < n) & (dup == 0)
-        page = tl.load(bt_ptr + r_safe * stride_btr + tl.where(ok, blk, 0) * stride_btb,
-                       mask=ok, other=-1).to(tl.int64)
-        # a negative page id (a table the engine left unfilled) reads nothing
-        ok = ok & (page >= 0)
+        pick = kk == e
+        blk = tl.sum(tl.where(pick, row_ids, 0), axis=0)
+        page = tl.sum(tl.where(pick, row_pages, 0), axis=0).to(tl.int64)
+        ok = tl.sum(tl.where(pick, row_ok.to(tl.int32), 0), axis=0) > 0
         key_pos = blk * BLOCK + offs
         # keys after the token (its own block's tail, possibly never written) are masked, and
         # their V rows zeroed so an unwritten NaN cannot reach the sum
@@ -113,13 +120,13 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
     if SPLITS == 1:
         out = out_ptr + t.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od
-        tl.store(out, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-        tl.store(lse_ptr + t.to(tl.int64) * stride_lt + head * stride_lh, lse, mask=row_ok)
+        tl.store(out, o.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+        tl.store(lse_ptr + t.to(tl.int64) * stride_lt + head * stride_lh, lse, mask=head_ok)
     else:
         # workspace [T, Hq, SPLITS, D] and [T, Hq, SPLITS], contiguous
         base = (t.to(tl.int64) * NUM_HEADS + head) * SPLITS + split  # [M]
-        tl.store(part_out_ptr + base[:, None] * D + d[None, :], o, mask=row_ok[:, None])
-        tl.store(part_lse_ptr + base, lse, mask=row_ok)
+        tl.store(part_out_ptr + base[:, None] * D + d[None, :], o, mask=head_ok[:, None])
+        tl.store(part_lse_ptr + base, lse, mask=head_ok)
 
 
 @triton.jit

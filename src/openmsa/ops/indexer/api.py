@@ -22,7 +22,8 @@ SMALL_Q = 16
 DECODE_ROWS = 16
 PREFILL_ROWS = 128
 PREFILL_BLOCKS_PER_SPLIT = 32
-SELECT_CHUNK = 256
+# blocks of a score row per selection program (a 1M-token row of 8192 blocks takes 8)
+SELECT_SEGMENT = 1024
 
 
 def _next_pow2(x: int) -> int:
@@ -76,7 +77,9 @@ def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_tabl
     grid = (num_requests, -(-max_blocks // bps))
     _block_scores_kernel[grid](*args, BPS=bps, TILE_MODE=False, ROWS_T=rows_t, **common,
                                num_warps=4, num_stages=3)
-    # prefill chunks: tiles of packed tokens
+    # prefill chunks: tiles of packed tokens; with T <= SMALL_Q no request can be long
+    if num_tokens <= SMALL_Q:
+        return
     rows_t = max(1, PREFILL_ROWS // hp)
     bps = PREFILL_BLOCKS_PER_SPLIT
     grid = (-(-num_tokens // rows_t), -(-max_blocks // bps))
@@ -86,17 +89,28 @@ def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_tabl
 
 def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, local_blocks,
                   block_size) -> None:
-    from .select import _select_topk_kernel
+    """Top-k per (token, head) row of `scores` into `out`; rows are cut into segments of
+    SELECT_SEGMENT blocks (one program each), merged by a second launch when there are several."""
+    from .select import _merge_topk_kernel, _segment_topk_kernel
 
-    num_tokens, num_heads, _ = scores.shape
+    num_tokens, num_heads, max_blocks = scores.shape
     if num_tokens == 0:
         return
     kp = _next_pow2(topk)
-    chunk = max(SELECT_CHUNK, 2 * kp)
-    _select_topk_kernel[(num_tokens, num_heads)](
-        scores, cu_seqlens_q, seq_lens, out, seq_lens.shape[0], *scores.stride(), *out.stride(),
-        TOPK=topk, KP=kp, INIT=init_blocks, LOCAL=local_blocks, BLOCK=block_size, CHUNK=chunk,
-        num_warps=4)
+    seg = max(2 * kp, min(SELECT_SEGMENT, _next_pow2(max(max_blocks, 1))))
+    num_segments = -(-max(max_blocks, 1) // seg)
+    single = num_segments == 1
+    cand = out if single else torch.empty((num_tokens, num_heads, num_segments, kp),
+                                          dtype=torch.int64, device=scores.device)
+    _segment_topk_kernel[(num_tokens, num_heads, num_segments)](
+        scores, cu_seqlens_q, seq_lens, out, cand, seq_lens.shape[0], num_segments,
+        *scores.stride(), *out.stride(), TOPK=topk, KP=kp, INIT=init_blocks, LOCAL=local_blocks,
+        BLOCK=block_size, SEG=seg, SINGLE=single, num_warps=4)
+    if not single:
+        _merge_topk_kernel[(num_tokens, num_heads)](
+            cand, cu_seqlens_q, seq_lens, out, seq_lens.shape[0], num_segments, *out.stride(),
+            TOPK=topk, KP=kp, BLOCK=block_size, SEG=seg,
+            CANDP=_next_pow2(num_segments * kp), num_warps=4)
 
 
 def block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, block_size=128,

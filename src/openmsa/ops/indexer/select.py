@@ -1,12 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Triton kernel of the selection: top-K blocks per (token, index head) from a score row.
+"""Triton kernels of the selection: top-K blocks per (token, index head) from a score row.
 
-One program per (token, index head). Each score is packed with its block id into one int64 whose
-order is (score, then lower block) (`pack_score_key`), so keys are distinct and the top K by a
-plain sort obeys the tie rule. The row streams in CHUNK-wide pieces; a piece is sorted and merged
-into the running top KP only when its best key beats the running K-th, which after the first
-pieces is rare, so a long row costs about one read of its scores.
-Bytes: reads n * 4 bytes of scores per row, writes K * 4.
+Each score is packed with its block id into one int64 whose order is (score, then lower block)
+(`pack_score_key`), so keys are distinct and a plain top-k on them obeys the tie rule; forced
+blocks get the largest keys. A row is cut into SEG-wide segments, one program each
+(`_segment_topk_kernel`, grid (T, H, segments)), which keeps its segment's best KP keys with
+Triton's bitonic top-k; with one segment that program writes the answer itself, otherwise
+`_merge_topk_kernel` takes the best K of the segments' candidates. Splitting the row lets a
+single 1M-token request (8192 blocks) use many programs instead of one.
+Bytes: reads n * 4 bytes of scores per row (+ segments * KP * 8 of candidates), writes K * 4.
 """
 
 import triton
@@ -17,20 +19,8 @@ from ..common.triton_utils import (EMPTY_KEY, FORCED_SCORE_KEY, find_request, pa
 
 
 @triton.jit
-def _first_row(x, ROWS: tl.constexpr, KP: tl.constexpr):
-    """Row 0 of x reshaped [ROWS, KP]: the first KP entries of a sorted vector."""
-    x2 = tl.reshape(x, [ROWS, KP])
-    r = tl.arange(0, ROWS)
-    return tl.max(tl.where(r[:, None] == 0, x2, EMPTY_KEY), axis=0)
-
-
-@triton.jit
-def _select_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_requests,
-                        stride_st, stride_sh, stride_sb, stride_ot, stride_oh, stride_ok,
-                        TOPK: tl.constexpr, KP: tl.constexpr, INIT: tl.constexpr,
-                        LOCAL: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
-    t = tl.program_id(0)
-    h = tl.program_id(1)
+def _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, t, BLOCK: tl.constexpr):
+    """n = p // B + 1 for token t; 0 for padding and for a malformed request (q_len > seq_len)."""
     r = find_request(cu_ptr, num_requests, t)
     n = 0
     if r < num_requests:
@@ -38,35 +28,70 @@ def _select_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_requests,
         q_len = tl.load(cu_ptr + r + 1) - t_req
         seq_len = tl.load(seq_lens_ptr + r)
         pos = seq_len - q_len + (t - t_req)
-        # a request with q_len > seq_len is malformed: all its tokens are padding
         n = tl.where(seq_len >= q_len, pos // BLOCK + 1, 0)
+    return n
+
+
+@triton.jit
+def _write_ascending(out_row, stride_ok, best, TOPK: tl.constexpr, KP: tl.constexpr):
+    """The first TOPK keys of `best` (descending) as ascending block ids, then -1."""
+    slots = tl.arange(0, KP)
+    keep = (slots < TOPK) & (best != EMPTY_KEY)
+    blocks = tl.sort(tl.where(keep, unpack_block(best), 2**31 - 1))
+    tl.store(out_row + slots * stride_ok, tl.where(blocks == 2**31 - 1, -1, blocks),
+             mask=slots < TOPK)
+
+
+@triton.jit
+def _segment_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, cand_ptr, num_requests,
+                         num_segments, stride_st, stride_sh, stride_sb, stride_ot, stride_oh,
+                         stride_ok, TOPK: tl.constexpr, KP: tl.constexpr, INIT: tl.constexpr,
+                         LOCAL: tl.constexpr, BLOCK: tl.constexpr, SEG: tl.constexpr,
+                         SINGLE: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    seg = tl.program_id(2)
+    num_heads = tl.num_programs(1)
+    n = _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, t, BLOCK)
     slots = tl.arange(0, KP)
     out_row = out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh
     if n <= TOPK:
-        # every causal block, ascending, then -1
-        tl.store(out_row + slots * stride_ok, tl.where(slots < n, slots, -1), mask=slots < TOPK)
+        # every causal block, ascending, then -1 (the first segment writes it; no scores read)
+        if seg == 0:
+            tl.store(out_row + slots * stride_ok, tl.where(slots < n, slots, -1),
+                     mask=slots < TOPK)
     else:
+        b = seg * SEG + tl.arange(0, SEG)
+        live = b < n
         row = scores_ptr + t.to(tl.int64) * stride_st + h * stride_sh
-        best = tl.full([KP], EMPTY_KEY, tl.int64)
-        # the running K-th best key: a piece must beat it to matter
-        kth = EMPTY_KEY
-        c = tl.arange(0, CHUNK)
-        for start in range(0, n, CHUNK):
-            b = start + c
-            live = b < n
-            s = tl.load(row + b.to(tl.int64) * stride_sb, mask=live, other=float("-inf"))
-            key = pack_score_key(s, b)
-            forced = (b < INIT) | (b >= n - LOCAL)
-            key = tl.where(forced, (FORCED_SCORE_KEY << 32) + (0xFFFFFFFF - b.to(tl.int64)), key)
-            key = tl.where(live, key, EMPTY_KEY)
-            if tl.max(key, axis=0) > kth:
-                top = _first_row(tl.sort(key, descending=True), CHUNK // KP, KP)
-                both = tl.reshape(tl.join(best, top), [2 * KP])
-                best = _first_row(tl.sort(both, descending=True), 2, KP)
-                kth = tl.sum(tl.where(slots == TOPK - 1, best, 0), axis=0)
-        # keep the first TOPK of the descending list, then write ascending block ids
-        keep = (slots < TOPK) & (best != EMPTY_KEY)
-        blocks = tl.where(keep, unpack_block(best), 2**31 - 1)
-        blocks = tl.sort(blocks)
-        tl.store(out_row + slots * stride_ok, tl.where(blocks == 2**31 - 1, -1, blocks),
-                 mask=slots < TOPK)
+        s = tl.load(row + b.to(tl.int64) * stride_sb, mask=live, other=float("-inf"))
+        key = pack_score_key(s, b)
+        forced = (b < INIT) | (b >= n - LOCAL)
+        key = tl.where(forced, (FORCED_SCORE_KEY << 32) + (0xFFFFFFFF - b.to(tl.int64)), key)
+        key = tl.where(live, key, EMPTY_KEY)
+        best = tl.topk(key, KP)  # [KP], descending
+        if SINGLE:
+            _write_ascending(out_row, stride_ok, best, TOPK, KP)
+        else:
+            # candidates [T, H, segments, KP], contiguous
+            base = ((t.to(tl.int64) * num_heads + h) * num_segments + seg) * KP
+            tl.store(cand_ptr + base + slots, best)
+
+
+@triton.jit
+def _merge_topk_kernel(cand_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_requests, num_segments,
+                       stride_ot, stride_oh, stride_ok, TOPK: tl.constexpr, KP: tl.constexpr,
+                       BLOCK: tl.constexpr, SEG: tl.constexpr, CANDP: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    n = _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, t, BLOCK)
+    if n > TOPK:
+        # segments past the row's causal blocks wrote nothing: read only those that exist
+        live_segs = (n + SEG - 1) // SEG
+        c = tl.arange(0, CANDP)
+        base = (t.to(tl.int64) * num_heads + h) * num_segments * KP
+        key = tl.load(cand_ptr + base + c, mask=c < live_segs * KP, other=EMPTY_KEY)
+        best = tl.topk(key, KP)
+        _write_ascending(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh, stride_ok, best,
+                         TOPK, KP)
