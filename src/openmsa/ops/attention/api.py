@@ -25,14 +25,19 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+# launch knobs, read at each call so that benchmarks/tune.py can sweep them
+TUNING = dict(waves=2, min_blocks_per_split=2, warps=4, stages=3)
+
+
 def _num_splits(num_tokens: int, num_kv_heads: int, topk: int, device: torch.device) -> int:
-    """Split the selection so that T * Hkv * splits programs fill the GPU (2 waves), but give
-    each split at least 2 blocks; a fixed function of shapes, so CUDA graphs see one grid."""
+    """Split the selection so that T * Hkv * splits programs fill the GPU (TUNING waves), with
+    at least min_blocks_per_split blocks each; a function of shapes only, so a CUDA graph sees
+    one grid."""
     if device.type != "cuda":
         return 2 if topk >= 4 else 1
     sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    want = -(-2 * sms // max(1, num_tokens * num_kv_heads))
-    return max(1, min(want, topk // 2))
+    want = -(-TUNING["waves"] * sms // max(1, num_tokens * num_kv_heads))
+    return max(1, min(want, topk // TUNING["min_blocks_per_split"]))
 
 
 def _scale_tensor(value, device):
@@ -109,7 +114,8 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
         *lse.stride(), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         NUM_INDEX_HEADS=indices.shape[1], G=group, M=max(16, _next_pow2(group)), D=head_dim,
         BLOCK=block_size, TOPK=topk, KP=_next_pow2(topk), ENTRIES=entries, SPLITS=splits,
-        HAS_SCALE=has_scale, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=3)
+        HAS_SCALE=has_scale, IEEE=q.dtype == torch.float32, num_warps=TUNING["warps"],
+        num_stages=TUNING["stages"])
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part_out, part_lse, out, lse, *out.stride(), *lse.stride(), NUM_HEADS=num_heads,

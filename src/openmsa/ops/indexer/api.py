@@ -21,9 +21,11 @@ SMALL_Q = 16
 # rows (token, head pairs) of one tensor-core tile in each launch
 DECODE_ROWS = 16
 PREFILL_ROWS = 128
-PREFILL_BLOCKS_PER_SPLIT = 32
 # blocks of a score row per selection program (a 1M-token row of 8192 blocks takes 8)
 SELECT_SEGMENT = 1024
+# launch knobs, read at each call so that benchmarks/tune.py can sweep them
+TUNING = dict(decode_waves=4, decode_warps=4, decode_stages=3, decode_max_bps=64,
+              prefill_bps=32, prefill_warps=8, prefill_stages=3, select_warps=4)
 
 
 def _next_pow2(x: int) -> int:
@@ -38,7 +40,8 @@ def _num_sms(index: int) -> int:
 def _programs_wanted(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
-    return 4 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return TUNING["decode_waves"] * sms
 
 
 def _raise_if_unsupported(index_q, index_cache, block_size, topk) -> None:
@@ -72,19 +75,21 @@ def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_tabl
             *scores.stride())
     # decode/verify: enough splits of each request's blocks to fill the GPU
     splits_wanted = -(-_programs_wanted(index_q.device) // num_requests)
-    bps = min(64, max(4, _next_pow2(-(-max_blocks // splits_wanted))))
+    bps = min(TUNING["decode_max_bps"], max(4, _next_pow2(-(-max_blocks // splits_wanted))))
     rows_t = max(1, DECODE_ROWS // hp)
     grid = (num_requests, -(-max_blocks // bps))
     _block_scores_kernel[grid](*args, BPS=bps, TILE_MODE=False, ROWS_T=rows_t, **common,
-                               num_warps=4, num_stages=3)
+                               num_warps=TUNING["decode_warps"],
+                               num_stages=TUNING["decode_stages"])
     # prefill chunks: tiles of packed tokens; with T <= SMALL_Q no request can be long
     if num_tokens <= SMALL_Q:
         return
     rows_t = max(1, PREFILL_ROWS // hp)
-    bps = PREFILL_BLOCKS_PER_SPLIT
+    bps = TUNING["prefill_bps"]
     grid = (-(-num_tokens // rows_t), -(-max_blocks // bps))
     _block_scores_kernel[grid](*args, BPS=bps, TILE_MODE=True, ROWS_T=rows_t, **common,
-                               num_warps=8, num_stages=3)
+                               num_warps=TUNING["prefill_warps"],
+                               num_stages=TUNING["prefill_stages"])
 
 
 def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, local_blocks,
@@ -105,12 +110,12 @@ def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, loc
     _segment_topk_kernel[(num_tokens, num_heads, num_segments)](
         scores, cu_seqlens_q, seq_lens, out, cand, seq_lens.shape[0], num_segments,
         *scores.stride(), *out.stride(), TOPK=topk, KP=kp, INIT=init_blocks, LOCAL=local_blocks,
-        BLOCK=block_size, SEG=seg, SINGLE=single, num_warps=4)
+        BLOCK=block_size, SEG=seg, SINGLE=single, num_warps=TUNING["select_warps"])
     if not single:
         _merge_topk_kernel[(num_tokens, num_heads)](
             cand, cu_seqlens_q, seq_lens, out, seq_lens.shape[0], num_segments, *out.stride(),
             TOPK=topk, KP=kp, BLOCK=block_size, SEG=seg,
-            CANDP=_next_pow2(num_segments * kp), num_warps=4)
+            CANDP=_next_pow2(num_segments * kp), num_warps=TUNING["select_warps"])
 
 
 def block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, block_size=128,

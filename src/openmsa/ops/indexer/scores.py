@@ -43,9 +43,13 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
                 + d[None, :] * stride_qd, mask=row_ok[:, None] & (d[None, :] < DI), other=0.0)  # [M, DIP]
     offs = tl.arange(0, BLOCK)
     cols = tl.arange(0, BPS)
+    # the split's page ids up front: the loop then issues only key loads with addresses from
+    # registers, which the software pipeline prefetches (no block-table -> key load chain)
+    split_pages = tl.load(bt_row_ptr + (b_lo + cols) * stride_btb, mask=b_lo + cols < b_hi,
+                          other=-1)  # [BPS]
     tile = tl.full([M, BPS], float("-inf"), tl.float32)
     for b in range(b_lo, b_hi):
-        page = tl.load(bt_row_ptr + b * stride_btb).to(tl.int64)
+        page = tl.sum(tl.where(cols == b - b_lo, split_pages, 0), axis=0).to(tl.int64)
         # a negative page id (a table the engine left unfilled) reads nothing and scores -inf
         page_ok = page >= 0
         k = tl.load(cache_ptr + page * stride_cp + offs[:, None] * stride_cb

@@ -1,0 +1,91 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Sweep the launch knobs (ops/*/api.py TUNING) on a few representative shapes, printing the
+median device time of each variant; the winners go back into TUNING by hand, with the numbers
+in docs/performance.md.   python benchmarks/tune.py [--iters N]"""
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import run  # noqa: E402
+import shapes  # noqa: E402
+
+import openmsa  # noqa: E402
+from openmsa.ops.attention import api as attention_api  # noqa: E402
+from openmsa.ops.indexer import api as indexer_api  # noqa: E402
+
+
+def sweep(name, tuning, variants, cases, iters):
+    base = dict(tuning)
+    for case_name, fn in cases:
+        cells = []
+        for v in variants:
+            tuning.clear()
+            tuning.update(base, **v)
+            try:
+                cells.append(f"{run.med(run.device_times_us(fn, iters)):8.1f}")
+            except Exception as e:  # noqa: BLE001
+                cells.append(f"  fail({type(e).__name__})")
+        print(f"{name:10s} {case_name:28s} " + " ".join(cells), flush=True)
+    tuning.clear()
+    tuning.update(base)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--iters", type=int, default=10)
+    args = p.parse_args()
+    print(run.provenance(), flush=True)
+
+    variants = [{}, dict(warps=8), dict(stages=2), dict(stages=4), dict(waves=4,
+                min_blocks_per_split=1), dict(warps=8, stages=2, waves=4, min_blocks_per_split=1)]
+    print("attention variants:", variants)
+    cases = []
+    m = shapes.MODELS["m3-tp1"]
+    for dname, batch, q_len in (("fp8", 1, 1), ("fp8", 128, 1), ("bf16", 128, 1),
+                                ("fp8", 128, 4)):
+        q, packed, idx, cu, seq, table = run._attention_step(m, batch, 65536, q_len, dname)
+        k, v = packed[..., :128].permute(0, 2, 1, 3), packed[..., 128:].permute(0, 2, 1, 3)
+        cases.append((f"dec {dname} B{batch} q{q_len}",
+                      (lambda q=q, k=k, v=v, idx=idx, cu=cu, seq=seq, table=table:
+                       openmsa.sparse_attention(q, k, v, idx, cu, seq, table))))
+    q, packed, idx, cu, seq, table = run._attention_step(m, 1, 8192 + 8192, 8192, "bf16")
+    k, v = packed[..., :128].permute(0, 2, 1, 3), packed[..., 128:].permute(0, 2, 1, 3)
+    cases.append(("prefill bf16 8K@8K", lambda: openmsa.sparse_attention(q, k, v, idx, cu, seq,
+                                                                          table)))
+    sweep("attention", attention_api.TUNING, variants, cases, args.iters)
+    del cases
+    torch.cuda.empty_cache()
+
+    variants = [{}, dict(decode_waves=8), dict(decode_waves=2), dict(decode_stages=4),
+                dict(decode_stages=2), dict(decode_warps=8), dict(select_warps=8)]
+    print("indexer decode variants:", variants)
+    cases = []
+    for dname, batch, ctx in (("fp8", 1, 131072), ("fp8", 1, 1 << 20), ("fp8", 32, 1 << 20),
+                              ("bf16", 128, 131072)):
+        q, cache, cu, seq, table = run._index_step(batch, ctx, 1, 4, run.DTYPES[dname])
+        cases.append((f"dec {dname} B{batch} L{ctx // 1024}K",
+                      (lambda q=q, cache=cache, cu=cu, seq=seq, table=table:
+                       openmsa.select_blocks(q, cache, cu, seq, table))))
+    sweep("indexer", indexer_api.TUNING, variants, cases, args.iters)
+    del cases
+    torch.cuda.empty_cache()
+
+    variants = [{}, dict(prefill_bps=16), dict(prefill_bps=64), dict(prefill_warps=4),
+                dict(prefill_stages=2), dict(prefill_stages=4)]
+    print("indexer prefill variants:", variants)
+    cases = []
+    for dname in ("fp8", "bf16"):
+        q, cache, cu, seq, table = run._index_step(1, 120 * 1024 + 8192, 8192, 4,
+                                                   run.DTYPES[dname])
+        cases.append((f"prefill {dname} 8K@120K",
+                      (lambda q=q, cache=cache, cu=cu, seq=seq, table=table:
+                       openmsa.select_blocks(q, cache, cu, seq, table))))
+    sweep("indexer", indexer_api.TUNING, variants, cases, max(3, args.iters // 2))
+
+
+if __name__ == "__main__":
+    main()
