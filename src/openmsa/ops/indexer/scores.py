@@ -23,6 +23,33 @@ from ..common.triton_utils import find_request
 
 
 @triton.jit
+def _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, stride_cb, stride_cd,
+                 d, DI: tl.constexpr, BLOCK: tl.constexpr, BPS: tl.constexpr,
+                 CAST_K: tl.constexpr, IEEE: tl.constexpr, CAUSAL: tl.constexpr):
+    """Column b - b_lo of the [rows, BPS] score tile: each row's max over block b's keys."""
+    offs = tl.arange(0, BLOCK)
+    cols = tl.arange(0, BPS)
+    page = tl.sum(tl.where(cols == b - b_lo, split_pages, 0), axis=0).to(tl.int64)
+    # a negative page id (a table the engine left unfilled) reads nothing and scores -inf
+    page_ok = page >= 0
+    k = tl.load(cache_ptr + page * stride_cp + offs[:, None] * stride_cb + d[None, :] * stride_cd,
+                mask=page_ok & (d[None, :] < DI), other=0.0)  # [BLOCK, DIP]
+    if CAST_K:
+        k = k.to(q.dtype)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [M, BLOCK]
+    else:
+        s = tl.dot(q, tl.trans(k))  # [M, BLOCK]
+    # NaN counts as -inf; with CAUSAL, keys after the row's token do not count
+    if CAUSAL:
+        s = tl.where(((b * BLOCK + offs)[None, :] <= pos[:, None]) & (s == s), s, float("-inf"))
+    else:
+        s = tl.where(s == s, s, float("-inf"))
+    best = tl.where(page_ok, tl.max(s, axis=1), float("-inf"))  # [M]
+    return tl.where(cols[None, :] == b - b_lo, best[:, None], tile)
+
+
+@triton.jit
 def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, seq_len, q_len,
                        t_req, b_lo, b_hi, stride_qt, stride_qh, stride_qd, stride_cp,
                        stride_cb, stride_cd, stride_btb, stride_ot, stride_oh, stride_ob,
@@ -41,31 +68,22 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
     d = tl.arange(0, DIP)
     q = tl.load(q_ptr + tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
                 + d[None, :] * stride_qd, mask=row_ok[:, None] & (d[None, :] < DI), other=0.0)  # [M, DIP]
-    offs = tl.arange(0, BLOCK)
     cols = tl.arange(0, BPS)
     # the split's page ids up front: the loop then issues only key loads with addresses from
     # registers, which the software pipeline prefetches (no block-table -> key load chain)
     split_pages = tl.load(bt_row_ptr + (b_lo + cols) * stride_btb, mask=b_lo + cols < b_hi,
                           other=-1)  # [BPS]
     tile = tl.full([M, BPS], float("-inf"), tl.float32)
-    for b in range(b_lo, b_hi):
-        page = tl.sum(tl.where(cols == b - b_lo, split_pages, 0), axis=0).to(tl.int64)
-        # a negative page id (a table the engine left unfilled) reads nothing and scores -inf
-        page_ok = page >= 0
-        k = tl.load(cache_ptr + page * stride_cp + offs[:, None] * stride_cb
-                    + d[None, :] * stride_cd, mask=page_ok & (d[None, :] < DI),
-                    other=0.0)  # [BLOCK, DIP]
-        if CAST_K:
-            k = k.to(q.dtype)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [M, BLOCK]
-        else:
-            s = tl.dot(q, tl.trans(k))  # [M, BLOCK]
-        key_pos = b * BLOCK + offs
-        # keys after the token do not count; NaN counts as -inf
-        s = tl.where((key_pos[None, :] <= pos[:, None]) & (s == s) & page_ok, s, float("-inf"))
-        best = tl.max(s, axis=1)  # [M]
-        tile = tl.where(cols[None, :] == b - b_lo, best[:, None], tile)
+    # blocks wholly at or before the earliest row's position need no causal mask: only the
+    # last one or two blocks of a tile pay for it
+    b_full = tl.minimum(tl.maximum((seq_len - q_len + (t_begin - t_req) + 1) // BLOCK, b_lo),
+                        b_hi)
+    for b in range(b_lo, b_full):
+        tile = _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, stride_cb,
+                            stride_cd, d, DI, BLOCK, BPS, CAST_K, IEEE, False)
+    for b in range(b_full, b_hi):
+        tile = _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, stride_cb,
+                            stride_cd, d, DI, BLOCK, BPS, CAST_K, IEEE, True)
     blk = b_lo + cols
     out = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh \
         + blk.to(tl.int64)[None, :] * stride_ob
