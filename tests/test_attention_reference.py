@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from openmsa import reference as ref
+from openmsa.batch import token_layout
 from openmsa.testing import make_step, random_kv_cache
 
 from brute import positions
@@ -138,3 +139,49 @@ def test_fp8_scales_dequantise():
     a = ref.sparse_attention(q, k, v, *args, block_size=B, k_scale=0.5, v_scale=2.0)
     b = ref.sparse_attention(q, k.float() * 0.5, v.float() * 2.0, *args, block_size=B)
     assert torch.equal(a, b.to(a.dtype))
+
+
+def _paged_decode(q, k_sub, v_sub, pages, lens, num_kv_heads, scale):
+    """A plain paged-attention kernel's semantics: row t*Hkv+g attends the first lens[row] tokens
+    of its sub-pages with the query heads of group g (what engines' decode kernels compute)."""
+    num_tokens, hq, d = q.shape
+    group = hq // num_kv_heads
+    out = torch.zeros(num_tokens, hq, d)
+    sub = k_sub.shape[1]
+    for t in range(num_tokens):
+        for g in range(num_kv_heads):
+            row = t * num_kv_heads + g
+            n = int(lens[row])
+            if n == 0:
+                continue
+            ids = pages[row, :-(-n // sub)].long()
+            k = k_sub[ids, :, g].reshape(-1, d)[:n]
+            v = v_sub[ids, :, g].reshape(-1, d)[:n]
+            qq = q[t, g * group:(g + 1) * group]
+            out[t, g * group:(g + 1) * group] = torch.softmax(qq @ k.T * scale, -1) @ v
+    return out
+
+
+@pytest.mark.parametrize("sub_page_size", [16, 4])
+def test_page_table_drives_a_plain_paged_kernel(sub_page_size):
+    step = _step()
+    k, v = random_kv_cache(step.num_pages, B, 2, 32, dtype=torch.float32)
+    q = torch.randn(step.num_tokens, 8, 32, generator=torch.Generator().manual_seed(9))
+    idx = _all_blocks(step, 2, topk=8)
+    # thin the selections so that they are sparse, and add noise the table must drop
+    idx[:, 0, 1] = -1
+    idx[:, 1, 2] = idx[:, 1, 0]
+    idx[:, 0, 7] = 50
+    pages, lens = ref.sparse_page_table(idx, step.cu_seqlens_q, step.seq_lens, step.block_table,
+                                        num_kv_heads=2, block_size=B,
+                                        sub_page_size=sub_page_size)
+    assert pages.shape == (step.num_tokens * 2, 8 * B // sub_page_size)
+    per = B // sub_page_size
+    k_sub = k.reshape(step.num_pages * per, sub_page_size, 2, 32)
+    v_sub = v.reshape(step.num_pages * per, sub_page_size, 2, 32)
+    got = _paged_decode(q, k_sub, v_sub, pages, lens, 2, 32 ** -0.5)
+    want = ref.sparse_attention(q, k, v, idx, step.cu_seqlens_q, step.seq_lens, step.block_table,
+                                block_size=B)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    _, pos = token_layout(step.cu_seqlens_q, step.seq_lens, step.num_tokens)
+    assert (lens.view(-1, 2)[pos < 0] == 0).all()

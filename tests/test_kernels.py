@@ -199,3 +199,18 @@ def test_cache_writes_match_reference(kernel_device):
     openmsa.write_kv_cache(k.to(kernel_device), v.to(kernel_device), kc, vc,
                            slots.to(kernel_device))
     assert torch.equal(kc.cpu(), wk) and torch.equal(vc.cpu(), wv)
+
+
+@pytest.mark.parametrize("sub_page_size", [16, 8])
+def test_sparse_page_table_matches_reference(kernel_device, sub_page_size):
+    step, dstep, _, _, _, idx = _attention_case(kernel_device, torch.float32, "flash", hq=4,
+                                                hkv=4, h=2)
+    idx = idx.clone()
+    idx[::3, :, 0] = -1
+    idx[1::4, :, 1] = idx[1::4, :, 2]
+    want = ref.sparse_page_table(idx, step.cu_seqlens_q, step.seq_lens, step.block_table,
+                                 num_kv_heads=4, block_size=B, sub_page_size=sub_page_size)
+    got = openmsa.sparse_page_table(idx.to(kernel_device), dstep.cu_seqlens_q, dstep.seq_lens,
+                                    dstep.block_table, num_kv_heads=4, block_size=B,
+                                    sub_page_size=sub_page_size)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])

@@ -114,8 +114,22 @@ def test_cache_write_bad_inputs():
                                torch.zeros(3, dtype=torch.int64))
 
 
+def test_page_table_bad_inputs():
+    a = _attention_args()
+    args = (a["indices"], a["cu_seqlens_q"], a["seq_lens"], a["block_table"])
+    with pytest.raises(ValueError, match="sub_page_size"):
+        openmsa.sparse_page_table(*args, num_kv_heads=2, block_size=B, sub_page_size=3)
+    with pytest.raises(ValueError, match="sub_page_size"):
+        openmsa.sparse_page_table(*args, num_kv_heads=2, block_size=B, sub_page_size=32)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        openmsa.sparse_page_table(*args, num_kv_heads=3, block_size=B)
+    with pytest.raises(TypeError, match="indices"):
+        openmsa.sparse_page_table(a["indices"].long(), *args[1:], num_kv_heads=2, block_size=B)
+
+
 @pytest.mark.parametrize("name", ["block_scores", "select_blocks", "sparse_attention",
-                                  "validate_batch", "write_index_cache", "write_kv_cache"])
+                                  "sparse_page_table", "validate_batch", "write_index_cache",
+                                  "write_kv_cache"])
 def test_reference_signatures_equal_public(name):
     assert inspect.signature(getattr(openmsa, name)) == inspect.signature(getattr(ref, name))
 

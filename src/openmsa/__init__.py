@@ -7,13 +7,14 @@ Public names only; see ../../README.md and docs/ for the layout of the package.
 from . import reference
 from .batch import validate_batch
 from .config import MSAConfig
-from .ops.attention.api import sparse_attention
+from .ops.attention.api import sparse_attention, sparse_page_table
 from .ops.cache.api import write_index_cache, write_kv_cache
 from .ops.indexer.api import block_scores, select_blocks
 from .support import unsupported_reason
 
 __version__ = "0.1.0"
 
-__all__ = ["MSAConfig", "block_scores", "select_blocks", "sparse_attention", "validate_batch",
+__all__ = ["MSAConfig", "block_scores", "select_blocks", "sparse_attention", "sparse_page_table",
+           "validate_batch",
            "write_index_cache", "write_kv_cache", "unsupported_reason", "reference",
            "__version__"]

@@ -11,9 +11,9 @@ import torch
 from ..._dispatch import use_kernels
 from ...support import attention_unsupported_reason
 from . import reference
-from .checks import check_attention_args
+from .checks import check_attention_args, check_page_table_args
 
-__all__ = ["sparse_attention"]
+__all__ = ["sparse_attention", "sparse_page_table"]
 
 
 def _next_pow2(x: int) -> int:
@@ -121,3 +121,42 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
             part_out, part_lse, out, lse, *out.stride(), *lse.stride(), NUM_HEADS=num_heads,
             D=head_dim, SPLITS=splits, SP=_next_pow2(splits), num_warps=4)
     return (out, lse) if return_lse else out
+
+
+def sparse_page_table(indices, cu_seqlens_q, seq_lens, block_table, *, num_kv_heads,
+                      block_size=128, sub_page_size=16):
+    """A selection as a page table for any paged kernel that runs one query row per table row.
+
+    Args:
+        indices: int32 [T, H, K] (select_blocks' output); KV head g reads index head g*H//Hkv.
+        cu_seqlens_q, seq_lens, block_table: the step (int32).
+        num_kv_heads: Hkv; rows are head-minor, row = t * Hkv + g.
+        sub_page_size: S, a power of two dividing block_size: the K/V cache is then read as
+            [P * B/S, S, Hkv, D] (a view of a flash-layout cache).
+
+    Returns:
+        (pages int32 [T*Hkv, K*B/S], context_lens int32 [T*Hkv]): sub-page ids of the full
+        selected blocks ascending, then the token's own block cut to its causal sub-pages, 0 in
+        unused columns; context_len = full blocks' tokens + the own block's p % B + 1.
+    """
+    if not use_kernels(indices):
+        return reference.sparse_page_table(indices, cu_seqlens_q, seq_lens, block_table,
+                                           num_kv_heads=num_kv_heads, block_size=block_size,
+                                           sub_page_size=sub_page_size)
+    from .page_table import _sparse_page_table_kernel
+
+    check_page_table_args(indices, cu_seqlens_q, seq_lens, block_table,
+                          num_kv_heads=num_kv_heads, block_size=block_size,
+                          sub_page_size=sub_page_size)
+    num_tokens, num_index_heads, topk = indices.shape
+    per_block = block_size // sub_page_size
+    pages = torch.empty((num_tokens * num_kv_heads, topk * per_block), dtype=torch.int32,
+                        device=indices.device)
+    lens = torch.empty(num_tokens * num_kv_heads, dtype=torch.int32, device=indices.device)
+    if num_tokens:
+        _sparse_page_table_kernel[(num_tokens, num_kv_heads)](
+            indices, cu_seqlens_q, seq_lens, block_table, pages, lens, seq_lens.shape[0],
+            *indices.stride(), *block_table.stride(), *pages.stride(),
+            NUM_KV_HEADS=num_kv_heads, NUM_INDEX_HEADS=num_index_heads, TOPK=topk,
+            KP=_next_pow2(topk), BLOCK=block_size, SUB=sub_page_size, num_warps=1)
+    return pages, lens

@@ -60,3 +60,22 @@ def check_attention_args(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, b
     check_scale_arg("v_scale", v_scale, device)
     if out is not None:
         check_out("out", out, tuple(q.shape), q.dtype, device)
+
+
+def check_page_table_args(indices, cu_seqlens_q, seq_lens, block_table, *, num_kv_heads,
+                          block_size, sub_page_size) -> None:
+    check_int_tensor("indices", indices, ndim=3)
+    device = indices.device
+    check_step(cu_seqlens_q, seq_lens, block_table, device)
+    check_block_size(block_size)
+    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 1:
+        raise ValueError(f"num_kv_heads must be a positive int, got {num_kv_heads!r}")
+    h = indices.shape[1]
+    if h < 1 or (num_kv_heads % h and h % num_kv_heads):
+        raise ValueError(f"indices' index heads ({h}) and num_kv_heads ({num_kv_heads}) must "
+                         f"divide one another")
+    if isinstance(sub_page_size, bool) or not isinstance(sub_page_size, int) \
+            or sub_page_size < 1 or sub_page_size & (sub_page_size - 1) \
+            or block_size % sub_page_size:
+        raise ValueError(f"sub_page_size must be a power of two dividing block_size "
+                         f"({block_size}), got {sub_page_size!r}")

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from ...batch import num_causal_blocks, token_layout
-from .checks import check_attention_args
+from .checks import check_attention_args, check_page_table_args
 
-__all__ = ["sparse_attention", "kv_head_to_index_head"]
+__all__ = ["sparse_attention", "sparse_page_table", "kv_head_to_index_head"]
 
 # fp32 elements of one gathered K (or V) chunk: bounds the reference's memory (128 MB each).
 _CHUNK_ELEMENTS = 1 << 25
@@ -102,3 +102,50 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
     else:
         out.copy_(result)
     return (out, lse) if return_lse else out
+
+
+def sparse_page_table(indices, cu_seqlens_q, seq_lens, block_table, *, num_kv_heads,
+                      block_size=128, sub_page_size=16):
+    """A selection as a page table for any paged-attention kernel that runs one query row.
+
+    Row t * Hkv + g (head-minor) lists the physical sub-pages (page * B/S + j, S = sub_page_size)
+    of token t's selected blocks for KV head g: full blocks ascending, then the token's own block
+    cut to its causal sub-pages. Entries < 0, >= n or repeated are dropped; unused columns hold 0.
+
+    Returns:
+        (pages int32 [T * Hkv, K * B/S], context_lens int32 [T * Hkv]) where context_len is the
+        full blocks' tokens plus the own block's p % B + 1 causal tokens (0 for padding rows).
+    """
+    check_page_table_args(indices, cu_seqlens_q, seq_lens, block_table,
+                          num_kv_heads=num_kv_heads, block_size=block_size,
+                          sub_page_size=sub_page_size)
+    num_tokens, num_index_heads, topk = indices.shape
+    per_block = block_size // sub_page_size
+    pages = torch.zeros(num_tokens * num_kv_heads, topk * per_block, dtype=torch.int32)
+    lens = torch.zeros(num_tokens * num_kv_heads, dtype=torch.int32)
+    _, position = token_layout(cu_seqlens_q, seq_lens, num_tokens)
+    request, _ = token_layout(cu_seqlens_q, seq_lens, num_tokens)
+    head_map = kv_head_to_index_head(num_kv_heads, num_index_heads).tolist()
+    for t in range(num_tokens):
+        p = int(position[t])
+        if p < 0:
+            continue
+        n = p // block_size + 1
+        table = block_table[int(request[t])].tolist()
+        for g in range(num_kv_heads):
+            ids = []
+            for b in indices[t, head_map[g]].tolist():
+                if 0 <= b < n and b not in ids:
+                    ids.append(b)
+            full = sorted(b for b in ids if b != n - 1)
+            subs = [table[b] * per_block + j for b in full for j in range(per_block)]
+            length = len(full) * block_size
+            if n - 1 in ids:
+                own = p - (n - 1) * block_size + 1
+                subs += [table[n - 1] * per_block + j
+                         for j in range(-(-own // sub_page_size))]
+                length += own
+            row = t * num_kv_heads + g
+            pages[row, :len(subs)] = torch.tensor(subs, dtype=torch.int32)
+            lens[row] = length
+    return pages.to(indices.device), lens.to(indices.device)
