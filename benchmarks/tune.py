@@ -37,8 +37,28 @@ def sweep(name, tuning, variants, cases, iters):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--only", default="attention-decode,attention-prefill,indexer-decode,"
+                   "indexer-prefill")
     args = p.parse_args()
+    only = args.only.split(",")
     print(run.provenance(), flush=True)
+    if "attention-prefill" in only:
+        variants = [{}, dict(tile_rows=128, tile_warps=8), dict(tile_stages=3),
+                    dict(tile_warps=8), dict(tile_rows=128, tile_warps=8, tile_stages=3)]
+        print("attention prefill variants:", variants)
+        m = shapes.MODELS["m3-tp1"]
+        cases = []
+        for dname, ctx in (("bf16", 8192), ("bf16", 131072), ("fp8", 8192)):
+            q, packed, idx, cu, seq, table = run._attention_step(m, 1, ctx + 8192, 8192, dname)
+            k, v = packed[..., :128].permute(0, 2, 1, 3), packed[..., 128:].permute(0, 2, 1, 3)
+            cases.append((f"prefill {dname} 8K@{ctx // 1024}K",
+                          (lambda q=q, k=k, v=v, idx=idx, cu=cu, seq=seq, table=table:
+                           openmsa.sparse_attention(q, k, v, idx, cu, seq, table))))
+        sweep("attention", attention_api.TUNING, variants, cases, 5)
+        del cases
+        torch.cuda.empty_cache()
+    if "attention-decode" not in only:
+        return _indexer(args, only)
 
     variants = [{}, dict(warps=8), dict(stages=2), dict(stages=4), dict(waves=4,
                 min_blocks_per_split=1), dict(warps=8, stages=2, waves=4, min_blocks_per_split=1)]
@@ -59,7 +79,12 @@ def main():
     sweep("attention", attention_api.TUNING, variants, cases, args.iters)
     del cases
     torch.cuda.empty_cache()
+    _indexer(args, only)
 
+
+def _indexer(args, only):
+    if "indexer-decode" not in only:
+        return _indexer_prefill(args)
     variants = [{}, dict(decode_waves=8), dict(decode_waves=2), dict(decode_stages=4),
                 dict(decode_stages=2), dict(decode_warps=8), dict(select_warps=8)]
     print("indexer decode variants:", variants)
@@ -73,7 +98,10 @@ def main():
     sweep("indexer", indexer_api.TUNING, variants, cases, args.iters)
     del cases
     torch.cuda.empty_cache()
+    _indexer_prefill(args)
 
+
+def _indexer_prefill(args):
     variants = [{}, dict(prefill_bps=16), dict(prefill_bps=64), dict(prefill_warps=4),
                 dict(prefill_stages=2), dict(prefill_stages=4)]
     print("indexer prefill variants:", variants)

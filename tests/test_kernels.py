@@ -214,3 +214,25 @@ def test_sparse_page_table_matches_reference(kernel_device, sub_page_size):
                                     dstep.block_table, num_kv_heads=4, block_size=B,
                                     sub_page_size=sub_page_size)
     assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+
+
+def test_sparse_attention_long_requests_share_tiles(kernel_device):
+    """Several long requests (the tile kernel) whose tokens share tiles with each other and with
+    a decode token, one of them starting at position 0."""
+    q_lens, seq_lens = [18, 21, 1, 17], [40, 100, 50, 17]
+    step = make_step(q_lens, seq_lens, block_size=B, pad_tokens=1)
+    qi, ci = random_index_inputs(step, num_heads=1, head_dim=16, block_size=B,
+                                 q_dtype=torch.float32, cache_dtype=torch.float32)
+    idx = ref.select_blocks(qi, ci, step.cu_seqlens_q, step.seq_lens, step.block_table, topk=3,
+                            block_size=B)
+    k, v = random_kv_cache(step.num_pages, B, 2, 64, dtype=torch.float16)
+    q = torch.randn(step.num_tokens, 4, 64).half()
+    want, want_lse = ref.sparse_attention(q, k, v, idx, step.cu_seqlens_q, step.seq_lens,
+                                          step.block_table, block_size=B, return_lse=True)
+    d = _to(make_step(q_lens, seq_lens, block_size=B, pad_tokens=1), kernel_device)
+    got, lse = openmsa.sparse_attention(q.to(kernel_device), k.to(kernel_device),
+                                        v.to(kernel_device), idx.to(kernel_device),
+                                        d.cu_seqlens_q, d.seq_lens, d.block_table, block_size=B,
+                                        return_lse=True)
+    assert_close(got, want)
+    assert_close(lse, want_lse, torch.float32)
