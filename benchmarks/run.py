@@ -13,6 +13,7 @@ FlashInfer (its calls cannot be captured). Each section checks correctness befor
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -28,6 +29,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import shapes  # noqa: E402
 
 import openmsa  # noqa: E402
+from openmsa.ops.attention import api as attention_api  # noqa: E402
+
+TILE_ROWS = attention_api.TUNING["tile_rows"]
 
 FP8 = torch.float8_e4m3fn
 DTYPES = {"bf16": torch.bfloat16, "fp8": FP8}
@@ -295,8 +299,10 @@ def indexer_prefill(args, fi):
                 torch.cuda.empty_cache()
 
 
-def _attention_step(model, batch, context, q_len, dname, seed=0):
-    """Packed vLLM-style cache [P, Hkv, B, 2D] (K first), random selections with the own block."""
+def _attention_step(model, batch, context, q_len, dname, seed=0, shared=1):
+    """Packed vLLM-style cache [P, Hkv, B, 2D] (K first), random selections with the own block.
+    With shared > 1, runs of `shared` consecutive tokens pick the same 15 earlier blocks (the
+    locality neighbouring prefill tokens have in practice); 1 makes every token independent."""
     bs, d = 128, model.head_dim
     hkv = model.num_kv_heads
     nb = -(-context // bs)
@@ -312,7 +318,8 @@ def _attention_step(model, batch, context, q_len, dname, seed=0):
     pos = context - q_len + torch.arange(q_len, device="cuda").repeat(batch)
     n = pos // bs + 1
     # 15 distinct earlier blocks + the own block, ascending
-    r = torch.rand(t, model.num_index_heads, nb, device="cuda", generator=g)
+    r = torch.rand(-(-t // shared), model.num_index_heads, nb, device="cuda", generator=g)
+    r = r.repeat_interleave(shared, 0)[:t]
     r = torch.where(torch.arange(nb, device="cuda")[None, None, :] < (n - 1)[:, None, None], r,
                     -1.0)
     idx = torch.cat([r.topk(15, dim=-1).indices.int(),
@@ -384,9 +391,11 @@ def attention_prefill(args, fi):
     chunk = grid["chunk"]
     for model_name, model in shapes.MODELS.items():
         for dname in grid["dtypes"]:
-            for context in grid["contexts"]:
+            for context, shared, tile in itertools.product(grid["contexts"], (16, 1),
+                                                           (True, False)):
                 q, packed, idx, cu, seq, table = _attention_step(model, 1, context + chunk, chunk,
-                                                                 dname)
+                                                                 dname, shared=shared)
+                attention_api.TUNING["tile_rows"] = TILE_ROWS if tile else 0
                 d = model.head_dim
                 k = packed[..., :d].permute(0, 2, 1, 3)
                 v = packed[..., d:].permute(0, 2, 1, 3)
@@ -397,15 +406,18 @@ def attention_prefill(args, fi):
                 flops = 4 * model.num_heads * d * 16 * 128 * chunk
                 dev = med(device_times_us(ours, max(5, args.iters // 4)))
                 row = dict(section="attention-prefill", model=model_name, dtype=dname,
-                           context=context, T=chunk, us=dev, tflops=flops / dev / 1e6,
+                           context=context, T=chunk, shared=shared,
+                           kernel="tile" if tile else "per-token", us=dev,
+                           tflops=flops / dev / 1e6,
                            pct_bf16_mm=100 * flops / dev / 1e6 / CEIL["bf16_tflops"]
                            if CEIL["bf16_tflops"] else None)
-                if dname == "bf16":
+                if dname == "bf16" and shared == 16 and tile:
                     row["dense_us"] = try_peer(lambda: _dense_prefill_us(model, context, chunk,
                                                                           args))
                 record(**row)
                 del q, packed, idx
                 torch.cuda.empty_cache()
+    attention_api.TUNING["tile_rows"] = TILE_ROWS
 
 
 def _dense_prefill_us(model, context, chunk, args):

@@ -111,7 +111,9 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
     ks = _scale_tensor(1.0 if k_scale is None else k_scale, device)
     vs = _scale_tensor(1.0 if v_scale is None else v_scale, device)
     sm_scale = head_dim ** -0.5 if scale is None else float(scale)
-    tile_launch = num_tokens > SMALL_Q  # with T <= SMALL_Q no request can be long
+    # with T <= SMALL_Q no request can be long; tile_rows = 0 sends long requests to the
+    # per-token kernel too
+    tile_launch = num_tokens > SMALL_Q and TUNING["tile_rows"] > 0
     _sparse_attention_kernel[(num_tokens, num_kv_heads, splits)](
         q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, out, lse, part_out,
         part_lse, ks, vs, sm_scale, seq_lens.shape[0], *q.stride(), *k_cache.stride(),

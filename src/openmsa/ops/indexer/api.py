@@ -25,7 +25,8 @@ PREFILL_ROWS = 128
 SELECT_SEGMENT = 1024
 # launch knobs, read at each call so that benchmarks/tune.py can sweep them
 TUNING = dict(decode_waves=4, decode_warps=4, decode_stages=3, decode_max_bps=64,
-              prefill_bps=32, prefill_warps=8, prefill_stages=3, select_warps=4)
+              prefill_bps=32, prefill_warps=8, prefill_warps_fp8=4, prefill_stages=3,
+              select_warps=4)
 
 
 def _next_pow2(x: int) -> int:
@@ -88,7 +89,8 @@ def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_tabl
     bps = TUNING["prefill_bps"]
     grid = (-(-num_tokens // rows_t), -(-max_blocks // bps))
     _block_scores_kernel[grid](*args, BPS=bps, TILE_MODE=True, ROWS_T=rows_t, **common,
-                               num_warps=TUNING["prefill_warps"],
+                               num_warps=TUNING["prefill_warps_fp8" if index_q.dtype == FP8
+                                                else "prefill_warps"],
                                num_stages=TUNING["prefill_stages"])
 
 
