@@ -29,9 +29,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import shapes  # noqa: E402
 
 import openmsa  # noqa: E402
-from openmsa.ops.attention import api as attention_api  # noqa: E402
-
-TILE_ROWS = attention_api.TUNING["tile_rows"]
 
 FP8 = torch.float8_e4m3fn
 DTYPES = {"bf16": torch.bfloat16, "fp8": FP8}
@@ -78,7 +75,7 @@ def device_times_us(fn, iters: int) -> list[float]:
             if started:
                 times.append(cur)
             cur, started = 0.0, True
-        elif "Memcpy" not in e.name and "Memset" not in e.name:
+        else:
             cur += e.time_range.end - e.time_range.start
     if started:
         times.append(cur)
@@ -391,11 +388,9 @@ def attention_prefill(args, fi):
     chunk = grid["chunk"]
     for model_name, model in shapes.MODELS.items():
         for dname in grid["dtypes"]:
-            for context, shared, tile in itertools.product(grid["contexts"], (16, 1),
-                                                           (True, False)):
+            for context, shared in itertools.product(grid["contexts"], (16, 1)):
                 q, packed, idx, cu, seq, table = _attention_step(model, 1, context + chunk, chunk,
                                                                  dname, shared=shared)
-                attention_api.TUNING["tile_rows"] = TILE_ROWS if tile else 0
                 d = model.head_dim
                 k = packed[..., :d].permute(0, 2, 1, 3)
                 v = packed[..., d:].permute(0, 2, 1, 3)
@@ -406,18 +401,16 @@ def attention_prefill(args, fi):
                 flops = 4 * model.num_heads * d * 16 * 128 * chunk
                 dev = med(device_times_us(ours, max(5, args.iters // 4)))
                 row = dict(section="attention-prefill", model=model_name, dtype=dname,
-                           context=context, T=chunk, shared=shared,
-                           kernel="tile" if tile else "per-token", us=dev,
+                           context=context, T=chunk, shared=shared, us=dev,
                            tflops=flops / dev / 1e6,
                            pct_bf16_mm=100 * flops / dev / 1e6 / CEIL["bf16_tflops"]
                            if CEIL["bf16_tflops"] else None)
-                if dname == "bf16" and shared == 16 and tile:
+                if dname == "bf16" and shared == 16:
                     row["dense_us"] = try_peer(lambda: _dense_prefill_us(model, context, chunk,
                                                                           args))
                 record(**row)
                 del q, packed, idx
                 torch.cuda.empty_cache()
-    attention_api.TUNING["tile_rows"] = TILE_ROWS
 
 
 def _dense_prefill_us(model, context, chunk, args):

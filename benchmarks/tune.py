@@ -37,26 +37,10 @@ def sweep(name, tuning, variants, cases, iters):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--only", default="attention-decode,attention-prefill,indexer-decode,"
-                   "indexer-prefill")
+    p.add_argument("--only", default="attention-decode,indexer-decode,indexer-prefill")
     args = p.parse_args()
     only = args.only.split(",")
     print(run.provenance(), flush=True)
-    if "attention-prefill" in only:
-        variants = [{}, dict(tile_rows=128, tile_warps=8), dict(tile_stages=3),
-                    dict(tile_warps=8), dict(tile_rows=128, tile_warps=8, tile_stages=3)]
-        print("attention prefill variants:", variants)
-        m = shapes.MODELS["m3-tp1"]
-        cases = []
-        for dname, ctx in (("bf16", 8192), ("bf16", 131072), ("fp8", 8192)):
-            q, packed, idx, cu, seq, table = run._attention_step(m, 1, ctx + 8192, 8192, dname)
-            k, v = packed[..., :128].permute(0, 2, 1, 3), packed[..., 128:].permute(0, 2, 1, 3)
-            cases.append((f"prefill {dname} 8K@{ctx // 1024}K",
-                          (lambda q=q, k=k, v=v, idx=idx, cu=cu, seq=seq, table=table:
-                           openmsa.sparse_attention(q, k, v, idx, cu, seq, table))))
-        sweep("attention", attention_api.TUNING, variants, cases, 5)
-        del cases
-        torch.cuda.empty_cache()
     if "attention-decode" not in only:
         return _indexer(args, only)
 

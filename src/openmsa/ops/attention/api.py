@@ -26,10 +26,7 @@ def _num_sms(index: int) -> int:
 
 
 # launch knobs, read at each call so that benchmarks/tune.py can sweep them
-TUNING = dict(waves=2, min_blocks_per_split=2, warps=4, stages=3, tile_rows=64, tile_warps=4,
-              tile_stages=2)
-# requests with q_len > SMALL_Q (prefill chunks) take the tile kernel
-SMALL_Q = 16
+TUNING = dict(waves=2, min_blocks_per_split=2, warps=4, stages=3)
 
 
 def _num_splits(num_tokens: int, num_kv_heads: int, topk: int, device: torch.device) -> int:
@@ -77,7 +74,6 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
                                           out=out, return_lse=return_lse, k_scale=k_scale,
                                           v_scale=v_scale)
     from .decode import _merge_splits_kernel, _sparse_attention_kernel
-    from .prefill import _sparse_attention_tile_kernel
 
     check_attention_args(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table,
                          scale=scale, block_size=block_size, out=out, k_scale=k_scale,
@@ -111,9 +107,6 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
     ks = _scale_tensor(1.0 if k_scale is None else k_scale, device)
     vs = _scale_tensor(1.0 if v_scale is None else v_scale, device)
     sm_scale = head_dim ** -0.5 if scale is None else float(scale)
-    # with T <= SMALL_Q no request can be long; tile_rows = 0 sends long requests to the
-    # per-token kernel too
-    tile_launch = num_tokens > SMALL_Q and TUNING["tile_rows"] > 0
     _sparse_attention_kernel[(num_tokens, num_kv_heads, splits)](
         q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, out, lse, part_out,
         part_lse, ks, vs, sm_scale, seq_lens.shape[0], *q.stride(), *k_cache.stride(),
@@ -121,24 +114,12 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
         *lse.stride(), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         NUM_INDEX_HEADS=indices.shape[1], G=group, M=max(16, _next_pow2(group)), D=head_dim,
         BLOCK=block_size, TOPK=topk, KP=_next_pow2(topk), ENTRIES=entries, SPLITS=splits,
-        HAS_SCALE=has_scale, IEEE=q.dtype == torch.float32, SKIP_LONG=tile_launch,
-        SMALL_Q=SMALL_Q, num_warps=TUNING["warps"], num_stages=TUNING["stages"])
+        HAS_SCALE=has_scale, IEEE=q.dtype == torch.float32, num_warps=TUNING["warps"],
+        num_stages=TUNING["stages"])
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part_out, part_lse, out, lse, *out.stride(), *lse.stride(), NUM_HEADS=num_heads,
             D=head_dim, SPLITS=splits, SP=_next_pow2(splits), num_warps=4)
-    if tile_launch:
-        # last: it overwrites whatever the launches above wrote for long requests' rows
-        gp = _next_pow2(group)
-        qt = max(1, TUNING["tile_rows"] // gp)
-        _sparse_attention_tile_kernel[(-(-num_tokens // qt), num_kv_heads)](
-            q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, out, lse, ks, vs,
-            sm_scale, seq_lens.shape[0], num_tokens, *q.stride(), *k_cache.stride(),
-            *v_cache.stride(), *indices.stride(), *block_table.stride(), *out.stride(),
-            *lse.stride(), NUM_KV_HEADS=num_kv_heads, NUM_INDEX_HEADS=indices.shape[1], G=group,
-            GP=gp, QT=qt, D=head_dim, BLOCK=block_size, TOPK=topk, KP=_next_pow2(topk),
-            SMALL_Q=SMALL_Q, HAS_SCALE=has_scale, IEEE=q.dtype == torch.float32,
-            num_warps=TUNING["tile_warps"], num_stages=TUNING["tile_stages"])
     return (out, lse) if return_lse else out
 
 

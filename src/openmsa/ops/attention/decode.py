@@ -34,8 +34,7 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
                              NUM_INDEX_HEADS: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
                              D: tl.constexpr, BLOCK: tl.constexpr, TOPK: tl.constexpr,
                              KP: tl.constexpr, ENTRIES: tl.constexpr, SPLITS: tl.constexpr,
-                             HAS_SCALE: tl.constexpr, IEEE: tl.constexpr,
-                             SKIP_LONG: tl.constexpr, SMALL_Q: tl.constexpr):
+                             HAS_SCALE: tl.constexpr, IEEE: tl.constexpr):
     t = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
@@ -49,16 +48,11 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
     r = find_request(cu_ptr, num_requests, t)
     n = 0
     pos = -1
-    long_request = False
     if r < num_requests:
         t_req = tl.load(cu_ptr + r)
         q_len = tl.load(cu_ptr + r + 1) - t_req
         seq_len = tl.load(seq_lens_ptr + r)
         pos = tl.where(seq_len >= q_len, seq_len - q_len + (t - t_req), -1)
-        if SKIP_LONG:
-            # tokens of long requests belong to the tile kernel, launched after this one
-            long_request = q_len > SMALL_Q
-            pos = tl.where(long_request, -1, pos)
         n = tl.where(pos >= 0, pos // BLOCK + 1, 0)
     r_safe = tl.minimum(r, num_requests - 1).to(tl.int64)
 
@@ -124,9 +118,6 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
-    if SKIP_LONG:
-        # leave long requests' rows to the tile kernel (it writes them after this launch)
-        head_ok = head_ok & ~long_request
     if SPLITS == 1:
         out = out_ptr + t.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od
         tl.store(out, o.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
