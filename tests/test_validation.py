@@ -142,3 +142,8 @@ def test_unsupported_reason():
     assert "topk" in openmsa.unsupported_reason(cfg)
     assert "head dims" in openmsa.unsupported_reason(openmsa.MSAConfig(head_dim=96,
                                                                        rotary_dim=32))
+    from openmsa.support import attention_unsupported_reason
+    reason = attention_unsupported_reason(head_dim=128, block_size=128, group_size=16,
+                                          query_dtype=torch.bfloat16, kv_dtype=torch.bfloat16,
+                                          topk=512)
+    assert "up to 64 blocks" in reason

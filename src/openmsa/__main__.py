@@ -95,12 +95,25 @@ def _demo(context: int | None, device: str | None) -> None:
         return idx, openmsa.sparse_attention(qd, k_cache, v_cache, idx, cu, sl, table,
                                              block_size=bs)
 
+    cu_host, sl_host = cu.tolist(), sl.tolist()
+
     def dense():
-        # every causal block selected: exact dense attention through the same op
-        all_idx = torch.arange(table.shape[1], dtype=torch.int32, device=device)
-        all_idx = all_idx.expand(num_tokens, h, -1).contiguous()
-        return openmsa.sparse_attention(qd, k_cache, v_cache, all_idx, cu, sl, table,
-                                        block_size=bs)
+        # dense causal GQA attention per request, through scaled_dot_product_attention over the
+        # request's pages (an independent path: no openmsa op involved)
+        from torch.nn.attention.bias import causal_lower_right
+        out = torch.empty_like(qd)
+        for r in range(len(sl_host)):
+            ql, s_len = cu_host[r + 1] - cu_host[r], sl_host[r]
+            nb = -(-s_len // bs)
+            pages = table[r, :nb].long()
+            kk = k_cache[pages].reshape(nb * bs, hkv, d)[:s_len].transpose(0, 1)
+            vv = v_cache[pages].reshape(nb * bs, hkv, d)[:s_len].transpose(0, 1)
+            qq = qd[cu_host[r]:cu_host[r + 1]].transpose(0, 1)
+            o = torch.nn.functional.scaled_dot_product_attention(
+                qq, kk.repeat_interleave(cfg.group_size, 0),
+                vv.repeat_interleave(cfg.group_size, 0), attn_mask=causal_lower_right(ql, s_len))
+            out[cu_host[r]:cu_host[r + 1]] = o.transpose(0, 1)
+        return out
 
     t0 = time.perf_counter()
     idx, out = sparse()

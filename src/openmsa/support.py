@@ -73,8 +73,13 @@ def indexer_unsupported_reason(*, num_index_heads: int, index_head_dim: int, blo
 
 def attention_unsupported_reason(*, head_dim: int, block_size: int, group_size: int,
                                  query_dtype: torch.dtype, kv_dtype: torch.dtype,
-                                 device=None) -> str | None:
+                                 topk: int | None = None, device=None) -> str | None:
     lo, hi = BLOCK_RANGE
+    if topk is not None and topk > MAX_TOPK:
+        # the kernel deduplicates a selection row with a [K, K] compare in registers
+        return f"the attention kernels take selections of up to {MAX_TOPK} blocks per row, " \
+               f"got {topk}"
+
     if not lo <= block_size <= hi:
         return f"the attention kernels take block sizes {lo}-{hi}, got {block_size}"
     if head_dim not in HEAD_DIMS:
@@ -114,4 +119,4 @@ def unsupported_reason(config: MSAConfig | None = None, *, index_dtype: torch.dt
     return attention_unsupported_reason(
         head_dim=config.head_dim, block_size=config.block_size, group_size=config.group_size,
         query_dtype=query_dtype if query_dtype != FP8 else torch.bfloat16, kv_dtype=kv_dtype,
-        device=device)
+        topk=config.topk_blocks, device=device)

@@ -83,7 +83,8 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
     group = num_heads // num_kv_heads
     reason = attention_unsupported_reason(head_dim=head_dim, block_size=block_size,
                                           group_size=group, query_dtype=q.dtype,
-                                          kv_dtype=k_cache.dtype, device=q.device)
+                                          kv_dtype=k_cache.dtype, topk=indices.shape[2],
+                                          device=q.device)
     if reason is not None:
         raise ValueError(reason)
     device = q.device
