@@ -1,0 +1,97 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Turn benchmarks/run.py's bench.json into the markdown tables of docs/performance.md.
+
+    python benchmarks/report.py path/to/bench.json [--ceilings copy_tbs,bf16,fp8]
+"""
+
+import argparse
+import json
+import math
+
+
+def _f(v, digits=1):
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def _k(n):
+    return f"{n // 1024}K" if n < 1 << 20 else f"{n >> 20}M"
+
+
+def geomean(xs):
+    xs = [x for x in xs if x]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("bench")
+    p.add_argument("--ceilings", default=None, help="copy TB/s,bf16 TFLOP/s,fp8 TFLOP/s")
+    args = p.parse_args()
+    data = json.load(open(args.bench))
+    rows = data["rows"]
+    copy = bf16 = fp8 = None
+    if args.ceilings:
+        copy, bf16, fp8 = (float(x) for x in args.ceilings.split(","))
+    print(data["provenance"])
+    print()
+    dec = [r for r in rows if r["section"] == "indexer-decode"]
+    if dec:
+        print("| model | dtype | L | B | q_len | ours µs | graph call µs | TB/s | % copy | "
+              "FlashInfer µs | FI eager call µs | ours/FI | same rows |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in dec:
+            pct = 100 * r["tbs"] / copy if copy else None
+            print(f"| {r['model']} | {r['dtype']} | {_k(r['L'])} | {r['B']} | {r['q_len']} | "
+                  f"{_f(r['us'])} | {_f(r['call_us'])} | {_f(r['tbs'], 2)} | {_f(pct, 0)} | "
+                  f"{_f(r.get('fi_us'))} | {_f(r.get('fi_call_us'), 0)} | "
+                  f"{_f(r.get('ratio'), 2)} | {_f(r.get('same_rows'), 3)} |")
+        for m in ("m3-tp1", "m3-tp4"):
+            sub = [r.get("ratio") for r in dec if r["model"] == m and r.get("ratio")]
+            if sub:
+                print(f"\ngeomean ours/FlashInfer device time, {m}: {geomean(sub):.3f} over "
+                      f"{len(sub)} shapes; worst {max(sub):.2f}, best {min(sub):.2f}")
+        print()
+    pre = [r for r in rows if r["section"] == "indexer-prefill"]
+    if pre:
+        print("| dtype | context | T | ours µs | TFLOP/s | % matmul ceiling | FlashInfer µs | "
+              "FI TFLOP/s | ours/FI TFLOP/s | same rows |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for r in pre:
+            ceil = fp8 if r["dtype"] == "fp8" else bf16
+            pct = 100 * r["tflops"] / ceil if ceil else None
+            rel = r["tflops"] / r["fi_tflops"] if r.get("fi_tflops") else None
+            print(f"| {r['dtype']} | {r['context']} | {r['T']} | {_f(r['us'])} | "
+                  f"{_f(r['tflops'], 0)} | {_f(pct, 0)} | {_f(r.get('fi_us'))} | "
+                  f"{_f(r.get('fi_tflops'), 0)} | {_f(rel, 2)} | {_f(r.get('same_rows'), 4)} |")
+        print()
+    att = [r for r in rows if r["section"] == "attention-decode"]
+    if att:
+        print("| model | KV | B | q_len | ours µs | graph call µs | TB/s (selected K/V) | "
+              "% copy | FlashInfer µs | FI eager call µs | ours/FI | dense SDPA µs |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in att:
+            pct = 100 * r["tbs"] / copy if copy else None
+            print(f"| {r['model']} | {r['dtype']} | {r['B']} | {r['q_len']} | {_f(r['us'])} | "
+                  f"{_f(r['call_us'])} | {_f(r['tbs'], 2)} | {_f(pct, 0)} | "
+                  f"{_f(r.get('fi_us'))} | {_f(r.get('fi_call_us'), 0)} | "
+                  f"{_f(r.get('ratio'), 2)} | {_f(r.get('dense_us'), 0)} |")
+        print()
+    ap = [r for r in rows if r["section"] == "attention-prefill"]
+    if ap:
+        print("| model | KV | context | T | selections | kernel | ours µs | TFLOP/s | "
+              "% bf16 ceiling | dense SDPA µs |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for r in ap:
+            pct = 100 * r["tflops"] / bf16 if bf16 else None
+            sel = "shared by 16 tokens" if r.get("shared", 1) > 1 else "independent"
+            print(f"| {r['model']} | {r['dtype']} | {_k(r['context'])} | {r['T']} | {sel} | "
+                  f"{r.get('kernel', 'per-token')} | {_f(r['us'], 0)} | {_f(r['tflops'], 0)} | "
+                  f"{_f(pct, 0)} | {_f(r.get('dense_us'), 0)} |")
+
+
+if __name__ == "__main__":
+    main()
