@@ -1,9 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Which implementation a call runs: CUDA tensors run the Triton kernels; CPU tensors run the
-reference, except under TRITON_INTERPRET=1, where they run the kernels through the interpreter."""
+reference, except under TRITON_INTERPRET=1, where they run the kernels through the interpreter.
+Also the small helpers every launcher shares."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -25,3 +27,24 @@ def backend_name(device: torch.device | str) -> str:
     if device.type == "cpu":
         return "triton-interpreter" if INTERPRET else "reference"
     return "unsupported"
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (cached: no query per call)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def scale_tensor(value, device) -> torch.Tensor:
+    """A dequantisation scale as a one-element fp32 device tensor (a float becomes one)."""
+    if isinstance(value, torch.Tensor):
+        return value.reshape(1).float()
+    return torch.full((1,), float(value), dtype=torch.float32, device=device)

@@ -57,18 +57,10 @@ def validate_batch(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tab
     block table has a column for every block of every request; every page a request uses lies in
     [0, num_pages) when num_pages is given. Raises ValueError naming the first bad request.
     """
-    from ._checks import check_int_tensor
+    from ._checks import check_step
 
-    check_int_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1)
-    check_int_tensor("seq_lens", seq_lens, ndim=1)
-    check_int_tensor("block_table", block_table, ndim=2)
-    num_requests = seq_lens.shape[0]
-    if cu_seqlens_q.shape[0] != num_requests + 1:
-        raise ValueError(f"cu_seqlens_q must have len(seq_lens) + 1 = {num_requests + 1} entries, "
-                         f"got {cu_seqlens_q.shape[0]}")
-    if block_table.shape[0] < num_requests:
-        raise ValueError(f"block_table must have a row per request ({num_requests}), got "
-                         f"{block_table.shape[0]}")
+    num_requests = check_step(cu_seqlens_q, seq_lens, block_table, cu_seqlens_q.device
+                              if isinstance(cu_seqlens_q, torch.Tensor) else None)
     cu = cu_seqlens_q.detach().cpu().to(torch.int64)
     sl = seq_lens.detach().cpu().to(torch.int64)
     if cu[0] != 0:

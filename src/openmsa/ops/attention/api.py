@@ -4,25 +4,15 @@ TRITON_INTERPRET=1) or the reference (CPU)."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from ..._dispatch import use_kernels
+from ..._dispatch import next_pow2 as _next_pow2
+from ..._dispatch import num_sms, scale_tensor, use_kernels
 from ...support import attention_unsupported_reason
 from . import reference
 from .checks import check_attention_args, check_page_table_args
 
 __all__ = ["sparse_attention", "sparse_page_table"]
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 # launch knobs, read at each call so that benchmarks/tune.py can sweep them
@@ -35,15 +25,8 @@ def _num_splits(num_tokens: int, num_kv_heads: int, topk: int, device: torch.dev
     one grid."""
     if device.type != "cuda":
         return 2 if topk >= 4 else 1
-    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    want = -(-TUNING["waves"] * sms // max(1, num_tokens * num_kv_heads))
+    want = -(-TUNING["waves"] * num_sms(device) // max(1, num_tokens * num_kv_heads))
     return max(1, min(want, topk // TUNING["min_blocks_per_split"]))
-
-
-def _scale_tensor(value, device):
-    if isinstance(value, torch.Tensor):
-        return value.reshape(1).float()
-    return torch.full((1,), float(value), dtype=torch.float32, device=device)
 
 
 def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, *,
@@ -105,8 +88,8 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
     else:
         part_out = part_lse = lse
     has_scale = k_scale is not None or v_scale is not None
-    ks = _scale_tensor(1.0 if k_scale is None else k_scale, device)
-    vs = _scale_tensor(1.0 if v_scale is None else v_scale, device)
+    ks = scale_tensor(1.0 if k_scale is None else k_scale, device)
+    vs = scale_tensor(1.0 if v_scale is None else v_scale, device)
     sm_scale = head_dim ** -0.5 if scale is None else float(scale)
     _sparse_attention_kernel[(num_tokens, num_kv_heads, splits)](
         q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, out, lse, part_out,

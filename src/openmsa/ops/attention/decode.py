@@ -15,7 +15,7 @@ between tokens that picked the same blocks).
 import triton
 import triton.language as tl
 
-from ..common.triton_utils import find_request
+from ..common.triton_utils import token_position
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -45,15 +45,8 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
     offs = tl.arange(0, BLOCK)
 
     # the token's request, position and causal block count (0 for padding)
-    r = find_request(cu_ptr, num_requests, t)
-    n = 0
-    pos = -1
-    if r < num_requests:
-        t_req = tl.load(cu_ptr + r)
-        q_len = tl.load(cu_ptr + r + 1) - t_req
-        seq_len = tl.load(seq_lens_ptr + r)
-        pos = tl.where(seq_len >= q_len, seq_len - q_len + (t - t_req), -1)
-        n = tl.where(pos >= 0, pos // BLOCK + 1, 0)
+    r, pos = token_position(cu_ptr, seq_lens_ptr, num_requests, t)
+    n = tl.where(pos >= 0, pos // BLOCK + 1, 0)
     r_safe = tl.minimum(r, num_requests - 1).to(tl.int64)
 
     # the selection row, valid entries only; an id listed earlier in the row counts once

@@ -12,7 +12,7 @@ Bytes: reads K ids and K page ids per row, writes K * B/S + 1 int32.
 import triton
 import triton.language as tl
 
-from ..common.triton_utils import find_request
+from ..common.triton_utils import token_position
 
 
 @triton.jit
@@ -25,15 +25,8 @@ def _sparse_page_table_kernel(idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr, pages_ptr, 
     t = tl.program_id(0)
     g = tl.program_id(1)
     S: tl.constexpr = BLOCK // SUB
-    r = find_request(cu_ptr, num_requests, t)
-    n = 0
-    pos = -1
-    if r < num_requests:
-        t_req = tl.load(cu_ptr + r)
-        q_len = tl.load(cu_ptr + r + 1) - t_req
-        seq_len = tl.load(seq_lens_ptr + r)
-        pos = tl.where(seq_len >= q_len, seq_len - q_len + (t - t_req), -1)
-        n = tl.where(pos >= 0, pos // BLOCK + 1, 0)
+    r, pos = token_position(cu_ptr, seq_lens_ptr, num_requests, t)
+    n = tl.where(pos >= 0, pos // BLOCK + 1, 0)
     r_safe = tl.minimum(r, num_requests - 1).to(tl.int64)
     kk = tl.arange(0, KP)
     ih = g * NUM_INDEX_HEADS // NUM_KV_HEADS

@@ -7,21 +7,12 @@ from __future__ import annotations
 import torch
 
 from ..._checks import FP8
-from ..._dispatch import use_kernels
+from ..._dispatch import next_pow2 as _next_pow2
+from ..._dispatch import scale_tensor, use_kernels
 from . import reference
 from .checks import check_index_write, check_kv_write
 
 __all__ = ["write_index_cache", "write_kv_cache"]
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
-def _scale_tensor(value, device) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        return value.reshape(1).float()
-    return torch.full((1,), float(value), dtype=torch.float32, device=device)
 
 
 def write_index_cache(index_k, index_cache, slot_mapping) -> None:
@@ -63,8 +54,8 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scal
     if num_tokens == 0:
         return None
     has_scale = k_scale is not None or v_scale is not None
-    ks = _scale_tensor(1.0 if k_scale is None else k_scale, k.device)
-    vs = _scale_tensor(1.0 if v_scale is None else v_scale, k.device)
+    ks = scale_tensor(1.0 if k_scale is None else k_scale, k.device)
+    vs = scale_tensor(1.0 if v_scale is None else v_scale, k.device)
     _write_kv_cache_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping, ks, vs, *k.stride(), *v.stride(),
         *k_cache.stride(), *v_cache.stride(), BLOCK=k_cache.shape[1], HKV=num_kv_heads,

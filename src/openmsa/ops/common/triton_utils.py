@@ -26,6 +26,20 @@ def find_request(cu_seqlens_ptr, num_requests, token):
 
 
 @triton.jit
+def token_position(cu_seqlens_ptr, seq_lens_ptr, num_requests, token):
+    """(request, position) of packed token `token`, right-aligned in its request. The position is
+    -1 for padding: a token past cu[R], or any token of a request with q_len > seq_len."""
+    r = find_request(cu_seqlens_ptr, num_requests, token)
+    pos = -1
+    if r < num_requests:
+        t_req = tl.load(cu_seqlens_ptr + r)
+        q_len = tl.load(cu_seqlens_ptr + r + 1) - t_req
+        seq_len = tl.load(seq_lens_ptr + r)
+        pos = tl.where(seq_len >= q_len, seq_len - q_len + (token - t_req), -1)
+    return r, pos
+
+
+@triton.jit
 def pack_score_key(score, block):
     """One int64 per (score, block): larger means a better score, then a lower block, so every
     key is distinct and a plain max/sort applies MSA's tie rule. NaN ranks as -inf and -0.0 as 0."""

@@ -4,12 +4,11 @@ TRITON_INTERPRET=1) or the reference (CPU)."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ..._checks import FP8, HALF
-from ..._dispatch import use_kernels
+from ..._dispatch import next_pow2 as _next_pow2
+from ..._dispatch import num_sms, use_kernels
 from ...support import indexer_unsupported_reason
 from . import reference
 from .checks import check_indexer_args, check_select_args
@@ -29,20 +28,10 @@ TUNING = dict(decode_waves=4, decode_warps=4, decode_stages=3, decode_max_bps=64
               select_warps=4)
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _programs_wanted(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
-    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    return TUNING["decode_waves"] * sms
+    return TUNING["decode_waves"] * num_sms(device)
 
 
 def _raise_if_unsupported(index_q, index_cache, block_size, topk) -> None:

@@ -14,22 +14,15 @@ Bytes: reads n * 4 bytes of scores per row (+ segments * KP * 8 of candidates), 
 import triton
 import triton.language as tl
 
-from ..common.triton_utils import (EMPTY_KEY, FORCED_SCORE_KEY, find_request, pack_score_key,
+from ..common.triton_utils import (EMPTY_KEY, FORCED_SCORE_KEY, pack_score_key, token_position,
                                    unpack_block)
 
 
 @triton.jit
 def _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, t, BLOCK: tl.constexpr):
-    """n = p // B + 1 for token t; 0 for padding and for a malformed request (q_len > seq_len)."""
-    r = find_request(cu_ptr, num_requests, t)
-    n = 0
-    if r < num_requests:
-        t_req = tl.load(cu_ptr + r)
-        q_len = tl.load(cu_ptr + r + 1) - t_req
-        seq_len = tl.load(seq_lens_ptr + r)
-        pos = seq_len - q_len + (t - t_req)
-        n = tl.where(seq_len >= q_len, pos // BLOCK + 1, 0)
-    return n
+    """n = p // B + 1 for token t; 0 for padding."""
+    _, pos = token_position(cu_ptr, seq_lens_ptr, num_requests, t)
+    return tl.where(pos >= 0, pos // BLOCK + 1, 0)
 
 
 @triton.jit
