@@ -236,3 +236,23 @@ def test_sparse_attention_long_requests_share_tiles(kernel_device):
                                         return_lse=True)
     assert_close(got, want)
     assert_close(lse, want_lse, torch.float32)
+
+
+def test_nan_keys_and_unfilled_pages_match_reference(kernel_device):
+    """NaN index keys rank as -inf (the block's other keys still count) and a negative page id in
+    the block table reads nothing, in the kernels exactly as in the reference."""
+    step, q, c, dstep = _index_case(kernel_device, torch.float16, torch.float16, integer=True)
+    c = c.clone()
+    c[int(step.block_table[0, 1]), :5] = float("nan")  # part of a page request 0 reads
+    c[int(step.block_table[3, 0])] = float("nan")  # a whole page of request 3
+    table = step.block_table.clone()
+    table[3, 2] = -1  # an unfilled entry inside request 3's blocks
+    args = (step.cu_seqlens_q, step.seq_lens, table)
+    dargs = (dstep.cu_seqlens_q, dstep.seq_lens, table.to(kernel_device))
+    want = ref.block_scores(q, c, *args, block_size=B)
+    got = openmsa.block_scores(q.to(kernel_device), c.to(kernel_device), *dargs, block_size=B)
+    assert not want.isnan().any() and torch.equal(got.cpu(), want)
+    want = ref.select_blocks(q, c, *args, topk=4, block_size=B)
+    got = openmsa.select_blocks(q.to(kernel_device), c.to(kernel_device), *dargs, topk=4,
+                                block_size=B)
+    assert torch.equal(got.cpu(), want)
