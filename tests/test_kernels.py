@@ -256,3 +256,27 @@ def test_nan_keys_and_unfilled_pages_match_reference(kernel_device):
     got = openmsa.select_blocks(q.to(kernel_device), c.to(kernel_device), *dargs, topk=4,
                                 block_size=B)
     assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("block, index_dim, head_dim", [(32, 64, 128), (64, 256, 256)])
+def test_other_block_sizes_and_head_dims(kernel_device, block, index_dim, head_dim):
+    """Block sizes and head dims besides the 16/32/64 of the cases above: exact selection on
+    integer inputs, attention within tolerance, one step with a decode, a verify and a chunk."""
+    q_lens, seq_lens = [1, 3, 18], [5 * block + 3, 2 * block, 4 * block - 1]
+    step = make_step(q_lens, seq_lens, block_size=block, extra_columns=1)
+    d = _to(make_step(q_lens, seq_lens, block_size=block, extra_columns=1), kernel_device)
+    qi, ci = random_index_inputs(step, num_heads=2, head_dim=index_dim, block_size=block,
+                                 q_dtype=torch.float16, cache_dtype=torch.float16, integer=True)
+    want = ref.select_blocks(qi, ci, step.cu_seqlens_q, step.seq_lens, step.block_table, topk=3,
+                             block_size=block)
+    got = openmsa.select_blocks(qi.to(kernel_device), ci.to(kernel_device), d.cu_seqlens_q,
+                                d.seq_lens, d.block_table, topk=3, block_size=block)
+    assert torch.equal(got.cpu(), want)
+    k, v = random_kv_cache(step.num_pages, block, 1, head_dim, dtype=torch.float16)
+    q = torch.randn(step.num_tokens, 2, head_dim).half()
+    want = ref.sparse_attention(q, k, v, want, step.cu_seqlens_q, step.seq_lens,
+                                step.block_table, block_size=block)
+    out = openmsa.sparse_attention(q.to(kernel_device), k.to(kernel_device), v.to(kernel_device),
+                                   got, d.cu_seqlens_q, d.seq_lens, d.block_table,
+                                   block_size=block)
+    assert_close(out, want)
