@@ -185,3 +185,22 @@ def test_page_table_drives_a_plain_paged_kernel(sub_page_size):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     _, pos = token_layout(step.cu_seqlens_q, step.seq_lens, step.num_tokens)
     assert (lens.view(-1, 2)[pos < 0] == 0).all()
+
+
+def test_dense_and_gather_paths_agree(monkeypatch):
+    """The reference attends short contexts densely under a selection mask and gathers blocks
+    for long ones; both must compute the same J, repeats and bad ids included."""
+    from openmsa.ops.attention import reference as attention_ref
+    step = _step()
+    k, v = random_kv_cache(step.num_pages, B, 2, 32, dtype=torch.float32)
+    q = torch.randn(step.num_tokens, 4, 32)
+    g = torch.Generator().manual_seed(4)
+    idx = torch.randint(-2, 9, (step.num_tokens, 2, 5), generator=g).int()
+    idx[:, :, 4] = idx[:, :, 1]  # repeats
+    args = (q, k, v, idx, step.cu_seqlens_q, step.seq_lens, step.block_table)
+    monkeypatch.setattr(attention_ref, "_DENSE_BLOCKS_PER_TOPK", 100)
+    dense, dense_lse = ref.sparse_attention(*args, block_size=B, return_lse=True)
+    monkeypatch.setattr(attention_ref, "_DENSE_BLOCKS_PER_TOPK", 0)
+    gather, gather_lse = ref.sparse_attention(*args, block_size=B, return_lse=True)
+    torch.testing.assert_close(dense, gather, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dense_lse, gather_lse, atol=1e-5, rtol=1e-5)

@@ -12,11 +12,22 @@ __all__ = ["sparse_attention", "sparse_page_table", "kv_head_to_index_head"]
 
 # fp32 elements of one gathered K (or V) chunk: bounds the reference's memory (128 MB each).
 _CHUNK_ELEMENTS = 1 << 25
+# a request of at most this many times topk blocks is attended densely under a selection mask
+_DENSE_BLOCKS_PER_TOPK = 2
 
 
 def kv_head_to_index_head(num_kv_heads: int, num_index_heads: int) -> torch.Tensor:
     """KV head g reads the selection of index head g * H // Hkv."""
     return torch.arange(num_kv_heads) * num_index_heads // num_kv_heads
+
+
+def _masked_softmax(logits, visible):
+    """Softmax over the last dim restricted to `visible`; an empty row gives zeros and -inf."""
+    logits = torch.where(visible, logits, torch.full((), float("-inf"), device=logits.device))
+    row_lse = torch.logsumexp(logits, dim=-1)
+    probs = torch.exp(logits - row_lse[..., None])
+    probs = torch.where(visible, probs, torch.zeros((), device=logits.device))
+    return probs, row_lse
 
 
 def _as_scale(value, device):
@@ -62,11 +73,28 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
     earlier = torch.ones(topk, topk, dtype=torch.bool, device=device).tril(-1)  # [i, j]: j < i
     cu = cu_seqlens_q.tolist()
     sl = seq_lens.tolist()
-    step = max(1, _CHUNK_ELEMENTS // (num_kv_heads * topk * block_size * head_dim))
     for r in range(len(sl)):
         start, end = cu[r], min(cu[r + 1], num_tokens)
         if end <= start or sl[r] <= 0:
             continue
+        # the request's pages in fp32 once (dequantised), so chunks gather fp32 directly; V rows
+        # at or past seq_len were never written (maybe NaN) and are zeroed here, once
+        nb = -(-sl[r] // block_size)
+        req_pages = block_table[r, :nb].long()
+        unfilled = req_pages < 0
+        req_pages = req_pages.clamp(min=0)
+        kf = k_cache[req_pages].float().contiguous()  # [nb, B, Hkv, D], a copy
+        vf = v_cache[req_pages].float().contiguous()
+        if not isinstance(ks, float) or ks != 1.0:
+            kf = kf * ks
+        if not isinstance(vs, float) or vs != 1.0:
+            vf = vf * vs
+        vf.view(nb * block_size, num_kv_heads, head_dim)[sl[r]:] = 0
+        # short contexts: every key of the request against a selection mask (no per-token
+        # gather); long ones: gather each token's selected blocks
+        dense = nb <= _DENSE_BLOCKS_PER_TOPK * topk
+        step = max(1, _CHUNK_ELEMENTS // (num_kv_heads * head_dim
+                                          * (nb * block_size if dense else topk * block_size)))
         for s in range(start, end, step):
             e = min(end, s + step)
             c = e - s
@@ -74,27 +102,34 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
             n = num_causal_blocks(p, block_size)[:, None, None]  # [c, 1, 1]
             sel = indices[s:e].long()[:, head_map, :]  # [c, Hkv, K]
             valid = (sel >= 0) & (sel < n)
-            # J is a set: an id already listed earlier in the row adds nothing
-            dup = ((sel[..., :, None] == sel[..., None, :]) & valid[..., None, :] & earlier).any(-1)
-            valid &= ~dup
             blk = torch.where(valid, sel, torch.zeros_like(sel))
-            page = block_table[r].long()[blk]  # [c, Hkv, K]
             # a negative page id (an unfilled table entry) reads nothing
-            valid &= page >= 0
-            page = page.clamp(min=0)
-            key_pos = blk[..., None] * block_size + offs  # [c, Hkv, K, B]
-            visible = valid[..., None] & (key_pos <= p[:, None, None, None])
-            k = k_cache[page, :, kv_head.expand_as(page)].float() * ks  # [c, Hkv, K, B, D]
-            v = v_cache[page, :, kv_head.expand_as(page)].float() * vs
-            v = torch.where(visible[..., None], v, torch.zeros((), device=device))
+            valid &= ~unfilled[blk]
             qq = q[s:e].float().view(c, num_kv_heads, group, head_dim)
-            logits = torch.einsum("cgqd,cgkbd->cgqkb", qq, k) * sm_scale
-            logits = torch.where(visible[:, :, None], logits,
-                                 torch.full((), float("-inf"), device=device))
-            row_lse = torch.logsumexp(logits.flatten(-2), dim=-1)  # [c, Hkv, G]
-            probs = torch.exp(logits - row_lse[..., None, None])
-            probs = torch.where(visible[:, :, None], probs, torch.zeros((), device=device))
-            o = torch.einsum("cgqkb,cgkbd->cgqd", probs, v)
+            if dense:
+                # J as a mask over the request's keys; a repeated id sets the same bit (a set)
+                chosen = torch.zeros(c, num_kv_heads, nb + 1, dtype=torch.bool, device=device)
+                chosen.scatter_(-1, torch.where(valid, blk, nb), True)
+                key_pos = torch.arange(nb * block_size, device=device)
+                visible = chosen[..., :nb].repeat_interleave(block_size, -1) \
+                    & (key_pos <= p[:, None, None])  # [c, Hkv, L]
+                keys = kf.view(nb * block_size, num_kv_heads, head_dim)
+                values = vf.view(nb * block_size, num_kv_heads, head_dim)
+                logits = torch.einsum("cgqd,lgd->cgql", qq, keys) * sm_scale
+                probs, row_lse = _masked_softmax(logits, visible[:, :, None])
+                o = torch.einsum("cgql,lgd->cgqd", probs, values)
+            else:
+                # J is a set: an id already listed earlier in the row adds nothing
+                dup = ((sel[..., :, None] == sel[..., None, :]) & valid[..., None, :]
+                       & earlier).any(-1)
+                valid &= ~dup
+                key_pos = blk[..., None] * block_size + offs  # [c, Hkv, K, B]
+                visible = (valid[..., None] & (key_pos <= p[:, None, None, None])).flatten(-2)
+                k = kf[blk, :, kv_head.expand_as(blk)].flatten(2, 3)  # [c, Hkv, K*B, D]
+                v = vf[blk, :, kv_head.expand_as(blk)].flatten(2, 3)
+                logits = torch.einsum("cgqd,cgjd->cgqj", qq, k) * sm_scale
+                probs, row_lse = _masked_softmax(logits, visible[:, :, None])
+                o = torch.einsum("cgqj,cgjd->cgqd", probs, v)
             result[s:e] = o.reshape(c, num_heads, head_dim)
             lse[s:e] = row_lse.reshape(c, num_heads)
     if out is None:
