@@ -50,13 +50,18 @@ def block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *,
         step = max(1, _CHUNK_ELEMENTS // (num_heads * nb * block_size))
         for s in range(start, end, step):
             e = min(end, s + step)
-            q = index_q[s:e].float()  # [c, H, Di]
-            dots = torch.einsum("thd,jd->thj", q, keys)  # [c, H, nb*B]
             p = position[s:e].long()
+            # blocks past the chunk's last position lie beyond every token here: they stay -inf
+            nc = min(nb, int(p.max()) // block_size + 1)
+            if nc <= 0:
+                continue
+            kc = nc * block_size
+            q = index_q[s:e].float()  # [c, H, Di]
+            dots = torch.einsum("thd,jd->thj", q, keys[:kc])  # [c, H, nc*B]
             # keys past the token's position do not count; NaN counts as -inf
-            hidden = (key_pos[None, :] > p[:, None]) | unfilled[None, :]
+            hidden = (key_pos[None, :kc] > p[:, None]) | unfilled[None, :kc]
             dots = dots.masked_fill(hidden[:, None, :] | dots.isnan(), float("-inf"))
-            scores[s:e, :, :nb] = dots.view(e - s, num_heads, nb, block_size).amax(-1)
+            scores[s:e, :, :nc] = dots.view(e - s, num_heads, nc, block_size).amax(-1)
     if out is None:
         return scores
     out.copy_(scores)
