@@ -136,6 +136,11 @@ def test_reference_signatures_equal_public(name):
 
 def test_unsupported_reason():
     assert openmsa.unsupported_reason() is None
+    assert openmsa.unsupported_reason(index_dtype=torch.bfloat16, kv_dtype=FP8) is None
+    assert openmsa.unsupported_reason(index_query_dtype=torch.bfloat16) is None  # bf16 q, fp8 cache
+    reason = openmsa.unsupported_reason(index_dtype=torch.bfloat16, index_query_dtype=FP8)
+    assert "query only against a cache of the same type or fp8" in reason
+    assert "queries" in openmsa.unsupported_reason(query_dtype=FP8)
     cfg = openmsa.MSAConfig(block_size=256)
     assert "block sizes" in openmsa.unsupported_reason(cfg)
     cfg = openmsa.MSAConfig(topk_blocks=128)

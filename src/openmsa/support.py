@@ -94,6 +94,7 @@ def attention_unsupported_reason(*, head_dim: int, block_size: int, group_size: 
 
 
 def unsupported_reason(config: MSAConfig | None = None, *, index_dtype: torch.dtype = FP8,
+                       index_query_dtype: torch.dtype | None = None,
                        query_dtype: torch.dtype = torch.bfloat16,
                        kv_dtype: torch.dtype = torch.bfloat16, device=None) -> str | None:
     """Why openmsa's kernels cannot run a layer of `config` with these dtypes on `device`, in
@@ -101,22 +102,19 @@ def unsupported_reason(config: MSAConfig | None = None, *, index_dtype: torch.dt
 
     Args:
         config: the layer (M3's defaults when None).
-        index_dtype: dtype of the index cache (the index query is taken as `query_dtype`, or fp8
-            when the cache is fp8 and query_dtype is fp8).
-        query_dtype: dtype of q (and of the index query when it is not fp8).
+        index_dtype: dtype of the index cache.
+        index_query_dtype: dtype of the index query (the index cache's when None).
+        query_dtype: dtype of the main branch's q.
         kv_dtype: dtype of the main K/V cache.
         device: the target device; None skips the device checks.
     """
     config = config or MSAConfig()
-    index_query = index_dtype if index_dtype == FP8 and query_dtype == FP8 else \
-        (query_dtype if index_dtype == FP8 else index_dtype)
     reason = indexer_unsupported_reason(
         num_index_heads=config.num_index_heads, index_head_dim=config.index_head_dim,
-        block_size=config.block_size, topk=config.topk_blocks, query_dtype=index_query,
-        cache_dtype=index_dtype, device=device)
+        block_size=config.block_size, topk=config.topk_blocks,
+        query_dtype=index_query_dtype or index_dtype, cache_dtype=index_dtype, device=device)
     if reason is not None:
         return reason
     return attention_unsupported_reason(
         head_dim=config.head_dim, block_size=config.block_size, group_size=config.group_size,
-        query_dtype=query_dtype if query_dtype != FP8 else torch.bfloat16, kv_dtype=kv_dtype,
-        topk=config.topk_blocks, device=device)
+        query_dtype=query_dtype, kv_dtype=kv_dtype, topk=config.topk_blocks, device=device)
