@@ -3,11 +3,14 @@
 # the GPU machine; results land in $OUT (the device tool brings them back).
 #   bash scripts/gpu_check.sh tests            # tier 2 + tier 1 on the GPU
 #   bash scripts/gpu_check.sh bench [args...]  # benchmarks/run.py with args
+# The device copy has no .git: write the commit first (`git rev-parse --short HEAD > REVISION`,
+# an untracked file that travels) so the benchmark's provenance line names it.
 set -uo pipefail
 OUT=${OUT:-/tmp/openmsa-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1
+[ -f REVISION ] && export OPENMSA_REVISION=$(cat REVISION)
 what=${1:-tests}
 shift || true
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
