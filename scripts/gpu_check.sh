@@ -3,8 +3,8 @@
 # the GPU machine; results land in $OUT (the device tool brings them back).
 #   bash scripts/gpu_check.sh tests            # tier 2 + tier 1 on the GPU
 #   bash scripts/gpu_check.sh bench [args...]  # benchmarks/run.py with args
-# The device copy has no .git: write the commit first (`git rev-parse --short HEAD > REVISION`,
-# an untracked file that travels) so the benchmark's provenance line names it.
+# The device copy has no .git: write the commit first (`git rev-parse --short HEAD > REVISION`
+# and name REVISION in the call's carry) so the benchmark's provenance line names it.
 set -uo pipefail
 OUT=${OUT:-/tmp/openmsa-out}
 mkdir -p "$OUT"
