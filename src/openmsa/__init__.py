@@ -8,7 +8,7 @@ from . import reference
 from .batch import validate_batch
 from .config import MSAConfig
 from .ops.attention.api import sparse_attention, sparse_page_table
-from .ops.cache.api import write_index_cache, write_kv_cache
+from .ops.cache.api import fused_prepare, write_index_cache, write_kv_cache
 from .ops.indexer.api import block_scores, select_blocks
 from .support import unsupported_reason
 
@@ -16,5 +16,5 @@ __version__ = "0.1.0"
 
 __all__ = ["MSAConfig", "block_scores", "select_blocks", "sparse_attention", "sparse_page_table",
            "validate_batch",
-           "write_index_cache", "write_kv_cache", "unsupported_reason", "reference",
+           "write_index_cache", "write_kv_cache", "fused_prepare", "unsupported_reason", "reference",
            "__version__"]

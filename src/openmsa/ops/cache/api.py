@@ -4,6 +4,8 @@ TRITON_INTERPRET=1) or the reference (CPU)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..._checks import FP8
@@ -12,7 +14,7 @@ from ..._dispatch import scale_tensor, use_kernels
 from . import reference
 from .checks import check_index_write, check_kv_write
 
-__all__ = ["write_index_cache", "write_kv_cache"]
+__all__ = ["write_index_cache", "write_kv_cache", "fused_prepare", "rope_table"]
 
 
 def write_index_cache(index_k, index_cache, slot_mapping) -> None:
@@ -62,3 +64,81 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scal
         HKVP=_next_pow2(num_kv_heads), D=head_dim, DP=_next_pow2(head_dim),
         SATURATE=k_cache.dtype == FP8, HAS_SCALE=has_scale)
     return None
+
+
+# the coarse RoPE table covers positions below ROPE_MAX_POSITION (16M tokens, 4 MiB at 64 dims)
+ROPE_MAX_POSITION = 1 << 24
+PREPARE_HEAD_TILE = 16
+
+
+@functools.lru_cache(maxsize=16)
+def rope_table(rotary_dim: int, theta: float, device: str) -> torch.Tensor:
+    """fp32 [1024 + ROPE_MAX_POSITION / 1024, rotary_dim]: row r < 1024 holds (cos | sin) of
+    r * inv_freq, row 1024 + h of h * 1024 * inv_freq; built in float64 once per device."""
+    half = max(rotary_dim // 2, 1)
+    inv_freq = theta ** (-torch.arange(0, half, dtype=torch.float64) * 2 / max(rotary_dim, 1))
+    steps = torch.cat([torch.arange(1024, dtype=torch.float64),
+                       torch.arange(ROPE_MAX_POSITION // 1024, dtype=torch.float64) * 1024])
+    ang = steps[:, None] * inv_freq[None, :]
+    return torch.cat([ang.cos(), ang.sin()], dim=1).float().to(device)
+
+
+def fused_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_norm_weight,
+                  index_k_norm_weight, k_cache, v_cache, slot_mapping, index_cache,
+                  index_slot_mapping, *, k_scale=None, v_scale=None, q_out=None,
+                  index_q_out=None):
+    """One layer's preparation in one launch (README.md beside this has the math).
+
+    Args:
+        qkv: [T, (Hq + 2 Hkv) D + (H + 1) Di], the fused projection `[q | k | v | iq | ik]` of
+            one rank (any strides). positions: int [T] (padding tokens may hold anything >= 0 or
+            -1; positions >= 2^24 are not supported). config: the rank's MSAConfig.
+        *_norm_weight: [D] or [Di] Gemma RMSNorm weights. k_cache, v_cache: [P, B, Hkv, D] any
+            strides; index_cache [P, B, Di]; slot_mapping, index_slot_mapping: int [T], < 0 skips.
+        k_scale, v_scale: optional per-tensor scales of an fp8 main cache (stores x / scale).
+        q_out [T, Hq, D], index_q_out [T, H, Di]: optional outputs (any strides).
+
+    Returns:
+        (q, index_q): q in qkv's dtype (or q_out's), index_q in the index cache's (or
+        index_q_out's) dtype.
+    """
+    if not use_kernels(qkv):
+        return reference.fused_prepare(
+            qkv, positions, config, q_norm_weight, k_norm_weight, index_q_norm_weight,
+            index_k_norm_weight, k_cache, v_cache, slot_mapping, index_cache, index_slot_mapping,
+            k_scale=k_scale, v_scale=v_scale, q_out=q_out, index_q_out=index_q_out)
+    from ..attention.checks import check_scale_arg
+    from .checks import check_prepare
+    from .prepare import _fused_prepare_kernel
+
+    check_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_norm_weight,
+                  index_k_norm_weight, k_cache, v_cache, slot_mapping, index_cache,
+                  index_slot_mapping, q_out, index_q_out)
+    check_scale_arg("k_scale", k_scale, qkv.device)
+    check_scale_arg("v_scale", v_scale, qkv.device)
+    num_tokens = qkv.shape[0]
+    hq, hkv, h = config.num_heads, config.num_kv_heads, config.num_index_heads
+    d, di = config.head_dim, config.index_head_dim
+    if q_out is None:
+        q_out = torch.empty(num_tokens, hq, d, dtype=qkv.dtype, device=qkv.device)
+    if index_q_out is None:
+        index_q_out = torch.empty(num_tokens, h, di, dtype=index_cache.dtype, device=qkv.device)
+    if num_tokens == 0:
+        return q_out, index_q_out
+    table = rope_table(config.rotary_dim, float(config.rope_theta), str(qkv.device))
+    ht = min(PREPARE_HEAD_TILE, _next_pow2(max(hq, hkv, h)))
+    tiles = -(-hq // ht) + -(-hkv // ht) + -(-h // ht) + 1
+    has_scale = k_scale is not None or v_scale is not None
+    ks = scale_tensor(1.0 if k_scale is None else k_scale, qkv.device)
+    vs = scale_tensor(1.0 if v_scale is None else v_scale, qkv.device)
+    _fused_prepare_kernel[(num_tokens, tiles)](
+        qkv, positions, q_norm_weight, k_norm_weight, index_q_norm_weight, index_k_norm_weight,
+        table, k_cache, v_cache, slot_mapping, index_cache, index_slot_mapping, ks, vs, q_out,
+        index_q_out, float(config.rms_norm_eps), *qkv.stride(), *k_cache.stride(),
+        *v_cache.stride(), *index_cache.stride(), *q_out.stride(), *index_q_out.stride(),
+        HQ=hq, HKV=hkv, H=h, D=d, DI=di, DP=_next_pow2(d), DIP=_next_pow2(di),
+        ROT=config.rotary_dim, NCOARSE=ROPE_MAX_POSITION // 1024, BLOCK=k_cache.shape[1],
+        IBLOCK=index_cache.shape[1], HT=ht, KV_SATURATE=k_cache.dtype == FP8,
+        INDEX_SATURATE=index_cache.dtype == FP8, IQ_SATURATE=index_q_out.dtype == FP8,
+        HAS_SCALE=has_scale, num_warps=4)
+    return q_out, index_q_out

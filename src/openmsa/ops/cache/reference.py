@@ -10,7 +10,7 @@ from ..._checks import FP8
 from .checks import check_index_write, check_kv_write
 
 __all__ = ["write_index_cache", "write_kv_cache", "to_cache_dtype", "rms_norm", "apply_rope",
-           "prepare_index_qk", "prepare_qkv"]
+           "prepare_index_qk", "prepare_qkv", "split_projection", "fused_prepare"]
 
 FP8_MAX = 448.0
 
@@ -67,8 +67,9 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta:
     half = rotary_dim // 2
     inv_freq = theta ** (-torch.arange(0, half, device=x.device, dtype=torch.float64) * 2
                          / rotary_dim)
-    ang = (positions.to(torch.float64)[:, None] * inv_freq[None, :]).float()  # [T, half]
-    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    # cos/sin in float64: at position 1M the angle is ~1e6 rad, where one fp32 ulp is 0.06 rad
+    ang = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # [T, half]
+    cos, sin = ang.cos().float()[:, None, :], ang.sin().float()[:, None, :]
     x1, x2, rest = x[..., :half], x[..., half:rotary_dim], x[..., rotary_dim:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
 
@@ -99,3 +100,56 @@ def prepare_qkv(q, k, v, q_norm_weight, k_norm_weight, positions, *, rotary_dim,
     qq = apply_rope(rms_norm(q, q_norm_weight, eps), positions, rotary_dim, rope_theta)
     kk = apply_rope(rms_norm(k, k_norm_weight, eps), positions, rotary_dim, rope_theta)
     return qq.to(dtype), kk.to(dtype), v.to(dtype)
+
+
+def split_projection(qkv: torch.Tensor, config) -> tuple[torch.Tensor, ...]:
+    """Views of a fused projection row `[q | k | v | index_q | index_k]` for one rank's config:
+    q [T, Hq, D], k and v [T, Hkv, D], index_q [T, H, Di], index_k [T, Di]."""
+    t = qkv.shape[0]
+    d, di = config.head_dim, config.index_head_dim
+    sizes = [config.num_heads * d, config.num_kv_heads * d, config.num_kv_heads * d,
+             config.num_index_heads * di, di]
+    q, k, v, iq, ik = torch.split(qkv, sizes, dim=-1)
+    return (q.reshape(t, config.num_heads, d), k.reshape(t, config.num_kv_heads, d),
+            v.reshape(t, config.num_kv_heads, d), iq.reshape(t, config.num_index_heads, di), ik)
+
+
+def fused_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_norm_weight,
+                  index_k_norm_weight, k_cache, v_cache, slot_mapping, index_cache,
+                  index_slot_mapping, *, k_scale=None, v_scale=None, q_out=None,
+                  index_q_out=None):
+    """One layer's preparation (see README.md beside this): split the fused projection, Gemma
+    RMSNorm per head (own weights for q, k, index_q, index_k), partial NeoX RoPE at `positions`,
+    k and v into the main cache through `slot_mapping`, index_k (cast to the index cache dtype)
+    into the index cache through `index_slot_mapping`; slots < 0 are skipped.
+
+    Returns (q [T, Hq, D] in qkv's dtype, index_q [T, H, Di] in the index cache's dtype), or
+    written into q_out / index_q_out (whose dtypes then rule).
+    """
+    from .checks import check_prepare
+
+    check_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_norm_weight,
+                  index_k_norm_weight, k_cache, v_cache, slot_mapping, index_cache,
+                  index_slot_mapping, q_out, index_q_out)
+    q, k, v, iq, ik = split_projection(qkv, config)
+    pos = positions.long().clamp(min=0)
+    kw = dict(rotary_dim=config.rotary_dim, rope_theta=config.rope_theta, eps=config.rms_norm_eps)
+    qq = apply_rope(rms_norm(q, q_norm_weight, config.rms_norm_eps), pos, config.rotary_dim,
+                    config.rope_theta)
+    kk = apply_rope(rms_norm(k, k_norm_weight, config.rms_norm_eps), pos, config.rotary_dim,
+                    config.rope_theta)
+    iqq, ikk = prepare_index_qk(iq, ik, index_q_norm_weight, index_k_norm_weight, pos,
+                                cache_dtype=torch.float32, **kw)
+    write_kv_cache(kk, v.float(), k_cache, v_cache, slot_mapping, k_scale=k_scale,
+                   v_scale=v_scale)
+    write_index_cache(ikk, index_cache, index_slot_mapping)
+    q_dtype = q_out.dtype if q_out is not None else qkv.dtype
+    iq_dtype = index_q_out.dtype if index_q_out is not None else index_cache.dtype
+    qq, iqq = to_cache_dtype(qq, q_dtype), to_cache_dtype(iqq, iq_dtype)
+    if q_out is not None:
+        q_out.copy_(qq)
+        qq = q_out
+    if index_q_out is not None:
+        index_q_out.copy_(iqq)
+        iqq = index_q_out
+    return qq, iqq

@@ -1,0 +1,135 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The fused per-layer preparation in one launch: grid (T, role tiles), where a program takes up
+to HT heads of one role of one token from the fused projection row `[q | k | v | iq | ik]`:
+
+* q tiles: RMSNorm(q_norm) -> RoPE -> q_out;
+* kv tiles: RMSNorm(k_norm) -> RoPE -> k_cache, and v (untouched) -> v_cache, at `slot`;
+* index-q tiles: RMSNorm(index_q_norm) -> RoPE -> cast -> index_q_out;
+* the index-k program: RMSNorm(index_k_norm) -> RoPE -> saturating cast -> index_cache at
+  `index_slot`.
+
+Bytes per token: read the row (qkv dtype), write q, index_q, k, v, index_k: memory bound.
+
+RoPE angles come from a two-level fp32 table built in float64 on the host (`rope_table`):
+angle(p) = angle(p mod 1024) + angle(1024 * (p div 1024)), combined with the angle-sum formulas.
+A single fp32 product p * inv_freq would be 0.06 rad off at p = 1M (one fp32 ulp of 1e6).
+"""
+
+import triton
+import triton.language as tl
+
+from .write import saturate_to
+
+ROPE_FINE = 1024  # rows of the fine table; positions split as p = hi * ROPE_FINE + lo
+
+
+@triton.jit
+def _norm_rope(row_ptr, stride_c, col0, nheads, w_ptr, pos, table_ptr, eps,
+               HT: tl.constexpr, DIM: tl.constexpr, DP: tl.constexpr, ROT: tl.constexpr,
+               NCOARSE: tl.constexpr):
+    """Gemma RMSNorm then NeoX RoPE on the first ROT dims of heads [0, nheads) of a tile that
+    starts at column col0 of a projection row; returns (fp32 [HT, DP], mask)."""
+    h = tl.arange(0, HT)[:, None]
+    d = tl.arange(0, DP)[None, :]
+    mask = (h < nheads) & (d < DIM)
+    base = row_ptr + (col0 + h * DIM) * stride_c
+    x = tl.load(base + d * stride_c, mask=mask, other=0.0).to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / DIM + eps)
+    w = tl.load(w_ptr + d, mask=d < DIM, other=0.0).to(tl.float32)
+    y = x * inv_rms[:, None] * (1.0 + w)
+    if ROT > 0:
+        HALF: tl.constexpr = ROT // 2
+        rot = d < ROT
+        # the other half of each rotated pair (reloaded: a register shuffle across the tile's
+        # columns is not expressible in Triton, and the row is in L1 already)
+        partner = tl.where(d < HALF, d + HALF, tl.where(rot, d - HALF, d))
+        xp = tl.load(base + partner * stride_c, mask=mask, other=0.0).to(tl.float32)
+        wp = tl.load(w_ptr + partner, mask=d < DIM, other=0.0).to(tl.float32)
+        yp = xp * inv_rms[:, None] * (1.0 + wp)
+        j = tl.where(d < HALF, d, d - HALF)
+        p = tl.maximum(pos, 0)
+        lo = p % 1024
+        hi = tl.minimum(p // 1024, NCOARSE - 1)
+        fine = table_ptr + lo * ROT + j
+        coarse = table_ptr + (1024 + hi) * ROT + j
+        c1 = tl.load(fine, mask=rot, other=1.0)
+        s1 = tl.load(fine + HALF, mask=rot, other=0.0)
+        c2 = tl.load(coarse, mask=rot, other=1.0)
+        s2 = tl.load(coarse + HALF, mask=rot, other=0.0)
+        cos = c1 * c2 - s1 * s2
+        sin = s1 * c2 + c1 * s2
+        sign = tl.where(d < HALF, -1.0, 1.0)
+        y = tl.where(rot, y * cos + sign * yp * sin, y)
+    return y, mask
+
+
+@triton.jit
+def _fused_prepare_kernel(
+        qkv_ptr, pos_ptr, qw_ptr, kw_ptr, iqw_ptr, ikw_ptr, table_ptr,
+        k_cache_ptr, v_cache_ptr, slot_ptr, index_cache_ptr, index_slot_ptr,
+        k_scale_ptr, v_scale_ptr, q_out_ptr, iq_out_ptr, eps,
+        stride_xt, stride_xc,
+        stride_kcp, stride_kcb, stride_kch, stride_kcd,
+        stride_vcp, stride_vcb, stride_vch, stride_vcd,
+        stride_icp, stride_icb, stride_icd,
+        stride_qt, stride_qh, stride_qd, stride_it, stride_ih, stride_id,
+        HQ: tl.constexpr, HKV: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+        DI: tl.constexpr, DP: tl.constexpr, DIP: tl.constexpr, ROT: tl.constexpr,
+        NCOARSE: tl.constexpr, BLOCK: tl.constexpr, IBLOCK: tl.constexpr, HT: tl.constexpr,
+        KV_SATURATE: tl.constexpr, INDEX_SATURATE: tl.constexpr, IQ_SATURATE: tl.constexpr,
+        HAS_SCALE: tl.constexpr):
+    t = tl.program_id(0)
+    tile = tl.program_id(1)
+    NQ: tl.constexpr = (HQ + HT - 1) // HT
+    NKV: tl.constexpr = (HKV + HT - 1) // HT
+    NI: tl.constexpr = (H + HT - 1) // HT
+    row = qkv_ptr + t.to(tl.int64) * stride_xt
+    pos = tl.load(pos_ptr + t).to(tl.int32)
+    hh = tl.arange(0, HT)[:, None]
+    if tile < NQ:
+        h0 = tile * HT
+        y, mask = _norm_rope(row, stride_xc, h0 * D, HQ - h0, qw_ptr, pos, table_ptr, eps,
+                             HT, D, DP, ROT, NCOARSE)
+        d = tl.arange(0, DP)[None, :]
+        dst = q_out_ptr + t.to(tl.int64) * stride_qt + (h0 + hh) * stride_qh + d * stride_qd
+        tl.store(dst, y.to(q_out_ptr.dtype.element_ty), mask=mask)
+    elif tile < NQ + NKV:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            h0 = (tile - NQ) * HT
+            page = slot // BLOCK
+            off = slot % BLOCK
+            k_scale = 1.0
+            v_scale = 1.0
+            if HAS_SCALE:
+                k_scale = tl.load(k_scale_ptr)
+                v_scale = tl.load(v_scale_ptr)
+            k, mask = _norm_rope(row, stride_xc, (HQ + h0) * D, HKV - h0, kw_ptr, pos,
+                                 table_ptr, eps, HT, D, DP, ROT, NCOARSE)
+            d = tl.arange(0, DP)[None, :]
+            dst = (k_cache_ptr + page * stride_kcp + off * stride_kcb + (h0 + hh) * stride_kch
+                   + d * stride_kcd)
+            tl.store(dst, saturate_to(k / k_scale, k_cache_ptr.dtype.element_ty, KV_SATURATE),
+                     mask=mask)
+            v = tl.load(row + ((HQ + HKV + h0 + hh) * D + d) * stride_xc, mask=mask)
+            dst = (v_cache_ptr + page * stride_vcp + off * stride_vcb + (h0 + hh) * stride_vch
+                   + d * stride_vcd)
+            tl.store(dst, saturate_to(v.to(tl.float32) / v_scale,
+                                      v_cache_ptr.dtype.element_ty, KV_SATURATE), mask=mask)
+    elif tile < NQ + NKV + NI:
+        h0 = (tile - NQ - NKV) * HT
+        y, mask = _norm_rope(row, stride_xc, (HQ + 2 * HKV) * D + h0 * DI, H - h0, iqw_ptr, pos,
+                             table_ptr, eps, HT, DI, DIP, ROT, NCOARSE)
+        d = tl.arange(0, DIP)[None, :]
+        dst = iq_out_ptr + t.to(tl.int64) * stride_it + (h0 + hh) * stride_ih + d * stride_id
+        tl.store(dst, saturate_to(y, iq_out_ptr.dtype.element_ty, IQ_SATURATE), mask=mask)
+    else:
+        slot = tl.load(index_slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            y, mask = _norm_rope(row, stride_xc, (HQ + 2 * HKV) * D + H * DI, 1, ikw_ptr, pos,
+                                 table_ptr, eps, HT, DI, DIP, ROT, NCOARSE)
+            d = tl.arange(0, DIP)[None, :]
+            dst = (index_cache_ptr + (slot // IBLOCK) * stride_icp + (slot % IBLOCK) * stride_icb
+                   + hh * 0 + d * stride_icd)
+            tl.store(dst, saturate_to(y, index_cache_ptr.dtype.element_ty, INDEX_SATURATE),
+                     mask=mask)
