@@ -10,6 +10,8 @@ from .config import MSAConfig
 from .ops.attention.api import sparse_attention, sparse_page_table
 from .ops.cache.api import fused_prepare, write_index_cache, write_kv_cache
 from .ops.indexer.api import block_scores, select_blocks
+from .layer import MSAAttention
+from .plan import MSAMetadata, MSAPlanner
 from .support import unsupported_reason
 
 __version__ = "0.1.0"
@@ -17,4 +19,5 @@ __version__ = "0.1.0"
 __all__ = ["MSAConfig", "block_scores", "select_blocks", "sparse_attention", "sparse_page_table",
            "validate_batch",
            "write_index_cache", "write_kv_cache", "fused_prepare", "unsupported_reason", "reference",
+           "MSAAttention", "MSAPlanner", "MSAMetadata",
            "__version__"]

@@ -1,0 +1,195 @@
+# SPDX-License-Identifier: Apache-2.0
+"""MSAAttention: one MiniMax-M3 sparse attention layer as a torch.nn.Module.
+
+    hidden [T, hidden] -> fused projection [q | k | v | index_q | index_k]
+        -> fused_prepare (norms, RoPE, casts, main + index cache insertion; one launch)
+        -> select_blocks (index branch) -> sparse_attention (main branch) -> o_proj
+
+Tensor parallelism: a rank holds a slice of the query, KV and index heads (index head h serves
+KV head h) and the whole one-head index key; its o_proj output is a partial sum that the engine
+all-reduces across ranks, as for any row-parallel projection.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import reference
+from .config import MSAConfig
+from .ops.attention.api import sparse_attention
+from .ops.cache.api import fused_prepare
+from .ops.indexer.api import select_blocks
+from .plan import MSAMetadata
+
+__all__ = ["MSAAttention", "dense_paged_attention"]
+
+_NORMS = ("q_norm", "k_norm", "index_q_norm", "index_k_norm")
+
+
+# the public ops (Triton on CUDA, or on CPU under the interpreter); `reference` has the same names
+KERNEL_OPS = SimpleNamespace(fused_prepare=fused_prepare, select_blocks=select_blocks,
+                             sparse_attention=sparse_attention)
+
+
+class MSAAttention(nn.Module):
+    """One sparse layer for one tensor-parallel rank.
+
+    Args:
+        config: the whole model's MSAConfig (head counts before sharding).
+        hidden_size: the model's hidden size.
+        tp_size, tp_rank: this rank's slice of the heads.
+        ops: "kernels" (the public ops: Triton on CUDA), "reference" (openmsa.reference, the
+            spec in PyTorch) or "dense" (the reference preparation, then dense causal attention
+            over the whole context: what sparsity is compared against).
+        index_query_dtype: the index query's dtype (None: the index cache's; a 16-bit type
+            against an fp8 cache is allowed).
+    """
+
+    def __init__(self, config: MSAConfig, hidden_size: int, *, tp_size: int = 1,
+                 tp_rank: int = 0, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str | None = None, ops: str = "kernels",
+                 index_query_dtype: torch.dtype | None = None):
+        super().__init__()
+        if not isinstance(config, MSAConfig):
+            raise TypeError(f"config must be an MSAConfig, got {type(config).__name__}")
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank must be in [0, tp_size={tp_size}), got {tp_rank}")
+        if ops not in ("kernels", "reference", "dense"):
+            raise ValueError(f"ops must be 'kernels', 'reference' or 'dense', got {ops!r}")
+        self.full_config = config
+        self.config = cfg = config.shard(tp_size)
+        self.tp_size, self.tp_rank, self.hidden_size = tp_size, tp_rank, hidden_size
+        self.ops = ops
+        self.index_query_dtype = index_query_dtype
+        d, di = cfg.head_dim, cfg.index_head_dim
+        self.q_size = cfg.num_heads * d
+        self.kv_size = cfg.num_kv_heads * d
+        self.iq_size = cfg.num_index_heads * di
+        width = self.q_size + 2 * self.kv_size + self.iq_size + di
+        kw = dict(dtype=dtype, device=device)
+        # one fused projection weight: a single GEMM per step instead of five
+        self.qkv_weight = nn.Parameter(torch.empty(width, hidden_size, **kw), requires_grad=False)
+        self.o_weight = nn.Parameter(torch.empty(hidden_size, self.q_size, **kw),
+                                     requires_grad=False)
+        for name, n in zip(_NORMS, (d, d, di, di)):
+            setattr(self, name, nn.Parameter(torch.zeros(n, **kw), requires_grad=False))
+
+    # ---------------------------------------------------------------- weights
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The whole (unsharded) layer's checkpoint tensors, by parameter name."""
+        c, h = self.full_config, self.hidden_size
+        return {"q_proj.weight": (c.num_heads * c.head_dim, h),
+                "k_proj.weight": (c.num_kv_heads * c.head_dim, h),
+                "v_proj.weight": (c.num_kv_heads * c.head_dim, h),
+                "index_q_proj.weight": (c.num_index_heads * c.index_head_dim, h),
+                "index_k_proj.weight": (c.index_head_dim, h),
+                "o_proj.weight": (h, c.num_heads * c.head_dim),
+                "q_norm.weight": (c.head_dim,), "k_norm.weight": (c.head_dim,),
+                "index_q_norm.weight": (c.index_head_dim,),
+                "index_k_norm.weight": (c.index_head_dim,)}
+
+    @torch.no_grad()
+    def load_checkpoint(self, state_dict: Mapping[str, torch.Tensor], prefix: str = "") -> None:
+        """Load this rank's slice from a layer's unsharded checkpoint tensors, named as in the
+        model (`q_proj.weight`, ..., `index_k_norm.weight`, after `prefix`)."""
+        shapes = self.checkpoint_shapes()
+        w = {}
+        for name, shape in shapes.items():
+            key = prefix + name
+            if key not in state_dict:
+                raise KeyError(f"checkpoint has no {key!r}")
+            t = state_dict[key]
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{key} must be {shape}, got {tuple(t.shape)}")
+            w[name] = t
+        r = self.tp_rank
+
+        def rows(t, size):
+            return t[r * size:(r + 1) * size]
+
+        fused = torch.cat([rows(w["q_proj.weight"], self.q_size),
+                           rows(w["k_proj.weight"], self.kv_size),
+                           rows(w["v_proj.weight"], self.kv_size),
+                           rows(w["index_q_proj.weight"], self.iq_size),
+                           w["index_k_proj.weight"]])  # the one index-key head: replicated
+        self.qkv_weight.copy_(fused)
+        self.o_weight.copy_(w["o_proj.weight"][:, r * self.q_size:(r + 1) * self.q_size])
+        for name in _NORMS:
+            getattr(self, name).copy_(w[name + ".weight"])
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, hidden: torch.Tensor, meta: MSAMetadata,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], index_cache: torch.Tensor, *,
+                k_scale=None, v_scale=None) -> torch.Tensor:
+        """hidden [T, hidden] -> this rank's o_proj partial output [T, hidden].
+
+        kv_cache: (k_cache, v_cache) viewed [P, B, Hkv_rank, D] (any strides); index_cache
+        [P, B, Di]. The step's keys are written into the caches before attention reads them.
+        """
+        cfg = self.config
+        ops = KERNEL_OPS if self.ops == "kernels" else reference
+        k_cache, v_cache = kv_cache
+        num_tokens = hidden.shape[0]
+        qkv = F.linear(hidden, self.qkv_weight)
+        iq_out = None
+        if self.index_query_dtype is not None and self.index_query_dtype != index_cache.dtype:
+            iq_out = torch.empty(num_tokens, cfg.num_index_heads, cfg.index_head_dim,
+                                 dtype=self.index_query_dtype, device=hidden.device)
+        q, index_q = ops.fused_prepare(
+            qkv, meta.positions, cfg, self.q_norm, self.k_norm, self.index_q_norm,
+            self.index_k_norm, k_cache, v_cache, meta.slot_mapping, index_cache,
+            meta.index_slot_mapping, k_scale=k_scale, v_scale=v_scale, index_q_out=iq_out)
+        if self.ops == "dense":
+            out = dense_paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
+                                        meta.block_table, block_size=cfg.block_size,
+                                        k_scale=k_scale, v_scale=v_scale)
+        else:
+            indices = ops.select_blocks(
+                index_q, index_cache, meta.cu_seqlens_q, meta.seq_lens, meta.index_block_table,
+                topk=cfg.topk_blocks, init_blocks=cfg.init_blocks,
+                local_blocks=cfg.local_blocks, block_size=cfg.block_size)
+            out = ops.sparse_attention(q, k_cache, v_cache, indices, meta.cu_seqlens_q,
+                                       meta.seq_lens, meta.block_table,
+                                       block_size=cfg.block_size, k_scale=k_scale,
+                                       v_scale=v_scale)
+        return F.linear(out.reshape(num_tokens, self.q_size), self.o_weight)
+
+
+def _scale_value(s) -> float:
+    if s is None:
+        return 1.0
+    return float(s) if not isinstance(s, torch.Tensor) else float(s.reshape(()))
+
+
+def dense_paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, *,
+                          block_size, scale=None, k_scale=None, v_scale=None) -> torch.Tensor:
+    """Dense causal GQA attention over each request's whole paged context, through
+    scaled_dot_product_attention: the comparison path (one launch per request; it reads the
+    metadata on the host, so it synchronises). Padding tokens give 0."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    out = torch.zeros_like(q)
+    cu, sl = cu_seqlens_q.tolist(), seq_lens.tolist()
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k_cache.shape[2]
+    ks, vs = _scale_value(k_scale), _scale_value(v_scale)
+    for r in range(len(sl)):
+        ql, n = cu[r + 1] - cu[r], sl[r]
+        if ql == 0 or n == 0 or ql > n:
+            continue
+        nb = -(-n // block_size)
+        pages = block_table[r, :nb].long()
+        k = (k_cache[pages].float() * ks).reshape(nb * block_size, hkv, d)[:n]
+        v = (v_cache[pages].float() * vs).reshape(nb * block_size, hkv, d)[:n]
+        k = k.to(q.dtype).transpose(0, 1).repeat_interleave(hq // hkv, 0)
+        v = v.to(q.dtype).transpose(0, 1).repeat_interleave(hq // hkv, 0)
+        qq = q[cu[r]:cu[r + 1]].transpose(0, 1)
+        o = F.scaled_dot_product_attention(qq, k, v, attn_mask=causal_lower_right(ql, n),
+                                           scale=scale)
+        out[cu[r]:cu[r + 1]] = o.transpose(0, 1)
+    return out

@@ -1,0 +1,182 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The sparse layer: plan/run metadata, MSAAttention's checkpoint loading and tensor-parallel
+shards, and the small model end to end (kernels vs reference, sparse with every block selected vs
+dense attention). The GPU-only CUDA-graph test of a 4-layer stack is in test_gpu.py."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import openmsa
+from openmsa.model import TinyMSAModel, ToyEngine, random_layer_checkpoint
+from openmsa.plan import MSAPlanner
+from openmsa.testing import make_step
+
+FP8 = torch.float8_e4m3fn
+CFG = openmsa.MSAConfig(num_heads=4, num_kv_heads=2, head_dim=64, num_index_heads=2,
+                        index_head_dim=64, block_size=16, topk_blocks=2, init_blocks=0,
+                        local_blocks=1, rotary_dim=32)
+
+
+def _prompts(seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 128, (64,), generator=g).tolist(),
+            torch.randint(0, 128, (64,), generator=g).tolist())
+
+
+def _schedule(a, b):
+    """Chunked prefill of A, then B's whole prompt joins next to A's second chunk, then a decode
+    step and a speculative verify (3 draft tokens for A, 1 for B)."""
+    return [[(0, a[:24])], [(0, a[24:48]), (1, b[:30])], [(0, a[48:49]), (1, b[30:31])],
+            [(0, a[49:52]), (1, b[31:32])]]
+
+
+def _run(cfg, ops, *, dtype, kv_dtype, index_dtype, device, steps, layers=2):
+    model = TinyMSAModel(cfg, ops=ops, dtype=dtype, device=device, num_layers=layers)
+    engine = ToyEngine(model, num_pages=48, kv_dtype=kv_dtype, index_dtype=index_dtype,
+                       device=device)
+    return [engine.step(s).cpu() for s in steps]
+
+
+def _assert_logits_close(got, want, rel=2e-2):
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.shape == b.shape and torch.isfinite(a).all()
+        err = (a - b).abs().max() / b.abs().max()
+        assert err < rel, f"step {i}: logits differ by {err:.3g} of their range"
+
+
+# ----------------------------------------------------------------------------- reference tier
+@pytest.mark.reference
+def test_plan_matches_make_step_and_pads():
+    q_lens, seq_lens = [1, 3, 20, 0], [70, 45, 100, 9]
+    step = make_step(q_lens, seq_lens, block_size=16)
+    planner = MSAPlanner(CFG, max_requests=6, max_tokens=32, max_blocks=8, device="cpu")
+    meta = planner.plan(q_lens, seq_lens, step.block_table, pad_requests_to=6, pad_tokens_to=30)
+    assert meta.cu_seqlens_q.tolist() == [0, 1, 4, 24, 24, 24, 24]
+    assert meta.seq_lens.tolist() == seq_lens + [0, 0]
+    assert meta.slot_mapping[:24].tolist() == step.slot_mapping.tolist()
+    assert meta.slot_mapping[24:].tolist() == [-1] * 6
+    assert meta.positions.tolist() == [69, 42, 43, 44] + list(range(80, 100)) + [-1] * 6
+    assert torch.equal(meta.index_slot_mapping, meta.slot_mapping)
+    # a second plan reuses the same buffers (what a captured CUDA graph reads)
+    again = planner.plan([1], [5], step.block_table[:1], pad_requests_to=6, pad_tokens_to=30)
+    assert again.positions.data_ptr() == meta.positions.data_ptr()
+    assert again.positions.tolist() == [4] + [-1] * 29
+
+
+@pytest.mark.reference
+def test_plan_rejects_what_does_not_fit():
+    planner = MSAPlanner(CFG, max_requests=2, max_tokens=8, max_blocks=4, device="cpu")
+    table = torch.zeros(2, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="max_tokens"):
+        planner.plan([9], [9], table)
+    with pytest.raises(ValueError, match="max_requests"):
+        planner.plan([1, 1, 1], [1, 1, 1], torch.zeros(3, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="q_len"):
+        planner.plan([3], [2], table)
+    with pytest.raises(ValueError, match="max_blocks"):
+        planner.plan([1], [65], table)
+    with pytest.raises(ValueError, match="columns"):
+        planner.plan([1], [40], table[:, :2])
+    with pytest.raises(TypeError, match="block_table"):
+        planner.plan([1], [4], table.long())
+    with pytest.raises(TypeError, match="q_lens"):
+        planner.plan(3, [4], table)
+
+
+@pytest.mark.reference
+def test_checkpoint_loading_names_and_shapes():
+    layer = openmsa.MSAAttention(CFG, 96, dtype=torch.float32)
+    ckpt = random_layer_checkpoint(layer, torch.Generator().manual_seed(0))
+    layer.load_checkpoint({"model.layers.3.self_attn." + k: v for k, v in ckpt.items()},
+                          prefix="model.layers.3.self_attn.")
+    assert torch.equal(layer.qkv_weight[:256], ckpt["q_proj.weight"])
+    assert torch.equal(layer.qkv_weight[-64:], ckpt["index_k_proj.weight"])
+    with pytest.raises(KeyError, match="index_k_norm.weight"):
+        layer.load_checkpoint({k: v for k, v in ckpt.items() if k != "index_k_norm.weight"})
+    bad = dict(ckpt, **{"o_proj.weight": ckpt["o_proj.weight"][:, :10]})
+    with pytest.raises(ValueError, match="o_proj.weight"):
+        layer.load_checkpoint(bad)
+    with pytest.raises(ValueError, match="tp_size"):
+        openmsa.MSAAttention(CFG, 96, tp_size=4)
+    with pytest.raises(ValueError, match="ops"):
+        openmsa.MSAAttention(CFG, 96, ops="fast")
+
+
+@pytest.mark.reference
+def test_tensor_parallel_shards_sum_to_the_whole_layer():
+    """Two ranks (each 2 query heads, 1 KV head, 1 index head, the index key replicated) give
+    partial o_proj outputs whose sum is the unsharded layer's output."""
+    cfg = openmsa.MSAConfig(num_heads=4, num_kv_heads=2, head_dim=64, num_index_heads=2,
+                            index_head_dim=64, block_size=16, topk_blocks=2, rotary_dim=32)
+    whole = openmsa.MSAAttention(cfg, 96, ops="reference", dtype=torch.float32)
+    ckpt = random_layer_checkpoint(whole, torch.Generator().manual_seed(1))
+    whole.load_checkpoint(ckpt)
+    q_lens, seq_lens = [1, 40], [50, 40]
+    step = make_step(q_lens, seq_lens, block_size=16)
+    hidden = torch.randn(41, 96, generator=torch.Generator().manual_seed(2))
+
+    def run(layer):
+        c = layer.config
+        meta = MSAPlanner(c, max_requests=2, max_tokens=41, max_blocks=8,
+                          device="cpu").plan(q_lens, seq_lens, step.block_table)
+        kc = torch.zeros(step.num_pages, 16, c.num_kv_heads, 64)
+        vc = torch.zeros_like(kc)
+        ic = torch.zeros(step.num_pages, 16, 64)
+        # the first request's 49 earlier tokens, prefilled as one chunk
+        old = torch.randn(49, 96, generator=torch.Generator().manual_seed(3))
+        old_meta = MSAPlanner(c, max_requests=1, max_tokens=49, max_blocks=8,
+                              device="cpu").plan([49], [49], step.block_table[:1])
+        layer(old, old_meta, (kc, vc), ic)
+        return layer(hidden, meta, (kc, vc), ic)
+
+    want = run(whole)
+    parts = []
+    for rank in range(2):
+        shard = openmsa.MSAAttention(cfg, 96, tp_size=2, tp_rank=rank, ops="reference",
+                                     dtype=torch.float32)
+        shard.load_checkpoint(ckpt)
+        assert shard.config.num_heads == 2 and shard.config.num_index_heads == 1
+        parts.append(run(shard))
+    torch.testing.assert_close(parts[0] + parts[1], want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.reference
+def test_model_with_every_block_selected_equals_dense_reference():
+    cfg = dataclasses.replace(CFG, topk_blocks=8)  # 8 x 16 >= 64 tokens
+    steps = _schedule(*_prompts())
+    kw = dict(dtype=torch.float32, kv_dtype=torch.float32, index_dtype=torch.float32,
+              device="cpu", steps=steps)
+    _assert_logits_close(_run(cfg, "reference", **kw), _run(cfg, "dense", **kw), rel=1e-4)
+    # and with the real topk the selection matters: sparse differs from dense
+    sparse, dense = _run(CFG, "reference", **kw), _run(CFG, "dense", **kw)
+    assert (sparse[1] - dense[1]).abs().max() > 1e-2
+
+
+# ----------------------------------------------------------------------------- kernel tiers
+def _kernel_dtypes(device):
+    # Triton's interpreter computes bf16 attention and fp32 -> fp8 casts wrongly: fp16 on CPU
+    if device == "cuda":
+        return [(torch.bfloat16, torch.bfloat16, FP8), (torch.bfloat16, FP8, torch.bfloat16)]
+    return [(torch.float16, torch.float16, torch.float16)]
+
+
+@pytest.mark.interpret
+def test_model_end_to_end_kernels_equal_reference(kernel_device):
+    steps = _schedule(*_prompts())
+    for dtype, kv_dtype, index_dtype in _kernel_dtypes(kernel_device):
+        kw = dict(dtype=dtype, kv_dtype=kv_dtype, index_dtype=index_dtype, steps=steps)
+        got = _run(CFG, "kernels", device=kernel_device, **kw)
+        want = _run(CFG, "reference", device=kernel_device, **kw)
+        _assert_logits_close(got, want)
+
+
+@pytest.mark.interpret
+def test_model_end_to_end_every_block_selected_equals_dense(kernel_device):
+    cfg = dataclasses.replace(CFG, topk_blocks=8)
+    steps = _schedule(*_prompts(seed=6))
+    dtype = torch.bfloat16 if kernel_device == "cuda" else torch.float16
+    kw = dict(dtype=dtype, kv_dtype=dtype, index_dtype=dtype, steps=steps,
+              device=kernel_device)
+    _assert_logits_close(_run(cfg, "kernels", **kw), _run(cfg, "dense", **kw))
