@@ -3,7 +3,8 @@
 the H200's measured ceilings, in one run.
 
     python benchmarks/run.py [--sections ceilings,indexer-decode,indexer-prefill,
-                              attention-decode,attention-prefill] [--quick] [--out DIR]
+                              attention-decode,attention-prefill,layer-decode,layer-prefill]
+                             [--quick] [--out DIR]
 
 Times are medians. "device" is the kernels' own time per call (profiler, L2 flushed before each
 call); "call" is what an engine pays per call: CUDA-graph replay for openmsa, an eager call for
@@ -426,9 +427,151 @@ def _dense_prefill_us(model, context, chunk, args):
     return med(device_times_us(fn, max(5, args.iters // 4)))
 
 
+# ---------------------------------------------------------------------------------------------
+# the sparse layer: preparation + indexer + sparse attention, against the same layer with dense
+# attention over the whole context
+
+def kernel_breakdown_us(fn, iters: int) -> dict[str, float]:
+    """Median device time of each kernel (by name) over `iters` calls, L2 flushed before each."""
+    fn()
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            flush_l2()
+            fn()
+        torch.cuda.synchronize()
+    per: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0 \
+                and "_bench_l2_flush_kernel" not in e.name:
+            per.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
+    # a kernel launched n times per call contributes n entries per call
+    return {k: med(v) * len(v) / iters for k, v in per.items()}
+
+
+def _short(name: str) -> str:
+    for key, short in (("fused_prepare", "prep"), ("block_scores", "score"),
+                       ("segment_topk", "topk"), ("merge_topk", "topk-merge"),
+                       ("sparse_attention", "attn"), ("merge_splits", "attn-merge"),
+                       ("flash", "dense-attn"), ("fmha", "dense-attn")):
+        if key in name:
+            return short
+    return "other"
+
+
+def _layer_case(model, batch, context, q_len, dname):
+    """Caches for `batch` requests of `context` tokens (each request's pages consecutive, so the
+    dense path can read the same K/V as one [B, Hkv, L, D] view), a planned step, and the
+    layer's inputs (the fused projection output and norm weights)."""
+    bs, d, di = model.block_size, model.head_dim, model.index_head_dim
+    hkv, hq, h = model.num_kv_heads, model.num_heads, model.num_index_heads
+    nb = -(-context // bs)
+    pages = batch * nb
+    dtype = DTYPES[dname]
+    k_cache = torch.empty(pages, bs, hkv, d, dtype=dtype, device="cuda")
+    v_cache = torch.empty_like(k_cache)
+    index_cache = torch.empty(pages, bs, di, dtype=dtype, device="cuda")
+    for c in (k_cache, v_cache, index_cache):
+        flat = c.view(pages, -1)
+        for i in range(0, pages, 4096):  # fill in slices: no full-size fp32 temporary
+            flat[i:i + 4096] = torch.randn(flat[i:i + 4096].shape, device="cuda").to(dtype)
+    table = torch.arange(pages, dtype=torch.int32, device="cuda").view(batch, nb)
+    planner = openmsa.MSAPlanner(model, max_requests=batch, max_tokens=batch * q_len,
+                                 max_blocks=nb, device="cuda")
+    meta = planner.plan([q_len] * batch, [context] * batch, table)
+    width = (hq + 2 * hkv) * d + (h + 1) * di
+    qkv = torch.randn(batch * q_len, width, device="cuda", dtype=torch.bfloat16)
+    w = [torch.randn(n, device="cuda", dtype=torch.bfloat16) * 0.1 for n in (d, d, di, di)]
+    return k_cache, v_cache, index_cache, meta, qkv, w
+
+
+def _layer_fns(model, k_cache, v_cache, index_cache, meta, qkv, w, batch, context, q_len):
+    cfg = model
+    t = qkv.shape[0]
+    q_out = torch.empty(t, cfg.num_heads, cfg.head_dim, dtype=torch.bfloat16, device="cuda")
+    iq_out = torch.empty(t, cfg.num_index_heads, cfg.index_head_dim, dtype=index_cache.dtype,
+                         device="cuda")
+    idx = torch.empty(t, cfg.num_index_heads, cfg.topk_blocks, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q_out)
+
+    def prep():
+        openmsa.fused_prepare(qkv, meta.positions, cfg, *w, k_cache, v_cache, meta.slot_mapping,
+                              index_cache, meta.index_slot_mapping, q_out=q_out,
+                              index_q_out=iq_out)
+
+    def sparse():
+        prep()
+        openmsa.select_blocks(iq_out, index_cache, meta.cu_seqlens_q, meta.seq_lens,
+                              meta.index_block_table, topk=cfg.topk_blocks,
+                              block_size=cfg.block_size, out=idx)
+        openmsa.sparse_attention(q_out, k_cache, v_cache, idx, meta.cu_seqlens_q, meta.seq_lens,
+                                 meta.block_table, block_size=cfg.block_size, out=out)
+
+    dense = None
+    if k_cache.dtype == torch.bfloat16:
+        from torch.nn.attention.bias import causal_lower_right
+        kk = k_cache.view(batch, -1, cfg.num_kv_heads, cfg.head_dim)[:, :context].transpose(1, 2)
+        vv = v_cache.view(batch, -1, cfg.num_kv_heads, cfg.head_dim)[:, :context].transpose(1, 2)
+        qq = q_out.view(batch, q_len, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+        mask = causal_lower_right(q_len, context) if q_len > 1 else None
+
+        def dense():
+            prep()
+            torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask,
+                                                             enable_gqa=True)
+    return sparse, dense
+
+
+def _layer_row(section, model_name, model, dname, batch, context, q_len, args, dense_cache):
+    case = _layer_case(model, batch, context, q_len, dname)
+    sparse, dense = _layer_fns(model, *case, batch, context, q_len)
+    iters = max(5, args.iters // 2)
+    sparse()
+    parts = kernel_breakdown_us(sparse, iters)
+    row = dict(section=section, model=model_name, dtype=dname, B=batch, L=context, q_len=q_len,
+               us=med(device_times_us(sparse, iters)))
+    if section == "layer-decode":
+        row["call_us"] = graph_call_us(sparse, iters)
+    by = {}
+    for name, us in parts.items():
+        by[_short(name)] = by.get(_short(name), 0.0) + us
+    row.update({f"{k}_us": v for k, v in sorted(by.items())})
+    key = (model_name, batch, context, q_len)
+    if dense is not None:
+        dense_cache[key] = try_peer(lambda: med(device_times_us(dense, iters)))
+    if dense_cache.get(key):
+        row["dense_bf16_us"] = dense_cache[key]
+        row["speedup"] = dense_cache[key] / row["us"]
+    record(**row)
+    del case, sparse, dense
+    torch.cuda.empty_cache()
+
+
+def layer_decode(args, fi):
+    grid = shapes.LAYER_DECODE
+    dense_cache: dict = {}
+    for model_name, model in shapes.MODELS.items():
+        for context, batch in itertools.product(grid["contexts"], grid["batches"]):
+            for dname in grid["dtypes"]:  # bf16 first: its dense time serves the fp8 row
+                _layer_row("layer-decode", model_name, model, dname, batch, context, 1, args,
+                           dense_cache)
+
+
+def layer_prefill(args, fi):
+    grid = shapes.LAYER_PREFILL
+    dense_cache: dict = {}
+    for model_name, model in shapes.MODELS.items():
+        for context in grid["contexts"]:
+            for dname in grid["dtypes"]:
+                _layer_row("layer-prefill", model_name, model, dname, 1, context + grid["chunk"],
+                           grid["chunk"], args, dense_cache)
+
+
 SECTIONS = {"ceilings": ceilings, "indexer-decode": indexer_decode,
             "indexer-prefill": indexer_prefill, "attention-decode": attention_decode,
-            "attention-prefill": attention_prefill}
+            "attention-prefill": attention_prefill, "layer-decode": layer_decode,
+            "layer-prefill": layer_prefill}
 
 
 def provenance() -> str:

@@ -18,3 +18,7 @@ INDEXER_PREFILL = dict(chunk=8192, contexts=(0, 120 * K, 1024 * K - 8192), dtype
 ATTENTION_DECODE = dict(batches=(1, 8, 64, 128), context=64 * K, q_lens=(1, 4),
                         dtypes=("bf16", "fp8"))
 ATTENTION_PREFILL = dict(chunk=8192, contexts=(8 * K, 128 * K), dtypes=("bf16", "fp8"))
+# the attention part of one sparse layer (fused preparation + indexer + sparse attention) against
+# the same layer with dense attention; prefill: one chunk of 8192 tokens after the context
+LAYER_DECODE = dict(batches=(1, 32), contexts=(128 * K, 1024 * K), dtypes=("bf16", "fp8"))
+LAYER_PREFILL = dict(chunk=8192, contexts=(120 * K, 1024 * K - 8192), dtypes=("bf16", "fp8"))
