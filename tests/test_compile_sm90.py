@@ -81,3 +81,20 @@ def test_cache_write_kernels():
                                           v_cache_ptr="*fp8e4nv", slot_ptr=I64,
                                           k_scale_ptr=F32, v_scale_ptr=F32), {},
              dict(BLOCK=128, HKV=4, HKVP=4, D=128, DP=128, SATURATE=True, HAS_SCALE=True))
+
+
+@pytest.mark.parametrize("kv_type, index_type", [("*fp8e4nv", "*fp8e4nv"), ("*bf16", "*bf16")])
+def test_fused_prepare_kernel(kv_type, index_type):
+    from openmsa.ops.cache.prepare import _fused_prepare_kernel
+
+    fp8 = kv_type == "*fp8e4nv"
+    _compile(_fused_prepare_kernel,
+             dict(qkv_ptr="*bf16", pos_ptr=I32, qw_ptr="*bf16", kw_ptr="*bf16", iqw_ptr="*bf16",
+                  ikw_ptr="*bf16", table_ptr=F32, k_cache_ptr=kv_type, v_cache_ptr=kv_type,
+                  slot_ptr=I64, index_cache_ptr=index_type, index_slot_ptr=I64,
+                  k_scale_ptr=F32, v_scale_ptr=F32, q_out_ptr="*bf16", iq_out_ptr=index_type),
+             dict(eps="fp32"),
+             dict(HQ=64, HKV=4, H=4, D=128, DI=128, DP=128, DIP=128, ROT=64, NCOARSE=16384,
+                  BLOCK=128, IBLOCK=128, HT=16, KV_SATURATE=fp8,
+                  INDEX_SATURATE=index_type == "*fp8e4nv", IQ_SATURATE=index_type == "*fp8e4nv",
+                  HAS_SCALE=fp8))

@@ -32,11 +32,51 @@ def _schedule(a, b):
             [(0, a[49:52]), (1, b[31:32])]]
 
 
-def _run(cfg, ops, *, dtype, kv_dtype, index_dtype, device, steps, layers=2):
-    model = TinyMSAModel(cfg, ops=ops, dtype=dtype, device=device, num_layers=layers)
-    engine = ToyEngine(model, num_pages=48, kv_dtype=kv_dtype, index_dtype=index_dtype,
-                       device=device)
+def _run(cfg, ops, *, dtype, kv_dtype, index_dtype, device, steps, layers=2, engine=None,
+         hidden_size=128):
+    model = TinyMSAModel(cfg, ops=ops, dtype=dtype, device=device, num_layers=layers,
+                         hidden_size=hidden_size)
+    engine = ToyEngine(model, kv_dtype=kv_dtype, index_dtype=index_dtype, device=device,
+                       **(engine or dict(num_pages=48)))
     return [engine.step(s).cpu() for s in steps]
+
+
+def run_kernels_against_reference(cfg, *, dtype, kv_dtype, index_dtype, device, steps, pins,
+                                  layers=2, engine=None, hidden_size=128):
+    """The model with the public ops, then with the reference ops replaying the kernels'
+    selections. A selection is discrete: in a model of random weights a near-tie between two
+    blocks flips with any rounding difference (the attention kernel rounds P to bf16 like any
+    flash kernel; the reference does not), and one flip changes the next layer's inputs. So
+    each kernel selection is checked near-optimal against the reference's block scores of the
+    same inputs, then the reference model reuses it: everything else is compared tightly."""
+    from openmsa import layer as layer_mod
+    from openmsa.batch import token_layout
+    from openmsa.testing import assert_selection_near_optimal
+
+    recorded = []
+    kernel_select = layer_mod.KERNEL_OPS.select_blocks
+
+    def record(index_q, index_cache, cu, sl, table, **kw):
+        out = kernel_select(index_q, index_cache, cu, sl, table, **kw)
+        scores = openmsa.reference.block_scores(index_q, index_cache, cu, sl, table,
+                                                 block_size=kw["block_size"])
+        _, pos = token_layout(cu, sl, index_q.shape[0])
+        assert_selection_near_optimal(out, scores, pos, topk=kw["topk"],
+                                      init_blocks=kw["init_blocks"],
+                                      local_blocks=kw["local_blocks"],
+                                      block_size=kw["block_size"])
+        recorded.append(out.clone())
+        return out
+
+    kw = dict(dtype=dtype, kv_dtype=kv_dtype, index_dtype=index_dtype, device=device,
+              steps=steps, layers=layers, engine=engine, hidden_size=hidden_size)
+    pins.setattr(layer_mod.KERNEL_OPS, "select_blocks", record)
+    got = _run(cfg, "kernels", **kw)
+    replay = iter(recorded)
+    pins.setattr(openmsa.reference, "select_blocks", lambda *a, **k: next(replay))
+    want = _run(cfg, "reference", **kw)
+    assert next(replay, None) is None
+    return got, want
 
 
 def _assert_logits_close(got, want, rel=2e-2):
@@ -163,13 +203,14 @@ def _kernel_dtypes(device):
 
 
 @pytest.mark.interpret
-def test_model_end_to_end_kernels_equal_reference(kernel_device):
+def test_model_end_to_end_kernels_equal_reference(kernel_device, monkeypatch):
     steps = _schedule(*_prompts())
     for dtype, kv_dtype, index_dtype in _kernel_dtypes(kernel_device):
-        kw = dict(dtype=dtype, kv_dtype=kv_dtype, index_dtype=index_dtype, steps=steps)
-        got = _run(CFG, "kernels", device=kernel_device, **kw)
-        want = _run(CFG, "reference", device=kernel_device, **kw)
+        got, want = run_kernels_against_reference(
+            CFG, dtype=dtype, kv_dtype=kv_dtype, index_dtype=index_dtype, device=kernel_device,
+            steps=steps, pins=monkeypatch)
         _assert_logits_close(got, want)
+        monkeypatch.undo()
 
 
 @pytest.mark.interpret

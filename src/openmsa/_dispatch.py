@@ -48,3 +48,12 @@ def scale_tensor(value, device) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value.reshape(1).float()
     return torch.full((1,), float(value), dtype=torch.float32, device=device)
+
+
+def scale_args(k_scale, v_scale, device, placeholder: torch.Tensor):
+    """(HAS_SCALE, k scale pointer, v scale pointer) for a launch. Without scales the kernel never
+    reads the pointers, so any tensor stands in: no fill kernel per call for a constant 1.0."""
+    if k_scale is None and v_scale is None:
+        return False, placeholder, placeholder
+    return (True, scale_tensor(1.0 if k_scale is None else k_scale, device),
+            scale_tensor(1.0 if v_scale is None else v_scale, device))

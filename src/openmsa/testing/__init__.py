@@ -12,7 +12,7 @@ import torch
 from ..ops.cache.reference import to_cache_dtype
 
 __all__ = ["Step", "make_step", "TOLERANCES", "assert_close", "random_index_inputs",
-           "random_kv_cache", "nan_poison"]
+           "random_kv_cache", "nan_poison", "assert_selection_near_optimal"]
 
 # (atol, rtol) by output dtype; relaxing one is a design change, not a test fix
 TOLERANCES = {
@@ -124,3 +124,32 @@ def nan_poison(shape, dtype, device) -> torch.Tensor:
 
 
 
+
+
+def assert_selection_near_optimal(indices: torch.Tensor, scores: torch.Tensor,
+                                  positions: torch.Tensor, *, topk: int, init_blocks: int,
+                                  local_blocks: int, block_size: int, rtol: float = 1e-3) -> None:
+    """A selection computed with other roundings than `scores` (the reference's block scores of
+    the same inputs): every row holds min(n, topk) ascending distinct ids, all forced blocks, and
+    each freely chosen block scores at least the best unchosen candidate's rank-th score minus a
+    rounding margin. Where the scores have no near-ties this is exact selection."""
+    indices, scores, positions = indices.cpu(), scores.float().cpu(), positions.cpu()
+    for t in range(indices.shape[0]):
+        p = int(positions[t])
+        n = p // block_size + 1 if p >= 0 else 0
+        for h in range(indices.shape[1]):
+            row = [b for b in indices[t, h].tolist() if b >= 0]
+            assert row == sorted(set(row)) and len(row) == min(n, topk), \
+                f"token {t} head {h}: {indices[t, h].tolist()} for {n} causal blocks"
+            if n <= topk:
+                continue
+            forced = {b for b in range(n) if b < init_blocks or b >= n - local_blocks}
+            assert forced <= set(row), f"token {t} head {h}: forced {forced} not in {row}"
+            free = torch.tensor([b for b in range(n) if b not in forced])
+            cand = scores[t, h, free].nan_to_num(float("-inf"))
+            kth = torch.topk(cand, topk - len(forced)).values[-1]
+            for b in row:
+                if b not in forced:
+                    s = scores[t, h, b].nan_to_num(float("-inf"))
+                    assert s >= kth - rtol * (1 + kth.abs()), \
+                        f"token {t} head {h}: block {b} scores {s} < the threshold {kth}"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..._dispatch import next_pow2 as _next_pow2
-from ..._dispatch import num_sms, scale_tensor, use_kernels
+from ..._dispatch import num_sms, scale_args, use_kernels
 from ...support import attention_unsupported_reason
 from . import reference
 from .checks import check_attention_args, check_page_table_args
@@ -87,9 +87,7 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
                                device=device)
     else:
         part_out = part_lse = lse
-    has_scale = k_scale is not None or v_scale is not None
-    ks = scale_tensor(1.0 if k_scale is None else k_scale, device)
-    vs = scale_tensor(1.0 if v_scale is None else v_scale, device)
+    has_scale, ks, vs = scale_args(k_scale, v_scale, device, lse)
     sm_scale = head_dim ** -0.5 if scale is None else float(scale)
     _sparse_attention_kernel[(num_tokens, num_kv_heads, splits)](
         q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, out, lse, part_out,

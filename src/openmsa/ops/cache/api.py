@@ -10,7 +10,7 @@ import torch
 
 from ..._checks import FP8
 from ..._dispatch import next_pow2 as _next_pow2
-from ..._dispatch import scale_tensor, use_kernels
+from ..._dispatch import scale_args, use_kernels
 from . import reference
 from .checks import check_index_write, check_kv_write
 
@@ -55,9 +55,7 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scal
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return None
-    has_scale = k_scale is not None or v_scale is not None
-    ks = scale_tensor(1.0 if k_scale is None else k_scale, k.device)
-    vs = scale_tensor(1.0 if v_scale is None else v_scale, k.device)
+    has_scale, ks, vs = scale_args(k_scale, v_scale, k.device, k)
     _write_kv_cache_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping, ks, vs, *k.stride(), *v.stride(),
         *k_cache.stride(), *v_cache.stride(), BLOCK=k_cache.shape[1], HKV=num_kv_heads,
@@ -128,9 +126,7 @@ def fused_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_
     table = rope_table(config.rotary_dim, float(config.rope_theta), str(qkv.device))
     ht = min(PREPARE_HEAD_TILE, _next_pow2(max(hq, hkv, h)))
     tiles = -(-hq // ht) + -(-hkv // ht) + -(-h // ht) + 1
-    has_scale = k_scale is not None or v_scale is not None
-    ks = scale_tensor(1.0 if k_scale is None else k_scale, qkv.device)
-    vs = scale_tensor(1.0 if v_scale is None else v_scale, qkv.device)
+    has_scale, ks, vs = scale_args(k_scale, v_scale, qkv.device, qkv)
     _fused_prepare_kernel[(num_tokens, tiles)](
         qkv, positions, q_norm_weight, k_norm_weight, index_q_norm_weight, index_k_norm_weight,
         table, k_cache, v_cache, slot_mapping, index_cache, index_slot_mapping, ks, vs, q_out,
