@@ -92,6 +92,21 @@ def main():
                   f"{r.get('kernel', 'per-token')} | {_f(r['us'], 0)} | {_f(r['tflops'], 0)} | "
                   f"{_f(pct, 0)} | {_f(r.get('dense_us'), 0)} |")
 
+    for section in ("layer-decode", "layer-prefill"):
+        lay = [r for r in rows if r["section"] == section]
+        if not lay:
+            continue
+        parts = ("prep", "score", "topk", "topk-merge", "attn", "attn-merge")
+        print(f"\n{section}: device µs per call, per kernel (medians), against dense\n")
+        print("| model | cache | B | L | q_len | layer µs | " + " | ".join(parts)
+              + " | graph call µs | dense (bf16) µs | dense / sparse |")
+        print("|---|---|---|---|---|---|" + "---|" * len(parts) + "---|---|---|")
+        for r in lay:
+            cells = " | ".join(_f(r.get(f"{k}_us")) for k in parts)
+            print(f"| {r['model']} | {r['dtype']} | {r['B']} | {_k(r['L'])} | {r['q_len']} | "
+                  f"{_f(r['us'])} | {cells} | {_f(r.get('call_us'))} | "
+                  f"{_f(r.get('dense_bf16_us'), 0)} | {_f(r.get('speedup'), 1)} |")
+
 
 if __name__ == "__main__":
     main()

@@ -41,6 +41,11 @@ def main():
     args = p.parse_args()
     only = args.only.split(",")
     print(run.provenance(), flush=True)
+    if "attention-prefill" in only:
+        _attention_prefill(args)
+        only.remove("attention-prefill")
+        if not only:
+            return None
     if "attention-decode" not in only:
         return _indexer(args, only)
 
@@ -64,6 +69,23 @@ def main():
     del cases
     torch.cuda.empty_cache()
     _indexer(args, only)
+
+
+def _attention_prefill(args):
+    """The prefill knobs (chunks of >= prefill_min_tokens tokens) on 8K chunks."""
+    variants = [{}, dict(prefill_stages=1), dict(prefill_stages=3), dict(prefill_warps=8),
+                dict(prefill_warps=8, prefill_stages=1), dict(prefill_warps=2)]
+    print("attention prefill variants:", variants)
+    cases = []
+    for model_name in ("m3-tp1", "m3-tp4"):
+        m = shapes.MODELS[model_name]
+        for dname in ("bf16", "fp8"):
+            q, packed, idx, cu, seq, table = run._attention_step(m, 1, 8192 + 8192, 8192, dname)
+            k, v = packed[..., :128].permute(0, 2, 1, 3), packed[..., 128:].permute(0, 2, 1, 3)
+            cases.append((f"prefill {model_name} {dname} 8K@8K",
+                          (lambda q=q, k=k, v=v, idx=idx, cu=cu, seq=seq, table=table:
+                           openmsa.sparse_attention(q, k, v, idx, cu, seq, table))))
+    sweep("attn-pre", attention_api.TUNING, variants, cases, args.iters)
 
 
 def _indexer(args, only):

@@ -15,8 +15,13 @@ from .checks import check_attention_args, check_page_table_args
 __all__ = ["sparse_attention", "sparse_page_table"]
 
 
-# launch knobs, read at each call so that benchmarks/tune.py can sweep them
-TUNING = dict(waves=2, min_blocks_per_split=2, warps=4, stages=3)
+# launch knobs, read at each call so that benchmarks/tune.py can sweep them. A step of at least
+# prefill_min_tokens tokens (a prefill chunk: its grid fills the GPU many times without splits)
+# takes the prefill knobs; measured: 2 stages cut an 8K chunk from 6.2 to 4.5 ms but cost fp8
+# decode 6% (docs/performance.md), so the choice follows the step's token count (a shape, not
+# a device value: graph-safe).
+TUNING = dict(waves=2, min_blocks_per_split=2, warps=4, stages=3, prefill_min_tokens=2048,
+              prefill_warps=4, prefill_stages=2)
 
 
 def _num_splits(num_tokens: int, num_kv_heads: int, topk: int, device: torch.device) -> int:
@@ -88,6 +93,9 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
     else:
         part_out = part_lse = lse
     has_scale, ks, vs = scale_args(k_scale, v_scale, device, lse)
+    prefill = num_tokens >= TUNING["prefill_min_tokens"]
+    warps = TUNING["prefill_warps" if prefill else "warps"]
+    stages = TUNING["prefill_stages" if prefill else "stages"]
     sm_scale = head_dim ** -0.5 if scale is None else float(scale)
     _sparse_attention_kernel[(num_tokens, num_kv_heads, splits)](
         q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, out, lse, part_out,
@@ -96,8 +104,7 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
         *lse.stride(), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         NUM_INDEX_HEADS=indices.shape[1], G=group, M=max(16, _next_pow2(group)), D=head_dim,
         BLOCK=block_size, TOPK=topk, KP=_next_pow2(topk), ENTRIES=entries, SPLITS=splits,
-        HAS_SCALE=has_scale, IEEE=q.dtype == torch.float32, num_warps=TUNING["warps"],
-        num_stages=TUNING["stages"])
+        HAS_SCALE=has_scale, IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages)
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part_out, part_lse, out, lse, *out.stride(), *lse.stride(), NUM_HEADS=num_heads,
