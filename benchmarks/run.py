@@ -575,14 +575,14 @@ SECTIONS = {"ceilings": ceilings, "indexer-decode": indexer_decode,
 
 
 def provenance() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True).stdout.strip()
-    except OSError:
-        sha = ""
+    # the device's copy of the tree may carry a stale .git: a given revision wins
+    sha = os.environ.get("OPENMSA_REVISION", "")
     if not sha:
-        # the device tool copies the tree without .git: scripts/gpu_check.sh is given the sha
-        sha = os.environ.get("OPENMSA_REVISION", "unknown")
+        try:
+            sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                 text=True).stdout.strip() or "unknown"
+        except OSError:
+            sha = "unknown"
     p = torch.cuda.get_device_properties(0)
     return (f"# {p.name} ({p.multi_processor_count} SMs), CUDA {torch.version.cuda}, torch "
             f"{torch.__version__}, triton {triton.__version__}, openmsa {openmsa.__version__} "
