@@ -41,11 +41,12 @@ def main():
     args = p.parse_args()
     only = args.only.split(",")
     print(run.provenance(), flush=True)
-    if "attention-prefill" in only:
-        _attention_prefill(args)
-        only.remove("attention-prefill")
-        if not only:
-            return None
+    for name, fn in (("attention-prefill", _attention_prefill), ("attention-fp8", _attention_fp8)):
+        if name in only:
+            fn(args)
+            only.remove(name)
+    if not only:
+        return None
     if "attention-decode" not in only:
         return _indexer(args, only)
 
@@ -69,6 +70,23 @@ def main():
     del cases
     torch.cuda.empty_cache()
     _indexer(args, only)
+
+
+def _attention_fp8(args):
+    """fp8 K/V: the matrix unit in fp16 (e4m3 -> fp16 conversion) against q's dtype (bf16)."""
+    variants = [{}, dict(fp8_f16_compute=False)]
+    print("attention fp8 variants:", variants)
+    cases = []
+    for model_name in ("m3-tp1", "m3-tp4"):
+        m = shapes.MODELS[model_name]
+        for batch, q_len, ctx in ((1, 1, 65536), (8, 1, 65536), (64, 1, 65536),
+                                  (128, 1, 65536), (128, 4, 65536), (1, 8192, 16384)):
+            q, packed, idx, cu, seq, table = run._attention_step(m, batch, ctx, q_len, "fp8")
+            k, v = packed[..., :128].permute(0, 2, 1, 3), packed[..., 128:].permute(0, 2, 1, 3)
+            cases.append((f"{model_name} fp8 B{batch} q{q_len}",
+                          (lambda q=q, k=k, v=v, idx=idx, cu=cu, seq=seq, table=table:
+                           openmsa.sparse_attention(q, k, v, idx, cu, seq, table))))
+    sweep("attn-fp8", attention_api.TUNING, variants, cases, args.iters)
 
 
 def _attention_prefill(args):

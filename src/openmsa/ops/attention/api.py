@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ..._checks import FP8
 from ..._dispatch import next_pow2 as _next_pow2
 from ..._dispatch import num_sms, scale_args, use_kernels
 from ...support import attention_unsupported_reason
@@ -21,7 +22,7 @@ __all__ = ["sparse_attention", "sparse_page_table"]
 # decode 6% (docs/performance.md), so the choice follows the step's token count (a shape, not
 # a device value: graph-safe).
 TUNING = dict(waves=2, min_blocks_per_split=2, warps=4, stages=3, prefill_min_tokens=2048,
-              prefill_warps=4, prefill_stages=2)
+              prefill_warps=4, prefill_stages=2, fp8_f16_compute=True)
 
 
 def _num_splits(num_tokens: int, num_kv_heads: int, topk: int, device: torch.device) -> int:
@@ -104,7 +105,9 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
         *lse.stride(), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         NUM_INDEX_HEADS=indices.shape[1], G=group, M=max(16, _next_pow2(group)), D=head_dim,
         BLOCK=block_size, TOPK=topk, KP=_next_pow2(topk), ENTRIES=entries, SPLITS=splits,
-        HAS_SCALE=has_scale, IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages)
+        HAS_SCALE=has_scale, IEEE=q.dtype == torch.float32,
+        F16_COMPUTE=k_cache.dtype == FP8 and q.dtype != torch.float32
+        and TUNING["fp8_f16_compute"], num_warps=warps, num_stages=stages)
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part_out, part_lse, out, lse, *out.stride(), *lse.stride(), NUM_HEADS=num_heads,

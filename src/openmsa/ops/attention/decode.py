@@ -34,7 +34,8 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
                              NUM_INDEX_HEADS: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
                              D: tl.constexpr, BLOCK: tl.constexpr, TOPK: tl.constexpr,
                              KP: tl.constexpr, ENTRIES: tl.constexpr, SPLITS: tl.constexpr,
-                             HAS_SCALE: tl.constexpr, IEEE: tl.constexpr):
+                             HAS_SCALE: tl.constexpr, IEEE: tl.constexpr,
+                             F16_COMPUTE: tl.constexpr):
     t = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
@@ -68,7 +69,16 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
 
     q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + head[:, None] * stride_qh
                 + d[None, :] * stride_qd, mask=head_ok[:, None], other=0.0)  # [M, D]
-    qk_scale = sm_scale * LOG2E
+    # fp8 K/V: the matrix unit runs in fp16. e4m3 -> fp16 is one hardware conversion per pair
+    # (e4m3 -> bf16 is not: it goes through more instructions, and this loop is bound by
+    # converting 2 * BLOCK * D values per block, not by the bytes). q is pre-scaled by sm_scale so
+    # that only |q| > 65504 / sm_scale (7e5 at D = 128) could overflow fp16; fp16 keeps 3 more
+    # mantissa bits of q and of P than bf16.
+    if F16_COMPUTE:
+        q = (q.to(tl.float32) * sm_scale).to(tl.float16)
+        qk_scale = LOG2E
+    else:
+        qk_scale = sm_scale * LOG2E
     if HAS_SCALE:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
     m_i = tl.full([M], float("-inf"), tl.float32)
