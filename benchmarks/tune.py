@@ -109,20 +109,23 @@ def _attention_prefill(args):
 def _indexer(args, only):
     if "indexer-decode" not in only:
         return _indexer_prefill(args)
-    variants = [{}, dict(decode_waves=8), dict(decode_waves=2), dict(decode_stages=4),
-                dict(decode_stages=2), dict(decode_warps=8), dict(select_warps=8)]
+    variants = [{}, dict(decode_keys_as_rows=False), dict(decode_stages=4),
+                dict(decode_stages=2), dict(decode_waves=8), dict(decode_warps=8)]
     print("indexer decode variants:", variants)
     cases = []
-    for dname, batch, ctx in (("fp8", 1, 131072), ("fp8", 1, 1 << 20), ("fp8", 32, 1 << 20),
-                              ("bf16", 128, 131072)):
-        q, cache, cu, seq, table = run._index_step(batch, ctx, 1, 4, run.DTYPES[dname])
-        cases.append((f"dec {dname} B{batch} L{ctx // 1024}K",
+    for dname, batch, ctx, q_len, heads in (
+            ("fp8", 1, 32768, 1, 4), ("fp8", 1, 131072, 1, 4), ("fp8", 1, 1 << 20, 1, 4),
+            ("fp8", 32, 131072, 1, 4), ("fp8", 128, 32768, 4, 4), ("fp8", 32, 1 << 20, 1, 4),
+            ("fp8", 32, 131072, 1, 1), ("bf16", 1, 131072, 1, 4), ("bf16", 128, 131072, 1, 4)):
+        q, cache, cu, seq, table = run._index_step(batch, ctx, q_len, heads, run.DTYPES[dname])
+        cases.append((f"dec {dname} B{batch} L{ctx // 1024}K q{q_len} H{heads}",
                       (lambda q=q, cache=cache, cu=cu, seq=seq, table=table:
                        openmsa.select_blocks(q, cache, cu, seq, table))))
     sweep("indexer", indexer_api.TUNING, variants, cases, args.iters)
     del cases
     torch.cuda.empty_cache()
-    _indexer_prefill(args)
+    if "indexer-prefill" in only:
+        _indexer_prefill(args)
 
 
 def _indexer_prefill(args):

@@ -24,8 +24,8 @@ PREFILL_ROWS = 128
 SELECT_SEGMENT = 1024
 # launch knobs, read at each call so that benchmarks/tune.py can sweep them
 TUNING = dict(decode_waves=4, decode_warps=4, decode_stages=3, decode_max_bps=64,
-              prefill_bps=32, prefill_warps=8, prefill_warps_fp8=4, prefill_stages=3,
-              select_warps=4)
+              decode_keys_as_rows=True, prefill_bps=32, prefill_warps=8, prefill_warps_fp8=4,
+              prefill_stages=3, select_warps=4)
 
 
 def _programs_wanted(device: torch.device) -> int:
@@ -68,8 +68,10 @@ def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_tabl
     bps = min(TUNING["decode_max_bps"], max(4, _next_pow2(-(-max_blocks // splits_wanted))))
     rows_t = max(1, DECODE_ROWS // hp)
     grid = (num_requests, -(-max_blocks // bps))
+    # keys as the MMA's rows (see scores.py); the fp32 reference-precision path keeps the IEEE dot
+    keys_as_rows = TUNING["decode_keys_as_rows"] and not ieee
     _block_scores_kernel[grid](*args, BPS=bps, TILE_MODE=False, ROWS_T=rows_t, **common,
-                               num_warps=TUNING["decode_warps"],
+                               KEYS_AS_ROWS=keys_as_rows, num_warps=TUNING["decode_warps"],
                                num_stages=TUNING["decode_stages"])
     # prefill chunks: tiles of packed tokens; with T <= SMALL_Q no request can be long
     if num_tokens <= SMALL_Q:
@@ -78,6 +80,7 @@ def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_tabl
     bps = TUNING["prefill_bps"]
     grid = (-(-num_tokens // rows_t), -(-max_blocks // bps))
     _block_scores_kernel[grid](*args, BPS=bps, TILE_MODE=True, ROWS_T=rows_t, **common,
+                               KEYS_AS_ROWS=False,
                                num_warps=TUNING["prefill_warps_fp8" if index_q.dtype == FP8
                                                 else "prefill_warps"],
                                num_stages=TUNING["prefill_stages"])

@@ -25,7 +25,8 @@ from ..common.triton_utils import find_request
 @triton.jit
 def _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, stride_cb, stride_cd,
                  d, DI: tl.constexpr, BLOCK: tl.constexpr, BPS: tl.constexpr,
-                 CAST_K: tl.constexpr, IEEE: tl.constexpr, CAUSAL: tl.constexpr):
+                 CAST_K: tl.constexpr, IEEE: tl.constexpr, CAUSAL: tl.constexpr,
+                 KEYS_AS_ROWS: tl.constexpr):
     """Column b - b_lo of the [rows, BPS] score tile: each row's max over block b's keys."""
     offs = tl.arange(0, BLOCK)
     cols = tl.arange(0, BPS)
@@ -36,16 +37,29 @@ def _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, strid
                 mask=page_ok & (d[None, :] < DI), other=0.0)  # [BLOCK, DIP]
     if CAST_K:
         k = k.to(q.dtype)
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [M, BLOCK]
+    if KEYS_AS_ROWS:
+        # keys are the matrix unit's M dimension (128 >= the 64 rows of a Hopper warpgroup MMA),
+        # so an fp8 key tile feeds the tensor cores from shared memory as is; with the query rows
+        # as M (16 rows), Triton falls back to 16-row MMAs that first convert every key to fp16
+        s = tl.dot(k, tl.trans(q))  # [BLOCK, M]
+        if CAUSAL:
+            s = tl.where(((b * BLOCK + offs)[:, None] <= pos[None, :]) & (s == s), s,
+                         float("-inf"))
+        else:
+            s = tl.where(s == s, s, float("-inf"))
+        best = tl.where(page_ok, tl.max(s, axis=0), float("-inf"))  # [M]
     else:
-        s = tl.dot(q, tl.trans(k))  # [M, BLOCK]
-    # NaN counts as -inf; with CAUSAL, keys after the row's token do not count
-    if CAUSAL:
-        s = tl.where(((b * BLOCK + offs)[None, :] <= pos[:, None]) & (s == s), s, float("-inf"))
-    else:
-        s = tl.where(s == s, s, float("-inf"))
-    best = tl.where(page_ok, tl.max(s, axis=1), float("-inf"))  # [M]
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [M, BLOCK]
+        else:
+            s = tl.dot(q, tl.trans(k))  # [M, BLOCK]
+        # NaN counts as -inf; with CAUSAL, keys after the row's token do not count
+        if CAUSAL:
+            s = tl.where(((b * BLOCK + offs)[None, :] <= pos[:, None]) & (s == s), s,
+                         float("-inf"))
+        else:
+            s = tl.where(s == s, s, float("-inf"))
+        best = tl.where(page_ok, tl.max(s, axis=1), float("-inf"))  # [M]
     return tl.where(cols[None, :] == b - b_lo, best[:, None], tile)
 
 
@@ -55,7 +69,7 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
                        stride_cb, stride_cd, stride_btb, stride_ot, stride_oh, stride_ob,
                        H: tl.constexpr, HP: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr,
                        BLOCK: tl.constexpr, ROWS_T: tl.constexpr, BPS: tl.constexpr,
-                       CAST_K: tl.constexpr, IEEE: tl.constexpr):
+                       CAST_K: tl.constexpr, IEEE: tl.constexpr, KEYS_AS_ROWS: tl.constexpr):
     """Score tokens [t_begin, t_end) (< ROWS_T of them, all of one request whose first token is
     t_req) against blocks [b_lo, b_hi) and store the tile; rows are (token, head) pairs."""
     M: tl.constexpr = ROWS_T * HP
@@ -80,10 +94,10 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
                         b_hi)
     for b in range(b_lo, b_full):
         tile = _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, stride_cb,
-                            stride_cd, d, DI, BLOCK, BPS, CAST_K, IEEE, False)
+                            stride_cd, d, DI, BLOCK, BPS, CAST_K, IEEE, False, KEYS_AS_ROWS)
     for b in range(b_full, b_hi):
         tile = _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, stride_cb,
-                            stride_cd, d, DI, BLOCK, BPS, CAST_K, IEEE, True)
+                            stride_cd, d, DI, BLOCK, BPS, CAST_K, IEEE, True, KEYS_AS_ROWS)
     blk = b_lo + cols
     out = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh \
         + blk.to(tl.int64)[None, :] * stride_ob
@@ -98,7 +112,7 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                          H: tl.constexpr, HP: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr,
                          BLOCK: tl.constexpr, BPS: tl.constexpr, SMALL_Q: tl.constexpr,
                          TILE_MODE: tl.constexpr, ROWS_T: tl.constexpr, CAST_K: tl.constexpr,
-                         IEEE: tl.constexpr):
+                         IEEE: tl.constexpr, KEYS_AS_ROWS: tl.constexpr):
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b_first = split * BPS
@@ -127,7 +141,7 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                                            b_first, b_hi, stride_qt, stride_qh, stride_qd,
                                            stride_cp, stride_cb, stride_cd, stride_btb, stride_ot, stride_oh,
                                            stride_ob, H, HP, DI, DIP, BLOCK, ROWS_T, BPS,
-                                           CAST_K, IEEE)
+                                           CAST_K, IEEE, KEYS_AS_ROWS)
                 r += 1
     else:
         r = pid
@@ -142,4 +156,5 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                                    out_ptr, t_begin, tl.minimum(t_begin + ROWS_T, t_next),
                                    seq_len, q_len, t_req, b_first, b_hi, stride_qt, stride_qh,
                                    stride_qd, stride_cp, stride_cb, stride_cd, stride_btb, stride_ot, stride_oh,
-                                   stride_ob, H, HP, DI, DIP, BLOCK, ROWS_T, BPS, CAST_K, IEEE)
+                                   stride_ob, H, HP, DI, DIP, BLOCK, ROWS_T, BPS, CAST_K, IEEE,
+                                   KEYS_AS_ROWS)
