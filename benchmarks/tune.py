@@ -37,6 +37,7 @@ def sweep(name, tuning, variants, cases, iters):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--quick", action="store_true", help="the first two variants only")
     p.add_argument("--only", default="attention-decode,indexer-decode,indexer-prefill")
     args = p.parse_args()
     only = args.only.split(",")
@@ -50,8 +51,10 @@ def main():
     if "attention-decode" not in only:
         return _indexer(args, only)
 
-    variants = [{}, dict(warps=8), dict(stages=2), dict(stages=4), dict(waves=4,
-                min_blocks_per_split=1), dict(warps=8, stages=2, waves=4, min_blocks_per_split=1)]
+    variants = [{}, dict(keys_as_rows=False), dict(warps=8), dict(stages=2),
+                dict(waves=4, min_blocks_per_split=1)]
+    if args.quick:
+        variants = variants[:2]
     print("attention variants:", variants)
     cases = []
     m = shapes.MODELS["m3-tp1"]

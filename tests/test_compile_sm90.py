@@ -66,7 +66,7 @@ def test_attention_kernels(kv_type, splits):
              dict(NUM_HEADS=64, NUM_KV_HEADS=4, NUM_INDEX_HEADS=4, G=16, M=16, D=128,
                   BLOCK=128, TOPK=16, KP=16, ENTRIES=16 // splits, SPLITS=splits,
                   HAS_SCALE=kv_type == "*fp8e4nv", IEEE=False,
-                  F16_COMPUTE=kv_type == "*fp8e4nv"))
+                  F16_COMPUTE=kv_type == "*fp8e4nv", KEYS_AS_ROWS=False))
     _compile(_merge_splits_kernel, dict(part_out_ptr=F32, part_lse_ptr=F32, out_ptr="*bf16",
                                         lse_ptr=F32), {},
              dict(NUM_HEADS=64, D=128, SPLITS=2, SP=2))

@@ -22,7 +22,7 @@ __all__ = ["sparse_attention", "sparse_page_table"]
 # decode 6% (docs/performance.md), so the choice follows the step's token count (a shape, not
 # a device value: graph-safe).
 TUNING = dict(waves=2, min_blocks_per_split=2, warps=4, stages=3, prefill_min_tokens=2048,
-              prefill_warps=4, prefill_stages=2, fp8_f16_compute=True)
+              prefill_warps=4, prefill_stages=2, fp8_f16_compute=True, keys_as_rows=True)
 
 
 def _num_splits(num_tokens: int, num_kv_heads: int, topk: int, device: torch.device) -> int:
@@ -107,7 +107,8 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
         BLOCK=block_size, TOPK=topk, KP=_next_pow2(topk), ENTRIES=entries, SPLITS=splits,
         HAS_SCALE=has_scale, IEEE=q.dtype == torch.float32,
         F16_COMPUTE=k_cache.dtype == FP8 and q.dtype != torch.float32
-        and TUNING["fp8_f16_compute"], num_warps=warps, num_stages=stages)
+        and TUNING["fp8_f16_compute"], KEYS_AS_ROWS=TUNING["keys_as_rows"]
+        and q.dtype != torch.float32, num_warps=warps, num_stages=stages)
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part_out, part_lse, out, lse, *out.stride(), *lse.stride(), NUM_HEADS=num_heads,

@@ -35,7 +35,7 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
                              D: tl.constexpr, BLOCK: tl.constexpr, TOPK: tl.constexpr,
                              KP: tl.constexpr, ENTRIES: tl.constexpr, SPLITS: tl.constexpr,
                              HAS_SCALE: tl.constexpr, IEEE: tl.constexpr,
-                             F16_COMPUTE: tl.constexpr):
+                             F16_COMPUTE: tl.constexpr, KEYS_AS_ROWS: tl.constexpr):
     t = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
@@ -83,7 +83,10 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
         qk_scale = qk_scale * tl.load(k_scale_ptr)
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
-    acc = tl.zeros([M, D], tl.float32)
+    if KEYS_AS_ROWS:
+        acc_t = tl.zeros([D, M], tl.float32)  # the output transposed: D is the MMA's M
+    else:
+        acc = tl.zeros([M, D], tl.float32)
     e_lo = split * ENTRIES
     e_hi = tl.minimum(e_lo + ENTRIES, TOPK)
     for e in range(e_lo, e_hi):
@@ -99,23 +102,37 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
                     + d[None, :] * stride_kd, mask=vis[:, None], other=0.0)  # [BLOCK, D]
         v = tl.load(v_ptr + page * stride_vp + offs[:, None] * stride_vb + g * stride_vh
                     + d[None, :] * stride_vd, mask=vis[:, None], other=0.0)  # [BLOCK, D]
-        if IEEE:
-            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
+        if KEYS_AS_ROWS:
+            # S^T = K q^T and O^T += V^T P^T: the block's 128 keys, then D, are the rows of a
+            # Hopper warpgroup MMA (>= 64) instead of the 16 query rows (Ampere-style MMA)
+            s_t = tl.dot(k.to(q.dtype), tl.trans(q))  # [BLOCK, M]
+            s_t = tl.where(vis[:, None], s_t * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s_t, axis=0))
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p_t = tl.exp2(s_t - shift[None, :])
+            alpha = tl.exp2(m_i - shift)
+            l_i = l_i * alpha + tl.sum(p_t, axis=0)
+            acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(v.to(q.dtype)), p_t.to(q.dtype))
         else:
-            s = tl.dot(q, tl.trans(k.to(q.dtype)))  # [M, BLOCK]
-        s = tl.where(vis[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # rows that have seen nothing yet keep m = -inf; shift by 0 there to avoid inf - inf
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - shift[:, None])
-        alpha = tl.exp2(m_i - shift)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
-        acc = acc * alpha[:, None] + pv
+            if IEEE:
+                s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k.to(q.dtype)))  # [M, BLOCK]
+            s = tl.where(vis[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # rows that have seen nothing yet keep m = -inf; shift by 0 there (no inf - inf)
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - shift[:, None])
+            alpha = tl.exp2(m_i - shift)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if IEEE:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+            acc = acc * alpha[:, None] + pv
         m_i = m_new
+    if KEYS_AS_ROWS:
+        acc = tl.trans(acc_t)  # [M, D]
     if HAS_SCALE:
         acc = acc * tl.load(v_scale_ptr)
     empty = l_i == 0.0
