@@ -130,7 +130,12 @@ def _attention_dtype(device):
 
 
 @pytest.mark.parametrize("kv_dtype, layout", [("q", "flash"), ("q", "vllm"), (FP8, "vllm")])
-def test_sparse_attention_matches_reference(kernel_device, kv_dtype, layout):
+@pytest.mark.parametrize("keys_as_rows", [False, True])
+def test_sparse_attention_matches_reference(kernel_device, kv_dtype, layout, keys_as_rows,
+                                            monkeypatch):
+    """Both formulations of the kernel's loop (keys_as_rows: S^T = K q^T, O^T += V^T P^T)."""
+    from openmsa.ops.attention import api as attention_api
+    monkeypatch.setitem(attention_api.TUNING, "keys_as_rows", keys_as_rows)
     dtype = _attention_dtype(kernel_device)
     kv_dtype = dtype if kv_dtype == "q" else kv_dtype
     step, dstep, q, k, v, idx = _attention_case(kernel_device, kv_dtype, layout)

@@ -22,7 +22,7 @@ __all__ = ["sparse_attention", "sparse_page_table"]
 # decode 6% (docs/performance.md), so the choice follows the step's token count (a shape, not
 # a device value: graph-safe).
 TUNING = dict(waves=2, min_blocks_per_split=2, warps=4, stages=3, prefill_min_tokens=2048,
-              prefill_warps=4, prefill_stages=2, fp8_f16_compute=True, keys_as_rows=True)
+              prefill_warps=4, prefill_stages=2, fp8_f16_compute=True, keys_as_rows=False)
 
 
 def _num_splits(num_tokens: int, num_kv_heads: int, topk: int, device: torch.device) -> int:
