@@ -14,6 +14,7 @@ FlashInfer (its calls cannot be captured). Each section checks correctness befor
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -379,9 +380,7 @@ def _dense_decode_us(model, batch, context, q_len, args):
     mask = causal_lower_right(q_len, context) if q_len > 1 else None
     fn = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
         qq, kk, vv, attn_mask=mask, enable_gqa=True)
-    r = med(device_times_us(fn, max(5, args.iters // 2)))
-    del kk, vv
-    return r
+    return med(device_times_us(fn, max(5, args.iters // 2)))
 
 
 def attention_prefill(args, fi):
@@ -523,6 +522,10 @@ def _layer_fns(model, k_cache, v_cache, index_cache, meta, qkv, w, batch, contex
     return sparse, dense
 
 
+def _median_device_us(fn, iters):
+    return med(device_times_us(fn, iters))
+
+
 def _layer_row(section, model_name, model, dname, batch, context, q_len, args, dense_cache):
     case = _layer_case(model, batch, context, q_len, dname)
     sparse, dense = _layer_fns(model, *case, batch, context, q_len)
@@ -539,7 +542,7 @@ def _layer_row(section, model_name, model, dname, batch, context, q_len, args, d
     row.update({f"{k}_us": v for k, v in sorted(by.items())})
     key = (model_name, batch, context, q_len)
     if dense is not None:
-        dense_cache[key] = try_peer(lambda: med(device_times_us(dense, iters)))
+        dense_cache[key] = try_peer(functools.partial(_median_device_us, dense, iters))
     if dense_cache.get(key):
         row["dense_bf16_us"] = dense_cache[key]
         row["speedup"] = dense_cache[key] / row["us"]
