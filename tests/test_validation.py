@@ -129,7 +129,7 @@ def test_page_table_bad_inputs():
 
 @pytest.mark.parametrize("name", ["block_scores", "select_blocks", "sparse_attention",
                                   "sparse_page_table", "validate_batch", "write_index_cache",
-                                  "write_kv_cache"])
+                                  "write_kv_cache", "fused_prepare"])
 def test_reference_signatures_equal_public(name):
     assert inspect.signature(getattr(openmsa, name)) == inspect.signature(getattr(ref, name))
 
