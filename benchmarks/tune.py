@@ -4,6 +4,7 @@ median device time of each variant; the winners go back into TUNING by hand, wit
 in docs/performance.md.   python benchmarks/tune.py [--iters N]"""
 
 import argparse
+import json
 import os
 import sys
 
@@ -16,6 +17,13 @@ import shapes  # noqa: E402
 import openmsa  # noqa: E402
 from openmsa.ops.attention import api as attention_api  # noqa: E402
 from openmsa.ops.indexer import api as indexer_api  # noqa: E402
+
+
+def pick(args, variants):
+    """The section's own variant list, unless --variants or --quick says otherwise."""
+    if args.variants is not None:
+        return args.variants
+    return variants[:2] if args.quick else variants
 
 
 def sweep(name, tuning, variants, cases, iters):
@@ -39,6 +47,9 @@ def main():
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--quick", action="store_true", help="the first two variants only")
     p.add_argument("--only", default="attention-decode,indexer-decode,indexer-prefill")
+    p.add_argument("--variants", type=json.loads, default=None,
+                   help='a JSON list of TUNING overrides replacing every section\'s own list, '
+                        'e.g. \'[{}, {"keys_as_rows": true}]\'')
     args = p.parse_args()
     only = args.only.split(",")
     print(run.provenance(), flush=True)
@@ -51,10 +62,8 @@ def main():
     if "attention-decode" not in only:
         return _indexer(args, only)
 
-    variants = [{}, dict(keys_as_rows=False), dict(warps=8), dict(stages=2),
-                dict(waves=4, min_blocks_per_split=1)]
-    if args.quick:
-        variants = variants[:2]
+    variants = pick(args, [{}, dict(keys_as_rows=True), dict(warps=8), dict(stages=2),
+                           dict(waves=4, min_blocks_per_split=1)])
     print("attention variants:", variants)
     cases = []
     m = shapes.MODELS["m3-tp1"]
@@ -77,7 +86,7 @@ def main():
 
 def _attention_fp8(args):
     """fp8 K/V: the matrix unit in fp16 (e4m3 -> fp16 conversion) against q's dtype (bf16)."""
-    variants = [{}, dict(fp8_f16_compute=False)]
+    variants = pick(args, [{}, dict(fp8_f16_compute=False)])
     print("attention fp8 variants:", variants)
     cases = []
     for model_name in ("m3-tp1", "m3-tp4"):
@@ -94,8 +103,9 @@ def _attention_fp8(args):
 
 def _attention_prefill(args):
     """The prefill knobs (chunks of >= prefill_min_tokens tokens) on 8K chunks."""
-    variants = [{}, dict(prefill_stages=1), dict(prefill_stages=3), dict(prefill_warps=8),
-                dict(prefill_warps=8, prefill_stages=1), dict(prefill_warps=2)]
+    variants = pick(args, [{}, dict(prefill_stages=1), dict(prefill_stages=3),
+                           dict(prefill_warps=8), dict(prefill_warps=8, prefill_stages=1),
+                           dict(prefill_warps=2)])
     print("attention prefill variants:", variants)
     cases = []
     for model_name in ("m3-tp1", "m3-tp4"):
@@ -111,9 +121,11 @@ def _attention_prefill(args):
 
 def _indexer(args, only):
     if "indexer-decode" not in only:
-        return _indexer_prefill(args)
-    variants = [{}, dict(decode_keys_as_rows=False), dict(decode_stages=4),
-                dict(decode_stages=2), dict(decode_waves=8), dict(decode_warps=8)]
+        if "indexer-prefill" in only:
+            _indexer_prefill(args)
+        return
+    variants = pick(args, [{}, dict(decode_keys_as_rows=False), dict(decode_stages=4),
+                           dict(decode_stages=2), dict(decode_waves=8), dict(decode_warps=8)])
     print("indexer decode variants:", variants)
     cases = []
     for dname, batch, ctx, q_len, heads in (
@@ -132,8 +144,8 @@ def _indexer(args, only):
 
 
 def _indexer_prefill(args):
-    variants = [{}, dict(prefill_bps=16), dict(prefill_bps=64), dict(prefill_warps=4),
-                dict(prefill_stages=2), dict(prefill_stages=4)]
+    variants = pick(args, [{}, dict(prefill_bps=16), dict(prefill_bps=64),
+                           dict(prefill_warps=4), dict(prefill_stages=2), dict(prefill_stages=4)])
     print("indexer prefill variants:", variants)
     cases = []
     for dname in ("fp8", "bf16"):
