@@ -49,7 +49,7 @@ def main():
     p.add_argument("--only", default="attention-decode,indexer-decode,indexer-prefill")
     p.add_argument("--variants", type=json.loads, default=None,
                    help='a JSON list of TUNING overrides replacing every section\'s own list, '
-                        'e.g. \'[{}, {"keys_as_rows": true}]\'')
+                        'e.g. \'[{}, {"sub": 128}]\'')
     args = p.parse_args()
     only = args.only.split(",")
     print(run.provenance(), flush=True)
@@ -62,8 +62,8 @@ def main():
     if "attention-decode" not in only:
         return _indexer(args, only)
 
-    variants = pick(args, [{}, dict(keys_as_rows=True), dict(warps=8), dict(stages=2),
-                           dict(waves=4, min_blocks_per_split=1)])
+    variants = pick(args, [{}, dict(sub=128, resident=2), dict(stages=4),
+                           dict(sub=32, stages=4, resident=4), dict(resident=2), dict(warps=8)])
     print("attention variants:", variants)
     cases = []
     m = shapes.MODELS["m3-tp1"]
@@ -103,9 +103,9 @@ def _attention_fp8(args):
 
 def _attention_prefill(args):
     """The prefill knobs (chunks of >= prefill_min_tokens tokens) on 8K chunks."""
-    variants = pick(args, [{}, dict(prefill_stages=1), dict(prefill_stages=3),
-                           dict(prefill_warps=8), dict(prefill_warps=8, prefill_stages=1),
-                           dict(prefill_warps=2)])
+    variants = pick(args, [{}, dict(prefill_sub=64), dict(prefill_sub=64, prefill_stages=3),
+                           dict(prefill_sub=32, prefill_stages=3), dict(prefill_stages=1),
+                           dict(prefill_warps=8)])
     print("attention prefill variants:", variants)
     cases = []
     for model_name in ("m3-tp1", "m3-tp4"):

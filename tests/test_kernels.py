@@ -108,18 +108,19 @@ def test_select_is_deterministic(kernel_device):
     assert torch.equal(a, b)
 
 
-def _attention_case(device, kv_dtype, layout, hq=8, hkv=2, h=2, d=64, seed=7):
+def _attention_case(device, kv_dtype, layout, hq=8, hkv=2, h=2, d=64, seed=7, block=B):
     g = torch.Generator().manual_seed(seed)
-    step = make_step(Q_LENS, SEQ_LENS, block_size=B, extra_columns=2, pad_tokens=2, generator=g)
-    qi, ci = random_index_inputs(step, num_heads=h, head_dim=16, block_size=B,
+    step = make_step(Q_LENS, SEQ_LENS, block_size=block, extra_columns=2, pad_tokens=2,
+                     generator=g)
+    qi, ci = random_index_inputs(step, num_heads=h, head_dim=16, block_size=block,
                                  q_dtype=torch.float32, cache_dtype=torch.float32,
                                  generator=torch.Generator().manual_seed(seed + 1))
     idx = ref.select_blocks(qi, ci, step.cu_seqlens_q, step.seq_lens, step.block_table, topk=4,
-                            block_size=B)
-    k, v = random_kv_cache(step.num_pages, B, hkv, d, dtype=kv_dtype, layout=layout,
+                            block_size=block)
+    k, v = random_kv_cache(step.num_pages, block, hkv, d, dtype=kv_dtype, layout=layout,
                            generator=torch.Generator().manual_seed(seed + 2))
     q = torch.randn(step.num_tokens, hq, d, generator=torch.Generator().manual_seed(seed + 3))
-    dstep = _to(make_step(Q_LENS, SEQ_LENS, block_size=B, extra_columns=2, pad_tokens=2,
+    dstep = _to(make_step(Q_LENS, SEQ_LENS, block_size=block, extra_columns=2, pad_tokens=2,
                           generator=torch.Generator().manual_seed(seed)), device)
     return step, dstep, q, k, v, idx
 
@@ -130,22 +131,23 @@ def _attention_dtype(device):
 
 
 @pytest.mark.parametrize("kv_dtype, layout", [("q", "flash"), ("q", "vllm"), (FP8, "vllm")])
-@pytest.mark.parametrize("keys_as_rows", [False, True])
-def test_sparse_attention_matches_reference(kernel_device, kv_dtype, layout, keys_as_rows,
+@pytest.mark.parametrize("block, sub", [(B, B), (32, 16)])
+def test_sparse_attention_matches_reference(kernel_device, kv_dtype, layout, block, sub,
                                             monkeypatch):
-    """Both formulations of the kernel's loop (keys_as_rows: S^T = K q^T, O^T += V^T P^T)."""
+    """Whole blocks per loop step, and two 16-key steps per 32-token block (a block's causal cut
+    then falls in either step)."""
     from openmsa.ops.attention import api as attention_api
-    monkeypatch.setitem(attention_api.TUNING, "keys_as_rows", keys_as_rows)
+    monkeypatch.setitem(attention_api.TUNING, "sub", sub)
     dtype = _attention_dtype(kernel_device)
     kv_dtype = dtype if kv_dtype == "q" else kv_dtype
-    step, dstep, q, k, v, idx = _attention_case(kernel_device, kv_dtype, layout)
+    step, dstep, q, k, v, idx = _attention_case(kernel_device, kv_dtype, layout, block=block)
     q = q.to(dtype)
     want, want_lse = ref.sparse_attention(q, k, v, idx, step.cu_seqlens_q, step.seq_lens,
-                                          step.block_table, block_size=B, return_lse=True)
+                                          step.block_table, block_size=block, return_lse=True)
     out = nan_poison(q.shape, dtype, kernel_device)
     got, lse = openmsa.sparse_attention(
         q.to(kernel_device), k.to(kernel_device), v.to(kernel_device), idx.to(kernel_device),
-        dstep.cu_seqlens_q, dstep.seq_lens, dstep.block_table, block_size=B, out=out,
+        dstep.cu_seqlens_q, dstep.seq_lens, dstep.block_table, block_size=block, out=out,
         return_lse=True)
     assert got.data_ptr() == out.data_ptr()
     assert_close(got, want)

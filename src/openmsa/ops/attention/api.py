@@ -21,18 +21,32 @@ __all__ = ["sparse_attention", "sparse_page_table"]
 # takes the prefill knobs; measured: 2 stages cut an 8K chunk from 6.2 to 4.5 ms but cost fp8
 # decode 6% (docs/performance.md), so the choice follows the step's token count (a shape, not
 # a device value: graph-safe).
-TUNING = dict(waves=2, min_blocks_per_split=2, warps=4, stages=3, prefill_min_tokens=2048,
-              prefill_warps=4, prefill_stages=2, fp8_f16_compute=True, keys_as_rows=False)
+# sub: keys per loop step (a divisor of the block size; the K/V tile a step holds), resident:
+# programs assumed to fit on one SM at a time (what the split count packs the grid for).
+TUNING = dict(sub=64, resident=2, min_steps_per_split=2, warps=4, stages=3,
+              prefill_min_tokens=2048, prefill_sub=128, prefill_warps=4, prefill_stages=2,
+              fp8_f16_compute=True)
 
 
-def _num_splits(num_tokens: int, num_kv_heads: int, topk: int, device: torch.device) -> int:
-    """Split the selection so that T * Hkv * splits programs fill the GPU (TUNING waves), with
-    at least min_blocks_per_split blocks each; a function of shapes only, so a CUDA graph sees
-    one grid."""
+def _num_splits(num_tokens: int, num_kv_heads: int, steps: int, device: torch.device) -> int:
+    """How many programs share one (token, KV head)'s steps; a function of shapes only, so a
+    CUDA graph sees one grid.
+
+    The time of a launch is about (rounds of programs) x (steps per program + one step's worth
+    of fixed cost), a round being TUNING resident x SMs programs at once. The count minimising
+    that (the smaller on ties: fewer partials to merge) avoids a last, mostly idle round, e.g.
+    128 (token, head) pairs on 132 SMs x 2 take 2 splits of 8 blocks (one round), not 3 of 6
+    (two rounds). At least min_steps_per_split steps per program."""
     if device.type != "cuda":
-        return 2 if topk >= 4 else 1
-    want = -(-TUNING["waves"] * num_sms(device) // max(1, num_tokens * num_kv_heads))
-    return max(1, min(want, topk // TUNING["min_blocks_per_split"]))
+        return 2 if steps >= 4 else 1  # the interpreter tier always exercises the merge
+    pairs = max(1, num_tokens * num_kv_heads)
+    slots = TUNING["resident"] * num_sms(device)
+
+    def cost(s):
+        return -(-pairs * s // slots) * (-(-steps // s) + 1)
+
+    return min(range(1, max(1, steps // TUNING["min_steps_per_split"]) + 1),
+               key=lambda s: (cost(s), s))
 
 
 def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, *,
@@ -83,9 +97,12 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
     if num_tokens == 0:
         return (out, lse) if return_lse else out
     topk = indices.shape[2]
-    splits = _num_splits(num_tokens, num_kv_heads, topk, device)
-    entries = -(-topk // splits)
-    splits = -(-topk // entries)
+    prefill = num_tokens >= TUNING["prefill_min_tokens"]
+    sub = min(block_size, TUNING["prefill_sub" if prefill else "sub"])
+    steps = topk * (block_size // sub)
+    splits = _num_splits(num_tokens, num_kv_heads, steps, device)
+    steps_per_split = -(-steps // splits)
+    splits = -(-steps // steps_per_split)
     if splits > 1:
         part_out = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32,
                                device=device)
@@ -94,7 +111,6 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
     else:
         part_out = part_lse = lse
     has_scale, ks, vs = scale_args(k_scale, v_scale, device, lse)
-    prefill = num_tokens >= TUNING["prefill_min_tokens"]
     warps = TUNING["prefill_warps" if prefill else "warps"]
     stages = TUNING["prefill_stages" if prefill else "stages"]
     sm_scale = head_dim ** -0.5 if scale is None else float(scale)
@@ -104,11 +120,10 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
         *v_cache.stride(), *indices.stride(), *block_table.stride(), *out.stride(),
         *lse.stride(), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         NUM_INDEX_HEADS=indices.shape[1], G=group, M=max(16, _next_pow2(group)), D=head_dim,
-        BLOCK=block_size, TOPK=topk, KP=_next_pow2(topk), ENTRIES=entries, SPLITS=splits,
-        HAS_SCALE=has_scale, IEEE=q.dtype == torch.float32,
+        BLOCK=block_size, TOPK=topk, KP=_next_pow2(topk), SUB=sub, STEPS=steps_per_split,
+        SPLITS=splits, HAS_SCALE=has_scale, IEEE=q.dtype == torch.float32,
         F16_COMPUTE=k_cache.dtype == FP8 and q.dtype != torch.float32
-        and TUNING["fp8_f16_compute"], KEYS_AS_ROWS=TUNING["keys_as_rows"]
-        and q.dtype != torch.float32, num_warps=warps, num_stages=stages)
+        and TUNING["fp8_f16_compute"], num_warps=warps, num_stages=stages)
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part_out, part_lse, out, lse, *out.stride(), *lse.stride(), NUM_HEADS=num_heads,

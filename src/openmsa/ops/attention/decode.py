@@ -1,9 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Triton kernels of sparse attention: split-K over the selected blocks, then a log-sum-exp merge.
 
-Grid (T, Hkv, splits): program (t, g, s) takes entries [s*E, (s+1)*E) of token t's selection for
+Grid (T, Hkv, splits): the loop runs over steps of SUB keys, BLOCK // SUB steps per selected
+block (SUB < BLOCK halves the K/V tile a step holds in registers and shared memory, so more
+programs fit on an SM). Program (t, g, s) takes steps [s*E, (s+1)*E) of token t's selection for
 KV head g (index head g*H//Hkv) and runs the G query heads of g's group as the rows of the matrix
-unit against each selected block's keys, with an online softmax. With one split it writes the
+unit against each step's keys, with an online softmax. With one split it writes the
 normalised output and LSE directly; with more, partial (out, lse) go to a workspace and
 `_merge_splits_kernel` combines them. Every token is independent, so decode, speculative verify
 (each draft token with its own causal cut) and prefill chunks share one launch.
@@ -33,9 +35,9 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
                              NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                              NUM_INDEX_HEADS: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
                              D: tl.constexpr, BLOCK: tl.constexpr, TOPK: tl.constexpr,
-                             KP: tl.constexpr, ENTRIES: tl.constexpr, SPLITS: tl.constexpr,
-                             HAS_SCALE: tl.constexpr, IEEE: tl.constexpr,
-                             F16_COMPUTE: tl.constexpr, KEYS_AS_ROWS: tl.constexpr):
+                             KP: tl.constexpr, SUB: tl.constexpr, STEPS: tl.constexpr,
+                             SPLITS: tl.constexpr, HAS_SCALE: tl.constexpr, IEEE: tl.constexpr,
+                             F16_COMPUTE: tl.constexpr):
     t = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
@@ -43,7 +45,8 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
     head_ok = rows < G
     head = g * G + rows
     d = tl.arange(0, D)
-    offs = tl.arange(0, BLOCK)
+    offs = tl.arange(0, SUB)
+    PARTS: tl.constexpr = BLOCK // SUB
 
     # the token's request, position and causal block count (0 for padding)
     r, pos = token_position(cu_ptr, seq_lens_ptr, num_requests, t)
@@ -83,56 +86,40 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
         qk_scale = qk_scale * tl.load(k_scale_ptr)
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
-    if KEYS_AS_ROWS:
-        acc_t = tl.zeros([D, M], tl.float32)  # the output transposed: D is the MMA's M
-    else:
-        acc = tl.zeros([M, D], tl.float32)
-    e_lo = split * ENTRIES
-    e_hi = tl.minimum(e_lo + ENTRIES, TOPK)
-    for e in range(e_lo, e_hi):
-        pick = kk == e
+    acc = tl.zeros([M, D], tl.float32)
+    s_lo = split * STEPS
+    s_hi = tl.minimum(s_lo + STEPS, TOPK * PARTS)
+    for step in range(s_lo, s_hi):
+        pick = kk == step // PARTS
         blk = tl.sum(tl.where(pick, row_ids, 0), axis=0)
         page = tl.sum(tl.where(pick, row_pages, 0), axis=0).to(tl.int64)
         ok = tl.sum(tl.where(pick, row_ok.to(tl.int32), 0), axis=0) > 0
-        key_pos = blk * BLOCK + offs
+        key_off = (step % PARTS) * SUB + offs  # [SUB], inside the block
+        key_pos = blk * BLOCK + key_off
         # keys after the token (its own block's tail, possibly never written) are masked, and
         # their V rows zeroed so an unwritten NaN cannot reach the sum
-        vis = ok & (key_pos <= pos)  # [BLOCK]
-        k = tl.load(k_ptr + page * stride_kp + offs[:, None] * stride_kb + g * stride_kh
-                    + d[None, :] * stride_kd, mask=vis[:, None], other=0.0)  # [BLOCK, D]
-        v = tl.load(v_ptr + page * stride_vp + offs[:, None] * stride_vb + g * stride_vh
-                    + d[None, :] * stride_vd, mask=vis[:, None], other=0.0)  # [BLOCK, D]
-        if KEYS_AS_ROWS:
-            # S^T = K q^T and O^T += V^T P^T: the block's 128 keys, then D, are the rows of a
-            # Hopper warpgroup MMA (>= 64) instead of the 16 query rows (Ampere-style MMA)
-            s_t = tl.dot(k.to(q.dtype), tl.trans(q))  # [BLOCK, M]
-            s_t = tl.where(vis[:, None], s_t * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s_t, axis=0))
-            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p_t = tl.exp2(s_t - shift[None, :])
-            alpha = tl.exp2(m_i - shift)
-            l_i = l_i * alpha + tl.sum(p_t, axis=0)
-            acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(v.to(q.dtype)), p_t.to(q.dtype))
+        vis = ok & (key_pos <= pos)  # [SUB]
+        k = tl.load(k_ptr + page * stride_kp + key_off[:, None] * stride_kb + g * stride_kh
+                    + d[None, :] * stride_kd, mask=vis[:, None], other=0.0)  # [SUB, D]
+        v = tl.load(v_ptr + page * stride_vp + key_off[:, None] * stride_vb + g * stride_vh
+                    + d[None, :] * stride_vd, mask=vis[:, None], other=0.0)  # [SUB, D]
+        if IEEE:
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
         else:
-            if IEEE:
-                s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k.to(q.dtype)))  # [M, BLOCK]
-            s = tl.where(vis[None, :], s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            # rows that have seen nothing yet keep m = -inf; shift by 0 there (no inf - inf)
-            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - shift[:, None])
-            alpha = tl.exp2(m_i - shift)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if IEEE:
-                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
-            acc = acc * alpha[:, None] + pv
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))  # [M, SUB]
+        s = tl.where(vis[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # rows that have seen nothing yet keep m = -inf; shift by 0 there (no inf - inf)
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - shift[:, None])
+        alpha = tl.exp2(m_i - shift)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
-    if KEYS_AS_ROWS:
-        acc = tl.trans(acc_t)  # [M, D]
     if HAS_SCALE:
         acc = acc * tl.load(v_scale_ptr)
     empty = l_i == 0.0

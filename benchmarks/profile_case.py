@@ -1,0 +1,47 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Run one named benchmark case a few times, for a profiler to attach to (no timing here):
+
+    ncu --clock-control none -k regex:_sparse_attention --launch-skip 2 --launch-count 1 \\
+        python3 benchmarks/profile_case.py attn-fp8-tp4-b128
+
+`scripts/ncu_cases.sh` runs the cases below under Nsight Compute in one device call."""
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import run  # noqa: E402
+import shapes  # noqa: E402
+
+import openmsa  # noqa: E402
+
+
+def _attention(model_name, dname, batch, context, q_len):
+    m = shapes.MODELS[model_name]
+    q, packed, idx, cu, seq, table = run._attention_step(m, batch, context, q_len, dname)
+    k, v = packed[..., :128].permute(0, 2, 1, 3), packed[..., 128:].permute(0, 2, 1, 3)
+    return lambda: openmsa.sparse_attention(q, k, v, idx, cu, seq, table)
+
+
+def _indexer(dname, batch, context, q_len, heads):
+    q, cache, cu, seq, table = run._index_step(batch, context, q_len, heads, run.DTYPES[dname])
+    return lambda: openmsa.select_blocks(q, cache, cu, seq, table)
+
+
+CASES = {
+    "attn-fp8-tp4-b128": lambda: _attention("m3-tp4", "fp8", 128, 65536, 1),
+    "attn-bf16-tp4-b128": lambda: _attention("m3-tp4", "bf16", 128, 65536, 1),
+    "attn-fp8-tp1-b128": lambda: _attention("m3-tp1", "fp8", 128, 65536, 1),
+    "attn-fp8-tp1-b1": lambda: _attention("m3-tp1", "fp8", 1, 65536, 1),
+    "attn-bf16-tp1-prefill": lambda: _attention("m3-tp1", "bf16", 1, 16384, 8192),
+    "idx-fp8-b32-128k": lambda: _indexer("fp8", 32, 131072, 1, 4),
+    "idx-fp8-b1-32k": lambda: _indexer("fp8", 1, 32768, 1, 4),
+}
+
+if __name__ == "__main__":
+    fn = CASES[sys.argv[1]]()
+    for _ in range(int(sys.argv[2]) if len(sys.argv) > 2 else 3):
+        fn()
+    torch.cuda.synchronize()
