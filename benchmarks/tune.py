@@ -27,13 +27,22 @@ def pick(args, variants):
 
 
 def sweep(name, tuning, variants, cases, iters):
+    """Median device time of each case under each variant; a variant whose output differs from
+    the first variant's by more than bf16 rounding of the output prints "wrong" instead."""
     base = dict(tuning)
     for case_name, fn in cases:
         cells = []
+        first = None
         for v in variants:
             tuning.clear()
             tuning.update(base, **v)
             try:
+                got = fn()
+                if first is None:
+                    first = got.float()
+                elif not torch.allclose(got.float(), first, rtol=2e-2, atol=2e-2):
+                    cells.append("   wrong")
+                    continue
                 cells.append(f"{run.med(run.device_times_us(fn, iters)):8.1f}")
             except Exception as e:  # noqa: BLE001
                 cells.append(f"  fail({type(e).__name__})")

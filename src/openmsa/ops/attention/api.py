@@ -23,7 +23,7 @@ __all__ = ["sparse_attention", "sparse_page_table"]
 # a device value: graph-safe).
 # sub: keys per loop step (a divisor of the block size; the K/V tile a step holds), resident:
 # programs assumed to fit on one SM at a time (what the split count packs the grid for).
-TUNING = dict(sub=64, resident=2, min_steps_per_split=2, warps=4, stages=3,
+TUNING = dict(sub=128, resident=2, min_steps_per_split=2, warps=4, stages=3,
               prefill_min_tokens=2048, prefill_sub=128, prefill_warps=4, prefill_stages=2,
               fp8_f16_compute=True)
 
@@ -123,7 +123,9 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
         BLOCK=block_size, TOPK=topk, KP=_next_pow2(topk), SUB=sub, STEPS=steps_per_split,
         SPLITS=splits, HAS_SCALE=has_scale, IEEE=q.dtype == torch.float32,
         F16_COMPUTE=k_cache.dtype == FP8 and q.dtype != torch.float32
-        and TUNING["fp8_f16_compute"], num_warps=warps, num_stages=stages)
+        and TUNING["fp8_f16_compute"],
+        ASM_CVT=TUNING.get("v_cvt", 0) if k_cache.dtype == FP8 and q.dtype != torch.float32 else 0,
+        num_warps=warps, num_stages=stages)
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part_out, part_lse, out, lse, *out.stride(), *lse.stride(), NUM_HEADS=num_heads,

@@ -20,6 +20,22 @@ import triton.language as tl
 from ..common.triton_utils import token_position
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _e4m3_to_f16(x):
+    """e4m3 -> fp16, four values per instruction pair in registers (exact: every e4m3 value is
+    an fp16 value). Used on V so that Triton converts the tile before staging it for the matrix
+    unit, instead of reading the fp8 bytes one by one (V is the MMA's B operand with keys, not D,
+    as its reduction axis: Hopper has no transposing shared-memory load for 8-bit data)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b16 lo, hi;
+        mov.b32 {lo, hi}, $2;
+        cvt.rn.f16x2.e4m3x2 $0, lo;
+        cvt.rn.f16x2.e4m3x2 $1, hi;
+        }""",
+        constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=True, pack=4)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
@@ -37,7 +53,7 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
                              D: tl.constexpr, BLOCK: tl.constexpr, TOPK: tl.constexpr,
                              KP: tl.constexpr, SUB: tl.constexpr, STEPS: tl.constexpr,
                              SPLITS: tl.constexpr, HAS_SCALE: tl.constexpr, IEEE: tl.constexpr,
-                             F16_COMPUTE: tl.constexpr):
+                             F16_COMPUTE: tl.constexpr, ASM_CVT: tl.constexpr = 0):
     t = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
@@ -116,6 +132,16 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if IEEE:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        elif ASM_CVT == 1:
+            v16 = tl.reshape(tl.reshape(v, [SUB, D // 2, 2]).to(tl.float16), [SUB, D])
+            pv = tl.dot(p.to(q.dtype), v16)
+        elif ASM_CVT == 2:
+            v16 = tl.reshape(_e4m3_to_f16(tl.reshape(v, [SUB, D // 2, 2])), [SUB, D])
+            pv = tl.dot(p.to(q.dtype), v16)
+        elif ASM_CVT == 3:
+            va, vb = tl.split(tl.reshape(v, [SUB, D // 2, 2]))
+            v16 = tl.reshape(tl.join(va.to(tl.float16), vb.to(tl.float16)), [SUB, D])
+            pv = tl.dot(p.to(q.dtype), v16)
         else:
             pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
         acc = acc * alpha[:, None] + pv
