@@ -31,11 +31,13 @@ def attention_resources(kv: str, sub: int, stages: int, warps: int, splits: int 
     kv_type = KV_TYPES[kv]
     pointers = dict(q_ptr="*bf16", k_ptr=kv_type, v_ptr=kv_type, idx_ptr="*i32",
                     out_ptr="*bf16", lse_ptr="*fp32", part_out_ptr="*fp32",
-                    part_lse_ptr="*fp32", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
+                    part_lse_ptr="*fp32", counter_ptr="*i32", k_scale_ptr="*fp32",
+                    v_scale_ptr="*fp32",
                     cu_ptr="*i32", seq_lens_ptr="*i32", bt_ptr="*i32")
     constexprs = dict(NUM_HEADS=64, NUM_KV_HEADS=4, NUM_INDEX_HEADS=4, G=16, M=16, D=128,
                       BLOCK=128, TOPK=16, KP=16, SUB=sub, STEPS=16 * 128 // sub // splits,
-                      SPLITS=splits, HAS_SCALE=False, IEEE=False, F16_COMPUTE=kv == "fp8")
+                      SPLITS=splits, HAS_SCALE=False, IEEE=False, F16_COMPUTE=kv == "fp8",
+                      FUSED_MERGE=True)
     constexprs.update({name: 1 for name in UNIT_STRIDES})
     signature = {name: "constexpr" if name in constexprs
                  else pointers.get(name, "fp32" if name == "sm_scale" else "i32")

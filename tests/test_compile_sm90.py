@@ -61,12 +61,13 @@ def test_selection_kernels():
 def test_attention_kernels(kv_type, splits, sub):
     _compile(_sparse_attention_kernel,
              dict(q_ptr="*bf16", k_ptr=kv_type, v_ptr=kv_type, idx_ptr=I32, out_ptr="*bf16",
-                  lse_ptr=F32, part_out_ptr=F32, part_lse_ptr=F32, k_scale_ptr=F32,
+                  lse_ptr=F32, part_out_ptr=F32, part_lse_ptr=F32, counter_ptr=I32,
+                  k_scale_ptr=F32,
                   v_scale_ptr=F32, **STEP), dict(sm_scale="fp32"),
              dict(NUM_HEADS=64, NUM_KV_HEADS=4, NUM_INDEX_HEADS=4, G=16, M=16, D=128,
                   BLOCK=128, TOPK=16, KP=16, SUB=sub, STEPS=16 * 128 // sub // splits,
                   SPLITS=splits, HAS_SCALE=kv_type == "*fp8e4nv", IEEE=False,
-                  F16_COMPUTE=kv_type == "*fp8e4nv"))
+                  F16_COMPUTE=kv_type == "*fp8e4nv", FUSED_MERGE=splits > 1))
     _compile(_merge_splits_kernel, dict(part_out_ptr=F32, part_lse_ptr=F32, out_ptr="*bf16",
                                         lse_ptr=F32), {},
              dict(NUM_HEADS=64, D=128, SPLITS=2, SP=2))

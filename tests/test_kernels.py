@@ -156,9 +156,13 @@ def test_sparse_attention_matches_reference(kernel_device, kv_dtype, layout, blo
     assert (got.cpu()[pos < 0] == 0).all() and torch.isneginf(lse.cpu()[pos < 0]).all()
 
 
-def test_sparse_attention_index_head_sharing_scales_and_noisy_rows(kernel_device):
+@pytest.mark.parametrize("fused_merge", [True, False])
+def test_sparse_attention_index_head_sharing_scales_and_noisy_rows(kernel_device, fused_merge,
+                                                                    monkeypatch):
     """One index head serving two KV heads, fp8 with per-tensor scales, and rows holding -1,
-    out-of-range and repeated ids."""
+    out-of-range and repeated ids; splits merged by their last program or by a second launch."""
+    from openmsa.ops.attention import api as attention_api
+    monkeypatch.setitem(attention_api.TUNING, "fused_merge", fused_merge)
     dtype = _attention_dtype(kernel_device)
     step, dstep, q, k, v, idx = _attention_case(kernel_device, FP8, "flash", hq=4, hkv=2, h=1)
     idx = torch.cat([idx, torch.full_like(idx[..., :1], 99), idx[..., :1]], dim=-1)
@@ -173,6 +177,9 @@ def test_sparse_attention_index_head_sharing_scales_and_noisy_rows(kernel_device
         v_scale=1.5, return_lse=True)
     assert_close(got, want)
     assert_close(lse, want_lse, torch.float32 if dtype == torch.float16 else dtype)
+    if fused_merge and kernel_device == "cuda":
+        # every merging program put its arrival counter back: the next launch starts at 0
+        assert all(int(c.count_nonzero()) == 0 for c in attention_api._COUNTERS.values())
 
 
 def test_cache_writes_match_reference(kernel_device):

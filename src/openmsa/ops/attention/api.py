@@ -22,10 +22,33 @@ __all__ = ["sparse_attention", "sparse_page_table"]
 # decode 6% (docs/performance.md), so the choice follows the step's token count (a shape, not
 # a device value: graph-safe).
 # sub: keys per loop step (a divisor of the block size; the K/V tile a step holds), resident:
-# programs assumed to fit on one SM at a time (what the split count packs the grid for).
-TUNING = dict(sub=128, resident=2, min_steps_per_split=2, warps=4, stages=3,
-              prefill_min_tokens=2048, prefill_sub=128, prefill_warps=4, prefill_stages=2,
-              fp8_f16_compute=True)
+# programs assumed to fit on one SM at a time (what the split count packs the grid for; 2 for
+# 128-key steps: 255 registers for fp8, 136 KB of shared memory for bf16, see
+# benchmarks/resources.py). Steps with at most small_pairs (token, KV head) pairs (B = 1-8
+# decode) take small_sub / small_warps: finer splits, more warps (-1 µs there; slower above).
+# fused_merge: the last split program merges (no second launch).
+TUNING = dict(sub=128, resident=2, min_steps_per_split=2, warps=4, stages=3, small_pairs=8,
+              small_sub=64, small_warps=8, fused_merge=True, prefill_min_tokens=2048,
+              prefill_sub=128, prefill_warps=4, prefill_stages=2, fp8_f16_compute=True)
+
+# arrival counters of the fused merge, one buffer per (device, stream): zeros between launches,
+# because each merging program resets its own counter; launches on one stream never overlap, and
+# a second stream (or a graph's forked stream) gets its own buffer. A buffer first made while a
+# graph is being captured lives in the graph's pool and its zero fill is replayed with the graph
+# (correct, about a microsecond per replay): make one eager call on the stream first.
+_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    if device.type != "cuda":
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    key = (device.index if device.index is not None else torch.cuda.current_device(),
+           torch.cuda.current_stream(device).cuda_stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
 
 
 def _num_splits(num_tokens: int, num_kv_heads: int, steps: int, device: torch.device) -> int:
@@ -98,35 +121,36 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
         return (out, lse) if return_lse else out
     topk = indices.shape[2]
     prefill = num_tokens >= TUNING["prefill_min_tokens"]
-    sub = min(block_size, TUNING["prefill_sub" if prefill else "sub"])
+    small = num_tokens * num_kv_heads <= TUNING["small_pairs"]
+    sub = min(block_size, TUNING["prefill_sub" if prefill else "small_sub" if small else "sub"])
     steps = topk * (block_size // sub)
     splits = _num_splits(num_tokens, num_kv_heads, steps, device)
     steps_per_split = -(-steps // splits)
     splits = -(-steps // steps_per_split)
+    fused = TUNING["fused_merge"]
     if splits > 1:
         part_out = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32,
                                device=device)
         part_lse = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32,
                                device=device)
+        counters = _arrival_counters(device, num_tokens * num_kv_heads) if fused else lse
     else:
-        part_out = part_lse = lse
+        part_out = part_lse = counters = lse
     has_scale, ks, vs = scale_args(k_scale, v_scale, device, lse)
-    warps = TUNING["prefill_warps" if prefill else "warps"]
+    warps = TUNING["prefill_warps" if prefill else "small_warps" if small else "warps"]
     stages = TUNING["prefill_stages" if prefill else "stages"]
     sm_scale = head_dim ** -0.5 if scale is None else float(scale)
     _sparse_attention_kernel[(num_tokens, num_kv_heads, splits)](
         q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, out, lse, part_out,
-        part_lse, ks, vs, sm_scale, seq_lens.shape[0], *q.stride(), *k_cache.stride(),
+        part_lse, counters, ks, vs, sm_scale, seq_lens.shape[0], *q.stride(), *k_cache.stride(),
         *v_cache.stride(), *indices.stride(), *block_table.stride(), *out.stride(),
         *lse.stride(), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         NUM_INDEX_HEADS=indices.shape[1], G=group, M=max(16, _next_pow2(group)), D=head_dim,
         BLOCK=block_size, TOPK=topk, KP=_next_pow2(topk), SUB=sub, STEPS=steps_per_split,
         SPLITS=splits, HAS_SCALE=has_scale, IEEE=q.dtype == torch.float32,
         F16_COMPUTE=k_cache.dtype == FP8 and q.dtype != torch.float32
-        and TUNING["fp8_f16_compute"],
-        ASM_CVT=TUNING.get("v_cvt", 0) if k_cache.dtype == FP8 and q.dtype != torch.float32 else 0,
-        num_warps=warps, num_stages=stages)
-    if splits > 1:
+        and TUNING["fp8_f16_compute"], FUSED_MERGE=fused, num_warps=warps, num_stages=stages)
+    if splits > 1 and not fused:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part_out, part_lse, out, lse, *out.stride(), *lse.stride(), NUM_HEADS=num_heads,
             D=head_dim, SPLITS=splits, SP=_next_pow2(splits), num_warps=4)

@@ -6,8 +6,10 @@ block (SUB < BLOCK halves the K/V tile a step holds in registers and shared memo
 programs fit on an SM). Program (t, g, s) takes steps [s*E, (s+1)*E) of token t's selection for
 KV head g (index head g*H//Hkv) and runs the G query heads of g's group as the rows of the matrix
 unit against each step's keys, with an online softmax. With one split it writes the
-normalised output and LSE directly; with more, partial (out, lse) go to a workspace and
-`_merge_splits_kernel` combines them. Every token is independent, so decode, speculative verify
+normalised output and LSE directly; with more, partial (out, lse) go to a workspace and the last
+program of a (token, KV head) to finish combines them (FUSED_MERGE: an arrival counter per
+(token, KV head) that the merger puts back to 0, so every launch and graph replay finds zeros),
+or `_merge_splits_kernel` does in a second launch. Every token is independent, so decode, speculative verify
 (each draft token with its own causal cut) and prefill chunks share one launch.
 
 Bytes per (token, KV head): selected blocks * B * D * 2 * bytes(kv) read (L2 serves repeats
@@ -20,29 +22,13 @@ import triton.language as tl
 from ..common.triton_utils import token_position
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
-
-
-@triton.jit
-def _e4m3_to_f16(x):
-    """e4m3 -> fp16, four values per instruction pair in registers (exact: every e4m3 value is
-    an fp16 value). Used on V so that Triton converts the tile before staging it for the matrix
-    unit, instead of reading the fp8 bytes one by one (V is the MMA's B operand with keys, not D,
-    as its reduction axis: Hopper has no transposing shared-memory load for 8-bit data)."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b16 lo, hi;
-        mov.b32 {lo, hi}, $2;
-        cvt.rn.f16x2.e4m3x2 $0, lo;
-        cvt.rn.f16x2.e4m3x2 $1, hi;
-        }""",
-        constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=True, pack=4)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
 def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr,
-                             out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr,
-                             v_scale_ptr, sm_scale, num_requests,
+                             out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
+                             k_scale_ptr, v_scale_ptr, sm_scale, num_requests,
                              stride_qt, stride_qh, stride_qd,
                              stride_kp, stride_kb, stride_kh, stride_kd,
                              stride_vp, stride_vb, stride_vh, stride_vd,
@@ -53,7 +39,7 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
                              D: tl.constexpr, BLOCK: tl.constexpr, TOPK: tl.constexpr,
                              KP: tl.constexpr, SUB: tl.constexpr, STEPS: tl.constexpr,
                              SPLITS: tl.constexpr, HAS_SCALE: tl.constexpr, IEEE: tl.constexpr,
-                             F16_COMPUTE: tl.constexpr, ASM_CVT: tl.constexpr = 0):
+                             F16_COMPUTE: tl.constexpr, FUSED_MERGE: tl.constexpr):
     t = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
@@ -132,16 +118,6 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if IEEE:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        elif ASM_CVT == 1:
-            v16 = tl.reshape(tl.reshape(v, [SUB, D // 2, 2]).to(tl.float16), [SUB, D])
-            pv = tl.dot(p.to(q.dtype), v16)
-        elif ASM_CVT == 2:
-            v16 = tl.reshape(_e4m3_to_f16(tl.reshape(v, [SUB, D // 2, 2])), [SUB, D])
-            pv = tl.dot(p.to(q.dtype), v16)
-        elif ASM_CVT == 3:
-            va, vb = tl.split(tl.reshape(v, [SUB, D // 2, 2]))
-            v16 = tl.reshape(tl.join(va.to(tl.float16), vb.to(tl.float16)), [SUB, D])
-            pv = tl.dot(p.to(q.dtype), v16)
         else:
             pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
         acc = acc * alpha[:, None] + pv
@@ -151,15 +127,48 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    out = out_ptr + t.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od
     if SPLITS == 1:
-        out = out_ptr + t.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od
         tl.store(out, o.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
         tl.store(lse_ptr + t.to(tl.int64) * stride_lt + head * stride_lh, lse, mask=head_ok)
     else:
         # workspace [T, Hq, SPLITS, D] and [T, Hq, SPLITS], contiguous
-        base = (t.to(tl.int64) * NUM_HEADS + head) * SPLITS + split  # [M]
-        tl.store(part_out_ptr + base[:, None] * D + d[None, :], o, mask=head_ok[:, None])
-        tl.store(part_lse_ptr + base, lse, mask=head_ok)
+        row = t.to(tl.int64) * NUM_HEADS + head  # [M]
+        tl.store(part_out_ptr + (row * SPLITS + split)[:, None] * D + d[None, :], o,
+                 mask=head_ok[:, None])
+        tl.store(part_lse_ptr + row * SPLITS + split, lse, mask=head_ok)
+        if FUSED_MERGE:
+            # the last of the SPLITS programs of (t, g) to arrive merges (no second launch).
+            # The barrier orders every thread's partial stores before the counter's release;
+            # the acquire and the .cg loads (L2, not this SM's possibly stale L1) see the other
+            # programs' partials. The merger puts the counter back to 0 for the next launch.
+            tl.debug_barrier()
+            counter = counter_ptr + t.to(tl.int64) * NUM_KV_HEADS + g
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLITS - 1:
+                m_all = tl.full([M], float("-inf"), tl.float32)
+                for j in tl.static_range(SPLITS):
+                    m_all = tl.maximum(m_all, tl.load(part_lse_ptr + row * SPLITS + j,
+                                                      mask=head_ok, other=float("-inf"),
+                                                      cache_modifier=".cg"))
+                shift_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+                total = tl.zeros([M], tl.float32)
+                o_all = tl.zeros([M, D], tl.float32)
+                for j in tl.static_range(SPLITS):
+                    w = tl.exp(tl.load(part_lse_ptr + row * SPLITS + j, mask=head_ok,
+                                       other=float("-inf"), cache_modifier=".cg") - shift_all)
+                    o_j = tl.load(part_out_ptr + (row * SPLITS + j)[:, None] * D + d[None, :],
+                                  mask=head_ok[:, None], other=0.0, cache_modifier=".cg")
+                    total += w
+                    o_all += w[:, None] * o_j
+                none = total == 0.0
+                o_all = o_all / tl.where(none, 1.0, total)[:, None]
+                lse_all = tl.where(none, float("-inf"),
+                                   shift_all + tl.log(tl.where(none, 1.0, total)))
+                tl.store(out, o_all.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+                tl.store(lse_ptr + t.to(tl.int64) * stride_lt + head * stride_lh, lse_all,
+                         mask=head_ok)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
