@@ -26,9 +26,12 @@ __all__ = ["sparse_attention", "sparse_page_table"]
 # 128-key steps: 255 registers for fp8, 136 KB of shared memory for bf16, see
 # benchmarks/resources.py). Steps with at most small_pairs (token, KV head) pairs (B = 1-8
 # decode) take small_sub / small_warps: finer splits, more warps (-1 µs there; slower above).
-# fused_merge: the last split program merges (no second launch).
+# fused_merge: with at most fused_max_splits splits the last split program merges (no second
+# launch: TP4 B=64 24.7 -> 22.7 µs); with more, that program's serial merge costs more than a
+# merge launch (16 splits at B=1: 8.5 -> 10.0 µs), so a second launch merges.
 TUNING = dict(sub=128, resident=2, min_steps_per_split=2, warps=4, stages=3, small_pairs=8,
-              small_sub=64, small_warps=8, fused_merge=True, prefill_min_tokens=2048,
+              small_sub=64, small_warps=8, fused_merge=True, fused_max_splits=4,
+              prefill_min_tokens=2048,
               prefill_sub=128, prefill_warps=4, prefill_stages=2, fp8_f16_compute=True)
 
 # arrival counters of the fused merge, one buffer per (device, stream): zeros between launches,
@@ -127,7 +130,7 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
     splits = _num_splits(num_tokens, num_kv_heads, steps, device)
     steps_per_split = -(-steps // splits)
     splits = -(-steps // steps_per_split)
-    fused = TUNING["fused_merge"]
+    fused = TUNING["fused_merge"] and splits <= TUNING["fused_max_splits"]
     if splits > 1:
         part_out = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32,
                                device=device)
