@@ -6,11 +6,14 @@ so the counts match what Nsight Compute reports on the H200 (255 registers / 73.
 whole 128-key blocks and 3 stages, 185 / 139 KB for bf16). Count before you measure:
 
     python3 benchmarks/resources.py fp8,64,3,4 bf16,64,3,4     # kv dtype, sub, stages, warps
+    python3 benchmarks/resources.py --sass fp8,128,3,4         # + the main loop's instruction mix
 
 Programs per SM = min(65536 // (regs rounded up to 8 * 32 * warps), 228 KB // (smem + 1 KB)).
 """
 
+import collections
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -26,7 +29,28 @@ UNIT_STRIDES = {"stride_qd", "stride_kd", "stride_vd", "stride_ik", "stride_btb"
 KV_TYPES = {"fp8": "*fp8e4nv", "bf16": "*bf16"}
 
 
-def attention_resources(kv: str, sub: int, stages: int, warps: int, splits: int = 2):
+def _loop_mix(sass: str, top: int = 12):
+    """Instruction count and the most frequent opcodes of the longest backward branch's body (the
+    kernel's main loop) in cuobjdump's SASS."""
+    found = []
+    for line in sass.splitlines():
+        m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            found.append((int(m.group(1), 16), m.group(2).strip()))
+    loops = [(addr, int(b.group(1), 16)) for addr, text in found
+             if (b := re.search(r"BRA (0x[0-9a-f]+)", text)) and int(b.group(1), 16) < addr]
+    if not loops:
+        return 0, []
+    end, start = max(loops, key=lambda x: x[0] - x[1])
+    body = [text for addr, text in found if start <= addr <= end]
+    # opcode without predicate and modifiers: LDS.U8 and LDS.128 both count as LDS
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
+                              for t in body)
+    return len(body), ops.most_common(top)
+
+
+def attention_resources(kv: str, sub: int, stages: int, warps: int, splits: int = 2,
+                        sass: bool = False):
     fn = _sparse_attention_kernel
     kv_type = KV_TYPES[kv]
     pointers = dict(q_ptr="*bf16", k_ptr=kv_type, v_ptr=kv_type, idx_ptr="*i32",
@@ -53,19 +77,32 @@ def attention_resources(kv: str, sub: int, stages: int, warps: int, splits: int 
         ptx = os.path.join(tmp, "k.ptx")
         with open(ptx, "w") as f:
             f.write(compiled.asm["ptx"])
-        info = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", os.path.join(tmp, "k.o")],
+        cubin = os.path.join(tmp, "k.o")
+        info = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", cubin],
                               capture_output=True, text=True, check=True).stderr
+        mix = None
+        if sass:
+            dump = subprocess.run([os.path.join(os.path.dirname(ptxas), "cuobjdump"),
+                                   "--dump-sass", cubin], capture_output=True, text=True,
+                                  check=True).stdout
+            mix = _loop_mix(dump)
     regs = int(info.split("Used ")[1].split(" registers")[0])
     spills = info.split("bytes spill stores")[0].rsplit(",", 1)[-1].strip()
     smem = compiled.metadata.shared
     per_sm = min(65536 // (-(-regs // 8) * 8 * 32 * warps), 233472 // (smem + 1024))
-    return regs, int(spills), smem, per_sm
+    return regs, int(spills), smem, per_sm, mix
 
 
 if __name__ == "__main__":
+    args = sys.argv[1:]
+    want_sass = "--sass" in args
+    args = [a for a in args if a != "--sass"]
     print("kv    sub stages warps  registers spill_bytes smem_KB programs/SM")
-    for arg in sys.argv[1:] or ["fp8,128,3,4", "fp8,64,3,4", "bf16,128,3,4", "bf16,64,3,4"]:
+    for arg in args or ["fp8,128,3,4", "fp8,64,3,4", "bf16,128,3,4", "bf16,64,3,4"]:
         kv, sub, stages, warps = arg.split(",")
-        regs, spills, smem, per_sm = attention_resources(kv, int(sub), int(stages), int(warps))
+        regs, spills, smem, per_sm, mix = attention_resources(kv, int(sub), int(stages),
+                                                              int(warps), sass=want_sass)
         print(f"{kv:5s} {sub:>3s} {stages:>6s} {warps:>5s}  {regs:9d} {spills:11d} "
               f"{smem / 1024:7.1f} {per_sm:12d}", flush=True)
+        if mix is not None:
+            print(f"      main loop: {mix[0]} instructions per warp per step; {mix[1]}")
