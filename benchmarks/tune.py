@@ -112,8 +112,8 @@ def _attention_fp8(args):
 
 def _attention_prefill(args):
     """The prefill knobs (chunks of >= prefill_min_tokens tokens) on 8K chunks."""
-    variants = pick(args, [{}, dict(prefill_sub=64), dict(prefill_sub=64, prefill_stages=3),
-                           dict(prefill_sub=32, prefill_stages=3), dict(prefill_stages=1),
+    variants = pick(args, [{}, dict(prefill_sub=128), dict(prefill_sub_fp8=64),
+                           dict(prefill_sub=32, prefill_stages=3), dict(prefill_stages=3),
                            dict(prefill_warps=8)])
     print("attention prefill variants:", variants)
     cases = []
@@ -133,7 +133,8 @@ def _indexer(args, only):
         if "indexer-prefill" in only:
             _indexer_prefill(args)
         return
-    variants = pick(args, [{}, dict(decode_keys_as_rows=False), dict(decode_stages=4),
+    variants = pick(args, [{}, dict(decode_min_bps=2), dict(decode_min_bps=1),
+                           dict(decode_keys_as_rows=False), dict(decode_stages=4),
                            dict(decode_stages=2), dict(decode_waves=8), dict(decode_warps=8)])
     print("indexer decode variants:", variants)
     cases = []

@@ -23,7 +23,7 @@ PREFILL_ROWS = 128
 # blocks of a score row per selection program (a 1M-token row of 8192 blocks takes 8)
 SELECT_SEGMENT = 1024
 # launch knobs, read at each call so that benchmarks/tune.py can sweep them
-TUNING = dict(decode_waves=4, decode_warps=4, decode_stages=3, decode_max_bps=64,
+TUNING = dict(decode_waves=4, decode_warps=4, decode_stages=3, decode_max_bps=64, decode_min_bps=4,
               decode_keys_as_rows=True, prefill_bps=32, prefill_warps=8, prefill_warps_fp8=4,
               prefill_stages=3, select_warps=4)
 
@@ -65,7 +65,8 @@ def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_tabl
             *scores.stride())
     # decode/verify: enough splits of each request's blocks to fill the GPU
     splits_wanted = -(-_programs_wanted(index_q.device) // num_requests)
-    bps = min(TUNING["decode_max_bps"], max(4, _next_pow2(-(-max_blocks // splits_wanted))))
+    bps = min(TUNING["decode_max_bps"],
+              max(TUNING["decode_min_bps"], _next_pow2(-(-max_blocks // splits_wanted))))
     rows_t = max(1, DECODE_ROWS // hp)
     grid = (num_requests, -(-max_blocks // bps))
     # keys as the MMA's rows (see scores.py); the fp32 reference-precision path keeps the IEEE dot
