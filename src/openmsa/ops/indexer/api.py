@@ -23,7 +23,7 @@ PREFILL_ROWS = 128
 # blocks of a score row per selection program (a 1M-token row of 8192 blocks takes 8)
 SELECT_SEGMENT = 1024
 # launch knobs, read at each call so that benchmarks/tune.py can sweep them
-TUNING = dict(decode_waves=4, decode_warps=4, decode_stages=3, decode_max_bps=64, decode_min_bps=4,
+TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64, decode_min_bps=1,
               decode_keys_as_rows=True, prefill_bps=32, prefill_warps=8, prefill_warps_fp8=4,
               prefill_stages=3, select_warps=4)
 
