@@ -209,6 +209,61 @@ def test_attention_cache_over_2_31_elements_and_graph_replay():
     assert torch.equal(out, eager)
 
 
+def test_attention_fused_merge_graph_replay_and_two_streams():
+    """A step whose splits the last program merges (arrival counters): eager against the
+    reference, a captured graph replayed with new queries and lengths, and two launches running
+    at once on two streams (each stream has its own counters) equal to their eager results."""
+    from openmsa.ops.attention import api as attention_api
+    num_req = 64
+    step = make_step([1] * num_req, [3000 + 37 * i for i in range(num_req)], block_size=B)
+    splits = attention_api._num_splits(num_req, 1, 16, torch.device("cuda"))
+    assert 1 < splits <= attention_api.TUNING["fused_max_splits"]  # the path under test
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(step.num_pages, B, 1, 128, generator=g).bfloat16()
+    v = torch.randn(step.num_pages, B, 1, 128, generator=g).bfloat16()
+    idx = torch.stack([torch.randperm(24, generator=g)[:16] for _ in range(num_req)])[:, None]
+    idx = idx.int().sort(-1).values
+    q = torch.randn(num_req, 16, 128, generator=g).bfloat16()
+    want = ref.sparse_attention(q, k, v, idx, step.cu_seqlens_q, step.seq_lens, step.block_table)
+    d = _cuda(step)
+    qc, kc, vc, ic = q.cuda(), k.cuda(), v.cuda(), idx.cuda()
+    out = torch.empty_like(qc)
+    run = lambda: openmsa.sparse_attention(qc, kc, vc, ic, d.cu_seqlens_q, d.seq_lens,  # noqa
+                                           d.block_table, out=out)
+    run()
+    assert_close(out, want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for trial in range(3):
+        qc.copy_(torch.randn_like(qc))
+        d.seq_lens.copy_(torch.randint(2000, 3000, (num_req,), dtype=torch.int32))
+        graph.replay()
+        eager = openmsa.sparse_attention(qc, kc, vc, ic, d.cu_seqlens_q, d.seq_lens,
+                                         d.block_table)
+        assert torch.equal(out, eager), trial
+    # two streams at once: no shared counter between them
+    q2 = torch.randn_like(qc)
+    want1 = openmsa.sparse_attention(qc, kc, vc, ic, d.cu_seqlens_q, d.seq_lens, d.block_table)
+    want2 = openmsa.sparse_attention(q2, kc, vc, ic, d.cu_seqlens_q, d.seq_lens, d.block_table)
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    s1.wait_stream(torch.cuda.current_stream())
+    s2.wait_stream(torch.cuda.current_stream())
+    outs = []
+    for _ in range(20):
+        with torch.cuda.stream(s1):
+            a = openmsa.sparse_attention(qc, kc, vc, ic, d.cu_seqlens_q, d.seq_lens,
+                                         d.block_table)
+        with torch.cuda.stream(s2):
+            b = openmsa.sparse_attention(q2, kc, vc, ic, d.cu_seqlens_q, d.seq_lens,
+                                         d.block_table)
+        outs.append((a, b))
+    torch.cuda.synchronize()
+    for a, b in outs:
+        assert torch.equal(a, want1) and torch.equal(b, want2)
+    assert all(int(c.count_nonzero()) == 0 for c in attention_api._COUNTERS.values())
+
+
 # ------------------------------------------------------------------------------ the sparse layer
 def _m3_tiny_model(ops, layers, topk=16, index_query_dtype=None):
     from openmsa.model import TinyMSAModel
