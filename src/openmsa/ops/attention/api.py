@@ -49,6 +49,10 @@ def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
            torch.cuda.current_stream(device).cuda_stream)
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < n:
+        if len(_COUNTERS) >= 64:
+            # streams come and go (a test, a server's side streams): drop the oldest buffer. Its
+            # memory returns to its own stream's pool, where reuse is ordered after its launches.
+            _COUNTERS.pop(next(iter(_COUNTERS)))
         buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
         _COUNTERS[key] = buf
     return buf
