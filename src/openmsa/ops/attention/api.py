@@ -36,10 +36,13 @@ TUNING = dict(sub=128, resident=2, min_steps_per_split=2, warps=4, stages=3, sma
 
 # arrival counters of the fused merge, one buffer per (device, stream): zeros between launches,
 # because each merging program resets its own counter; launches on one stream never overlap, and
-# a second stream (or a graph's forked stream) gets its own buffer. A buffer first made while a
-# graph is being captured lives in the graph's pool and its zero fill is replayed with the graph
-# (correct, about a microsecond per replay): make one eager call on the stream first.
+# a second stream (or a graph's forked stream) gets its own buffer. No buffer is ever freed: a
+# captured graph keeps using the address it saw, so a buffer outgrown by a larger step is retired
+# but kept. A buffer first made while a graph is being captured lives in the graph's pool and its
+# zero fill is replayed with the graph (correct, about a microsecond per replay): make one eager
+# call on the capturing stream first.
 _COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []
 
 
 def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
@@ -49,10 +52,8 @@ def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
            torch.cuda.current_stream(device).cuda_stream)
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < n:
-        if len(_COUNTERS) >= 64:
-            # streams come and go (a test, a server's side streams): drop the oldest buffer. Its
-            # memory returns to its own stream's pool, where reuse is ordered after its launches.
-            _COUNTERS.pop(next(iter(_COUNTERS)))
+        if buf is not None:
+            _RETIRED.append(buf)
         buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
         _COUNTERS[key] = buf
     return buf
