@@ -7,6 +7,7 @@ whole 128-key blocks and 3 stages, 185 / 139 KB for bf16). Count before you meas
 
     python3 benchmarks/resources.py fp8,64,3,4 bf16,64,3,4     # kv dtype, sub, stages, warps
     python3 benchmarks/resources.py --sass fp8,128,3,4         # + the main loop's instruction mix
+    python3 benchmarks/resources.py tile:bf16,128,2,4          # prefill.py's tile kernel (QT = 4)
 
 Programs per SM = min(65536 // (regs rounded up to 8 * 32 * warps), 228 KB // (smem + 1 KB)).
 """
@@ -23,6 +24,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from openmsa.ops.attention.decode import _sparse_attention_kernel
+from openmsa.ops.attention.prefill import _sparse_attention_tile_kernel
 
 UNIT_STRIDES = {"stride_qd", "stride_kd", "stride_vd", "stride_ik", "stride_btb", "stride_od",
                 "stride_lh"}
@@ -50,21 +52,25 @@ def _loop_mix(sass: str, top: int = 12):
 
 
 def attention_resources(kv: str, sub: int, stages: int, warps: int, splits: int = 2,
-                        sass: bool = False):
-    fn = _sparse_attention_kernel
+                        sass: bool = False, tile: bool = False):
     kv_type = KV_TYPES[kv]
     pointers = dict(q_ptr="*bf16", k_ptr=kv_type, v_ptr=kv_type, idx_ptr="*i32",
                     out_ptr="*bf16", lse_ptr="*fp32", part_out_ptr="*fp32",
-                    part_lse_ptr="*fp32", counter_ptr="*i32", k_scale_ptr="*fp32",
-                    v_scale_ptr="*fp32",
+                    part_lse_ptr="*fp32", counter_ptr="*i32", tile_flag_ptr="*i32",
+                    flag_ptr="*i32", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
                     cu_ptr="*i32", seq_lens_ptr="*i32", bt_ptr="*i32")
-    constexprs = dict(NUM_HEADS=64, NUM_KV_HEADS=4, NUM_INDEX_HEADS=4, G=16, M=16, D=128,
-                      BLOCK=128, TOPK=16, KP=16, SUB=sub, STEPS=16 * 128 // sub // splits,
-                      SPLITS=splits, HAS_SCALE=False, IEEE=False, F16_COMPUTE=kv == "fp8",
-                      FUSED_MERGE=True)
+    shared = dict(NUM_KV_HEADS=4, NUM_INDEX_HEADS=4, G=16, D=128, BLOCK=128, TOPK=16, KP=16,
+                  SUB=sub, HAS_SCALE=False, IEEE=False, F16_COMPUTE=kv == "fp8")
+    if tile:
+        fn = _sparse_attention_tile_kernel
+        constexprs = dict(shared, GP=16, QT=4)
+    else:
+        fn = _sparse_attention_kernel
+        constexprs = dict(shared, NUM_HEADS=64, M=16, STEPS=16 * 128 // sub // splits,
+                          SPLITS=splits, FUSED_MERGE=True, TILE_QT=0)
     constexprs.update({name: 1 for name in UNIT_STRIDES})
     signature = {name: "constexpr" if name in constexprs
-                 else pointers.get(name, "fp32" if name == "sm_scale" else "i32")
+                 else pointers.get(name, "fp32" if name in ("sm_scale", "waste") else "i32")
                  for name in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
              if name not in constexprs and (name in pointers or name.startswith("stride"))}
@@ -97,12 +103,15 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     want_sass = "--sass" in args
     args = [a for a in args if a != "--sass"]
-    print("kv    sub stages warps  registers spill_bytes smem_KB programs/SM")
+    print("kernel kv    sub stages warps  registers spill_bytes smem_KB programs/SM")
     for arg in args or ["fp8,128,3,4", "fp8,64,3,4", "bf16,128,3,4", "bf16,64,3,4"]:
-        kv, sub, stages, warps = arg.split(",")
+        tile = arg.startswith("tile:")
+        kv, sub, stages, warps = arg.removeprefix("tile:").split(",")
         regs, spills, smem, per_sm, mix = attention_resources(kv, int(sub), int(stages),
-                                                              int(warps), sass=want_sass)
-        print(f"{kv:5s} {sub:>3s} {stages:>6s} {warps:>5s}  {regs:9d} {spills:11d} "
+                                                              int(warps), sass=want_sass,
+                                                              tile=tile)
+        print(f"{'tile' if tile else 'token':6s} {kv:5s} {sub:>3s} {stages:>6s} {warps:>5s}  "
+              f"{regs:9d} {spills:11d} "
               f"{smem / 1024:7.1f} {per_sm:12d}", flush=True)
         if mix is not None:
             print(f"      main loop: {mix[0]} instructions per warp per step; {mix[1]}")

@@ -298,10 +298,12 @@ def indexer_prefill(args, fi):
                 torch.cuda.empty_cache()
 
 
-def _attention_step(model, batch, context, q_len, dname, seed=0, shared=1):
+def _attention_step(model, batch, context, q_len, dname, seed=0, shared=1, jitter=0.0):
     """Packed vLLM-style cache [P, Hkv, B, 2D] (K first), random selections with the own block.
     With shared > 1, runs of `shared` consecutive tokens pick the same 15 earlier blocks (the
-    locality neighbouring prefill tokens have in practice); 1 makes every token independent."""
+    locality neighbouring prefill tokens have in practice); 1 makes every token independent.
+    jitter > 0 adds per-token noise of that size to the shared block scores (uniform in [0, 1)),
+    so neighbours share most but not all of their blocks."""
     bs, d = 128, model.head_dim
     hkv = model.num_kv_heads
     nb = -(-context // bs)
@@ -319,6 +321,8 @@ def _attention_step(model, batch, context, q_len, dname, seed=0, shared=1):
     # 15 distinct earlier blocks + the own block, ascending
     r = torch.rand(-(-t // shared), model.num_index_heads, nb, device="cuda", generator=g)
     r = r.repeat_interleave(shared, 0)[:t]
+    if jitter:
+        r = r + jitter * torch.rand(r.shape, device="cuda", generator=g)
     r = torch.where(torch.arange(nb, device="cuda")[None, None, :] < (n - 1)[:, None, None], r,
                     -1.0)
     idx = torch.cat([r.topk(15, dim=-1).indices.int(),

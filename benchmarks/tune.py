@@ -111,21 +111,33 @@ def _attention_fp8(args):
 
 
 def _attention_prefill(args):
-    """The prefill knobs (chunks of >= prefill_min_tokens tokens) on 8K chunks."""
-    variants = pick(args, [{}, dict(prefill_sub=128), dict(prefill_sub_fp8=64),
-                           dict(prefill_sub=32, prefill_stages=3), dict(prefill_stages=3),
-                           dict(prefill_warps=8)])
+    """The prefill knobs (chunks of >= prefill_min_tokens tokens) on 8K chunks after 8K, with
+    selections shared by runs of 16 tokens, shared with per-token jitter, and independent."""
+    variants = pick(args, [dict(tile=False), {}, dict(tile_sub=64), dict(tile_warps=8),
+                           dict(tile_sub=64, tile_stages=3), dict(tile_rows=128, tile_warps=8),
+                           dict(tile_waste=4.0)])
     print("attention prefill variants:", variants)
     cases = []
-    for model_name in ("m3-tp1", "m3-tp4"):
+    for model_name, dname, shared, jitter in (
+            ("m3-tp1", "bf16", 16, 0.0), ("m3-tp1", "bf16", 16, 0.2), ("m3-tp1", "bf16", 1, 0.0),
+            ("m3-tp1", "fp8", 16, 0.0), ("m3-tp1", "fp8", 16, 0.2), ("m3-tp1", "fp8", 1, 0.0),
+            ("m3-tp4", "bf16", 16, 0.0), ("m3-tp4", "fp8", 16, 0.2)):
         m = shapes.MODELS[model_name]
-        for dname in ("bf16", "fp8"):
-            q, packed, idx, cu, seq, table = run._attention_step(m, 1, 8192 + 8192, 8192, dname)
-            k, v = packed[..., :128].permute(0, 2, 1, 3), packed[..., 128:].permute(0, 2, 1, 3)
-            cases.append((f"prefill {model_name} {dname} 8K@8K",
-                          (lambda q=q, k=k, v=v, idx=idx, cu=cu, seq=seq, table=table:
-                           openmsa.sparse_attention(q, k, v, idx, cu, seq, table))))
-    sweep("attn-pre", attention_api.TUNING, variants, cases, args.iters)
+        q, packed, idx, cu, seq, table = run._attention_step(m, 1, 8192 + 8192, 8192, dname,
+                                                             shared=shared, jitter=jitter)
+        k, v = packed[..., :128].permute(0, 2, 1, 3), packed[..., 128:].permute(0, 2, 1, 3)
+        cases.append((f"{model_name} {dname} s{shared} j{jitter} {_union_stats(idx)}",
+                      (lambda q=q, k=k, v=v, idx=idx, cu=cu, seq=seq, table=table:
+                       openmsa.sparse_attention(q, k, v, idx, cu, seq, table))))
+    sweep("attn-pre", attention_api.TUNING, variants, cases, max(3, args.iters // 2))
+
+
+def _union_stats(idx, qt=4):
+    """Mean union size of the selections of qt consecutive tokens (index head 0), in blocks."""
+    t = idx.shape[0] // qt * qt
+    tiles = idx[:t, 0].reshape(-1, qt * idx.shape[2]).sort(-1).values
+    distinct = 1 + (tiles[:, 1:] != tiles[:, :-1]).sum(-1)
+    return f"U{distinct.float().mean().item():.1f}"
 
 
 def _indexer(args, only):

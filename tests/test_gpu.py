@@ -11,7 +11,8 @@ import torch.nn.functional as F
 import openmsa
 from openmsa import reference as ref
 from openmsa.batch import token_layout
-from openmsa.testing import assert_close, make_step, random_index_inputs
+from openmsa.testing import (RecordingKernel, assert_close, make_step,
+                             random_index_inputs)
 
 pytestmark = pytest.mark.gpu
 
@@ -148,6 +149,34 @@ def test_attention_m3_shapes(kv_dtype, heads):
                                         d.seq_lens, d.block_table, return_lse=True)
     assert_close(got, want)
     assert_close(lse, want_lse, torch.bfloat16)
+    again = openmsa.sparse_attention(q.cuda(), k.cuda(), v.cuda(), idx.cuda(), d.cu_seqlens_q,
+                                     d.seq_lens, d.block_table)
+    assert torch.equal(again, got)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8])
+@pytest.mark.parametrize("heads", [(64, 4), (16, 1)])
+def test_attention_prefill_tiles_m3(kv_dtype, heads, monkeypatch):
+    """A 2100-token chunk next to decode rows: every other run of 4 tokens shares one selection
+    (tiles the union kernel takes), the others keep their own (left to the per-token kernel)."""
+    from openmsa.ops.attention import prefill
+    step, q, k, v, idx = _m3_attention_case(kv_dtype, *heads, context=11_000,
+                                            q_lens=(3, 2100, 1))
+    shared = idx[3:3 + 2096].view(-1, 4, *idx.shape[1:])
+    shared[::2] = shared[::2, :1].clone()
+    flags = []
+    kernel = prefill._sparse_attention_tile_kernel
+    monkeypatch.setattr(prefill, "_sparse_attention_tile_kernel",
+                        RecordingKernel(kernel, flags, arg=9))
+    want, want_lse = ref.sparse_attention(q, k, v, idx, step.cu_seqlens_q, step.seq_lens,
+                                          step.block_table, return_lse=True)
+    d = _cuda(step)
+    got, lse = openmsa.sparse_attention(q.cuda(), k.cuda(), v.cuda(), idx.cuda(), d.cu_seqlens_q,
+                                        d.seq_lens, d.block_table, return_lse=True)
+    assert_close(got, want)
+    assert_close(lse, want_lse, torch.bfloat16)
+    taken = flags[0].cpu()
+    assert taken.any() and not taken.all()
     again = openmsa.sparse_attention(q.cuda(), k.cuda(), v.cuda(), idx.cuda(), d.cu_seqlens_q,
                                      d.seq_lens, d.block_table)
     assert torch.equal(again, got)

@@ -9,8 +9,8 @@ import openmsa
 from openmsa import reference as ref
 from openmsa.batch import token_layout
 from openmsa.ops.indexer import api as indexer_api
-from openmsa.testing import (assert_close, assert_selection_near_optimal, make_step, nan_poison,
-                             random_index_inputs, random_kv_cache)
+from openmsa.testing import (RecordingKernel, assert_close, assert_selection_near_optimal,
+                             make_step, nan_poison, random_index_inputs, random_kv_cache)
 
 pytestmark = pytest.mark.interpret
 
@@ -180,6 +180,67 @@ def test_sparse_attention_index_head_sharing_scales_and_noisy_rows(kernel_device
     if fused_merge and kernel_device == "cuda":
         # every merging program put its arrival counter back: the next launch starts at 0
         assert all(int(c.count_nonzero()) == 0 for c in attention_api._COUNTERS.values())
+
+
+@pytest.mark.parametrize("waste", [0.0, 1.5, 1e9])
+@pytest.mark.parametrize("kv_dtype, block, sub", [("q", B, B), (FP8, 32, 16)])
+def test_sparse_attention_prefill_tiles_match_reference(kernel_device, kv_dtype, block, sub,
+                                                        waste, monkeypatch):
+    """The prefill path: tiles of 4 tokens over the union of their selections, taken by the tile
+    kernel (waste 1e9: every tile inside one request), by neither (0: all left to the per-token
+    kernel), or by the device's choice per tile (1.5); tiles straddling requests always go to the
+    per-token kernel. Rows hold -1, out-of-range and repeated ids; one index head serves both KV
+    heads."""
+    from openmsa.ops.attention import api as attention_api
+    from openmsa.ops.attention import prefill
+    for key, value in dict(prefill_min_tokens=1, tile_rows=16, tile_waste=waste,
+                           tile_sub=sub).items():
+        monkeypatch.setitem(attention_api.TUNING, key, value)
+    dtype = _attention_dtype(kernel_device)
+    kv_dtype = dtype if kv_dtype == "q" else kv_dtype
+    step, dstep, q, k, v, idx = _attention_case(kernel_device, kv_dtype, "vllm", h=1,
+                                                block=block)
+    idx = torch.cat([idx, torch.full_like(idx[..., :1], 99), idx[..., :1]], dim=-1)
+    q = q.to(dtype)
+    want, want_lse = ref.sparse_attention(q, k, v, idx, step.cu_seqlens_q, step.seq_lens,
+                                          step.block_table, block_size=block, return_lse=True)
+    flags = []
+    kernel = prefill._sparse_attention_tile_kernel
+    monkeypatch.setattr(prefill, "_sparse_attention_tile_kernel",
+                        RecordingKernel(kernel, flags, arg=9))
+    out = nan_poison(q.shape, dtype, kernel_device)
+    got, lse = openmsa.sparse_attention(
+        q.to(kernel_device), k.to(kernel_device), v.to(kernel_device), idx.to(kernel_device),
+        dstep.cu_seqlens_q, dstep.seq_lens, dstep.block_table, block_size=block, out=out,
+        return_lse=True)
+    assert_close(got, want)
+    assert_close(lse, want_lse, torch.float32 if dtype == torch.float16 else dtype)
+    # the tiles the kernel took follow its rule, recomputed here; 27 packed tokens: tiles 1-5
+    # lie inside the 20-token request, 0 and 6 straddle requests
+    want_taken = _tiles_taken(idx, step, block, qt=4, num_kv_heads=2, waste=waste)
+    assert torch.equal(flags[0].cpu(), want_taken)
+    assert want_taken[1:6].all() if waste == 1e9 else not want_taken[[0, 6]].any()
+
+
+def _tiles_taken(idx, step, block, qt, num_kv_heads, waste):
+    """[tiles, Hkv]: 1 where a tile of qt tokens lies in one request and the union of its tokens'
+    selected pages, times qt, is at most waste x the sum of each token's distinct pages."""
+    request, pos = token_layout(step.cu_seqlens_q, step.seq_lens, step.num_tokens)
+    num_tiles = -(-step.num_tokens // qt)
+    taken = torch.zeros(num_tiles, num_kv_heads, dtype=torch.int32)
+    for i in range(num_tiles):
+        toks = range(i * qt, (i + 1) * qt)
+        if toks[-1] >= step.num_tokens or len({int(request[t]) for t in toks}) > 1 \
+                or any(int(pos[t]) < 0 for t in toks):
+            continue
+        for g in range(num_kv_heads):
+            h = g * idx.shape[1] // num_kv_heads
+            sets = [{int(step.block_table[request[t], b]) for b in idx[t, h].tolist()
+                     if 0 <= b <= pos[t] // block and step.block_table[request[t], b] >= 0}
+                    for t in toks]
+            union = set().union(*sets)
+            taken[i, g] = len(union) * qt <= waste * sum(len(x) for x in sets)
+    return taken
 
 
 def test_cache_writes_match_reference(kernel_device):

@@ -12,7 +12,7 @@ import torch
 from ..ops.cache.reference import to_cache_dtype
 
 __all__ = ["Step", "make_step", "TOLERANCES", "assert_close", "random_index_inputs",
-           "random_kv_cache", "nan_poison", "assert_selection_near_optimal"]
+           "random_kv_cache", "nan_poison", "assert_selection_near_optimal", "RecordingKernel"]
 
 # (atol, rtol) by output dtype; relaxing one is a design change, not a test fix
 TOLERANCES = {
@@ -153,3 +153,20 @@ def assert_selection_near_optimal(indices: torch.Tensor, scores: torch.Tensor,
                     s = scores[t, h, b].nan_to_num(float("-inf"))
                     assert s >= kth - rtol * (1 + kth.abs()), \
                         f"token {t} head {h}: block {b} scores {s} < the threshold {kth}"
+
+
+class RecordingKernel:
+    """Stands in for a Triton kernel (monkeypatched over it): launches it as `kernel[grid](...)`
+    does and appends the launch's positional argument number `arg` to `seen`, so a test can check
+    what a kernel wrote (e.g. which prefill tiles it took) without a hook in the library."""
+
+    def __init__(self, kernel, seen: list, arg: int):
+        self.kernel, self.seen, self.arg = kernel, seen, arg
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.seen.append(args[self.arg])
+            return launch(*args, **kwargs)
+        return run

@@ -32,7 +32,12 @@ __all__ = ["sparse_attention", "sparse_page_table"]
 TUNING = dict(sub=128, resident=2, min_steps_per_split=2, warps=4, stages=3, small_pairs=8,
               small_sub=64, small_warps=8, fused_merge=True, fused_max_splits=4,
               prefill_min_tokens=2048, prefill_sub=64, prefill_sub_fp8=128, prefill_warps=4,
-              prefill_stages=2, fp8_f16_compute=True)
+              prefill_stages=2, fp8_f16_compute=True,
+              tile=True, tile_rows=64, tile_waste=1.5, tile_sub=128, tile_warps=4,
+              tile_stages=2)
+# tile*: prefill steps first launch prefill.py's kernel over tiles of tile_rows // G tokens (the
+# union of their selections, taken on the device when union blocks x tokens <= tile_waste x the
+# tokens' selected blocks); the per-token kernel then does the tiles it left.
 
 # arrival counters of the fused merge, one buffer per (device, stream): zeros between launches,
 # because each merging program resets its own counter; launches on one stream never overlap, and
@@ -108,6 +113,7 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
                                           out=out, return_lse=return_lse, k_scale=k_scale,
                                           v_scale=v_scale)
     from .decode import _merge_splits_kernel, _sparse_attention_kernel
+    from .prefill import _sparse_attention_tile_kernel
 
     check_attention_args(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table,
                          scale=scale, block_size=block_size, out=out, k_scale=k_scale,
@@ -138,7 +144,11 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
         sub = TUNING["small_sub" if small else "sub"]
     sub = min(block_size, sub)
     steps = topk * (block_size // sub)
-    splits = _num_splits(num_tokens, num_kv_heads, steps, device)
+    group_pad = max(1, _next_pow2(group))
+    tile_qt = TUNING["tile_rows"] // group_pad if prefill and TUNING["tile"] else 0
+    # a prefill step's grid fills the GPU without splits; with tiles it takes none (a token the
+    # tile kernel did is skipped by every split program, so nothing would merge its partials)
+    splits = 1 if tile_qt > 1 else _num_splits(num_tokens, num_kv_heads, steps, device)
     steps_per_split = -(-steps // splits)
     splits = -(-steps // steps_per_split)
     fused = TUNING["fused_merge"] and splits <= TUNING["fused_max_splits"]
@@ -154,16 +164,32 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
     warps = TUNING["prefill_warps" if prefill else "small_warps" if small else "warps"]
     stages = TUNING["prefill_stages" if prefill else "stages"]
     sm_scale = head_dim ** -0.5 if scale is None else float(scale)
+    ieee = q.dtype == torch.float32
+    f16_compute = k_cache.dtype == FP8 and not ieee and TUNING["fp8_f16_compute"]
+    if tile_qt > 1:
+        num_tiles = -(-num_tokens // tile_qt)
+        flags = torch.empty((num_tiles, num_kv_heads), dtype=torch.int32, device=device)
+        _sparse_attention_tile_kernel[(num_tiles, num_kv_heads)](
+            q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, out, lse, flags,
+            ks, vs, sm_scale, float(TUNING["tile_waste"]), seq_lens.shape[0], num_tokens,
+            *q.stride(), *k_cache.stride(), *v_cache.stride(), *indices.stride(),
+            *block_table.stride(), *out.stride(), *lse.stride(), NUM_KV_HEADS=num_kv_heads,
+            NUM_INDEX_HEADS=indices.shape[1], G=group, GP=group_pad, QT=tile_qt, D=head_dim,
+            BLOCK=block_size, TOPK=topk, KP=_next_pow2(topk),
+            SUB=min(block_size, TUNING["tile_sub"]), HAS_SCALE=has_scale, IEEE=ieee,
+            F16_COMPUTE=f16_compute, num_warps=TUNING["tile_warps"],
+            num_stages=TUNING["tile_stages"])
+    else:
+        tile_qt, flags = 0, lse
     _sparse_attention_kernel[(num_tokens, num_kv_heads, splits)](
         q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, out, lse, part_out,
-        part_lse, counters, ks, vs, sm_scale, seq_lens.shape[0], *q.stride(), *k_cache.stride(),
-        *v_cache.stride(), *indices.stride(), *block_table.stride(), *out.stride(),
-        *lse.stride(), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
+        part_lse, counters, flags, ks, vs, sm_scale, seq_lens.shape[0], *q.stride(),
+        *k_cache.stride(), *v_cache.stride(), *indices.stride(), *block_table.stride(),
+        *out.stride(), *lse.stride(), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         NUM_INDEX_HEADS=indices.shape[1], G=group, M=max(16, _next_pow2(group)), D=head_dim,
         BLOCK=block_size, TOPK=topk, KP=_next_pow2(topk), SUB=sub, STEPS=steps_per_split,
-        SPLITS=splits, HAS_SCALE=has_scale, IEEE=q.dtype == torch.float32,
-        F16_COMPUTE=k_cache.dtype == FP8 and q.dtype != torch.float32
-        and TUNING["fp8_f16_compute"], FUSED_MERGE=fused, num_warps=warps, num_stages=stages)
+        SPLITS=splits, HAS_SCALE=has_scale, IEEE=ieee, F16_COMPUTE=f16_compute,
+        FUSED_MERGE=fused, TILE_QT=tile_qt, num_warps=warps, num_stages=stages)
     if splits > 1 and not fused:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part_out, part_lse, out, lse, *out.stride(), *lse.stride(), NUM_HEADS=num_heads,
