@@ -121,6 +121,11 @@ def _sparse_attention_tile_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens
             qk_scale = sm_scale * LOG2E
         if HAS_SCALE:
             qk_scale = qk_scale * tl.load(k_scale_ptr)
+        # the loop takes row maxima of the raw scores and applies the scale inside the exponent
+        # (one FMA per score, not a multiply and an add); that needs a positive scale, so a
+        # negative one moves its sign onto q (exact)
+        q = tl.where(qk_scale < 0, -q, q)
+        qk_scale = tl.abs(qk_scale)
         m_i = tl.full([M], float("-inf"), tl.float32)
         l_i = tl.zeros([M], tl.float32)
         acc = tl.zeros([M, D], tl.float32)
@@ -141,11 +146,13 @@ def _sparse_attention_tile_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens
                 s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k.to(q.dtype)))  # [M, SUB]
-            vis = key_off[None, :] <= cut_row[:, None]
-            s = tl.where(vis, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # mask only a step some row does not see whole (a block some token did not select,
+            # or a token's own block): most steps of a shared selection skip the compare+select
+            if tl.min(cut_row, axis=0) < (step % PARTS) * SUB + SUB - 1:
+                s = tl.where(key_off[None, :] <= cut_row[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - shift[:, None])
+            p = tl.exp2(s * qk_scale - shift[:, None])
             alpha = tl.exp2(m_i - shift)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             if IEEE:
