@@ -387,14 +387,24 @@ def _dense_decode_us(model, batch, context, q_len, args):
     return med(device_times_us(fn, max(5, args.iters // 2)))
 
 
+# prefill selections: (label, runs of tokens sharing one selection, per-token jitter)
+PREFILL_SELECTIONS = (("shared by 16", 16, 0.0), ("shared by 16, jitter 0.2", 16, 0.2),
+                      ("independent", 1, 0.0))
+
+
 def attention_prefill(args, fi):
+    """Per chunk: the default path (union tiles where the device takes them, per-token for the
+    rest) and the per-token kernel alone (TUNING tile=False), on three kinds of selections."""
+    from openmsa.ops.attention import api as attention_api
     grid = shapes.ATTENTION_PREFILL
     chunk = grid["chunk"]
     for model_name, model in shapes.MODELS.items():
         for dname in grid["dtypes"]:
-            for context, shared in itertools.product(grid["contexts"], (16, 1)):
+            for context, (label, shared, jitter) in itertools.product(grid["contexts"],
+                                                                       PREFILL_SELECTIONS):
                 q, packed, idx, cu, seq, table = _attention_step(model, 1, context + chunk, chunk,
-                                                                 dname, shared=shared)
+                                                                 dname, shared=shared,
+                                                                 jitter=jitter)
                 d = model.head_dim
                 k = packed[..., :d].permute(0, 2, 1, 3)
                 v = packed[..., d:].permute(0, 2, 1, 3)
@@ -403,18 +413,36 @@ def attention_prefill(args, fi):
                                                         out=out)
                 ours()
                 flops = 4 * model.num_heads * d * 16 * 128 * chunk
-                dev = med(device_times_us(ours, max(5, args.iters // 4)))
+                iters = max(5, args.iters // 4)
+                dev = med(device_times_us(ours, iters))
+                want = out.clone()
+                attention_api.TUNING["tile"] = False
+                try:
+                    ours()
+                    per_token = med(device_times_us(ours, iters))
+                    same = float((out.float() - want.float()).abs().max())
+                finally:
+                    attention_api.TUNING["tile"] = True
                 row = dict(section="attention-prefill", model=model_name, dtype=dname,
-                           context=context, T=chunk, shared=shared, us=dev,
-                           tflops=flops / dev / 1e6,
+                           context=context, T=chunk, selections=label,
+                           union4=_mean_union(idx, 4), us=dev, tflops=flops / dev / 1e6,
                            pct_bf16_mm=100 * flops / dev / 1e6 / CEIL["bf16_tflops"]
-                           if CEIL["bf16_tflops"] else None)
-                if dname == "bf16" and shared == 16:
+                           if CEIL["bf16_tflops"] else None, per_token_us=per_token,
+                           max_diff_vs_per_token=same)
+                if dname == "bf16" and shared == 16 and jitter == 0.0:
                     row["dense_us"] = try_peer(lambda: _dense_prefill_us(model, context, chunk,
                                                                           args))
                 record(**row)
                 del q, packed, idx
                 torch.cuda.empty_cache()
+
+
+def _mean_union(idx, qt):
+    """Mean count of distinct blocks the selections of qt consecutive tokens hold (index head 0):
+    what a tile of qt tokens reads."""
+    t = idx.shape[0] // qt * qt
+    tiles = idx[:t, 0].reshape(-1, qt * idx.shape[2]).sort(-1).values
+    return float((1 + (tiles[:, 1:] != tiles[:, :-1]).sum(-1)).float().mean())
 
 
 def _dense_prefill_us(model, context, chunk, args):

@@ -113,9 +113,10 @@ def _attention_fp8(args):
 def _attention_prefill(args):
     """The prefill knobs (chunks of >= prefill_min_tokens tokens) on 8K chunks after 8K, with
     selections shared by runs of 16 tokens, shared with per-token jitter, and independent."""
-    variants = pick(args, [dict(tile=False), {}, dict(tile_sub=64), dict(tile_warps=8),
-                           dict(tile_sub=64, tile_stages=3), dict(tile_rows=128, tile_warps=8),
-                           dict(tile_waste=4.0)])
+    variants = pick(args, [dict(tile=False), {}, dict(tile_lazy_mask=True),
+                           dict(tile_sub=128, tile_stages=2), dict(tile_sub_fp8=64,
+                                                                   tile_stages_fp8=3),
+                           dict(tile_rows=128, tile_warps=8), dict(tile_waste=3.0)])
     print("attention prefill variants:", variants)
     cases = []
     for model_name, dname, shared, jitter in (
@@ -126,18 +127,10 @@ def _attention_prefill(args):
         q, packed, idx, cu, seq, table = run._attention_step(m, 1, 8192 + 8192, 8192, dname,
                                                              shared=shared, jitter=jitter)
         k, v = packed[..., :128].permute(0, 2, 1, 3), packed[..., 128:].permute(0, 2, 1, 3)
-        cases.append((f"{model_name} {dname} s{shared} j{jitter} {_union_stats(idx)}",
+        cases.append((f"{model_name} {dname} s{shared} j{jitter} U{run._mean_union(idx, 4):.1f}",
                       (lambda q=q, k=k, v=v, idx=idx, cu=cu, seq=seq, table=table:
                        openmsa.sparse_attention(q, k, v, idx, cu, seq, table))))
     sweep("attn-pre", attention_api.TUNING, variants, cases, max(3, args.iters // 2))
-
-
-def _union_stats(idx, qt=4):
-    """Mean union size of the selections of qt consecutive tokens (index head 0), in blocks."""
-    t = idx.shape[0] // qt * qt
-    tiles = idx[:t, 0].reshape(-1, qt * idx.shape[2]).sort(-1).values
-    distinct = 1 + (tiles[:, 1:] != tiles[:, :-1]).sum(-1)
-    return f"U{distinct.float().mean().item():.1f}"
 
 
 def _indexer(args, only):

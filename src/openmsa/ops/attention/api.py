@@ -33,11 +33,14 @@ TUNING = dict(sub=128, resident=2, min_steps_per_split=2, warps=4, stages=3, sma
               small_sub=64, small_warps=8, fused_merge=True, fused_max_splits=4,
               prefill_min_tokens=2048, prefill_sub=64, prefill_sub_fp8=128, prefill_warps=4,
               prefill_stages=2, fp8_f16_compute=True,
-              tile=True, tile_rows=64, tile_waste=1.5, tile_sub=128, tile_warps=4,
-              tile_stages=2)
+              tile=True, tile_rows=64, tile_waste=2.0, tile_sub=64, tile_stages=3,
+              tile_sub_fp8=128, tile_stages_fp8=2, tile_warps=4, tile_lazy_mask=False)
 # tile*: prefill steps first launch prefill.py's kernel over tiles of tile_rows // G tokens (the
 # union of their selections, taken on the device when union blocks x tokens <= tile_waste x the
-# tokens' selected blocks); the per-token kernel then does the tiles it left.
+# tokens' selected blocks); the per-token kernel then does the tiles it left. Measured on 8K
+# chunks (benchmarks/tune.py --only attention-prefill): a tile taken at 48 union blocks of 4
+# tokens (waste 3) cost 20% more than per-token, at 22 it saved 33%: 2.0 stays on the safe side.
+# bf16 prefers 64-key steps with 3 stages, fp8 whole blocks with 2.
 
 # arrival counters of the fused merge, one buffer per (device, stream): zeros between launches,
 # because each merging program resets its own counter; launches on one stream never overlap, and
@@ -167,6 +170,7 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
     ieee = q.dtype == torch.float32
     f16_compute = k_cache.dtype == FP8 and not ieee and TUNING["fp8_f16_compute"]
     if tile_qt > 1:
+        fp8 = k_cache.dtype == FP8
         num_tiles = -(-num_tokens // tile_qt)
         flags = torch.empty((num_tiles, num_kv_heads), dtype=torch.int32, device=device)
         _sparse_attention_tile_kernel[(num_tiles, num_kv_heads)](
@@ -176,9 +180,10 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
             *block_table.stride(), *out.stride(), *lse.stride(), NUM_KV_HEADS=num_kv_heads,
             NUM_INDEX_HEADS=indices.shape[1], G=group, GP=group_pad, QT=tile_qt, D=head_dim,
             BLOCK=block_size, TOPK=topk, KP=_next_pow2(topk),
-            SUB=min(block_size, TUNING["tile_sub"]), HAS_SCALE=has_scale, IEEE=ieee,
-            F16_COMPUTE=f16_compute, num_warps=TUNING["tile_warps"],
-            num_stages=TUNING["tile_stages"])
+            SUB=min(block_size, TUNING["tile_sub_fp8" if fp8 else "tile_sub"]),
+            HAS_SCALE=has_scale, IEEE=ieee, F16_COMPUTE=f16_compute,
+            LAZY_MASK=TUNING["tile_lazy_mask"], num_warps=TUNING["tile_warps"],
+            num_stages=TUNING["tile_stages_fp8" if fp8 else "tile_stages"])
     else:
         tile_qt, flags = 0, lse
     _sparse_attention_kernel[(num_tokens, num_kv_heads, splits)](

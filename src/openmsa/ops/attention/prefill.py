@@ -47,7 +47,8 @@ def _sparse_attention_tile_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens
                                   G: tl.constexpr, GP: tl.constexpr, QT: tl.constexpr,
                                   D: tl.constexpr, BLOCK: tl.constexpr, TOPK: tl.constexpr,
                                   KP: tl.constexpr, SUB: tl.constexpr, HAS_SCALE: tl.constexpr,
-                                  IEEE: tl.constexpr, F16_COMPUTE: tl.constexpr):
+                                  IEEE: tl.constexpr, F16_COMPUTE: tl.constexpr,
+                                  LAZY_MASK: tl.constexpr):
     tile = tl.program_id(0)
     g = tl.program_id(1)
     t0 = tile * QT
@@ -146,9 +147,12 @@ def _sparse_attention_tile_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens
                 s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k.to(q.dtype)))  # [M, SUB]
-            # mask only a step some row does not see whole (a block some token did not select,
-            # or a token's own block): most steps of a shared selection skip the compare+select
-            if tl.min(cut_row, axis=0) < (step % PARTS) * SUB + SUB - 1:
+            if LAZY_MASK:
+                # mask only a step some row does not see whole (a block some token did not
+                # select, or a token's own block): most steps of a shared selection skip it
+                if tl.min(cut_row, axis=0) < (step % PARTS) * SUB + SUB - 1:
+                    s = tl.where(key_off[None, :] <= cut_row[:, None], s, float("-inf"))
+            else:
                 s = tl.where(key_off[None, :] <= cut_row[:, None], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)
