@@ -56,21 +56,21 @@ def attention_resources(kv: str, sub: int, stages: int, warps: int, splits: int 
     kv_type = KV_TYPES[kv]
     pointers = dict(q_ptr="*bf16", k_ptr=kv_type, v_ptr=kv_type, idx_ptr="*i32",
                     out_ptr="*bf16", lse_ptr="*fp32", part_out_ptr="*fp32",
-                    part_lse_ptr="*fp32", counter_ptr="*i32", tile_flag_ptr="*i32",
-                    flag_ptr="*i32", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
+                    part_lse_ptr="*fp32", counter_ptr="*i32", tile_blocks_ptr="*i32",
+                    blocks_ptr="*i32", union_ptr="*i32", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
                     cu_ptr="*i32", seq_lens_ptr="*i32", bt_ptr="*i32")
     shared = dict(NUM_KV_HEADS=4, NUM_INDEX_HEADS=4, G=16, D=128, BLOCK=128, TOPK=16, KP=16,
                   SUB=sub, HAS_SCALE=False, IEEE=False, F16_COMPUTE=kv == "fp8")
     if tile:
         fn = _sparse_attention_tile_kernel
-        constexprs = dict(shared, GP=16, QT=4, LAZY_MASK=False)
+        constexprs = dict(shared, GP=16, QT=4, LAZY_MASK=True)
     else:
         fn = _sparse_attention_kernel
         constexprs = dict(shared, NUM_HEADS=64, M=16, STEPS=16 * 128 // sub // splits,
                           SPLITS=splits, FUSED_MERGE=True, TILE_QT=0)
     constexprs.update({name: 1 for name in UNIT_STRIDES})
     signature = {name: "constexpr" if name in constexprs
-                 else pointers.get(name, "fp32" if name in ("sm_scale", "waste") else "i32")
+                 else pointers.get(name, "fp32" if name == "sm_scale" else "i32")
                  for name in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
              if name not in constexprs and (name in pointers or name.startswith("stride"))}

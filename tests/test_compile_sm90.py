@@ -18,7 +18,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from openmsa.ops.attention.decode import _merge_splits_kernel, _sparse_attention_kernel  # noqa
 from openmsa.ops.attention.page_table import _sparse_page_table_kernel  # noqa: E402
-from openmsa.ops.attention.prefill import _sparse_attention_tile_kernel  # noqa: E402
+from openmsa.ops.attention.prefill import _sparse_attention_tile_kernel, _tile_plan_kernel  # noqa
 from openmsa.ops.cache.write import _write_index_cache_kernel, _write_kv_cache_kernel  # noqa
 from openmsa.ops.indexer.scores import _block_scores_kernel  # noqa: E402
 from openmsa.ops.indexer.select import _merge_topk_kernel, _segment_topk_kernel  # noqa: E402
@@ -63,17 +63,20 @@ def test_attention_kernels(kv_type, splits, sub):
     _compile(_sparse_attention_kernel,
              dict(q_ptr="*bf16", k_ptr=kv_type, v_ptr=kv_type, idx_ptr=I32, out_ptr="*bf16",
                   lse_ptr=F32, part_out_ptr=F32, part_lse_ptr=F32, counter_ptr=I32,
-                  tile_flag_ptr=I32, k_scale_ptr=F32, v_scale_ptr=F32, **STEP),
+                  tile_blocks_ptr=I32, k_scale_ptr=F32, v_scale_ptr=F32, **STEP),
              dict(sm_scale="fp32"),
              dict(NUM_HEADS=64, NUM_KV_HEADS=4, NUM_INDEX_HEADS=4, G=16, M=16, D=128,
                   BLOCK=128, TOPK=16, KP=16, SUB=sub, STEPS=16 * 128 // sub // splits,
                   SPLITS=splits, HAS_SCALE=kv_type == "*fp8e4nv", IEEE=False,
                   F16_COMPUTE=kv_type == "*fp8e4nv", FUSED_MERGE=splits > 1,
                   TILE_QT=4 if splits == 1 else 0))
+    _compile(_tile_plan_kernel, dict(idx_ptr=I32, blocks_ptr=I32, union_ptr=I32, **STEP),
+             dict(waste="fp32"), dict(NUM_KV_HEADS=4, NUM_INDEX_HEADS=4, QT=4, BLOCK=128,
+                                      TOPK=16, KP=16))
     _compile(_sparse_attention_tile_kernel,
              dict(q_ptr="*bf16", k_ptr=kv_type, v_ptr=kv_type, idx_ptr=I32, out_ptr="*bf16",
-                  lse_ptr=F32, flag_ptr=I32, k_scale_ptr=F32, v_scale_ptr=F32, **STEP),
-             dict(sm_scale="fp32", waste="fp32"),
+                  lse_ptr=F32, blocks_ptr=I32, union_ptr=I32, k_scale_ptr=F32, v_scale_ptr=F32,
+                  **STEP), dict(sm_scale="fp32"),
              dict(NUM_KV_HEADS=4, NUM_INDEX_HEADS=4, G=16, GP=16, QT=4, D=128, BLOCK=128,
                   TOPK=16, KP=16, SUB=sub, HAS_SCALE=kv_type == "*fp8e4nv", IEEE=False,
                   F16_COMPUTE=kv_type == "*fp8e4nv", LAZY_MASK=kv_type == "*fp8e4nv"))

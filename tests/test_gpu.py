@@ -165,9 +165,8 @@ def test_attention_prefill_tiles_m3(kv_dtype, heads, monkeypatch):
     shared = idx[3:3 + 2096].view(-1, 4, *idx.shape[1:])
     shared[::2] = shared[::2, :1].clone()
     flags = []
-    kernel = prefill._sparse_attention_tile_kernel
-    monkeypatch.setattr(prefill, "_sparse_attention_tile_kernel",
-                        RecordingKernel(kernel, flags, arg=9))
+    monkeypatch.setattr(prefill, "_tile_plan_kernel",
+                        RecordingKernel(prefill._tile_plan_kernel, flags, arg=4))
     want, want_lse = ref.sparse_attention(q, k, v, idx, step.cu_seqlens_q, step.seq_lens,
                                           step.block_table, return_lse=True)
     d = _cuda(step)
@@ -175,7 +174,7 @@ def test_attention_prefill_tiles_m3(kv_dtype, heads, monkeypatch):
                                         d.seq_lens, d.block_table, return_lse=True)
     assert_close(got, want)
     assert_close(lse, want_lse, torch.bfloat16)
-    taken = flags[0].cpu()
+    taken = flags[0].cpu() >= 0
     assert taken.any() and not taken.all()
     again = openmsa.sparse_attention(q.cuda(), k.cuda(), v.cuda(), idx.cuda(), d.cu_seqlens_q,
                                      d.seq_lens, d.block_table)

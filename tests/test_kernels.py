@@ -206,9 +206,8 @@ def test_sparse_attention_prefill_tiles_match_reference(kernel_device, kv_dtype,
     want, want_lse = ref.sparse_attention(q, k, v, idx, step.cu_seqlens_q, step.seq_lens,
                                           step.block_table, block_size=block, return_lse=True)
     flags = []
-    kernel = prefill._sparse_attention_tile_kernel
-    monkeypatch.setattr(prefill, "_sparse_attention_tile_kernel",
-                        RecordingKernel(kernel, flags, arg=9))
+    monkeypatch.setattr(prefill, "_tile_plan_kernel",
+                        RecordingKernel(prefill._tile_plan_kernel, flags, arg=4))
     out = nan_poison(q.shape, dtype, kernel_device)
     got, lse = openmsa.sparse_attention(
         q.to(kernel_device), k.to(kernel_device), v.to(kernel_device), idx.to(kernel_device),
@@ -219,7 +218,7 @@ def test_sparse_attention_prefill_tiles_match_reference(kernel_device, kv_dtype,
     # the tiles the kernel took follow its rule, recomputed here; 27 packed tokens: tiles 1-5
     # lie inside the 20-token request, 0 and 6 straddle requests
     want_taken = _tiles_taken(idx, step, block, qt=4, num_kv_heads=2, waste=waste)
-    assert torch.equal(flags[0].cpu(), want_taken)
+    assert torch.equal((flags[0] >= 0).int().cpu(), want_taken)
     assert want_taken[1:6].all() if waste == 1e9 else not want_taken[[0, 6]].any()
 
 

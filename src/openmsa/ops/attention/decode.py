@@ -28,7 +28,7 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 @triton.jit
 def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr,
                              out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
-                             tile_flag_ptr, k_scale_ptr, v_scale_ptr, sm_scale, num_requests,
+                             tile_blocks_ptr, k_scale_ptr, v_scale_ptr, sm_scale, num_requests,
                              stride_qt, stride_qh, stride_qd,
                              stride_kp, stride_kb, stride_kh, stride_kd,
                              stride_vp, stride_vb, stride_vh, stride_vd,
@@ -45,8 +45,9 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
     g = tl.program_id(1)
     split = tl.program_id(2)
     if TILE_QT > 0:
-        # prefill.py's tile kernel ran first and took this token's tile (flag 1): nothing to do
-        if tl.load(tile_flag_ptr + (t // TILE_QT) * NUM_KV_HEADS + g) != 0:
+        # prefill.py's plan gave this token's tile to the tile kernel (a union size >= 0, not
+        # -1): nothing to do here
+        if tl.load(tile_blocks_ptr + (t // TILE_QT) * NUM_KV_HEADS + g) >= 0:
             return
     rows = tl.arange(0, M)
     head_ok = rows < G

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Triton kernel of sparse attention for prefill chunks: tiles of tokens over the union of their
+"""Triton kernels of sparse attention for prefill chunks: tiles of tokens over the union of their
 selections.
 
 Why: the per-token kernel (decode.py) runs one token's G query heads (16 for M3) as the matrix
@@ -8,13 +8,18 @@ at TP1, almost all from L2, and that L2 traffic bounds it (docs/performance.md).
 tokens of a prompt mostly select the same blocks (and always share their own block), so a tile
 of QT consecutive tokens reads each block of the union of their selections once, for QT * G rows.
 
-Grid (ceil(T / QT), Hkv): program (i, g) takes packed tokens [i*QT, (i+1)*QT). It works only
-when all of them belong to one request with valid positions and the union is small enough:
-U * QT <= waste * (sum of the tokens' selection sizes), i.e. the rows it multiplies against
-blocks their token did not select stay below `waste` times the useful ones. Otherwise it writes
-flag 0 and the per-token kernel, launched next with the flags, takes those QT tokens; a tile it
-takes gets flag 1 and the per-token kernel skips it. The decision is made on the device, per
-tile: no host synchronisation, one grid per shape (CUDA-graph safe).
+Three launches, all on fixed grids (no host synchronisation; CUDA-graph safe):
+1. `_tile_plan_kernel`, grid (ceil(T / QT), Hkv): for tile i (packed tokens [i*QT, (i+1)*QT))
+   and KV head g, the union of the tokens' selected pages, ascending, into a workspace, and
+   blocks[i, g] = its size when the tile lies inside one request with valid positions and
+   U * QT <= waste * (sum of the tokens' distinct selected pages), i.e. the rows multiplied
+   against blocks their token did not select stay below `waste` times the useful ones; else -1.
+2. `_sparse_attention_tile_kernel`, persistent: each program walks (tile, KV head) items with
+   a stride and runs the taken ones: QT tokens x G heads = M rows against each union block.
+3. The per-token kernel (decode.py) with TILE_QT: skips tokens of taken tiles.
+The plan is its own light launch because the tile kernel's registers and shared memory allow
+two programs per SM: spent on tiles it does not take, that cost 3-4% of a chunk whose tiles all
+fall back.
 
 Per union block, the rows whose token selected it see its keys up to their own causal cut; the
 other rows see none (p = 0). Keys past every row's cut are not loaded (the own block's tail may
@@ -35,9 +40,62 @@ NO_PAGE: tl.constexpr = tl.constexpr(2**31 - 1)
 
 
 @triton.jit
+def _tile_first_position(cu_ptr, seq_lens_ptr, num_requests, t0, QT: tl.constexpr):
+    """(request, position of token t0, whole): whole when tokens [t0, t0+QT) all lie in one
+    request whose positions are valid (q_len <= seq_len)."""
+    r = find_request(cu_ptr, num_requests, t0)
+    r_safe = tl.minimum(r, num_requests - 1)
+    t_req = tl.load(cu_ptr + r_safe)
+    t_next = tl.load(cu_ptr + r_safe + 1)
+    seq_len = tl.load(seq_lens_ptr + r_safe)
+    whole = (r < num_requests) & (t0 + QT <= t_next) & (seq_len >= t_next - t_req)
+    return r_safe, seq_len - (t_next - t_req) + (t0 - t_req), whole
+
+
+@triton.jit
+def _tile_plan_kernel(idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr, blocks_ptr, union_ptr, waste,
+                      num_requests, stride_it, stride_ih, stride_ik, stride_btr, stride_btb,
+                      NUM_KV_HEADS: tl.constexpr, NUM_INDEX_HEADS: tl.constexpr,
+                      QT: tl.constexpr, BLOCK: tl.constexpr, TOPK: tl.constexpr,
+                      KP: tl.constexpr):
+    tile = tl.program_id(0)
+    g = tl.program_id(1)
+    t0 = tile * QT
+    N: tl.constexpr = QT * KP
+    r, first_pos, whole = _tile_first_position(cu_ptr, seq_lens_ptr, num_requests, t0, QT)
+    ih = g * NUM_INDEX_HEADS // NUM_KV_HEADS
+    # the tile's selections as N = QT * KP entries (token-major): page ids, NO_PAGE where the
+    # entry is < 0, beyond the token's causal blocks, or maps to a negative page
+    e = tl.arange(0, N)
+    e_pos = first_pos + e // KP
+    e_ids = tl.load(idx_ptr + (t0 + e // KP).to(tl.int64) * stride_it + ih * stride_ih
+                    + (e % KP) * stride_ik, mask=whole & (e % KP < TOPK), other=-1)
+    e_ok = (e_ids >= 0) & (e_ids <= e_pos // BLOCK)
+    e_pages = tl.load(bt_ptr + r.to(tl.int64) * stride_btr + tl.where(e_ok, e_ids, 0) * stride_btb,
+                      mask=e_ok, other=-1)
+    e_pages = tl.where(e_ok & (e_pages >= 0), e_pages, NO_PAGE)
+    # useful entries (a token's repeated id counts once) against the union's size
+    earlier = e[None, :] < e[:, None]
+    same = e_pages[None, :] == e_pages[:, None]
+    same_tok = (e[None, :] // KP) == (e[:, None] // KP)
+    repeat = tl.max((earlier & same_tok & same).to(tl.int32), axis=1) > 0
+    useful = tl.sum(((e_pages != NO_PAGE) & ~repeat).to(tl.int32), axis=0)
+    # the union: an entry is the first of its page when no earlier entry has that page; its
+    # slot is its rank among first entries by page (distinct pages: ascending page order)
+    first = (e_pages != NO_PAGE) & (tl.max((earlier & same).to(tl.int32), axis=1) == 0)
+    num_blocks = tl.sum(first.to(tl.int32), axis=0)
+    take = whole & (num_blocks * QT <= waste * useful)
+    item = tile * NUM_KV_HEADS + g
+    tl.store(blocks_ptr + item, tl.where(take, num_blocks, -1))
+    rank = tl.sum((first[None, :] & (e_pages[None, :] < e_pages[:, None])).to(tl.int32), axis=1)
+    tl.store(union_ptr + item.to(tl.int64) * N + tl.where(first, rank, 0), e_pages,
+             mask=take & first)
+
+
+@triton.jit
 def _sparse_attention_tile_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr,
-                                  out_ptr, lse_ptr, flag_ptr, k_scale_ptr, v_scale_ptr,
-                                  sm_scale, waste, num_requests, num_tokens,
+                                  out_ptr, lse_ptr, blocks_ptr, union_ptr, k_scale_ptr,
+                                  v_scale_ptr, sm_scale, num_requests, num_items,
                                   stride_qt, stride_qh, stride_qd,
                                   stride_kp, stride_kb, stride_kh, stride_kd,
                                   stride_vp, stride_vb, stride_vh, stride_vd,
@@ -49,128 +107,118 @@ def _sparse_attention_tile_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens
                                   KP: tl.constexpr, SUB: tl.constexpr, HAS_SCALE: tl.constexpr,
                                   IEEE: tl.constexpr, F16_COMPUTE: tl.constexpr,
                                   LAZY_MASK: tl.constexpr):
-    tile = tl.program_id(0)
-    g = tl.program_id(1)
-    t0 = tile * QT
     M: tl.constexpr = QT * GP
     N: tl.constexpr = QT * KP
     PARTS: tl.constexpr = BLOCK // SUB
-    flag = flag_ptr + tile * NUM_KV_HEADS + g
+    # persistent: (tile, KV head) items with a stride, so tiles the plan left cost one load
+    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
+        num_blocks = tl.load(blocks_ptr + item)
+        if num_blocks >= 0:
+            _attend_tile(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr,
+                         lse_ptr, union_ptr, k_scale_ptr, v_scale_ptr, sm_scale, num_requests,
+                         item, num_blocks, stride_qt, stride_qh, stride_qd, stride_kp, stride_kb,
+                         stride_kh, stride_kd, stride_vp, stride_vb, stride_vh, stride_vd,
+                         stride_it, stride_ih, stride_ik, stride_btr, stride_btb, stride_ot,
+                         stride_oh, stride_od, stride_lt, stride_lh, NUM_KV_HEADS,
+                         NUM_INDEX_HEADS, G, GP, QT, D, BLOCK, TOPK, KP, SUB, HAS_SCALE, IEEE,
+                         F16_COMPUTE, LAZY_MASK, M, N, PARTS)
 
-    # the tile must lie inside one request whose positions are valid (else: per-token kernel)
-    r = find_request(cu_ptr, num_requests, t0)
-    r_safe = tl.minimum(r, num_requests - 1)
-    t_req = tl.load(cu_ptr + r_safe)
-    t_next = tl.load(cu_ptr + r_safe + 1)
-    seq_len = tl.load(seq_lens_ptr + r_safe)
-    whole = (r < num_requests) & (t0 + QT <= t_next) & (seq_len >= t_next - t_req)
-    first_pos = seq_len - (t_next - t_req) + (t0 - t_req)
+
+@triton.jit
+def _attend_tile(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr, lse_ptr,
+                 union_ptr, k_scale_ptr, v_scale_ptr, sm_scale, num_requests, item, num_blocks,
+                 stride_qt, stride_qh, stride_qd, stride_kp, stride_kb, stride_kh, stride_kd,
+                 stride_vp, stride_vb, stride_vh, stride_vd, stride_it, stride_ih, stride_ik,
+                 stride_btr, stride_btb, stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
+                 NUM_KV_HEADS: tl.constexpr, NUM_INDEX_HEADS: tl.constexpr, G: tl.constexpr,
+                 GP: tl.constexpr, QT: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+                 TOPK: tl.constexpr, KP: tl.constexpr, SUB: tl.constexpr,
+                 HAS_SCALE: tl.constexpr, IEEE: tl.constexpr, F16_COMPUTE: tl.constexpr,
+                 LAZY_MASK: tl.constexpr, M: tl.constexpr, N: tl.constexpr,
+                 PARTS: tl.constexpr):
+    tile = item // NUM_KV_HEADS
+    g = item % NUM_KV_HEADS
+    t0 = tile * QT
+    r, first_pos, _ = _tile_first_position(cu_ptr, seq_lens_ptr, num_requests, t0, QT)
     ih = g * NUM_INDEX_HEADS // NUM_KV_HEADS
-    bt_row = bt_ptr + r_safe.to(tl.int64) * stride_btr
-
-    # the tile's selections as N = QT * KP entries (token-major): page ids, NO_PAGE where the
-    # entry is < 0, beyond the token's causal blocks, or maps to a negative page
+    bt_row = bt_ptr + r.to(tl.int64) * stride_btr
     e = tl.arange(0, N)
-    e_pos = first_pos + e // KP
-    e_ids = tl.load(idx_ptr + (t0 + e // KP).to(tl.int64) * stride_it + ih * stride_ih
-                    + (e % KP) * stride_ik, mask=whole & (e % KP < TOPK), other=-1)
-    e_ok = (e_ids >= 0) & (e_ids <= e_pos // BLOCK)
-    e_pages = tl.load(bt_row + tl.where(e_ok, e_ids, 0) * stride_btb, mask=e_ok, other=-1)
-    e_pages = tl.where(e_ok & (e_pages >= 0), e_pages, NO_PAGE)
-    # useful entries (a token's repeated id counts once) against the union's size
-    earlier = e[None, :] < e[:, None]
-    same_tok = (e[None, :] // KP) == (e[:, None] // KP)
-    same = e_pages[None, :] == e_pages[:, None]
-    repeat = tl.max((earlier & same_tok & same).to(tl.int32), axis=1) > 0
-    useful = tl.sum(((e_pages != NO_PAGE) & ~repeat).to(tl.int32), axis=0)
-    # the union: an entry is the first of its page when no earlier entry has that page
-    first = (e_pages != NO_PAGE) & (tl.max((earlier & same).to(tl.int32), axis=1) == 0)
-    num_blocks = tl.sum(first.to(tl.int32), axis=0)
-    take = whole & (num_blocks * QT <= waste * useful)
-    tl.store(flag, take.to(tl.int32))
-    if take:
-        # union slot of each first entry: its rank among first entries by page (distinct pages,
-        # so ascending page order); union[j] is the page of slot j
-        rank = tl.sum((first[None, :] & (e_pages[None, :] < e_pages[:, None])).to(tl.int32),
-                      axis=1)
-        union = tl.sum(tl.where(first[None, :] & (rank[None, :] == e[:, None]),
-                                e_pages[None, :], 0), axis=1)  # [N]
+    union = tl.load(union_ptr + tl.cast(item, tl.int64) * N + e, mask=e < num_blocks, other=0)
+    # rows: token-major, QT tokens x GP head slots
+    rows = tl.arange(0, M)
+    tok = t0 + rows // GP
+    head = g * G + rows % GP
+    head_ok = rows % GP < G
+    pos = first_pos + rows // GP  # [M]
+    kk = tl.arange(0, KP)
+    ids_rows = tl.load(idx_ptr + tok.to(tl.int64)[:, None] * stride_it + ih * stride_ih
+                       + kk[None, :] * stride_ik, mask=(kk < TOPK)[None, :], other=-1)
+    ok_rows = (ids_rows >= 0) & (ids_rows <= (pos // BLOCK)[:, None])
+    pages_rows = tl.load(bt_row + tl.where(ok_rows, ids_rows, 0) * stride_btb,
+                         mask=ok_rows, other=-1)
+    pages_rows = tl.where(ok_rows & (pages_rows >= 0), pages_rows, NO_PAGE)  # [M, KP]
 
-        # rows: token-major, QT tokens x GP head slots
-        rows = tl.arange(0, M)
-        tok = t0 + rows // GP
-        head = g * G + rows % GP
-        head_ok = rows % GP < G
-        pos = first_pos + rows // GP  # [M]
-        kk = tl.arange(0, KP)
-        ids_rows = tl.load(idx_ptr + tok.to(tl.int64)[:, None] * stride_it + ih * stride_ih
-                           + kk[None, :] * stride_ik, mask=(kk < TOPK)[None, :], other=-1)
-        ok_rows = (ids_rows >= 0) & (ids_rows <= (pos // BLOCK)[:, None])
-        pages_rows = tl.load(bt_row + tl.where(ok_rows, ids_rows, 0) * stride_btb,
-                             mask=ok_rows, other=-1)
-        pages_rows = tl.where(ok_rows & (pages_rows >= 0), pages_rows, NO_PAGE)  # [M, KP]
-
-        d = tl.arange(0, D)
-        offs = tl.arange(0, SUB)
-        q = tl.load(q_ptr + tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
-                    + d[None, :] * stride_qd, mask=head_ok[:, None], other=0.0)  # [M, D]
-        # fp8 K/V run the matrix unit in fp16, as in decode.py (why: there)
-        if F16_COMPUTE:
-            q = (q.to(tl.float32) * sm_scale).to(tl.float16)
-            qk_scale = LOG2E
+    d = tl.arange(0, D)
+    offs = tl.arange(0, SUB)
+    q = tl.load(q_ptr + tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
+                + d[None, :] * stride_qd, mask=head_ok[:, None], other=0.0)  # [M, D]
+    # fp8 K/V run the matrix unit in fp16, as in decode.py (why: there)
+    if F16_COMPUTE:
+        q = (q.to(tl.float32) * sm_scale).to(tl.float16)
+        qk_scale = LOG2E
+    else:
+        qk_scale = sm_scale * LOG2E
+    if HAS_SCALE:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+    # the loop takes row maxima of the raw scores and applies the scale inside the exponent
+    # (one FMA per score, not a multiply and an add); that needs a positive scale, so a
+    # negative one moves its sign onto q (exact)
+    q = tl.where(qk_scale < 0, -q, q)
+    qk_scale = tl.abs(qk_scale)
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, D], tl.float32)
+    for step in range(0, num_blocks * PARTS):
+        page = tl.sum(tl.where(e == step // PARTS, union, 0), axis=0)
+        # each row's block id for this page (-1: its token did not select it)
+        blk_row = tl.max(tl.where(pages_rows == page, ids_rows, -1), axis=1)  # [M]
+        cut_row = tl.where(blk_row >= 0, pos - blk_row * BLOCK, -1)  # last visible offset
+        key_off = (step % PARTS) * SUB + offs
+        # keys past every row's cut are not read
+        loaded = key_off <= tl.max(cut_row, axis=0)
+        p64 = page.to(tl.int64)
+        k = tl.load(k_ptr + p64 * stride_kp + key_off[:, None] * stride_kb + g * stride_kh
+                    + d[None, :] * stride_kd, mask=loaded[:, None], other=0.0)  # [SUB, D]
+        v = tl.load(v_ptr + p64 * stride_vp + key_off[:, None] * stride_vb + g * stride_vh
+                    + d[None, :] * stride_vd, mask=loaded[:, None], other=0.0)  # [SUB, D]
+        if IEEE:
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
         else:
-            qk_scale = sm_scale * LOG2E
-        if HAS_SCALE:
-            qk_scale = qk_scale * tl.load(k_scale_ptr)
-        # the loop takes row maxima of the raw scores and applies the scale inside the exponent
-        # (one FMA per score, not a multiply and an add); that needs a positive scale, so a
-        # negative one moves its sign onto q (exact)
-        q = tl.where(qk_scale < 0, -q, q)
-        qk_scale = tl.abs(qk_scale)
-        m_i = tl.full([M], float("-inf"), tl.float32)
-        l_i = tl.zeros([M], tl.float32)
-        acc = tl.zeros([M, D], tl.float32)
-        for step in range(0, num_blocks * PARTS):
-            page = tl.sum(tl.where(e == step // PARTS, union, 0), axis=0)
-            # each row's block id for this page (-1: its token did not select it)
-            blk_row = tl.max(tl.where(pages_rows == page, ids_rows, -1), axis=1)  # [M]
-            cut_row = tl.where(blk_row >= 0, pos - blk_row * BLOCK, -1)  # last visible offset
-            key_off = (step % PARTS) * SUB + offs
-            # keys past every row's cut are not read
-            loaded = key_off <= tl.max(cut_row, axis=0)
-            p64 = page.to(tl.int64)
-            k = tl.load(k_ptr + p64 * stride_kp + key_off[:, None] * stride_kb + g * stride_kh
-                        + d[None, :] * stride_kd, mask=loaded[:, None], other=0.0)  # [SUB, D]
-            v = tl.load(v_ptr + p64 * stride_vp + key_off[:, None] * stride_vb + g * stride_vh
-                        + d[None, :] * stride_vd, mask=loaded[:, None], other=0.0)  # [SUB, D]
-            if IEEE:
-                s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k.to(q.dtype)))  # [M, SUB]
-            if LAZY_MASK:
-                # mask only a step some row does not see whole (a block some token did not
-                # select, or a token's own block): most steps of a shared selection skip it
-                if tl.min(cut_row, axis=0) < (step % PARTS) * SUB + SUB - 1:
-                    s = tl.where(key_off[None, :] <= cut_row[:, None], s, float("-inf"))
-            else:
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))  # [M, SUB]
+        if LAZY_MASK:
+            # mask only a step some row does not see whole (a block some token did not
+            # select, or a token's own block): most steps of a shared selection skip it
+            if tl.min(cut_row, axis=0) < (step % PARTS) * SUB + SUB - 1:
                 s = tl.where(key_off[None, :] <= cut_row[:, None], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
-            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s * qk_scale - shift[:, None])
-            alpha = tl.exp2(m_i - shift)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if IEEE:
-                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
-        if HAS_SCALE:
-            acc = acc * tl.load(v_scale_ptr)
-        empty = l_i == 0.0
-        o = acc / tl.where(empty, 1.0, l_i)[:, None]
-        lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
-        tl.store(out_ptr + tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
-                 + d[None, :] * stride_od, o.to(out_ptr.dtype.element_ty),
-                 mask=head_ok[:, None])
-        tl.store(lse_ptr + tok.to(tl.int64) * stride_lt + head * stride_lh, lse, mask=head_ok)
+        else:
+            s = tl.where(key_off[None, :] <= cut_row[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s * qk_scale - shift[:, None])
+        alpha = tl.exp2(m_i - shift)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    if HAS_SCALE:
+        acc = acc * tl.load(v_scale_ptr)
+    empty = l_i == 0.0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    tl.store(out_ptr + tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
+             + d[None, :] * stride_od, o.to(out_ptr.dtype.element_ty),
+             mask=head_ok[:, None])
+    tl.store(lse_ptr + tok.to(tl.int64) * stride_lt + head * stride_lh, lse, mask=head_ok)
