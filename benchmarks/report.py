@@ -83,13 +83,16 @@ def main():
     ap = [r for r in rows if r["section"] == "attention-prefill"]
     if ap:
         print("| model | KV | context | selections | union of 4 tokens (blocks) | ours µs | "
-              "TFLOP/s | % bf16 ceiling | per-token kernel only µs | speed-up | dense SDPA µs |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+              "TFLOP/s | % bf16 ceiling | plan / tile / per-token kernels µs | "
+              "per-token kernel only µs | speed-up | dense SDPA µs |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in ap:
             pct = 100 * r["tflops"] / bf16 if bf16 else None
             print(f"| {r['model']} | {r['dtype']} | {_k(r['context'])} | {r['selections']} | "
                   f"{_f(r['union4'], 1)} | {_f(r['us'], 0)} | {_f(r['tflops'], 0)} | "
-                  f"{_f(pct, 0)} | {_f(r['per_token_us'], 0)} | "
+                  f"{_f(pct, 0)} | {_f(r.get('attn-plan_us'), 0)} / "
+                  f"{_f(r.get('attn-tile_us'), 0)} / {_f(r.get('attn_us'), 0)} | "
+                  f"{_f(r['per_token_us'], 0)} | "
                   f"{_f(r['per_token_us'] / r['us'], 2)} | {_f(r.get('dense_us'), 0)} |")
 
     for section in ("layer-decode", "layer-prefill"):

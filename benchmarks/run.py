@@ -415,6 +415,9 @@ def attention_prefill(args, fi):
                 flops = 4 * model.num_heads * d * 16 * 128 * chunk
                 iters = max(5, args.iters // 4)
                 dev = med(device_times_us(ours, iters))
+                parts = {}
+                for name, us in kernel_breakdown_us(ours, iters).items():
+                    parts[_short(name)] = parts.get(_short(name), 0.0) + us
                 want = out.clone()
                 attention_api.TUNING["tile"] = False
                 try:
@@ -428,7 +431,8 @@ def attention_prefill(args, fi):
                            union4=_mean_union(idx, 4), us=dev, tflops=flops / dev / 1e6,
                            pct_bf16_mm=100 * flops / dev / 1e6 / CEIL["bf16_tflops"]
                            if CEIL["bf16_tflops"] else None, per_token_us=per_token,
-                           max_diff_vs_per_token=same)
+                           max_diff_vs_per_token=same,
+                           **{f"{k}_us": v for k, v in parts.items()})
                 if dname == "bf16" and shared == 16 and jitter == 0.0:
                     row["dense_us"] = try_peer(lambda: _dense_prefill_us(model, context, chunk,
                                                                           args))
@@ -482,7 +486,8 @@ def kernel_breakdown_us(fn, iters: int) -> dict[str, float]:
 
 
 def _short(name: str) -> str:
-    for key, short in (("fused_prepare", "prep"), ("block_scores", "score"),
+    for key, short in (("tile_plan", "attn-plan"), ("attention_tile", "attn-tile"),
+                       ("fused_prepare", "prep"), ("block_scores", "score"),
                        ("segment_topk", "topk"), ("merge_topk", "topk-merge"),
                        ("sparse_attention", "attn"), ("merge_splits", "attn-merge"),
                        ("flash", "dense-attn"), ("fmha", "dense-attn")):

@@ -35,15 +35,15 @@ TUNING = dict(sub=128, resident=2, min_steps_per_split=2, warps=4, stages=3, sma
               prefill_stages=2, fp8_f16_compute=True,
               tile=True, tile_rows=64, tile_waste=2.0, tile_sub=64, tile_stages=3,
               tile_sub_fp8=128, tile_stages_fp8=2, tile_warps=4, tile_lazy_mask=True,
-              tile_resident=2)
+              tile_persistent=False, tile_resident=2)
 # tile*: prefill steps first launch prefill.py's kernel over tiles of tile_rows // G tokens (the
 # union of their selections, taken on the device when union blocks x tokens <= tile_waste x the
 # tokens' selected blocks); the per-token kernel then does the tiles it left. Measured on 8K
 # chunks (benchmarks/tune.py --only attention-prefill): a tile taken at 48 union blocks of 4
 # tokens (waste 3) cost 20% more than per-token, at 22 it saved 33%: 2.0 stays on the safe side.
 # bf16 prefers 64-key steps with 3 stages, fp8 whole blocks with 2; masking only the steps that
-# need it (lazy mask) took 2145 -> 2061 µs (bf16), 2479 -> 2384 (fp8). The tile kernel is
-# persistent over tile_resident programs per SM (what its registers and shared memory allow).
+# need it (lazy mask) took 2145 -> 2061 µs (bf16), 2479 -> 2384 (fp8). tile_persistent: the
+# tile kernel as tile_resident programs per SM walking the items (else one program per item).
 
 # arrival counters of the fused merge, one buffer per (device, stream): zeros between launches,
 # because each merging program resets its own counter; launches on one stream never overlap, and
@@ -185,9 +185,10 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
             *block_table.stride(), NUM_KV_HEADS=num_kv_heads, NUM_INDEX_HEADS=indices.shape[1],
             QT=tile_qt, BLOCK=block_size, TOPK=topk, KP=kp, num_warps=4)
         items = num_tiles * num_kv_heads
-        # (the interpreter takes 3 programs: each walks several items)
-        programs = min(items, TUNING["tile_resident"] * num_sms(device)
-                       if device.type == "cuda" else 3)
+        persistent = TUNING["tile_persistent"]
+        # (persistent under the interpreter: 3 programs, each walking several items)
+        programs = items if not persistent else min(
+            items, TUNING["tile_resident"] * num_sms(device) if device.type == "cuda" else 3)
         _sparse_attention_tile_kernel[(programs,)](
             q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, out, lse, blocks,
             union, ks, vs, sm_scale, seq_lens.shape[0], items, *q.stride(), *k_cache.stride(),
@@ -196,7 +197,8 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
             G=group, GP=group_pad, QT=tile_qt, D=head_dim, BLOCK=block_size, TOPK=topk, KP=kp,
             SUB=min(block_size, TUNING["tile_sub_fp8" if fp8 else "tile_sub"]),
             HAS_SCALE=has_scale, IEEE=ieee, F16_COMPUTE=f16_compute,
-            LAZY_MASK=TUNING["tile_lazy_mask"], num_warps=TUNING["tile_warps"],
+            LAZY_MASK=TUNING["tile_lazy_mask"], PERSISTENT=persistent,
+            num_warps=TUNING["tile_warps"],
             num_stages=TUNING["tile_stages_fp8" if fp8 else "tile_stages"])
     else:
         tile_qt, blocks = 0, lse

@@ -14,8 +14,9 @@ Three launches, all on fixed grids (no host synchronisation; CUDA-graph safe):
    blocks[i, g] = its size when the tile lies inside one request with valid positions and
    U * QT <= waste * (sum of the tokens' distinct selected pages), i.e. the rows multiplied
    against blocks their token did not select stay below `waste` times the useful ones; else -1.
-2. `_sparse_attention_tile_kernel`, persistent: each program walks (tile, KV head) items with
-   a stride and runs the taken ones: QT tokens x G heads = M rows against each union block.
+2. `_sparse_attention_tile_kernel`: one program per (tile, KV head) item, or (PERSISTENT) a
+   program per resident slot walking items with a stride; a taken item runs QT tokens x G heads
+   = M rows against each union block.
 3. The per-token kernel (decode.py) with TILE_QT: skips tokens of taken tiles.
 The plan is its own light launch because the tile kernel's registers and shared memory allow
 two programs per SM: spent on tiles it does not take, that cost 3-4% of a chunk whose tiles all
@@ -106,22 +107,36 @@ def _sparse_attention_tile_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens
                                   D: tl.constexpr, BLOCK: tl.constexpr, TOPK: tl.constexpr,
                                   KP: tl.constexpr, SUB: tl.constexpr, HAS_SCALE: tl.constexpr,
                                   IEEE: tl.constexpr, F16_COMPUTE: tl.constexpr,
-                                  LAZY_MASK: tl.constexpr):
+                                  LAZY_MASK: tl.constexpr, PERSISTENT: tl.constexpr):
     M: tl.constexpr = QT * GP
     N: tl.constexpr = QT * KP
     PARTS: tl.constexpr = BLOCK // SUB
-    # persistent: (tile, KV head) items with a stride, so tiles the plan left cost one load
-    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
+    if PERSISTENT:
+        # (tile, KV head) items with a stride: a tile the plan left costs one load
+        for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
+            num_blocks = tl.load(blocks_ptr + item)
+            if num_blocks >= 0:
+                _attend_tile(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr,
+                             lse_ptr, union_ptr, k_scale_ptr, v_scale_ptr, sm_scale, num_requests,
+                             item, num_blocks, stride_qt, stride_qh, stride_qd, stride_kp,
+                             stride_kb, stride_kh, stride_kd, stride_vp, stride_vb, stride_vh,
+                             stride_vd, stride_it, stride_ih, stride_ik, stride_btr, stride_btb,
+                             stride_ot, stride_oh, stride_od, stride_lt, stride_lh, NUM_KV_HEADS,
+                             NUM_INDEX_HEADS, G, GP, QT, D, BLOCK, TOPK, KP, SUB, HAS_SCALE, IEEE,
+                             F16_COMPUTE, LAZY_MASK, M, N, PARTS)
+    else:
+        # one program per item: a tile the plan left exits after one load
+        item = tl.program_id(0)
         num_blocks = tl.load(blocks_ptr + item)
         if num_blocks >= 0:
             _attend_tile(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr,
-                         lse_ptr, union_ptr, k_scale_ptr, v_scale_ptr, sm_scale, num_requests,
-                         item, num_blocks, stride_qt, stride_qh, stride_qd, stride_kp, stride_kb,
+                         lse_ptr, union_ptr, k_scale_ptr, v_scale_ptr, sm_scale, num_requests, item,
+                         num_blocks, stride_qt, stride_qh, stride_qd, stride_kp, stride_kb,
                          stride_kh, stride_kd, stride_vp, stride_vb, stride_vh, stride_vd,
                          stride_it, stride_ih, stride_ik, stride_btr, stride_btb, stride_ot,
-                         stride_oh, stride_od, stride_lt, stride_lh, NUM_KV_HEADS,
-                         NUM_INDEX_HEADS, G, GP, QT, D, BLOCK, TOPK, KP, SUB, HAS_SCALE, IEEE,
-                         F16_COMPUTE, LAZY_MASK, M, N, PARTS)
+                         stride_oh, stride_od, stride_lt, stride_lh, NUM_KV_HEADS, NUM_INDEX_HEADS,
+                         G, GP, QT, D, BLOCK, TOPK, KP, SUB, HAS_SCALE, IEEE, F16_COMPUTE,
+                         LAZY_MASK, M, N, PARTS)
 
 
 @triton.jit
