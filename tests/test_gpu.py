@@ -32,7 +32,8 @@ def _compact(cache, step):
     used = step.block_table[step.block_table >= 0].unique()
     remap = torch.full((cache.shape[0],), -1, dtype=torch.int32)
     remap[used.long().cpu()] = torch.arange(len(used), dtype=torch.int32)
-    table = torch.where(step.block_table.cpu() >= 0, remap[step.block_table.cpu().clamp(min=0).long()],
+    table = torch.where(step.block_table.cpu() >= 0,
+                        remap[step.block_table.cpu().clamp(min=0).long()],
                         -1)
     return cache[used.long()].cpu(), table
 

@@ -35,7 +35,8 @@ TUNING = dict(sub=128, resident=2, min_steps_per_split=2, warps=4, stages=3, sma
               prefill_stages=2, fp8_f16_compute=True,
               tile=True, tile_rows=64, tile_waste=2.0, tile_sub=64, tile_stages=3,
               tile_sub_fp8=128, tile_stages_fp8=2, tile_warps=4, tile_lazy_mask=True,
-              tile_persistent=False, tile_resident=2)
+              tile_persistent=False, tile_persistent_fp8=True, tile_resident=2,
+              tile_plan_warps=1)
 # tile*: prefill steps first launch prefill.py's kernel over tiles of tile_rows // G tokens (the
 # union of their selections, taken on the device when union blocks x tokens <= tile_waste x the
 # tokens' selected blocks); the per-token kernel then does the tiles it left. Measured on 8K
@@ -43,7 +44,10 @@ TUNING = dict(sub=128, resident=2, min_steps_per_split=2, warps=4, stages=3, sma
 # tokens (waste 3) cost 20% more than per-token, at 22 it saved 33%: 2.0 stays on the safe side.
 # bf16 prefers 64-key steps with 3 stages, fp8 whole blocks with 2; masking only the steps that
 # need it (lazy mask) took 2145 -> 2061 µs (bf16), 2479 -> 2384 (fp8). tile_persistent: the
-# tile kernel as tile_resident programs per SM walking the items (else one program per item).
+# tile kernel as tile_resident programs per SM walking the items, else one program per item
+# (bf16 1997 µs one per item, 2213 persistent; fp8 2407 and 2277). The plan launch is ~1300
+# instructions of 64 x 64 compares per tile: one warp each (4 warps cost 115 µs per 8K chunk at
+# TP1, 3% of a chunk whose tiles all fall back, as they replicate the work).
 
 # arrival counters of the fused merge, one buffer per (device, stream): zeros between launches,
 # because each merging program resets its own counter; launches on one stream never overlap, and
@@ -183,9 +187,10 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
             indices, cu_seqlens_q, seq_lens, block_table, blocks, union,
             float(TUNING["tile_waste"]), seq_lens.shape[0], *indices.stride(),
             *block_table.stride(), NUM_KV_HEADS=num_kv_heads, NUM_INDEX_HEADS=indices.shape[1],
-            QT=tile_qt, BLOCK=block_size, TOPK=topk, KP=kp, num_warps=4)
+            QT=tile_qt, BLOCK=block_size, TOPK=topk, KP=kp,
+            num_warps=TUNING["tile_plan_warps"])
         items = num_tiles * num_kv_heads
-        persistent = TUNING["tile_persistent"]
+        persistent = TUNING["tile_persistent_fp8" if fp8 else "tile_persistent"]
         # (persistent under the interpreter: 3 programs, each walking several items)
         programs = items if not persistent else min(
             items, TUNING["tile_resident"] * num_sms(device) if device.type == "cuda" else 3)

@@ -9,8 +9,10 @@ unit against each step's keys, with an online softmax. With one split it writes 
 normalised output and LSE directly; with more, partial (out, lse) go to a workspace and the last
 program of a (token, KV head) to finish combines them (FUSED_MERGE: an arrival counter per
 (token, KV head) that the merger puts back to 0, so every launch and graph replay finds zeros),
-or `_merge_splits_kernel` does in a second launch. Every token is independent, so decode, speculative verify
-(each draft token with its own causal cut) and prefill chunks share one launch.
+or `_merge_splits_kernel` does in a second launch. Every token is independent, so decode,
+speculative verify (each draft token with its own causal cut) and prefill chunks share one launch.
+In a prefill step (TILE_QT > 0) prefill.py's tile kernel has already done the tokens of the tiles
+its plan took; programs of those tokens return at once.
 
 Bytes per (token, KV head): selected blocks * B * D * 2 * bytes(kv) read (L2 serves repeats
 between tokens that picked the same blocks).
