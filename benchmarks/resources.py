@@ -63,8 +63,7 @@ def attention_resources(kv: str, sub: int, stages: int, warps: int, splits: int 
                   SUB=sub, HAS_SCALE=False, IEEE=False, F16_COMPUTE=kv == "fp8")
     if tile:
         fn = _sparse_attention_tile_kernel
-        constexprs = dict(shared, GP=16, QT=4, LAZY_MASK=True, LAZY_RESCALE=False,
-                          PERSISTENT=False)
+        constexprs = dict(shared, GP=16, QT=4, LAZY_MASK=True, PERSISTENT=False)
     else:
         fn = _sparse_attention_kernel
         constexprs = dict(shared, NUM_HEADS=64, M=16, STEPS=16 * 128 // sub // splits,

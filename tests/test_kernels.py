@@ -190,13 +190,12 @@ def test_sparse_attention_prefill_tiles_match_reference(kernel_device, kv_dtype,
     kernel (waste 1e9: every tile inside one request), by neither (0: all left to the per-token
     kernel), or by the device's choice per tile (1.5); tiles straddling requests always go to the
     per-token kernel. Rows hold -1, out-of-range and repeated ids; one index head serves both KV
-    heads. The mask-only-where-needed variant runs with waste 1e9, the persistent one with 1.5,
-    the stale-max (lazy rescale) one with both."""
+    heads. The mask-only-where-needed variant runs with waste 1e9, the persistent one with 1.5."""
     from openmsa.ops.attention import api as attention_api
     from openmsa.ops.attention import prefill
     for key, value in dict(prefill_min_tokens=1, tile_rows=16, tile_waste=waste,
                            tile_sub=sub, tile_sub_fp8=sub,
-                           tile_lazy_mask=waste == 1e9, tile_lazy_rescale=waste > 0,
+                           tile_lazy_mask=waste == 1e9,
                            tile_persistent=waste == 1.5, tile_persistent_fp8=waste == 1.5).items():
         monkeypatch.setitem(attention_api.TUNING, key, value)
     dtype = _attention_dtype(kernel_device)

@@ -36,7 +36,7 @@ TUNING = dict(sub=128, resident=2, min_steps_per_split=2, warps=4, stages=3, sma
               tile=True, tile_rows=64, tile_waste=2.0, tile_sub=64, tile_stages=3,
               tile_sub_fp8=128, tile_stages_fp8=2, tile_warps=4, tile_lazy_mask=True,
               tile_persistent=False, tile_persistent_fp8=True, tile_resident=2,
-              tile_plan_warps=1, tile_lazy_rescale=False)
+              tile_plan_warps=1)
 # tile*: prefill steps first launch prefill.py's kernel over tiles of tile_rows // G tokens (the
 # union of their selections, taken on the device when union blocks x tokens <= tile_waste x the
 # tokens' selected blocks); the per-token kernel then does the tiles it left. Measured on 8K
@@ -202,8 +202,7 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
             G=group, GP=group_pad, QT=tile_qt, D=head_dim, BLOCK=block_size, TOPK=topk, KP=kp,
             SUB=min(block_size, TUNING["tile_sub_fp8" if fp8 else "tile_sub"]),
             HAS_SCALE=has_scale, IEEE=ieee, F16_COMPUTE=f16_compute,
-            LAZY_MASK=TUNING["tile_lazy_mask"], LAZY_RESCALE=TUNING["tile_lazy_rescale"],
-            PERSISTENT=persistent,
+            LAZY_MASK=TUNING["tile_lazy_mask"], PERSISTENT=persistent,
             num_warps=TUNING["tile_warps"],
             num_stages=TUNING["tile_stages_fp8" if fp8 else "tile_stages"])
     else:

@@ -107,8 +107,7 @@ def _sparse_attention_tile_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens
                                   D: tl.constexpr, BLOCK: tl.constexpr, TOPK: tl.constexpr,
                                   KP: tl.constexpr, SUB: tl.constexpr, HAS_SCALE: tl.constexpr,
                                   IEEE: tl.constexpr, F16_COMPUTE: tl.constexpr,
-                                  LAZY_MASK: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-                                  PERSISTENT: tl.constexpr):
+                                  LAZY_MASK: tl.constexpr, PERSISTENT: tl.constexpr):
     M: tl.constexpr = QT * GP
     N: tl.constexpr = QT * KP
     PARTS: tl.constexpr = BLOCK // SUB
@@ -124,7 +123,7 @@ def _sparse_attention_tile_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens
                              stride_vd, stride_it, stride_ih, stride_ik, stride_btr, stride_btb,
                              stride_ot, stride_oh, stride_od, stride_lt, stride_lh, NUM_KV_HEADS,
                              NUM_INDEX_HEADS, G, GP, QT, D, BLOCK, TOPK, KP, SUB, HAS_SCALE, IEEE,
-                             F16_COMPUTE, LAZY_MASK, LAZY_RESCALE, M, N, PARTS)
+                             F16_COMPUTE, LAZY_MASK, M, N, PARTS)
     else:
         # one program per item: a tile the plan left exits after one load
         item = tl.program_id(0)
@@ -137,7 +136,7 @@ def _sparse_attention_tile_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens
                          stride_it, stride_ih, stride_ik, stride_btr, stride_btb, stride_ot,
                          stride_oh, stride_od, stride_lt, stride_lh, NUM_KV_HEADS, NUM_INDEX_HEADS,
                          G, GP, QT, D, BLOCK, TOPK, KP, SUB, HAS_SCALE, IEEE, F16_COMPUTE,
-                         LAZY_MASK, LAZY_RESCALE, M, N, PARTS)
+                         LAZY_MASK, M, N, PARTS)
 
 
 @triton.jit
@@ -150,8 +149,7 @@ def _attend_tile(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out
                  GP: tl.constexpr, QT: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                  TOPK: tl.constexpr, KP: tl.constexpr, SUB: tl.constexpr,
                  HAS_SCALE: tl.constexpr, IEEE: tl.constexpr, F16_COMPUTE: tl.constexpr,
-                 LAZY_MASK: tl.constexpr, LAZY_RESCALE: tl.constexpr, M: tl.constexpr,
-                 N: tl.constexpr,
+                 LAZY_MASK: tl.constexpr, M: tl.constexpr, N: tl.constexpr,
                  PARTS: tl.constexpr):
     tile = item // NUM_KV_HEADS
     g = item % NUM_KV_HEADS
@@ -220,28 +218,12 @@ def _attend_tile(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out
         else:
             s = tl.where(key_off[None, :] <= cut_row[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
-        if LAZY_RESCALE:
-            # keep a stale row max while no row's max grew by more than 2^8 (exact: the same
-            # max scales P, l and acc; P <= 256 then), so most steps skip rescaling acc. A row
-            # seeing its first keys grows by +inf and forces the rescale.
-            seen = m_i != float("-inf")
-            grow = tl.max(tl.where(seen, m_new - tl.where(seen, m_i, 0.0),
-                                   tl.where(m_new == float("-inf"), 0.0, float("inf"))), axis=0)
-            if grow > 8.0:
-                alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                m_i = m_new
-            shift = tl.where(m_i == float("-inf"), 0.0, m_i)
-            p = tl.exp2(s * qk_scale - shift[:, None])
-            l_i = l_i + tl.sum(p, axis=1)
-        else:
-            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s * qk_scale - shift[:, None])
-            alpha = tl.exp2(m_i - shift)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None]
-            m_i = m_new
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s * qk_scale - shift[:, None])
+        alpha = tl.exp2(m_i - shift)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        m_i = m_new
         if IEEE:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
