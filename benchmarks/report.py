@@ -99,7 +99,8 @@ def main():
         lay = [r for r in rows if r["section"] == section]
         if not lay:
             continue
-        parts = ("prep", "score", "topk", "topk-merge", "attn", "attn-merge")
+        parts = ("prep", "score", "topk", "topk-merge", "attn-plan", "attn-tile", "attn",
+                 "attn-merge")
         print(f"\n{section}: device µs per call, per kernel (medians), against dense\n")
         print("| model | cache | B | L | q_len | layer µs | " + " | ".join(parts)
               + " | graph call µs | dense (bf16) µs | dense / sparse |")
