@@ -7,7 +7,8 @@ whole 128-key blocks and 3 stages, 185 / 139 KB for bf16). Count before you meas
 
     python3 benchmarks/resources.py fp8,64,3,4 bf16,64,3,4     # kv dtype, sub, stages, warps
     python3 benchmarks/resources.py --sass fp8,128,3,4         # + the main loop's instruction mix
-    python3 benchmarks/resources.py tile:bf16,128,2,4          # prefill.py's tile kernel (QT = 4)
+    python3 benchmarks/resources.py tile:bf16,64,3,4 tile8:bf16,64,2,8   # prefill.py's tile kernel
+                                                                       # (4 or 8 tokens per tile)
 
 Programs per SM = min(65536 // (regs rounded up to 8 * 32 * warps), 228 KB // (smem + 1 KB)).
 """
@@ -52,7 +53,7 @@ def _loop_mix(sass: str, top: int = 12):
 
 
 def attention_resources(kv: str, sub: int, stages: int, warps: int, splits: int = 2,
-                        sass: bool = False, tile: bool = False):
+                        sass: bool = False, tile: bool = False, qt: int = 4):
     kv_type = KV_TYPES[kv]
     pointers = dict(q_ptr="*bf16", k_ptr=kv_type, v_ptr=kv_type, idx_ptr="*i32",
                     out_ptr="*bf16", lse_ptr="*fp32", part_out_ptr="*fp32",
@@ -63,7 +64,7 @@ def attention_resources(kv: str, sub: int, stages: int, warps: int, splits: int 
                   SUB=sub, HAS_SCALE=False, IEEE=False, F16_COMPUTE=kv == "fp8")
     if tile:
         fn = _sparse_attention_tile_kernel
-        constexprs = dict(shared, GP=16, QT=4, LAZY_MASK=True, PERSISTENT=False)
+        constexprs = dict(shared, GP=16, QT=qt, LAZY_MASK=True, PERSISTENT=False)
     else:
         fn = _sparse_attention_kernel
         constexprs = dict(shared, NUM_HEADS=64, M=16, STEPS=16 * 128 // sub // splits,
@@ -105,12 +106,13 @@ if __name__ == "__main__":
     args = [a for a in args if a != "--sass"]
     print("kernel kv    sub stages warps  registers spill_bytes smem_KB programs/SM")
     for arg in args or ["fp8,128,3,4", "fp8,64,3,4", "bf16,128,3,4", "bf16,64,3,4"]:
-        tile = arg.startswith("tile:")
-        kv, sub, stages, warps = arg.removeprefix("tile:").split(",")
+        tile = arg.startswith("tile")
+        qt = int(arg[4:arg.index(":")] or 4) if tile else 4
+        kv, sub, stages, warps = arg.split(":")[-1].split(",")
         regs, spills, smem, per_sm, mix = attention_resources(kv, int(sub), int(stages),
                                                               int(warps), sass=want_sass,
-                                                              tile=tile)
-        print(f"{'tile' if tile else 'token':6s} {kv:5s} {sub:>3s} {stages:>6s} {warps:>5s}  "
+                                                              tile=tile, qt=qt)
+        print(f"{f'tile{qt}' if tile else 'token':6s} {kv:5s} {sub:>3s} {stages:>6s} {warps:>5s}  "
               f"{regs:9d} {spills:11d} "
               f"{smem / 1024:7.1f} {per_sm:12d}", flush=True)
         if mix is not None:

@@ -183,14 +183,16 @@ def test_sparse_attention_index_head_sharing_scales_and_noisy_rows(kernel_device
 
 
 @pytest.mark.parametrize("waste", [0.0, 1.5, 1e9])
-@pytest.mark.parametrize("kv_dtype, block, sub", [("q", B, B), (FP8, 32, 16)])
-def test_sparse_attention_prefill_tiles_match_reference(kernel_device, kv_dtype, block, sub,
+@pytest.mark.parametrize("kv_dtype, block, sub, hq", [("q", B, B, 8), (FP8, 32, 16, 8),
+                                                     ("q", B, B, 6)])
+def test_sparse_attention_prefill_tiles_match_reference(kernel_device, kv_dtype, block, sub, hq,
                                                         waste, monkeypatch):
     """The prefill path: tiles of 4 tokens over the union of their selections, taken by the tile
     kernel (waste 1e9: every tile inside one request), by neither (0: all left to the per-token
     kernel), or by the device's choice per tile (1.5); tiles straddling requests always go to the
     per-token kernel. Rows hold -1, out-of-range and repeated ids; one index head serves both KV
-    heads. The mask-only-where-needed variant runs with waste 1e9, the persistent one with 1.5."""
+    heads. The mask-only-where-needed variant runs with waste 1e9, the persistent one with 1.5.
+    6 query heads: 3 per KV head, padded to 4 row slots per token (dead rows)."""
     from openmsa.ops.attention import api as attention_api
     from openmsa.ops.attention import prefill
     for key, value in dict(prefill_min_tokens=1, tile_rows=16, tile_waste=waste,
@@ -200,7 +202,7 @@ def test_sparse_attention_prefill_tiles_match_reference(kernel_device, kv_dtype,
         monkeypatch.setitem(attention_api.TUNING, key, value)
     dtype = _attention_dtype(kernel_device)
     kv_dtype = dtype if kv_dtype == "q" else kv_dtype
-    step, dstep, q, k, v, idx = _attention_case(kernel_device, kv_dtype, "vllm", h=1,
+    step, dstep, q, k, v, idx = _attention_case(kernel_device, kv_dtype, "vllm", hq=hq, h=1,
                                                 block=block)
     idx = torch.cat([idx, torch.full_like(idx[..., :1], 99), idx[..., :1]], dim=-1)
     q = q.to(dtype)
