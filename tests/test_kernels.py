@@ -192,7 +192,8 @@ def test_sparse_attention_prefill_tiles_match_reference(kernel_device, kv_dtype,
     kernel), or by the device's choice per tile (1.5); tiles straddling requests always go to the
     per-token kernel. Rows hold -1, out-of-range and repeated ids; one index head serves both KV
     heads. The mask-only-where-needed variant runs with waste 1e9, the persistent one with 1.5.
-    6 query heads: 3 per KV head, padded to 4 row slots per token (dead rows)."""
+    6 query heads: 3 per KV head, padded to 4 row slots per token (dead rows) and a softmax scale of 0.2; fp8 with
+    dequantisation scales, the K one negative."""
     from openmsa.ops.attention import api as attention_api
     from openmsa.ops.attention import prefill
     for key, value in dict(prefill_min_tokens=1, tile_rows=16, tile_waste=waste,
@@ -206,8 +207,16 @@ def test_sparse_attention_prefill_tiles_match_reference(kernel_device, kv_dtype,
                                                 block=block)
     idx = torch.cat([idx, torch.full_like(idx[..., :1], 99), idx[..., :1]], dim=-1)
     q = q.to(dtype)
+    # fp8: a negative K scale (the kernel moves the sign onto q: its row max is taken before
+    # scaling) as a device tensor; 6 heads: a softmax scale other than D ** -0.5
+    scales = dict(k_scale=-0.75, v_scale=1.5) if kv_dtype == FP8 else {}
+    if hq == 6:
+        scales["scale"] = 0.2
     want, want_lse = ref.sparse_attention(q, k, v, idx, step.cu_seqlens_q, step.seq_lens,
-                                          step.block_table, block_size=block, return_lse=True)
+                                          step.block_table, block_size=block, return_lse=True,
+                                          **scales)
+    if kv_dtype == FP8:
+        scales["k_scale"] = torch.tensor([-0.75], device=kernel_device)
     flags = []
     monkeypatch.setattr(prefill, "_tile_plan_kernel",
                         RecordingKernel(prefill._tile_plan_kernel, flags, arg=4))
@@ -215,7 +224,7 @@ def test_sparse_attention_prefill_tiles_match_reference(kernel_device, kv_dtype,
     got, lse = openmsa.sparse_attention(
         q.to(kernel_device), k.to(kernel_device), v.to(kernel_device), idx.to(kernel_device),
         dstep.cu_seqlens_q, dstep.seq_lens, dstep.block_table, block_size=block, out=out,
-        return_lse=True)
+        return_lse=True, **scales)
     assert_close(got, want)
     assert_close(lse, want_lse, torch.float32 if dtype == torch.float16 else dtype)
     # the tiles the kernel took follow its rule, recomputed here; 27 packed tokens: tiles 1-5
