@@ -18,9 +18,11 @@ Three launches, all on fixed grids (no host synchronisation; CUDA-graph safe):
    program per resident slot walking items with a stride; a taken item runs QT tokens x G heads
    = M rows against each union block.
 3. The per-token kernel (decode.py) with TILE_QT: skips tokens of taken tiles.
-The plan is its own light launch because the tile kernel's registers and shared memory allow
-two programs per SM: spent on tiles it does not take, that cost 3-4% of a chunk whose tiles all
-fall back.
+The plan is its own light launch (one warp per item) because the tile kernel's registers and
+shared memory allow two programs per SM: planning inside it cost 3-4% of a chunk whose tiles all
+fall back, the separate plan ~1% (25 µs of an 8K chunk at TP1). The tile kernel itself is bound
+by the latency of its serial QK^T -> softmax -> PV chain, not by L2 (8-token tiles, half the
+reads, measured equal): docs/performance.md.
 
 Per union block, the rows whose token selected it see its keys up to their own causal cut; the
 other rows see none (p = 0). Keys past every row's cut are not loaded (the own block's tail may
