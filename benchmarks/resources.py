@@ -9,6 +9,8 @@ whole 128-key blocks and 3 stages, 185 / 139 KB for bf16). Count before you meas
     python3 benchmarks/resources.py --sass fp8,128,3,4         # + the main loop's instruction mix
     python3 benchmarks/resources.py tile:bf16,64,3,4 tile8:bf16,64,2,8   # prefill.py's tile kernel
                                                                        # (4 or 8 tokens per tile)
+    python3 benchmarks/resources.py --sass index:fp8,128,32,3,4   # the indexer's prefill tile launch
+                                                   # (cache dtype, rows, blocks per split, stages, warps)
 
 Programs per SM = min(65536 // (regs rounded up to 8 * 32 * warps), 228 KB // (smem + 1 KB)).
 """
@@ -26,6 +28,7 @@ from triton.compiler import ASTSource
 
 from openmsa.ops.attention.decode import _sparse_attention_kernel
 from openmsa.ops.attention.prefill import _sparse_attention_tile_kernel
+from openmsa.ops.indexer.scores import _block_scores_kernel
 
 UNIT_STRIDES = {"stride_qd", "stride_kd", "stride_vd", "stride_ik", "stride_btb", "stride_od",
                 "stride_lh"}
@@ -70,6 +73,22 @@ def attention_resources(kv: str, sub: int, stages: int, warps: int, splits: int 
         constexprs = dict(shared, NUM_HEADS=64, M=16, STEPS=16 * 128 // sub // splits,
                           SPLITS=splits, FUSED_MERGE=True, TILE_QT=0)
     constexprs.update({name: 1 for name in UNIT_STRIDES})
+    return _compile(fn, constexprs, pointers, stages, warps, sass)
+
+
+def index_resources(kv: str, rows: int, bps: int, stages: int, warps: int, sass: bool = False,
+                    nan: bool = True):
+    """The indexer's prefill tile launch (`TILE_MODE`) on M3's index shapes (4 heads of 128)."""
+    pointers = dict(q_ptr=KV_TYPES[kv], cache_ptr=KV_TYPES[kv], cu_ptr="*i32",
+                    seq_lens_ptr="*i32", bt_ptr="*i32", out_ptr="*fp32")
+    constexprs = dict(H=4, HP=4, DI=128, DIP=128, BLOCK=128, BPS=bps, SMALL_Q=16, TILE_MODE=True,
+                      ROWS_T=rows // 4, CAST_K=False, IEEE=False, KEYS_AS_ROWS=False,
+                      MAX_SKIPS_NAN=nan,
+                      stride_qd=1, stride_cd=1, stride_btb=1, stride_ob=1)
+    return _compile(_block_scores_kernel, constexprs, pointers, stages, warps, sass)
+
+
+def _compile(fn, constexprs, pointers, stages, warps, sass):
     signature = {name: "constexpr" if name in constexprs
                  else pointers.get(name, "fp32" if name == "sm_scale" else "i32")
                  for name in fn.arg_names}
@@ -106,6 +125,16 @@ if __name__ == "__main__":
     args = [a for a in args if a != "--sass"]
     print("kernel kv    sub stages warps  registers spill_bytes smem_KB programs/SM")
     for arg in args or ["fp8,128,3,4", "fp8,64,3,4", "bf16,128,3,4", "bf16,64,3,4"]:
+        if arg.startswith("index:"):
+            kv, rows, bps, stages, warps = arg.split(":")[1].split(",")
+            regs, spills, smem, per_sm, mix = index_resources(kv, int(rows), int(bps),
+                                                              int(stages), int(warps),
+                                                              sass=want_sass)
+            print(f"index  {kv:5s} rows {rows} bps {bps} {stages:>6s} {warps:>5s}  {regs:9d} "
+                  f"{spills:11d} {smem / 1024:7.1f} {per_sm:12d}", flush=True)
+            if mix is not None:
+                print(f"      main loop: {mix[0]} instructions per warp per step; {mix[1]}")
+            continue
         tile = arg.startswith("tile")
         qt = int(arg[4:arg.index(":")] or 4) if tile else 4
         kv, sub, stages, warps = arg.split(":")[-1].split(",")

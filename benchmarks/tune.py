@@ -162,16 +162,24 @@ def _indexer(args, only):
 
 
 def _indexer_prefill(args):
-    variants = pick(args, [{}, dict(prefill_bps=16), dict(prefill_bps=64),
-                           dict(prefill_warps=4), dict(prefill_stages=2), dict(prefill_stages=4)])
+    """The prefill tile launch's knobs on 8K chunks (no context, 120K, ~1M): select_blocks, and
+    block_scores alone (the scoring launch plus the score tensor's -inf fill) for fp8 at 120K."""
+    variants = pick(args, [{}, dict(prefill_rows=256, prefill_warps=8, prefill_warps_fp8=8),
+                           dict(prefill_bps=16), dict(prefill_bps=64), dict(prefill_stages=4),
+                           dict(prefill_stages=2, prefill_warps=4), dict(prefill_rows=64),
+                           dict(prefill_warps_fp8=8)])
     print("indexer prefill variants:", variants)
     cases = []
-    for dname in ("fp8", "bf16"):
-        q, cache, cu, seq, table = run._index_step(1, 120 * 1024 + 8192, 8192, 4,
-                                                   run.DTYPES[dname])
-        cases.append((f"prefill {dname} 8K@120K",
+    for dname, ctx in (("fp8", 0), ("fp8", 120 * 1024), ("fp8", 1016 * 1024), ("bf16", 0),
+                       ("bf16", 120 * 1024)):
+        q, cache, cu, seq, table = run._index_step(1, ctx + 8192, 8192, 4, run.DTYPES[dname])
+        cases.append((f"prefill {dname} 8K@{ctx // 1024}K",
                       (lambda q=q, cache=cache, cu=cu, seq=seq, table=table:
                        openmsa.select_blocks(q, cache, cu, seq, table))))
+        if dname == "fp8" and ctx == 120 * 1024:
+            cases.append((f"scores {dname} 8K@{ctx // 1024}K",
+                          (lambda q=q, cache=cache, cu=cu, seq=seq, table=table:
+                           openmsa.block_scores(q, cache, cu, seq, table))))
     sweep("indexer", indexer_api.TUNING, variants, cases, max(3, args.iters // 2))
 
 

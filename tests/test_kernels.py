@@ -321,6 +321,9 @@ def test_nan_keys_and_unfilled_pages_match_reference(kernel_device):
     c = c.clone()
     c[int(step.block_table[0, 1]), :5] = float("nan")  # part of a page request 0 reads
     c[int(step.block_table[3, 0])] = float("nan")  # a whole page of request 3
+    # part of a page of request 3 (a 20-token chunk: the prefill tile launch), including its last
+    # key, so that the block's max must come from the other keys
+    c[int(step.block_table[3, 1]), 9:] = float("nan")
     table = step.block_table.clone()
     table[3, 2] = -1  # an unfilled entry inside request 3's blocks
     args = (step.cu_seqlens_q, step.seq_lens, table)

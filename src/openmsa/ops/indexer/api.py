@@ -17,14 +17,14 @@ __all__ = ["block_scores", "select_blocks"]
 
 # requests with q_len <= SMALL_Q (decode, speculative verify) take the per-request launch
 SMALL_Q = 16
-# rows (token, head pairs) of one tensor-core tile in each launch
+# rows (token, head pairs) of one tensor-core tile in the decode launch (the prefill launch's
+# is TUNING["prefill_rows"])
 DECODE_ROWS = 16
-PREFILL_ROWS = 128
 # blocks of a score row per selection program (a 1M-token row of 8192 blocks takes 8)
 SELECT_SEGMENT = 1024
 # launch knobs, read at each call so that benchmarks/tune.py can sweep them
 TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64, decode_min_bps=1,
-              decode_keys_as_rows=True, prefill_bps=32, prefill_warps=8, prefill_warps_fp8=4,
+              decode_keys_as_rows=True, prefill_rows=128, prefill_bps=32, prefill_warps=8, prefill_warps_fp8=4,
               prefill_stages=3, select_warps=4)
 
 
@@ -58,8 +58,9 @@ def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_tabl
     dip = max(16, _next_pow2(head_dim))
     cast_k = index_q.dtype in HALF and index_cache.dtype == FP8
     ieee = index_q.dtype == torch.float32
+    # the GPU's max skips NaN by itself; the interpreter's does not (see scores.py)
     common = dict(H=num_heads, HP=hp, DI=head_dim, DIP=dip, BLOCK=block_size, SMALL_Q=SMALL_Q,
-                  CAST_K=cast_k, IEEE=ieee)
+                  CAST_K=cast_k, IEEE=ieee, MAX_SKIPS_NAN=index_q.is_cuda)
     args = (index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores, num_requests,
             num_tokens, *index_q.stride(), *index_cache.stride(), *block_table.stride(),
             *scores.stride())
@@ -77,7 +78,7 @@ def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_tabl
     # prefill chunks: tiles of packed tokens; with T <= SMALL_Q no request can be long
     if num_tokens <= SMALL_Q:
         return
-    rows_t = max(1, PREFILL_ROWS // hp)
+    rows_t = max(1, TUNING["prefill_rows"] // hp)
     bps = TUNING["prefill_bps"]
     grid = (-(-num_tokens // rows_t), -(-max_blocks // bps))
     _block_scores_kernel[grid](*args, BPS=bps, TILE_MODE=True, ROWS_T=rows_t, **common,

@@ -23,10 +23,17 @@ from ..common.triton_utils import find_request
 
 
 @triton.jit
+def _max_skip_nan(a, b):
+    # maxnum: on the GPU, PTX max.f32 returns the other operand when one is NaN (spelled out so
+    # that a change of tl.max's default cannot turn NaN keys into NaN scores)
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.NONE)
+
+
+@triton.jit
 def _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, stride_cb, stride_cd,
                  d, DI: tl.constexpr, BLOCK: tl.constexpr, BPS: tl.constexpr,
                  CAST_K: tl.constexpr, IEEE: tl.constexpr, CAUSAL: tl.constexpr,
-                 KEYS_AS_ROWS: tl.constexpr):
+                 KEYS_AS_ROWS: tl.constexpr, MAX_SKIPS_NAN: tl.constexpr):
     """Column b - b_lo of the [rows, BPS] score tile: each row's max over block b's keys."""
     offs = tl.arange(0, BLOCK)
     cols = tl.arange(0, BPS)
@@ -43,23 +50,26 @@ def _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, strid
         # as M (16 rows), Triton falls back to 16-row MMAs that first convert every key to fp16
         s = tl.dot(k, tl.trans(q))  # [BLOCK, M]
         if CAUSAL:
-            s = tl.where(((b * BLOCK + offs)[:, None] <= pos[None, :]) & (s == s), s,
-                         float("-inf"))
-        else:
+            s = tl.where((b * BLOCK + offs)[:, None] <= pos[None, :], s, float("-inf"))
+        if not MAX_SKIPS_NAN:
             s = tl.where(s == s, s, float("-inf"))
-        best = tl.where(page_ok, tl.max(s, axis=0), float("-inf"))  # [M]
+        best = tl.reduce(s, 0, _max_skip_nan)  # [M]
     else:
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [M, BLOCK]
         else:
             s = tl.dot(q, tl.trans(k))  # [M, BLOCK]
-        # NaN counts as -inf; with CAUSAL, keys after the row's token do not count
+        # with CAUSAL, keys after the row's token do not count
         if CAUSAL:
-            s = tl.where(((b * BLOCK + offs)[None, :] <= pos[:, None]) & (s == s), s,
-                         float("-inf"))
-        else:
+            s = tl.where((b * BLOCK + offs)[None, :] <= pos[:, None], s, float("-inf"))
+        if not MAX_SKIPS_NAN:
             s = tl.where(s == s, s, float("-inf"))
-        best = tl.where(page_ok, tl.max(s, axis=1), float("-inf"))  # [M]
+        best = tl.reduce(s, 1, _max_skip_nan)  # [M]
+    # NaN counts as -inf. On the GPU the max already skips NaN keys (PTX max.f32 returns the
+    # other operand), so only an all-NaN block is left to fix, per row instead of per key: half
+    # of the prefill loop's instructions were that per-key compare and select. The interpreter's
+    # numpy max propagates NaN, so there every key is cleaned first.
+    best = tl.where(page_ok & (best == best), best, float("-inf"))
     return tl.where(cols[None, :] == b - b_lo, best[:, None], tile)
 
 
@@ -69,7 +79,8 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
                        stride_cb, stride_cd, stride_btb, stride_ot, stride_oh, stride_ob,
                        H: tl.constexpr, HP: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr,
                        BLOCK: tl.constexpr, ROWS_T: tl.constexpr, BPS: tl.constexpr,
-                       CAST_K: tl.constexpr, IEEE: tl.constexpr, KEYS_AS_ROWS: tl.constexpr):
+                       CAST_K: tl.constexpr, IEEE: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
+                       MAX_SKIPS_NAN: tl.constexpr):
     """Score tokens [t_begin, t_end) (< ROWS_T of them, all of one request whose first token is
     t_req) against blocks [b_lo, b_hi) and store the tile; rows are (token, head) pairs."""
     M: tl.constexpr = ROWS_T * HP
@@ -94,10 +105,12 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
                         b_hi)
     for b in range(b_lo, b_full):
         tile = _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, stride_cb,
-                            stride_cd, d, DI, BLOCK, BPS, CAST_K, IEEE, False, KEYS_AS_ROWS)
+                            stride_cd, d, DI, BLOCK, BPS, CAST_K, IEEE, False, KEYS_AS_ROWS,
+                            MAX_SKIPS_NAN)
     for b in range(b_full, b_hi):
         tile = _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, stride_cb,
-                            stride_cd, d, DI, BLOCK, BPS, CAST_K, IEEE, True, KEYS_AS_ROWS)
+                            stride_cd, d, DI, BLOCK, BPS, CAST_K, IEEE, True, KEYS_AS_ROWS,
+                            MAX_SKIPS_NAN)
     blk = b_lo + cols
     out = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh \
         + blk.to(tl.int64)[None, :] * stride_ob
@@ -112,7 +125,8 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                          H: tl.constexpr, HP: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr,
                          BLOCK: tl.constexpr, BPS: tl.constexpr, SMALL_Q: tl.constexpr,
                          TILE_MODE: tl.constexpr, ROWS_T: tl.constexpr, CAST_K: tl.constexpr,
-                         IEEE: tl.constexpr, KEYS_AS_ROWS: tl.constexpr):
+                         IEEE: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
+                         MAX_SKIPS_NAN: tl.constexpr):
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b_first = split * BPS
@@ -141,7 +155,7 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                                            b_first, b_hi, stride_qt, stride_qh, stride_qd,
                                            stride_cp, stride_cb, stride_cd, stride_btb, stride_ot, stride_oh,
                                            stride_ob, H, HP, DI, DIP, BLOCK, ROWS_T, BPS,
-                                           CAST_K, IEEE, KEYS_AS_ROWS)
+                                           CAST_K, IEEE, KEYS_AS_ROWS, MAX_SKIPS_NAN)
                 r += 1
     else:
         r = pid
@@ -157,4 +171,4 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                                    seq_len, q_len, t_req, b_first, b_hi, stride_qt, stride_qh,
                                    stride_qd, stride_cp, stride_cb, stride_cd, stride_btb, stride_ot, stride_oh,
                                    stride_ob, H, HP, DI, DIP, BLOCK, ROWS_T, BPS, CAST_K, IEEE,
-                                   KEYS_AS_ROWS)
+                                   KEYS_AS_ROWS, MAX_SKIPS_NAN)
