@@ -40,14 +40,20 @@ def token_position(cu_seqlens_ptr, seq_lens_ptr, num_requests, token):
 
 
 @triton.jit
-def pack_score_key(score, block):
-    """One int64 per (score, block): larger means a better score, then a lower block, so every
-    key is distinct and a plain max/sort applies MSA's tie rule. NaN ranks as -inf and -0.0 as 0."""
+def score_key(score):
+    """An int32 per score whose integer order is the score's order: NaN ranks as -inf, -0.0 as 0,
+    and -inf's key (0x807FFFFF) stays above -2**31, which callers keep for absent blocks."""
     s = tl.where(score != score, float("-inf"), score)
     s = tl.where(s == 0.0, 0.0, s)
     bits = s.to(tl.int32, bitcast=True)
     # flip the magnitude bits of negatives so that int order is float order
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def pack_key(key, block):
+    """One int64 per (int32 key, block): larger means a better key, then a lower block, so every
+    packed key is distinct and a plain max/sort applies MSA's tie rule."""
     return (key.to(tl.int64) << 32) + (0xFFFFFFFF - block.to(tl.int64))
 
 

@@ -1,21 +1,31 @@
 # SPDX-License-Identifier: Apache-2.0
 """Triton kernels of the selection: top-K blocks per (token, index head) from a score row.
 
-Each score is packed with its block id into one int64 whose order is (score, then lower block)
-(`pack_score_key`), so keys are distinct and a plain top-k on them obeys the tie rule; forced
-blocks get the largest keys. A row is cut into SEG-wide segments, one program each
-(`_segment_topk_kernel`, grid (T, H, segments)), which keeps its segment's best KP keys with
-Triton's bitonic top-k; with one segment that program writes the answer itself, otherwise
-`_merge_topk_kernel` takes the best K of the segments' candidates. Splitting the row lets a
-single 1M-token request (8192 blocks) use many programs instead of one.
+Each score maps to an int32 key whose integer order is the score's order (`score_key`; forced
+blocks get the largest key, blocks that do not exist the smallest). A row is cut into SEG-wide
+segments, one program each (`_segment_topk_kernel`, grid (T, H, segments)); with one segment that
+program writes the answer itself, otherwise it writes its best K as candidates (packed with their
+block ids, `pack_key`, in block order) and `_merge_topk_kernel` picks the best K of the
+segments' candidates. Splitting the row lets a single 1M-token request (8192 blocks) use many
+programs instead of one.
+
+Both pick by threshold, not by sorting (`_threshold_select`): a bitwise binary search finds the
+K-th largest key (one compare and one count over the row per bit, stopping as soon as exactly K
+keys reach the threshold), then every key above it is taken, and of the keys equal to it the
+lowest blocks (a running count in block order), which is MSA's tie rule. The picked blocks come
+out in ascending order by a running count as well, so nothing is sorted. A bitonic top-k of 1024
+keys cost ~10x more (docs/performance.md).
 Bytes: reads n * 4 bytes of scores per row (+ segments * KP * 8 of candidates), writes K * 4.
 """
 
 import triton
 import triton.language as tl
 
-from ..common.triton_utils import (EMPTY_KEY, FORCED_SCORE_KEY, pack_score_key, token_position,
-                                   unpack_block)
+from ..common.triton_utils import (EMPTY_KEY, FORCED_SCORE_KEY, pack_key, score_key,
+                                   token_position, unpack_block)
+
+# the int32 key of a block that does not exist: below every real key (-inf's is 0x807FFFFF)
+DEAD_KEY = tl.constexpr(-(2 ** 31))
 
 
 @triton.jit
@@ -26,13 +36,37 @@ def _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, t, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _write_ascending(out_row, stride_ok, best, TOPK: tl.constexpr, KP: tl.constexpr):
-    """The first TOPK keys of `best` (descending) as ascending block ids, then -1."""
+def _threshold_select(key, TOPK: tl.constexpr):
+    """Mask of the TOPK largest entries of the int32 `key` [N] (DEAD_KEY entries never; fewer
+    than TOPK live entries: all of them); of equal keys the earliest win."""
+    # the K-th largest key, bit by bit from the top, in unsigned order (x ^ DEAD_KEY maps the
+    # signed order onto it): the largest t with count(key >= t) >= TOPK
+    prefix = tl.zeros((), tl.int32)
+    bit = 31
+    searching = True
+    while (bit >= 0) & searching:
+        cand = prefix | (1 << bit)
+        count = tl.sum((key >= (cand ^ DEAD_KEY)).to(tl.int32), axis=0)
+        prefix = tl.where(count >= TOPK, cand, prefix)
+        # exactly K keys reach it: the lower bits cannot change the chosen set
+        searching = count != TOPK
+        bit -= 1
+    thresh = prefix ^ DEAD_KEY
+    above = key > thresh
+    tied = (key == thresh) & (key != DEAD_KEY)
+    need = TOPK - tl.sum(above.to(tl.int32), axis=0)
+    return above | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= need))
+
+
+@triton.jit
+def _store_in_order(out_row, stride_ok, picked, blocks, TOPK: tl.constexpr, KP: tl.constexpr):
+    """The picked blocks (given in ascending order) into out_row[0:count], then -1 up to TOPK."""
+    slot = tl.cumsum(picked.to(tl.int32), axis=0) - 1
+    tl.store(out_row + slot * stride_ok, blocks, mask=picked)
+    count = tl.sum(picked.to(tl.int32), axis=0)
     slots = tl.arange(0, KP)
-    keep = (slots < TOPK) & (best != EMPTY_KEY)
-    blocks = tl.sort(tl.where(keep, unpack_block(best), 2**31 - 1))
-    tl.store(out_row + slots * stride_ok, tl.where(blocks == 2**31 - 1, -1, blocks),
-             mask=slots < TOPK)
+    tl.store(out_row + slots * stride_ok, tl.full([KP], -1, tl.int32),
+             mask=(slots >= count) & (slots < TOPK))
 
 
 @triton.jit
@@ -58,17 +92,20 @@ def _segment_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, cand_ptr, nu
         live = b < n
         row = scores_ptr + t.to(tl.int64) * stride_st + h * stride_sh
         s = tl.load(row + b.to(tl.int64) * stride_sb, mask=live, other=float("-inf"))
-        key = pack_score_key(s, b)
         forced = (b < INIT) | (b >= n - LOCAL)
-        key = tl.where(forced, (FORCED_SCORE_KEY << 32) + (0xFFFFFFFF - b.to(tl.int64)), key)
-        key = tl.where(live, key, EMPTY_KEY)
-        best = tl.topk(key, KP)  # [KP], descending
+        key = tl.where(forced, FORCED_SCORE_KEY, score_key(s))
+        key = tl.where(live, key, DEAD_KEY)
+        picked = _threshold_select(key, TOPK)
         if SINGLE:
-            _write_ascending(out_row, stride_ok, best, TOPK, KP)
+            _store_in_order(out_row, stride_ok, picked, b, TOPK, KP)
         else:
-            # candidates [T, H, segments, KP], contiguous
+            # candidates [T, H, segments, KP], contiguous, in block order, EMPTY_KEY after
             base = ((t.to(tl.int64) * num_heads + h) * num_segments + seg) * KP
-            tl.store(cand_ptr + base + slots, best)
+            slot = tl.cumsum(picked.to(tl.int32), axis=0) - 1
+            tl.store(cand_ptr + base + slot, pack_key(key, b), mask=picked)
+            count = tl.sum(picked.to(tl.int32), axis=0)
+            tl.store(cand_ptr + base + slots, tl.full([KP], EMPTY_KEY, tl.int64),
+                     mask=slots >= count)
 
 
 @triton.jit
@@ -80,11 +117,14 @@ def _merge_topk_kernel(cand_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_requests, nu
     num_heads = tl.num_programs(1)
     n = _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, t, BLOCK)
     if n > TOPK:
-        # segments past the row's causal blocks wrote nothing: read only those that exist
+        # segments past the row's causal blocks wrote nothing: read only those that exist. The
+        # candidates are in ascending block order (segments in order, each in block order), so
+        # the earliest of equal keys is the lowest block, as the tie rule wants
         live_segs = (n + SEG - 1) // SEG
         c = tl.arange(0, CANDP)
         base = (t.to(tl.int64) * num_heads + h) * num_segments * KP
-        key = tl.load(cand_ptr + base + c, mask=c < live_segs * KP, other=EMPTY_KEY)
-        best = tl.topk(key, KP)
-        _write_ascending(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh, stride_ok, best,
-                         TOPK, KP)
+        packed = tl.load(cand_ptr + base + c, mask=c < live_segs * KP, other=EMPTY_KEY)
+        key = tl.where(packed == EMPTY_KEY, DEAD_KEY, (packed >> 32).to(tl.int32))
+        picked = _threshold_select(key, TOPK)
+        _store_in_order(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh, stride_ok, picked,
+                        unpack_block(packed), TOPK, KP)
