@@ -9,6 +9,7 @@ import openmsa
 from openmsa import reference as ref
 from openmsa.batch import token_layout
 from openmsa.ops.indexer import api as indexer_api
+from openmsa.ops.indexer import reference as indexer_ref
 from openmsa.testing import (RecordingKernel, assert_close, assert_selection_near_optimal,
                              make_step, nan_poison, random_index_inputs, random_kv_cache)
 
@@ -77,6 +78,41 @@ def test_select_on_random_floats_meets_threshold(kernel_device, q_dtype, c_dtype
     _, pos = token_layout(step.cu_seqlens_q, step.seq_lens, step.num_tokens)
     assert_selection_near_optimal(got, scores, pos, topk=topk, init_blocks=0, local_blocks=1,
                                   block_size=B, rtol=1e-2)
+
+
+# scores that stress the threshold search: signed zeros, infinities, NaN, subnormals, the
+# extremes of fp32, and values equal in all but the last mantissa bit
+CRAFTED = [float("-inf"), float("inf"), float("nan"), -0.0, 0.0, 1e-45, -1e-45, 3.4e38, -3.4e38,
+           1.0, 1.0000001, -1.0, -1.0000001, 2.0, 2.0]
+
+
+@pytest.mark.parametrize("topk, init, local, segment", [(4, 0, 1, None), (5, 1, 2, 8),
+                                                        (16, 0, 1, None)])
+def test_selection_kernels_on_crafted_scores(kernel_device, topk, init, local, segment,
+                                             monkeypatch):
+    """The selection launches alone on score rows drawn from CRAFTED (many exact ties, all-equal
+    rows, all -inf rows, rows shorter and longer than topk, one segment or several), equal to
+    the reference selection from the same scores."""
+    if segment is not None:
+        monkeypatch.setattr(indexer_api, "SELECT_SEGMENT", segment)
+    g = torch.Generator().manual_seed(topk)
+    q_lens, seq_lens = [1, 1, 1, 1, 3, 40, 1], [700, 53, 16 * 2 + 1, 400, 260, 90, 1000]
+    step = make_step(q_lens, seq_lens, block_size=B, pad_tokens=1)
+    width = step.block_table.shape[1]
+    palette = torch.tensor(CRAFTED)
+    scores = palette[torch.randint(len(CRAFTED), (step.num_tokens, 3, width), generator=g)]
+    scores[0, 0] = 2.0  # one value everywhere: the bounds agree, the tie rule decides
+    scores[0, 1] = float("-inf")
+    scores[1, 2] = float("nan")
+    scores[2, 0, ::3] = 3.4e38  # more top keys than topk, spread over segments
+    _, pos = token_layout(step.cu_seqlens_q, step.seq_lens, step.num_tokens)
+    want = indexer_ref.select_from_scores(scores, pos, topk=topk, init_blocks=init, local_blocks=local,
+                                  block_size=B)
+    d = _to(step, kernel_device)
+    out = nan_poison((step.num_tokens, 3, topk), torch.int32, kernel_device)
+    indexer_api.launch_select(scores.to(kernel_device), d.cu_seqlens_q, d.seq_lens, out,
+                              topk=topk, init_blocks=init, local_blocks=local, block_size=B)
+    assert torch.equal(out.cpu(), want)
 
 
 def test_strided_out_is_written_in_place(kernel_device):
