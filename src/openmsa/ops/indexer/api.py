@@ -25,7 +25,11 @@ SELECT_SEGMENT = 1024
 # launch knobs, read at each call so that benchmarks/tune.py can sweep them
 TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64, decode_min_bps=1,
               decode_keys_as_rows=True, prefill_rows=128, prefill_bps=32, prefill_warps=8, prefill_warps_fp8=4,
-              prefill_stages=3, select_warps=4)
+              prefill_stages=3, select_warps=4, select_sort_waves=2)
+
+
+def _programs_per_wave(device: torch.device) -> int:
+    return num_sms(device) if device.type == "cuda" else 4
 
 
 def _programs_wanted(device: torch.device) -> int:
@@ -103,15 +107,21 @@ def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, loc
     single = num_segments == 1
     cand = out if single else torch.empty((num_tokens, num_heads, num_segments, kp),
                                           dtype=torch.int64, device=scores.device)
+    # few programs (decode at small batch): a bitonic top-k on 4 warps has the shortest latency;
+    # many (prefill, large batches): the threshold search on one warp per row has the most
+    # throughput (select.py; measured in docs/performance.md)
+    programs = num_tokens * num_heads * num_segments
+    by_sort = programs < TUNING["select_sort_waves"] * _programs_per_wave(scores.device)
+    warps = TUNING["select_warps"] if by_sort else 1
     _segment_topk_kernel[(num_tokens, num_heads, num_segments)](
         scores, cu_seqlens_q, seq_lens, out, cand, seq_lens.shape[0], num_segments,
         *scores.stride(), *out.stride(), TOPK=topk, KP=kp, INIT=init_blocks, LOCAL=local_blocks,
-        BLOCK=block_size, SEG=seg, SINGLE=single, num_warps=TUNING["select_warps"])
+        BLOCK=block_size, SEG=seg, SINGLE=single, BY_SORT=by_sort, num_warps=warps)
     if not single:
         _merge_topk_kernel[(num_tokens, num_heads)](
             cand, cu_seqlens_q, seq_lens, out, seq_lens.shape[0], num_segments, *out.stride(),
             TOPK=topk, KP=kp, BLOCK=block_size, SEG=seg,
-            CANDP=_next_pow2(num_segments * kp), num_warps=TUNING["select_warps"])
+            CANDP=_next_pow2(num_segments * kp), BY_SORT=by_sort, num_warps=warps)
 
 
 def block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, block_size=128,

@@ -13,8 +13,10 @@ Both pick by threshold, not by sorting (`_threshold_select`): a bitwise binary s
 K-th largest key (one compare and one count over the row per bit, stopping as soon as exactly K
 keys reach the threshold), then every key above it is taken, and of the keys equal to it the
 lowest blocks (a running count in block order), which is MSA's tie rule. The picked blocks come
-out in ascending order by a running count as well, so nothing is sorted. A bitonic top-k of 1024
-keys cost ~10x more (docs/performance.md).
+out in ascending order by a running count as well, so nothing is sorted. That is the throughput
+path (prefill: tens of thousands of rows, one warp each). With few programs (decode at small
+batch) one program's latency matters instead, and Triton's bitonic `tl.topk` on the packed keys
+(no chain of row-wide counts) is faster: `BY_SORT`, chosen by the launcher from the program count.
 Bytes: reads n * 4 bytes of scores per row (+ segments * KP * 8 of candidates), writes K * 4.
 """
 
@@ -83,11 +85,22 @@ def _store_in_order(out_row, stride_ok, picked, blocks, TOPK: tl.constexpr, KP: 
 
 
 @triton.jit
+def _write_ascending(out_row, stride_ok, best, TOPK: tl.constexpr, KP: tl.constexpr):
+    """The sort path's output: the first TOPK packed keys of `best` (descending) as ascending
+    block ids, then -1."""
+    slots = tl.arange(0, KP)
+    keep = (slots < TOPK) & (best != EMPTY_KEY)
+    blocks = tl.sort(tl.where(keep, unpack_block(best), 2**31 - 1))
+    tl.store(out_row + slots * stride_ok, tl.where(blocks == 2**31 - 1, -1, blocks),
+             mask=slots < TOPK)
+
+
+@triton.jit
 def _segment_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, cand_ptr, num_requests,
                          num_segments, stride_st, stride_sh, stride_sb, stride_ot, stride_oh,
                          stride_ok, TOPK: tl.constexpr, KP: tl.constexpr, INIT: tl.constexpr,
                          LOCAL: tl.constexpr, BLOCK: tl.constexpr, SEG: tl.constexpr,
-                         SINGLE: tl.constexpr):
+                         SINGLE: tl.constexpr, BY_SORT: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     seg = tl.program_id(2)
@@ -108,12 +121,19 @@ def _segment_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, cand_ptr, nu
         forced = (b < INIT) | (b >= n - LOCAL)
         key = tl.where(forced, FORCED_SCORE_KEY, score_key(s))
         key = tl.where(live, key, DEAD_KEY)
-        picked = _threshold_select(key, TOPK, KP)
-        if SINGLE:
+        base = ((t.to(tl.int64) * num_heads + h) * num_segments + seg) * KP
+        if BY_SORT:
+            best = tl.topk(tl.where(live, pack_key(key, b), EMPTY_KEY), KP)  # descending
+            if SINGLE:
+                _write_ascending(out_row, stride_ok, best, TOPK, KP)
+            else:
+                tl.store(cand_ptr + base + slots, best)
+        elif SINGLE:
+            picked = _threshold_select(key, TOPK, KP)
             _store_in_order(out_row, stride_ok, picked, b, TOPK, KP)
         else:
+            picked = _threshold_select(key, TOPK, KP)
             # candidates [T, H, segments, KP], contiguous, in block order, EMPTY_KEY after
-            base = ((t.to(tl.int64) * num_heads + h) * num_segments + seg) * KP
             slot = tl.cumsum(picked.to(tl.int32), axis=0) - 1
             tl.store(cand_ptr + base + slot, pack_key(key, b), mask=picked)
             count = tl.sum(picked.to(tl.int32), axis=0)
@@ -124,20 +144,25 @@ def _segment_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, cand_ptr, nu
 @triton.jit
 def _merge_topk_kernel(cand_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_requests, num_segments,
                        stride_ot, stride_oh, stride_ok, TOPK: tl.constexpr, KP: tl.constexpr,
-                       BLOCK: tl.constexpr, SEG: tl.constexpr, CANDP: tl.constexpr):
+                       BLOCK: tl.constexpr, SEG: tl.constexpr, CANDP: tl.constexpr,
+                       BY_SORT: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     num_heads = tl.num_programs(1)
     n = _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, t, BLOCK)
     if n > TOPK:
-        # segments past the row's causal blocks wrote nothing: read only those that exist. The
-        # candidates are in ascending block order (segments in order, each in block order), so
-        # the earliest of equal keys is the lowest block, as the tie rule wants
+        # segments past the row's causal blocks wrote nothing: read only those that exist. On
+        # the threshold path the candidates are in ascending block order (segments in order,
+        # each in block order), so the earliest of equal keys is the lowest block (the tie rule);
+        # the sort path's packed keys carry the rule themselves
         live_segs = (n + SEG - 1) // SEG
         c = tl.arange(0, CANDP)
         base = (t.to(tl.int64) * num_heads + h) * num_segments * KP
         packed = tl.load(cand_ptr + base + c, mask=c < live_segs * KP, other=EMPTY_KEY)
-        key = tl.where(packed == EMPTY_KEY, DEAD_KEY, (packed >> 32).to(tl.int32))
-        picked = _threshold_select(key, TOPK, KP)
-        _store_in_order(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh, stride_ok, picked,
-                        unpack_block(packed), TOPK, KP)
+        out_row = out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh
+        if BY_SORT:
+            _write_ascending(out_row, stride_ok, tl.topk(packed, KP), TOPK, KP)
+        else:
+            key = tl.where(packed == EMPTY_KEY, DEAD_KEY, (packed >> 32).to(tl.int32))
+            picked = _threshold_select(key, TOPK, KP)
+            _store_in_order(out_row, stride_ok, picked, unpack_block(packed), TOPK, KP)
