@@ -163,11 +163,13 @@ def _indexer(args, only):
 
 def _indexer_prefill(args):
     """The prefill tile launch's knobs on 8K chunks (no context, 120K, ~1M): select_blocks, and
-    block_scores alone (the scoring launch plus the score tensor's -inf fill) for fp8 at 120K."""
-    variants = pick(args, [{}, dict(prefill_rows=256, prefill_warps=8, prefill_warps_fp8=8),
-                           dict(prefill_bps=16), dict(prefill_bps=64), dict(prefill_stages=4),
-                           dict(prefill_stages=2, prefill_warps=4), dict(prefill_rows=64),
-                           dict(prefill_warps_fp8=8)])
+    for fp8 at 120K block_scores alone (the scoring launch plus the score tensor's -inf fill)
+    and the selection launches alone."""
+    variants = pick(args, [{}, dict(prefill_warps=8, prefill_stages=3),
+                           dict(prefill_rows=256, prefill_warps=8, prefill_warps_fp8=8),
+                           dict(prefill_bps=16), dict(prefill_bps=64),
+                           dict(prefill_stages=3, prefill_stages_fp8=4),
+                           dict(prefill_stages_fp8=2), dict(prefill_rows=64)])
     print("indexer prefill variants:", variants)
     cases = []
     for dname, ctx in (("fp8", 0), ("fp8", 120 * 1024), ("fp8", 1016 * 1024), ("bf16", 0),
@@ -180,6 +182,14 @@ def _indexer_prefill(args):
             cases.append((f"scores {dname} 8K@{ctx // 1024}K",
                           (lambda q=q, cache=cache, cu=cu, seq=seq, table=table:
                            openmsa.block_scores(q, cache, cu, seq, table))))
+            scores = openmsa.block_scores(q, cache, cu, seq, table)
+            out = torch.empty(q.shape[0], q.shape[1], 16, dtype=torch.int32, device="cuda")
+
+            def select_only(scores=scores, cu=cu, seq=seq, out=out):
+                indexer_api.launch_select(scores, cu, seq, out, topk=16, init_blocks=0,
+                                          local_blocks=1, block_size=128)
+                return out
+            cases.append((f"select 8K@{ctx // 1024}K", select_only))
     sweep("indexer", indexer_api.TUNING, variants, cases, max(3, args.iters // 2))
 
 
