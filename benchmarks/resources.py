@@ -77,13 +77,13 @@ def attention_resources(kv: str, sub: int, stages: int, warps: int, splits: int 
 
 
 def index_resources(kv: str, rows: int, bps: int, stages: int, warps: int, sass: bool = False,
-                    nan: bool = True, store_each: bool = False):
+                    nan: bool = True):
     """The indexer's prefill tile launch (`TILE_MODE`) on M3's index shapes (4 heads of 128)."""
     pointers = dict(q_ptr=KV_TYPES[kv], cache_ptr=KV_TYPES[kv], cu_ptr="*i32",
                     seq_lens_ptr="*i32", bt_ptr="*i32", out_ptr="*fp32")
     constexprs = dict(H=4, HP=4, DI=128, DIP=128, BLOCK=128, BPS=bps, SMALL_Q=16, TILE_MODE=True,
                       ROWS_T=rows // 4, CAST_K=False, IEEE=False, KEYS_AS_ROWS=False,
-                      MAX_SKIPS_NAN=nan, STORE_EACH=store_each,
+                      MAX_SKIPS_NAN=nan,
                       stride_qd=1, stride_cd=1, stride_btb=1, stride_ob=1)
     return _compile(_block_scores_kernel, constexprs, pointers, stages, warps, sass)
 

@@ -48,7 +48,7 @@ def test_block_scores_kernel(tile_mode, q_type, c_type):
              dict(H=4, HP=4, DI=128, DIP=128, BLOCK=128, BPS=32 if tile_mode else 16,
                   SMALL_Q=16, TILE_MODE=tile_mode, ROWS_T=32 if tile_mode else 4,
                   CAST_K=q_type != c_type, IEEE=False, KEYS_AS_ROWS=not tile_mode,
-                  MAX_SKIPS_NAN=True, STORE_EACH=False))
+                  MAX_SKIPS_NAN=True))
 
 
 @pytest.mark.parametrize("by_sort", [False, True])

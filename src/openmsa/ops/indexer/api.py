@@ -29,7 +29,7 @@ SELECT_SEGMENT = 1024
 TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64, decode_min_bps=1,
               decode_keys_as_rows=True, prefill_rows=128, prefill_bps=32, prefill_warps=4,
               prefill_stages=2, prefill_warps_fp8=4, prefill_stages_fp8=3, select_warps=4,
-              prefill_store_each=False, select_sort_waves=2)
+              select_sort_waves=2)
 
 
 def _programs_per_wave(device: torch.device) -> int:
@@ -81,8 +81,7 @@ def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_tabl
     # keys as the MMA's rows (see scores.py); the fp32 reference-precision path keeps the IEEE dot
     keys_as_rows = TUNING["decode_keys_as_rows"] and not ieee
     _block_scores_kernel[grid](*args, BPS=bps, TILE_MODE=False, ROWS_T=rows_t, **common,
-                               KEYS_AS_ROWS=keys_as_rows, STORE_EACH=False,
-                               num_warps=TUNING["decode_warps"],
+                               KEYS_AS_ROWS=keys_as_rows, num_warps=TUNING["decode_warps"],
                                num_stages=TUNING["decode_stages"])
     # prefill chunks: tiles of packed tokens; with T <= SMALL_Q no request can be long
     if num_tokens <= SMALL_Q:
@@ -92,7 +91,7 @@ def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_tabl
     bps = TUNING["prefill_bps"]
     grid = (-(-num_tokens // rows_t), -(-max_blocks // bps))
     _block_scores_kernel[grid](*args, BPS=bps, TILE_MODE=True, ROWS_T=rows_t, **common,
-                               KEYS_AS_ROWS=False, STORE_EACH=TUNING["prefill_store_each"],
+                               KEYS_AS_ROWS=False,
                                num_warps=TUNING["prefill_warps_fp8" if fp8 else "prefill_warps"],
                                num_stages=TUNING["prefill_stages_fp8" if fp8 else "prefill_stages"])
 

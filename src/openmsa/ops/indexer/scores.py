@@ -31,12 +31,10 @@ def _max_skip_nan(a, b):
 
 @triton.jit
 def _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, stride_cb, stride_cd,
-                 d, out_rows, row_ok, stride_ob, DI: tl.constexpr, BLOCK: tl.constexpr,
-                 BPS: tl.constexpr, CAST_K: tl.constexpr, IEEE: tl.constexpr,
-                 CAUSAL: tl.constexpr, KEYS_AS_ROWS: tl.constexpr, MAX_SKIPS_NAN: tl.constexpr,
-                 STORE_EACH: tl.constexpr):
-    """Column b - b_lo of the [rows, BPS] score tile: each row's max over block b's keys (with
-    STORE_EACH, stored to out_rows[:, b] at once and the tile returned as is)."""
+                 d, DI: tl.constexpr, BLOCK: tl.constexpr, BPS: tl.constexpr,
+                 CAST_K: tl.constexpr, IEEE: tl.constexpr, CAUSAL: tl.constexpr,
+                 KEYS_AS_ROWS: tl.constexpr, MAX_SKIPS_NAN: tl.constexpr):
+    """Column b - b_lo of the [rows, BPS] score tile: each row's max over block b's keys."""
     offs = tl.arange(0, BLOCK)
     cols = tl.arange(0, BPS)
     page = tl.sum(tl.where(cols == b - b_lo, split_pages, 0), axis=0).to(tl.int64)
@@ -72,9 +70,6 @@ def _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, strid
     # of the prefill loop's instructions were that per-key compare and select. The interpreter's
     # numpy max propagates NaN, so there every key is cleaned first.
     best = tl.where(page_ok & (best == best), best, float("-inf"))
-    if STORE_EACH:
-        tl.store(out_rows + tl.cast(b, tl.int64) * stride_ob, best, mask=row_ok)
-        return tile
     return tl.where(cols[None, :] == b - b_lo, best[:, None], tile)
 
 
@@ -85,7 +80,7 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
                        H: tl.constexpr, HP: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr,
                        BLOCK: tl.constexpr, ROWS_T: tl.constexpr, BPS: tl.constexpr,
                        CAST_K: tl.constexpr, IEEE: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
-                       MAX_SKIPS_NAN: tl.constexpr, STORE_EACH: tl.constexpr):
+                       MAX_SKIPS_NAN: tl.constexpr):
     """Score tokens [t_begin, t_end) (< ROWS_T of them, all of one request whose first token is
     t_req) against blocks [b_lo, b_hi) and store the tile; rows are (token, head) pairs."""
     M: tl.constexpr = ROWS_T * HP
@@ -104,27 +99,22 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
     split_pages = tl.load(bt_row_ptr + (b_lo + cols) * stride_btb, mask=b_lo + cols < b_hi,
                           other=-1)  # [BPS]
     tile = tl.full([M, BPS], float("-inf"), tl.float32)
-    # row pointers live through the loop only when it stores (they cost registers)
-    out_rows = out_ptr
-    if STORE_EACH:
-        out_rows = out_ptr + tok.to(tl.int64) * stride_ot + head * stride_oh  # [M]
     # blocks wholly at or before the earliest row's position need no causal mask: only the
     # last one or two blocks of a tile pay for it
     b_full = tl.minimum(tl.maximum((seq_len - q_len + (t_begin - t_req) + 1) // BLOCK, b_lo),
                         b_hi)
     for b in range(b_lo, b_full):
         tile = _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, stride_cb,
-                            stride_cd, d, out_rows, row_ok, stride_ob, DI, BLOCK, BPS, CAST_K,
-                            IEEE, False, KEYS_AS_ROWS, MAX_SKIPS_NAN, STORE_EACH)
+                            stride_cd, d, DI, BLOCK, BPS, CAST_K, IEEE, False, KEYS_AS_ROWS,
+                            MAX_SKIPS_NAN)
     for b in range(b_full, b_hi):
         tile = _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, stride_cb,
-                            stride_cd, d, out_rows, row_ok, stride_ob, DI, BLOCK, BPS, CAST_K,
-                            IEEE, True, KEYS_AS_ROWS, MAX_SKIPS_NAN, STORE_EACH)
-    if not STORE_EACH:
-        out_rows = out_ptr + tok.to(tl.int64) * stride_ot + head * stride_oh
-        blk = b_lo + cols
-        tl.store(out_rows[:, None] + blk.to(tl.int64)[None, :] * stride_ob, tile,
-                 mask=row_ok[:, None] & (blk[None, :] < b_hi))
+                            stride_cd, d, DI, BLOCK, BPS, CAST_K, IEEE, True, KEYS_AS_ROWS,
+                            MAX_SKIPS_NAN)
+    blk = b_lo + cols
+    out = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh \
+        + blk.to(tl.int64)[None, :] * stride_ob
+    tl.store(out, tile, mask=row_ok[:, None] & (blk[None, :] < b_hi))
 
 
 @triton.jit
@@ -136,7 +126,7 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                          BLOCK: tl.constexpr, BPS: tl.constexpr, SMALL_Q: tl.constexpr,
                          TILE_MODE: tl.constexpr, ROWS_T: tl.constexpr, CAST_K: tl.constexpr,
                          IEEE: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
-                         MAX_SKIPS_NAN: tl.constexpr, STORE_EACH: tl.constexpr):
+                         MAX_SKIPS_NAN: tl.constexpr):
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b_first = split * BPS
@@ -165,8 +155,7 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                                            b_first, b_hi, stride_qt, stride_qh, stride_qd,
                                            stride_cp, stride_cb, stride_cd, stride_btb, stride_ot, stride_oh,
                                            stride_ob, H, HP, DI, DIP, BLOCK, ROWS_T, BPS,
-                                           CAST_K, IEEE, KEYS_AS_ROWS, MAX_SKIPS_NAN,
-                                           STORE_EACH)
+                                           CAST_K, IEEE, KEYS_AS_ROWS, MAX_SKIPS_NAN)
                 r += 1
     else:
         r = pid
@@ -182,4 +171,4 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                                    seq_len, q_len, t_req, b_first, b_hi, stride_qt, stride_qh,
                                    stride_qd, stride_cp, stride_cb, stride_cd, stride_btb, stride_ot, stride_oh,
                                    stride_ob, H, HP, DI, DIP, BLOCK, ROWS_T, BPS, CAST_K, IEEE,
-                                   KEYS_AS_ROWS, MAX_SKIPS_NAN, STORE_EACH)
+                                   KEYS_AS_ROWS, MAX_SKIPS_NAN)
