@@ -29,7 +29,7 @@ SELECT_SEGMENT = 1024
 TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64, decode_min_bps=1,
               decode_keys_as_rows=True, prefill_rows=128, prefill_bps=32, prefill_warps=4,
               prefill_stages=2, prefill_warps_fp8=4, prefill_stages_fp8=3, select_warps=4,
-              select_sort_waves=2)
+              select_sort_waves=2, select_search_scale=1)
 
 
 def _programs_per_wave(device: torch.device) -> int:
@@ -106,17 +106,23 @@ def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, loc
     if num_tokens == 0:
         return
     kp = _next_pow2(topk)
-    seg = max(2 * kp, min(SELECT_SEGMENT, _next_pow2(max(max_blocks, 1))))
+
+    def segment(width):
+        return max(2 * kp, min(width, _next_pow2(max(max_blocks, 1))))
+
+    seg = segment(SELECT_SEGMENT)
+    # few programs (decode at small batch): a bitonic top-k on 4 warps has the shortest latency;
+    # many (prefill, large batches): the threshold search on one warp per row has the most
+    # throughput, on segments select_search_scale times longer (select.py; docs/performance.md)
+    programs = num_tokens * num_heads * -(-max(max_blocks, 1) // seg)
+    by_sort = programs < TUNING["select_sort_waves"] * _programs_per_wave(scores.device)
+    warps = TUNING["select_warps"] if by_sort else 1
+    if not by_sort:
+        seg = segment(SELECT_SEGMENT * TUNING["select_search_scale"])
     num_segments = -(-max(max_blocks, 1) // seg)
     single = num_segments == 1
     cand = out if single else torch.empty((num_tokens, num_heads, num_segments, kp),
                                           dtype=torch.int64, device=scores.device)
-    # few programs (decode at small batch): a bitonic top-k on 4 warps has the shortest latency;
-    # many (prefill, large batches): the threshold search on one warp per row has the most
-    # throughput (select.py; measured in docs/performance.md)
-    programs = num_tokens * num_heads * num_segments
-    by_sort = programs < TUNING["select_sort_waves"] * _programs_per_wave(scores.device)
-    warps = TUNING["select_warps"] if by_sort else 1
     _segment_topk_kernel[(num_tokens, num_heads, num_segments)](
         scores, cu_seqlens_q, seq_lens, out, cand, seq_lens.shape[0], num_segments,
         *scores.stride(), *out.stride(), TOPK=topk, KP=kp, INIT=init_blocks, LOCAL=local_blocks,
