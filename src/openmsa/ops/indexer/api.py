@@ -118,7 +118,7 @@ def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, loc
     by_sort = programs < TUNING["select_sort_waves"] * _programs_per_wave(scores.device)
     warps = TUNING["select_warps"] if by_sort else 1
     if not by_sort:
-        seg = segment(SELECT_SEGMENT * TUNING["select_search_scale"])
+        seg = segment(int(SELECT_SEGMENT * TUNING["select_search_scale"]))
     num_segments = -(-max(max_blocks, 1) // seg)
     single = num_segments == 1
     cand = out if single else torch.empty((num_tokens, num_heads, num_segments, kp),
