@@ -107,11 +107,33 @@ def test_selection_kernels_on_crafted_scores(kernel_device, topk, init, local, s
     scores[0, 1] = float("-inf")
     scores[1, 2] = float("nan")
     scores[2, 0, ::3] = 3.4e38  # more top keys than topk, spread over segments
+    _check_selection_launch(kernel_device, step, scores, topk, init, local)
+
+
+@pytest.mark.parametrize("topk, init", [(16, 0), (5, 2)])
+def test_selection_scratch_path(kernel_device, topk, init, monkeypatch):
+    """Rows of 1000 blocks make 1024-wide segments, where the threshold path first packs the
+    keys that can be picked into a scratch row: distinct random scores take it (with a run of
+    equal top keys inside, and one row whose best keys sit in a few groups), a row of ties
+    overflows it and searches the segment."""
+    monkeypatch.setitem(indexer_api.TUNING, "select_sort_waves", 0)
+    g = torch.Generator().manual_seed(topk)
+    step = make_step([3, 1], [16 * 1000, 16 * 999 + 3], block_size=B, pad_tokens=1)
+    scores = torch.randn(step.num_tokens, 2, step.block_table.shape[1], generator=g)
+    scores[0, 0, 500:520] = 7.0
+    scores[1, 0, :] = 1.0
+    scores[1, 1, 40:60] = 9.0 + torch.arange(20.0)
+    scores[2, 1] = scores[2, 1].round()
+    _check_selection_launch(kernel_device, step, scores, topk, init, 1)
+
+
+def _check_selection_launch(kernel_device, step, scores, topk, init, local):
+    """launch_select on `scores` equals the reference selection from the same scores."""
     _, pos = token_layout(step.cu_seqlens_q, step.seq_lens, step.num_tokens)
-    want = indexer_ref.select_from_scores(scores, pos, topk=topk, init_blocks=init, local_blocks=local,
-                                  block_size=B)
+    want = indexer_ref.select_from_scores(scores, pos, topk=topk, init_blocks=init,
+                                          local_blocks=local, block_size=B)
     d = _to(step, kernel_device)
-    out = nan_poison((step.num_tokens, 3, topk), torch.int32, kernel_device)
+    out = nan_poison((*scores.shape[:2], topk), torch.int32, kernel_device)
     indexer_api.launch_select(scores.to(kernel_device), d.cu_seqlens_q, d.seq_lens, out,
                               topk=topk, init_blocks=init, local_blocks=local, block_size=B)
     assert torch.equal(out.cpu(), want)

@@ -29,7 +29,7 @@ SELECT_SEGMENT = 1024
 TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64, decode_min_bps=1,
               decode_keys_as_rows=True, prefill_rows=128, prefill_bps=32, prefill_warps=4,
               prefill_stages=2, prefill_warps_fp8=4, prefill_stages_fp8=3, select_warps=4,
-              select_sort_waves=2, select_search_scale=1)
+              select_sort_waves=2, select_search_scale=1, select_scratch=64)
 
 
 def _programs_per_wave(device: torch.device) -> int:
@@ -123,10 +123,19 @@ def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, loc
     single = num_segments == 1
     cand = out if single else torch.empty((num_tokens, num_heads, num_segments, kp),
                                           dtype=torch.int64, device=scores.device)
+    # the threshold path on long segments first packs the keys that can be picked into a scratch
+    # row of cap slots (select.py); cap = 0 turns that off
+    cap = max(TUNING["select_scratch"], 4 * kp) if TUNING["select_scratch"] else 0
+    if by_sort or seg < 4 * cap:
+        cap = 0
+    groups = max(64, 2 * kp)
+    scratch = torch.empty((num_tokens, num_heads, num_segments, cap) if cap else (1,),
+                          dtype=torch.int64, device=scores.device)
     _segment_topk_kernel[(num_tokens, num_heads, num_segments)](
-        scores, cu_seqlens_q, seq_lens, out, cand, seq_lens.shape[0], num_segments,
+        scores, cu_seqlens_q, seq_lens, out, cand, scratch, seq_lens.shape[0], num_segments,
         *scores.stride(), *out.stride(), TOPK=topk, KP=kp, INIT=init_blocks, LOCAL=local_blocks,
-        BLOCK=block_size, SEG=seg, SINGLE=single, BY_SORT=by_sort, num_warps=warps)
+        BLOCK=block_size, SEG=seg, SINGLE=single, BY_SORT=by_sort, CAP=cap, NG=groups,
+        num_warps=warps)
     if not single:
         _merge_topk_kernel[(num_tokens, num_heads)](
             cand, cu_seqlens_q, seq_lens, out, seq_lens.shape[0], num_segments, *out.stride(),

@@ -38,10 +38,9 @@ def _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, t, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _threshold_select(key, TOPK: tl.constexpr, GROUPS: tl.constexpr):
-    """Mask of the TOPK largest entries of the int32 `key` [N] (DEAD_KEY entries never; fewer
-    than TOPK live entries: all of them); of equal keys the earliest win. GROUPS >= TOPK, a
-    power of two dividing N."""
+def _kth_key(key, TOPK: tl.constexpr, GROUPS: tl.constexpr):
+    """The TOPK-th largest of the int32 `key` [N], counting equal keys separately (DEAD_KEY when
+    fewer than TOPK entries are live). GROUPS >= TOPK, a power of two dividing N."""
     # work in unsigned order (x ^ DEAD_KEY maps the signed order onto it). The K-th largest key
     # lies between the smallest of GROUPS group maxima (each group holds a key at least that
     # large, so GROUPS >= K keys do) and the largest key: the bits those two bounds share are
@@ -66,7 +65,15 @@ def _threshold_select(key, TOPK: tl.constexpr, GROUPS: tl.constexpr):
         bit -= 1
         # stop early once exactly K keys reach it: the lower bits cannot change the chosen set
         searching = (bit >= 0) & (count != TOPK)
-    thresh = prefix ^ DEAD_KEY
+    return prefix ^ DEAD_KEY
+
+
+@triton.jit
+def _threshold_select(key, TOPK: tl.constexpr, GROUPS: tl.constexpr):
+    """Mask of the TOPK largest entries of the int32 `key` [N] (DEAD_KEY entries never; fewer
+    than TOPK live entries: all of them); of equal keys the earliest win. GROUPS >= TOPK, a
+    power of two dividing N."""
+    thresh = _kth_key(key, TOPK, GROUPS)
     above = key > thresh
     tied = (key == thresh) & (key != DEAD_KEY)
     need = TOPK - tl.sum(above.to(tl.int32), axis=0)
@@ -85,6 +92,22 @@ def _store_in_order(out_row, stride_ok, picked, blocks, TOPK: tl.constexpr, KP: 
 
 
 @triton.jit
+def _write_picked(out_row, stride_ok, cand_row, picked, packed, blocks, TOPK: tl.constexpr,
+                  KP: tl.constexpr, SINGLE: tl.constexpr):
+    """The threshold path's output: with one segment the picked blocks (in ascending order) into
+    the row; otherwise their packed keys as this segment's candidates, in block order, then
+    EMPTY_KEY up to KP."""
+    if SINGLE:
+        _store_in_order(out_row, stride_ok, picked, blocks, TOPK, KP)
+    else:
+        slot = tl.cumsum(picked.to(tl.int32), axis=0) - 1
+        tl.store(cand_row + slot, packed, mask=picked)
+        count = tl.sum(picked.to(tl.int32), axis=0)
+        slots = tl.arange(0, KP)
+        tl.store(cand_row + slots, tl.full([KP], EMPTY_KEY, tl.int64), mask=slots >= count)
+
+
+@triton.jit
 def _write_ascending(out_row, stride_ok, best, TOPK: tl.constexpr, KP: tl.constexpr):
     """The sort path's output: the first TOPK packed keys of `best` (descending) as ascending
     block ids, then -1."""
@@ -96,11 +119,12 @@ def _write_ascending(out_row, stride_ok, best, TOPK: tl.constexpr, KP: tl.conste
 
 
 @triton.jit
-def _segment_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, cand_ptr, num_requests,
-                         num_segments, stride_st, stride_sh, stride_sb, stride_ot, stride_oh,
-                         stride_ok, TOPK: tl.constexpr, KP: tl.constexpr, INIT: tl.constexpr,
-                         LOCAL: tl.constexpr, BLOCK: tl.constexpr, SEG: tl.constexpr,
-                         SINGLE: tl.constexpr, BY_SORT: tl.constexpr):
+def _segment_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, cand_ptr, scratch_ptr,
+                         num_requests, num_segments, stride_st, stride_sh, stride_sb, stride_ot,
+                         stride_oh, stride_ok, TOPK: tl.constexpr, KP: tl.constexpr,
+                         INIT: tl.constexpr, LOCAL: tl.constexpr, BLOCK: tl.constexpr,
+                         SEG: tl.constexpr, SINGLE: tl.constexpr, BY_SORT: tl.constexpr,
+                         CAP: tl.constexpr, NG: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     seg = tl.program_id(2)
@@ -128,17 +152,34 @@ def _segment_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, cand_ptr, nu
                 _write_ascending(out_row, stride_ok, best, TOPK, KP)
             else:
                 tl.store(cand_ptr + base + slots, best)
-        elif SINGLE:
-            picked = _threshold_select(key, TOPK, KP)
-            _store_in_order(out_row, stride_ok, picked, b, TOPK, KP)
+        elif CAP > 0:
+            # the K-th largest of NG group maxima bounds the answer from below (K groups hold a
+            # key at least that large): only keys reaching it can be picked, usually a few dozen
+            # of the SEG, so they are packed into this program's CAP-slot scratch row (in block
+            # order) and searched there instead of the whole segment
+            group_max = tl.max(tl.reshape(key, [NG, SEG // NG], can_reorder=True), axis=1)
+            cand = (key >= _kth_key(group_max, TOPK, KP)) & live
+            n_cand = tl.sum(cand.to(tl.int32), axis=0)
+            if n_cand <= CAP:
+                row_scratch = scratch_ptr + ((t.to(tl.int64) * num_heads + h) * num_segments
+                                             + seg) * CAP
+                tl.store(row_scratch + tl.cumsum(cand.to(tl.int32), axis=0) - 1,
+                         pack_key(key, b), mask=cand)
+                tl.debug_barrier()  # the packed keys are read back by other threads
+                c = tl.arange(0, CAP)
+                packed = tl.load(row_scratch + c, mask=c < n_cand, other=EMPTY_KEY)
+                ckey = tl.where(packed == EMPTY_KEY, DEAD_KEY, (packed >> 32).to(tl.int32))
+                _write_picked(out_row, stride_ok, cand_ptr + base,
+                              _threshold_select(ckey, TOPK, KP), packed, unpack_block(packed),
+                              TOPK, KP, SINGLE)
+            else:
+                # too many keys reach the bound (ties, -inf rows): search the whole segment
+                _write_picked(out_row, stride_ok, cand_ptr + base,
+                              _threshold_select(key, TOPK, KP), pack_key(key, b), b, TOPK, KP,
+                              SINGLE)
         else:
-            picked = _threshold_select(key, TOPK, KP)
-            # candidates [T, H, segments, KP], contiguous, in block order, EMPTY_KEY after
-            slot = tl.cumsum(picked.to(tl.int32), axis=0) - 1
-            tl.store(cand_ptr + base + slot, pack_key(key, b), mask=picked)
-            count = tl.sum(picked.to(tl.int32), axis=0)
-            tl.store(cand_ptr + base + slots, tl.full([KP], EMPTY_KEY, tl.int64),
-                     mask=slots >= count)
+            _write_picked(out_row, stride_ok, cand_ptr + base, _threshold_select(key, TOPK, KP),
+                          pack_key(key, b), b, TOPK, KP, SINGLE)
 
 
 @triton.jit
