@@ -13,10 +13,13 @@ Both pick by threshold, not by sorting (`_threshold_select`): a bitwise binary s
 K-th largest key (one compare and one count over the row per bit, stopping as soon as exactly K
 keys reach the threshold), then every key above it is taken, and of the keys equal to it the
 lowest blocks (a running count in block order), which is MSA's tie rule. The picked blocks come
-out in ascending order by a running count as well, so nothing is sorted. That is the throughput
-path (prefill: tens of thousands of rows, one warp each). With few programs (decode at small
-batch) one program's latency matters instead, and Triton's bitonic `tl.topk` on the packed keys
-(no chain of row-wide counts) is faster: `BY_SORT`, chosen by the launcher from the program count.
+out in ascending order by a running count as well, so nothing is sorted. On long segments
+(CAP > 0) the keys that can be picked at all (those reaching a lower bound, the K-th largest of
+NG group maxima) are first packed into a CAP-slot scratch row, and the search runs on those few.
+That is the throughput path (prefill: tens of thousands of rows, one warp each). With few
+programs (decode at small batch) one program's latency matters instead, and Triton's bitonic
+`tl.topk` on the packed keys (no chain of row-wide counts) is faster: `BY_SORT`, chosen by the
+launcher from the program count.
 Bytes: reads n * 4 bytes of scores per row (+ segments * KP * 8 of candidates), writes K * 4.
 """
 
