@@ -110,7 +110,7 @@ def test_selection_kernels_on_crafted_scores(kernel_device, topk, init, local, s
     _check_selection_launch(kernel_device, step, scores, topk, init, local)
 
 
-@pytest.mark.parametrize("topk, init", [(16, 0), (5, 2)])
+@pytest.mark.parametrize("topk, init", [(16, 0), (5, 2), (64, 3)])
 def test_selection_scratch_path(kernel_device, topk, init, monkeypatch):
     """Rows of 1000 blocks make 1024-wide segments, where the threshold path first packs the
     keys that can be picked into a scratch row: distinct random scores take it (with a run of

@@ -183,6 +183,11 @@ def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, 
         int32 [T, H, topk]: ascending block ids, -1 padded; ties go to the lower block, NaN
         scores rank as -inf; padding tokens get a row of -1. No host synchronisation on the
         kernel path (CUDA-graph safe for a fixed T, R and block-table width).
+
+    Temporary device memory on the kernel path: the fp32 scores, T * H * max_blocks * 4 bytes
+    (an 8K chunk after 1M tokens at 4 heads: 1 GB), plus, for launches of many long rows, a
+    scratch row of 64 int64 per (token, head, 1024-block segment) (134 MB there) and, for rows
+    of several segments, K int64 candidates per segment.
     """
     if not use_kernels(index_q):
         return reference.select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
