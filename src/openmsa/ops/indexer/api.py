@@ -125,7 +125,7 @@ def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, loc
                                           dtype=torch.int64, device=scores.device)
     # the threshold path on long segments first packs the keys that can be picked into a scratch
     # row of cap slots (select.py); cap = 0 turns that off
-    cap = max(TUNING["select_scratch"], 4 * kp) if TUNING["select_scratch"] else 0
+    cap = _next_pow2(max(TUNING["select_scratch"], 4 * kp)) if TUNING["select_scratch"] else 0
     if by_sort or seg < 4 * cap:
         cap = 0
     groups = max(64, 2 * kp)
