@@ -11,7 +11,8 @@ from openmsa.batch import token_layout
 from openmsa.ops.indexer import api as indexer_api
 from openmsa.ops.indexer import reference as indexer_ref
 from openmsa.testing import (RecordingKernel, assert_close, assert_selection_near_optimal,
-                             make_step, nan_poison, random_index_inputs, random_kv_cache)
+                             make_step, nan_poison, random_index_inputs, random_kv_cache,
+                             to_device)
 
 pytestmark = pytest.mark.interpret
 
@@ -190,23 +191,28 @@ def _attention_dtype(device):
     return torch.bfloat16 if device == "cuda" else torch.float16
 
 
-@pytest.mark.parametrize("kv_dtype, layout", [("q", "flash"), ("q", "vllm"), (FP8, "vllm")])
+@pytest.mark.parametrize("kv_dtype, layout", [("q", "flash"), ("q", "vllm"), (FP8, "vllm"),
+                                              (FP8, "odd")])
 @pytest.mark.parametrize("block, sub", [(B, B), (32, 16)])
 def test_sparse_attention_matches_reference(kernel_device, kv_dtype, layout, block, sub,
                                             monkeypatch):
     """Whole blocks per loop step, and two 16-key steps per 32-token block (a block's causal cut
-    then falls in either step)."""
+    then falls in either step). fp8 V in the packed layout is read in byte pairs (V_PAIRS); at
+    odd strides and an odd offset, byte by byte."""
     from openmsa.ops.attention import api as attention_api
     monkeypatch.setitem(attention_api.TUNING, "sub", sub)
     dtype = _attention_dtype(kernel_device)
     kv_dtype = dtype if kv_dtype == "q" else kv_dtype
     step, dstep, q, k, v, idx = _attention_case(kernel_device, kv_dtype, layout, block=block)
+    k_dev, v_dev = to_device(k, kernel_device), to_device(v, kernel_device)
+    assert v_dev.stride() == v.stride()
+    assert attention_api._reads_as_pairs(v_dev) == (layout != "odd")
     q = q.to(dtype)
     want, want_lse = ref.sparse_attention(q, k, v, idx, step.cu_seqlens_q, step.seq_lens,
                                           step.block_table, block_size=block, return_lse=True)
     out = nan_poison(q.shape, dtype, kernel_device)
     got, lse = openmsa.sparse_attention(
-        q.to(kernel_device), k.to(kernel_device), v.to(kernel_device), idx.to(kernel_device),
+        q.to(kernel_device), k_dev, v_dev, idx.to(kernel_device),
         dstep.cu_seqlens_q, dstep.seq_lens, dstep.block_table, block_size=block, out=out,
         return_lse=True)
     assert got.data_ptr() == out.data_ptr()
@@ -282,7 +288,7 @@ def test_sparse_attention_prefill_tiles_match_reference(kernel_device, kv_dtype,
                         RecordingKernel(prefill._tile_plan_kernel, flags, arg=4))
     out = nan_poison(q.shape, dtype, kernel_device)
     got, lse = openmsa.sparse_attention(
-        q.to(kernel_device), k.to(kernel_device), v.to(kernel_device), idx.to(kernel_device),
+        q.to(kernel_device), k_dev, v_dev, idx.to(kernel_device),
         dstep.cu_seqlens_q, dstep.seq_lens, dstep.block_table, block_size=block, out=out,
         return_lse=True, **scales)
     assert_close(got, want)

@@ -12,7 +12,7 @@ import torch
 from ..ops.cache.reference import to_cache_dtype
 
 __all__ = ["Step", "make_step", "TOLERANCES", "assert_close", "random_index_inputs",
-           "random_kv_cache", "nan_poison", "assert_selection_near_optimal", "RecordingKernel"]
+           "random_kv_cache", "to_device", "nan_poison", "assert_selection_near_optimal", "RecordingKernel"]
 
 # (atol, rtol) by output dtype; relaxing one is a design change, not a test fix
 TOLERANCES = {
@@ -103,7 +103,9 @@ def random_kv_cache(num_pages: int, block_size: int, num_kv_heads: int, head_dim
                     dtype: torch.dtype, layout: str = "flash", device="cpu",
                     generator: torch.Generator | None = None):
     """(k_cache, v_cache) viewed [P, B, Hkv, D]. layout 'flash' is two contiguous tensors;
-    'vllm' is one packed [P, Hkv, B, 2*D] tensor (K first) seen through permuted views."""
+    'vllm' is one packed [P, Hkv, B, 2*D] tensor (K first) seen through permuted views; 'odd' is
+    'vllm' with one unused byte between K and V (rows of 2*D + 1 elements): odd strides and an odd
+    V offset, which kernels reading fp8 in byte pairs must detect and read byte by byte."""
     g = generator or torch.Generator().manual_seed(2)
     if layout == "flash":
         k = torch.randn(num_pages, block_size, num_kv_heads, head_dim, generator=g)
@@ -113,7 +115,22 @@ def random_kv_cache(num_pages: int, block_size: int, num_kv_heads: int, head_dim
         packed = to_cache_dtype(torch.randn(num_pages, num_kv_heads, block_size, 2 * head_dim,
                                             generator=g), dtype).to(device)
         return packed[..., :head_dim].permute(0, 2, 1, 3), packed[..., head_dim:].permute(0, 2, 1, 3)
-    raise ValueError(f"layout must be 'flash' or 'vllm', got {layout!r}")
+    if layout == "odd":
+        packed = to_cache_dtype(torch.randn(num_pages, num_kv_heads, block_size, 2 * head_dim + 1,
+                                            generator=g), dtype).to(device)
+        return (packed[..., :head_dim].permute(0, 2, 1, 3),
+                packed[..., head_dim + 1:].permute(0, 2, 1, 3))
+    raise ValueError(f"layout must be 'flash', 'vllm' or 'odd', got {layout!r}")
+
+
+def to_device(x: torch.Tensor, device) -> torch.Tensor:
+    """x on `device` as the same view (strides and storage offset) of a copy of its whole storage.
+    Tensor.to makes a non-dense view (the packed layouts above) contiguous, which would test a
+    different layout on the GPU than on the CPU."""
+    if torch.device(device) == x.device:
+        return x
+    raw = torch.empty(0, dtype=torch.uint8).set_(x.untyped_storage()).to(device)
+    return raw.view(x.dtype).as_strided(x.shape, x.stride(), x.storage_offset())
 
 
 def nan_poison(shape, dtype, device) -> torch.Tensor:

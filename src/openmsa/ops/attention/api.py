@@ -23,16 +23,17 @@ __all__ = ["sparse_attention", "sparse_page_table"]
 # a device value: graph-safe).
 # sub: keys per loop step (a divisor of the block size; the K/V tile a step holds), resident:
 # programs assumed to fit on one SM at a time (what the split count packs the grid for; 2 for
-# 128-key steps: 255 registers for fp8, 136 KB of shared memory for bf16, see
+# 128-key steps: 136 KB of shared memory for bf16, 255 registers for fp8 read byte by byte;
+# resident_pairs: fp8 read in byte pairs, 168 registers and 72 KB, 3; see
 # benchmarks/resources.py). Steps with at most small_pairs (token, KV head) pairs (B = 1-8
 # decode) take small_sub / small_warps: finer splits, more warps (-1 µs there; slower above).
 # fused_merge: with at most fused_max_splits splits the last split program merges (no second
 # launch: TP4 B=64 24.7 -> 22.7 µs); with more, that program's serial merge costs more than a
 # merge launch (16 splits at B=1: 8.5 -> 10.0 µs), so a second launch merges.
-TUNING = dict(sub=128, resident=2, min_steps_per_split=2, warps=4, stages=3, small_pairs=8,
+TUNING = dict(sub=128, resident=2, resident_pairs=3, min_steps_per_split=2, warps=4, stages=3, small_pairs=8,
               small_sub=64, small_warps=8, fused_merge=True, fused_max_splits=4,
               prefill_min_tokens=2048, prefill_sub=64, prefill_sub_fp8=128, prefill_warps=4,
-              prefill_stages=2, fp8_f16_compute=True,
+              prefill_stages=2, fp8_f16_compute=True, fp8_v_pairs=True,
               tile=True, tile_rows=64, tile_waste=2.0, tile_sub=64, tile_stages=3,
               tile_sub_fp8=128, tile_stages_fp8=2, tile_warps=4, tile_lazy_mask=True,
               tile_persistent=False, tile_persistent_fp8=True, tile_resident=2,
@@ -74,25 +75,34 @@ def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-def _num_splits(num_tokens: int, num_kv_heads: int, steps: int, device: torch.device) -> int:
+def _num_splits(num_tokens: int, num_kv_heads: int, steps: int, device: torch.device,
+                resident: int) -> int:
     """How many programs share one (token, KV head)'s steps; a function of shapes only, so a
     CUDA graph sees one grid.
 
     The time of a launch is about (rounds of programs) x (steps per program + one step's worth
-    of fixed cost), a round being TUNING resident x SMs programs at once. The count minimising
+    of fixed cost), a round being `resident` x SMs programs at once. The count minimising
     that (the smaller on ties: fewer partials to merge) avoids a last, mostly idle round, e.g.
     128 (token, head) pairs on 132 SMs x 2 take 2 splits of 8 blocks (one round), not 3 of 6
     (two rounds). At least min_steps_per_split steps per program."""
     if device.type != "cuda":
         return 2 if steps >= 4 else 1  # the interpreter tier always exercises the merge
     pairs = max(1, num_tokens * num_kv_heads)
-    slots = TUNING["resident"] * num_sms(device)
+    slots = resident * num_sms(device)
 
     def cost(s):
         return -(-pairs * s // slots) * (-(-steps // s) + 1)
 
     return min(range(1, max(1, steps // TUNING["min_steps_per_split"]) + 1),
                key=lambda s: (cost(s), s))
+
+
+def _reads_as_pairs(v_cache: torch.Tensor) -> bool:
+    """Whether an fp8 V cache can be read as uint16 pairs of columns (decode.py's V_PAIRS): unit
+    column stride, an even head dim, and every other stride and the base address even (a
+    property of the view, fixed for a captured graph)."""
+    return (v_cache.stride(3) == 1 and v_cache.shape[3] % 2 == 0
+            and all(s % 2 == 0 for s in v_cache.stride()[:3]) and v_cache.data_ptr() % 2 == 0)
 
 
 def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, *,
@@ -156,9 +166,14 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
     steps = topk * (block_size // sub)
     group_pad = max(1, _next_pow2(group))
     tile_qt = TUNING["tile_rows"] // group_pad if prefill and TUNING["tile"] else 0
+    ieee = q.dtype == torch.float32
+    f16_compute = k_cache.dtype == FP8 and not ieee and TUNING["fp8_f16_compute"]
+    v_pairs = f16_compute and TUNING["fp8_v_pairs"] and _reads_as_pairs(v_cache)
     # a prefill step's grid fills the GPU without splits; with tiles it takes none (a token the
     # tile kernel did is skipped by every split program, so nothing would merge its partials)
-    splits = 1 if tile_qt > 1 else _num_splits(num_tokens, num_kv_heads, steps, device)
+    splits = 1 if tile_qt > 1 else _num_splits(
+        num_tokens, num_kv_heads, steps, device,
+        TUNING["resident_pairs" if v_pairs else "resident"])
     steps_per_split = -(-steps // splits)
     splits = -(-steps // steps_per_split)
     fused = TUNING["fused_merge"] and splits <= TUNING["fused_max_splits"]
@@ -174,8 +189,6 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
     warps = TUNING["prefill_warps" if prefill else "small_warps" if small else "warps"]
     stages = TUNING["prefill_stages" if prefill else "stages"]
     sm_scale = head_dim ** -0.5 if scale is None else float(scale)
-    ieee = q.dtype == torch.float32
-    f16_compute = k_cache.dtype == FP8 and not ieee and TUNING["fp8_f16_compute"]
     if tile_qt > 1:
         fp8 = k_cache.dtype == FP8
         num_tiles = -(-num_tokens // tile_qt)
@@ -215,7 +228,8 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
         NUM_INDEX_HEADS=indices.shape[1], G=group, M=max(16, _next_pow2(group)), D=head_dim,
         BLOCK=block_size, TOPK=topk, KP=_next_pow2(topk), SUB=sub, STEPS=steps_per_split,
         SPLITS=splits, HAS_SCALE=has_scale, IEEE=ieee, F16_COMPUTE=f16_compute,
-        FUSED_MERGE=fused, TILE_QT=tile_qt, num_warps=warps, num_stages=stages)
+        FUSED_MERGE=fused, TILE_QT=tile_qt, V_PAIRS=v_pairs, PTX=device.type == "cuda",
+        num_warps=warps, num_stages=stages)
     if splits > 1 and not fused:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part_out, part_lse, out, lse, *out.stride(), *lse.stride(), NUM_HEADS=num_heads,

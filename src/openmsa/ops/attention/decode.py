@@ -21,7 +21,7 @@ between tokens that picked the same blocks).
 import triton
 import triton.language as tl
 
-from ..common.triton_utils import token_position
+from ..common.triton_utils import split_e4m3_pairs, token_position
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -42,7 +42,7 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
                              KP: tl.constexpr, SUB: tl.constexpr, STEPS: tl.constexpr,
                              SPLITS: tl.constexpr, HAS_SCALE: tl.constexpr, IEEE: tl.constexpr,
                              F16_COMPUTE: tl.constexpr, FUSED_MERGE: tl.constexpr,
-                             TILE_QT: tl.constexpr):
+                             TILE_QT: tl.constexpr, V_PAIRS: tl.constexpr, PTX: tl.constexpr):
     t = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
@@ -96,7 +96,20 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
         qk_scale = qk_scale * tl.load(k_scale_ptr)
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
-    acc = tl.zeros([M, D], tl.float32)
+    # fp8 V is the second operand of P @ V with keys as the reduction axis: the matrix unit
+    # wants two consecutive keys of one column per register, Hopper's ldmatrix only transposes
+    # 16-bit elements, so a plain fp8 tile is gathered byte by byte (128 one-byte shared loads
+    # per thread per step). V_PAIRS reads V as 16-bit pairs of columns (2j, 2j+1) instead, which
+    # ldmatrix transposes, then splits each pair into an even and an odd column tile, and
+    # accumulates P @ V[:, 0::2] and P @ V[:, 1::2] apart (the same MMA count), interleaved once
+    # at the end. Needs an even-aligned V with unit column stride (api.py checks).
+    if V_PAIRS:
+        acc_e = tl.zeros([M, D // 2], tl.float32)
+        acc_o = tl.zeros([M, D // 2], tl.float32)
+        dh = tl.arange(0, D // 2)
+        v16_ptr = v_ptr.to(tl.pointer_type(tl.uint16))
+    else:
+        acc = tl.zeros([M, D], tl.float32)
     s_lo = split * STEPS
     s_hi = tl.minimum(s_lo + STEPS, TOPK * PARTS)
     for step in range(s_lo, s_hi):
@@ -111,8 +124,14 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
         vis = ok & (key_pos <= pos)  # [SUB]
         k = tl.load(k_ptr + page * stride_kp + key_off[:, None] * stride_kb + g * stride_kh
                     + d[None, :] * stride_kd, mask=vis[:, None], other=0.0)  # [SUB, D]
-        v = tl.load(v_ptr + page * stride_vp + key_off[:, None] * stride_vb + g * stride_vh
-                    + d[None, :] * stride_vd, mask=vis[:, None], other=0.0)  # [SUB, D]
+        if V_PAIRS:
+            v2 = tl.load(v16_ptr + (page * stride_vp + key_off[:, None] * stride_vb
+                                    + g * stride_vh) // 2 + dh[None, :],
+                         mask=vis[:, None], other=0)  # [SUB, D/2]: bytes d = 2j, 2j+1
+            v_e, v_o = split_e4m3_pairs(v2, PTX)  # [SUB, D/2] each: V[:, 0::2], V[:, 1::2]
+        else:
+            v = tl.load(v_ptr + page * stride_vp + key_off[:, None] * stride_vb + g * stride_vh
+                        + d[None, :] * stride_vd, mask=vis[:, None], other=0.0)  # [SUB, D]
         if IEEE:
             s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
         else:
@@ -124,12 +143,19 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
         p = tl.exp2(s - shift[:, None])
         alpha = tl.exp2(m_i - shift)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        if V_PAIRS:
+            p16 = p.to(tl.float16)
+            acc_e = acc_e * alpha[:, None] + tl.dot(p16, v_e)
+            acc_o = acc_o * alpha[:, None] + tl.dot(p16, v_o)
         else:
-            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
-        acc = acc * alpha[:, None] + pv
+            if IEEE:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+            acc = acc * alpha[:, None] + pv
         m_i = m_new
+    if V_PAIRS:
+        acc = tl.join(acc_e, acc_o).reshape(M, D)
     if HAS_SCALE:
         acc = acc * tl.load(v_scale_ptr)
     empty = l_i == 0.0
