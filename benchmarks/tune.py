@@ -95,8 +95,9 @@ def main():
 
 def _attention_fp8(args):
     """fp8 K/V: the matrix unit in fp16 (e4m3 -> fp16 conversion) against q's dtype (bf16)."""
-    variants = pick(args, [{}, dict(fp8_v_pairs=False, resident_pairs=2), dict(resident_pairs=2),
-                           dict(stages=2), dict(small_pairs=0), dict(fp8_f16_compute=False)])
+    variants = pick(args, [{}, dict(fp8_v_pairs=False), dict(resident_pairs=3),
+                           dict(stages=2), dict(stages=4), dict(warps=8), dict(small_pairs=0),
+                           dict(fp8_f16_compute=False)])
     print("attention fp8 variants:", variants)
     cases = []
     for model_name in ("m3-tp1", "m3-tp4"):

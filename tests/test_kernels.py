@@ -287,6 +287,7 @@ def test_sparse_attention_prefill_tiles_match_reference(kernel_device, kv_dtype,
     monkeypatch.setattr(prefill, "_tile_plan_kernel",
                         RecordingKernel(prefill._tile_plan_kernel, flags, arg=4))
     out = nan_poison(q.shape, dtype, kernel_device)
+    k_dev, v_dev = to_device(k, kernel_device), to_device(v, kernel_device)  # the packed views
     got, lse = openmsa.sparse_attention(
         q.to(kernel_device), k_dev, v_dev, idx.to(kernel_device),
         dstep.cu_seqlens_q, dstep.seq_lens, dstep.block_table, block_size=block, out=out,

@@ -24,13 +24,14 @@ __all__ = ["sparse_attention", "sparse_page_table"]
 # sub: keys per loop step (a divisor of the block size; the K/V tile a step holds), resident:
 # programs assumed to fit on one SM at a time (what the split count packs the grid for; 2 for
 # 128-key steps: 136 KB of shared memory for bf16, 255 registers for fp8 read byte by byte;
-# resident_pairs: fp8 read in byte pairs, 168 registers and 72 KB, 3; see
-# benchmarks/resources.py). Steps with at most small_pairs (token, KV head) pairs (B = 1-8
+# resident_pairs: fp8 read in byte pairs, 168 registers and 72 KB: 3 fit, but packing splits
+# for 2 measured faster on most shapes (TP1 B=64 55.0 -> 47.7 µs, TP4 B=64 24.0 -> 20.9; TP1
+# B=128 93.9 -> 100.0); see benchmarks/resources.py). Steps with at most small_pairs (token, KV head) pairs (B = 1-8
 # decode) take small_sub / small_warps: finer splits, more warps (-1 µs there; slower above).
 # fused_merge: with at most fused_max_splits splits the last split program merges (no second
 # launch: TP4 B=64 24.7 -> 22.7 µs); with more, that program's serial merge costs more than a
 # merge launch (16 splits at B=1: 8.5 -> 10.0 µs), so a second launch merges.
-TUNING = dict(sub=128, resident=2, resident_pairs=3, min_steps_per_split=2, warps=4, stages=3, small_pairs=8,
+TUNING = dict(sub=128, resident=2, resident_pairs=2, min_steps_per_split=2, warps=4, stages=3, small_pairs=8,
               small_sub=64, small_warps=8, fused_merge=True, fused_max_splits=4,
               prefill_min_tokens=2048, prefill_sub=64, prefill_sub_fp8=128, prefill_warps=4,
               prefill_stages=2, fp8_f16_compute=True, fp8_v_pairs=True,
