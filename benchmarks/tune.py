@@ -94,7 +94,7 @@ def main():
 
 
 def _attention_fp8(args):
-    """fp8 K/V: the matrix unit in fp16 (e4m3 -> fp16 conversion) against q's dtype (bf16)."""
+    """fp8 K/V decode knobs (and the split count, on a few bf16 shapes too)."""
     variants = pick(args, [{}, dict(fp8_v_pairs=False), dict(resident_pairs=3),
                            dict(stages=2), dict(stages=4), dict(warps=8), dict(small_pairs=0),
                            dict(fp8_f16_compute=False)])
@@ -102,11 +102,13 @@ def _attention_fp8(args):
     cases = []
     for model_name in ("m3-tp1", "m3-tp4"):
         m = shapes.MODELS[model_name]
-        for batch, q_len, ctx in ((1, 1, 65536), (8, 1, 65536), (64, 1, 65536),
-                                  (128, 1, 65536), (128, 4, 65536), (1, 8192, 16384)):
-            q, packed, idx, cu, seq, table = run._attention_step(m, batch, ctx, q_len, "fp8")
+        for dname, batch, q_len, ctx in (
+                ("fp8", 1, 1, 65536), ("fp8", 8, 1, 65536), ("fp8", 64, 1, 65536),
+                ("fp8", 64, 4, 65536), ("fp8", 128, 1, 65536), ("fp8", 128, 4, 65536),
+                ("fp8", 1, 8192, 16384), ("bf16", 64, 1, 65536), ("bf16", 128, 1, 65536)):
+            q, packed, idx, cu, seq, table = run._attention_step(m, batch, ctx, q_len, dname)
             k, v = packed[..., :128].permute(0, 2, 1, 3), packed[..., 128:].permute(0, 2, 1, 3)
-            cases.append((f"{model_name} fp8 B{batch} q{q_len}",
+            cases.append((f"{model_name} {dname} B{batch} q{q_len}",
                           (lambda q=q, k=k, v=v, idx=idx, cu=cu, seq=seq, table=table:
                            openmsa.sparse_attention(q, k, v, idx, cu, seq, table))))
     sweep("attn-fp8", attention_api.TUNING, variants, cases, args.iters)

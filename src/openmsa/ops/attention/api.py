@@ -31,7 +31,7 @@ __all__ = ["sparse_attention", "sparse_page_table"]
 # fused_merge: with at most fused_max_splits splits the last split program merges (no second
 # launch: TP4 B=64 24.7 -> 22.7 µs); with more, that program's serial merge costs more than a
 # merge launch (16 splits at B=1: 8.5 -> 10.0 µs), so a second launch merges.
-TUNING = dict(sub=128, resident=2, resident_pairs=2, min_steps_per_split=2, warps=4, stages=3, small_pairs=8,
+TUNING = dict(sub=128, resident=2, resident_pairs=2, split_fixed=1.0, min_steps_per_split=2, warps=4, stages=3, small_pairs=8,
               small_sub=64, small_warps=8, fused_merge=True, fused_max_splits=4,
               prefill_min_tokens=2048, prefill_sub=64, prefill_sub_fp8=128, prefill_warps=4,
               prefill_stages=2, fp8_f16_compute=True, fp8_v_pairs=True,
@@ -92,7 +92,7 @@ def _num_splits(num_tokens: int, num_kv_heads: int, steps: int, device: torch.de
     slots = resident * num_sms(device)
 
     def cost(s):
-        return -(-pairs * s // slots) * (-(-steps // s) + 1)
+        return -(-pairs * s // slots) * (-(-steps // s) + TUNING["split_fixed"])
 
     return min(range(1, max(1, steps // TUNING["min_steps_per_split"]) + 1),
                key=lambda s: (cost(s), s))
