@@ -246,7 +246,7 @@ def test_attention_fused_merge_graph_replay_and_two_streams():
     num_req = 64
     step = make_step([1] * num_req, [3000 + 37 * i for i in range(num_req)], block_size=B)
     splits = attention_api._num_splits(num_req, 1, 16, torch.device("cuda"),
-                                       attention_api.TUNING["resident"])  # bf16
+                                       attention_api.TUNING["resident_16"])  # bf16
     assert 1 < splits <= attention_api.TUNING["fused_max_splits"]  # the path under test
     g = torch.Generator().manual_seed(3)
     k = torch.randn(step.num_pages, B, 1, 128, generator=g).bfloat16()

@@ -21,17 +21,23 @@ __all__ = ["sparse_attention", "sparse_page_table"]
 # takes the prefill knobs; measured: 2 stages cut an 8K chunk from 6.2 to 4.5 ms but cost fp8
 # decode 6% (docs/performance.md), so the choice follows the step's token count (a shape, not
 # a device value: graph-safe).
-# sub: keys per loop step (a divisor of the block size; the K/V tile a step holds), resident:
-# programs assumed to fit on one SM at a time (what the split count packs the grid for; 2 for
-# 128-key steps: 136 KB of shared memory for bf16, 255 registers for fp8 read byte by byte;
-# resident_pairs: fp8 read in byte pairs, 168 registers and 72 KB: 3 fit, but packing splits
-# for 2 measured faster on most shapes (TP1 B=64 55.0 -> 47.7 µs, TP4 B=64 24.0 -> 20.9; TP1
-# B=128 93.9 -> 100.0); see benchmarks/resources.py). Steps with at most small_pairs (token, KV head) pairs (B = 1-8
+# sub: keys per loop step (a divisor of the block size; the K/V tile a step holds). resident,
+# resident_16: programs per SM the split count packs the grid for (fp8; bf16/fp16). bf16 with
+# 128-key steps holds 136 KB of shared memory, one program per SM: packing for 2 left a mostly
+# idle last round (TP4 B=64 34.7 -> 29.2 µs, B=128 53.7 -> 45.7 with 1). fp8 read in byte pairs
+# holds 168 registers and 72 KB with 3 stages, so 3 programs fit, yet packing for 3 (more splits)
+# lost on most shapes (TP1 B=64 48 -> 55 µs, B=128 q_len 4 266 -> 340: each split repeats the
+# program's prologue and writes partials). Packing for 2 with 3 resident turns two full planned
+# rounds into 1.3 (a long tail: Nsight Compute on TP1 B=128, 512 programs), so a grid of more
+# than one round takes stages_rounds (4 stages, 96 KB: exactly 2 per SM): TP1 B=128 101.7 ->
+# 88.2 µs, TP4 B=128 q_len 4 97.9 -> 85.1; one round keeps 3 stages (4: TP4 B=64 20.8 -> 22.1).
+# Steps with at most small_pairs (token, KV head) pairs (B = 1-8
 # decode) take small_sub / small_warps: finer splits, more warps (-1 µs there; slower above).
 # fused_merge: with at most fused_max_splits splits the last split program merges (no second
 # launch: TP4 B=64 24.7 -> 22.7 µs); with more, that program's serial merge costs more than a
 # merge launch (16 splits at B=1: 8.5 -> 10.0 µs), so a second launch merges.
-TUNING = dict(sub=128, resident=2, resident_pairs=2, split_fixed=1.0, min_steps_per_split=2, warps=4, stages=3, small_pairs=8,
+TUNING = dict(sub=128, resident=2, resident_16=1, stages_rounds=4, min_steps_per_split=2,
+              warps=4, stages=3, small_pairs=8,
               small_sub=64, small_warps=8, fused_merge=True, fused_max_splits=4,
               prefill_min_tokens=2048, prefill_sub=64, prefill_sub_fp8=128, prefill_warps=4,
               prefill_stages=2, fp8_f16_compute=True, fp8_v_pairs=True,
@@ -92,7 +98,7 @@ def _num_splits(num_tokens: int, num_kv_heads: int, steps: int, device: torch.de
     slots = resident * num_sms(device)
 
     def cost(s):
-        return -(-pairs * s // slots) * (-(-steps // s) + TUNING["split_fixed"])
+        return -(-pairs * s // slots) * (-(-steps // s) + 1)
 
     return min(range(1, max(1, steps // TUNING["min_steps_per_split"]) + 1),
                key=lambda s: (cost(s), s))
@@ -174,7 +180,7 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
     # tile kernel did is skipped by every split program, so nothing would merge its partials)
     splits = 1 if tile_qt > 1 else _num_splits(
         num_tokens, num_kv_heads, steps, device,
-        TUNING["resident_pairs" if v_pairs else "resident"])
+        TUNING["resident" if k_cache.dtype == FP8 else "resident_16"])
     steps_per_split = -(-steps // splits)
     splits = -(-steps // steps_per_split)
     fused = TUNING["fused_merge"] and splits <= TUNING["fused_max_splits"]
@@ -189,6 +195,9 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
     has_scale, ks, vs = scale_args(k_scale, v_scale, device, lse)
     warps = TUNING["prefill_warps" if prefill else "small_warps" if small else "warps"]
     stages = TUNING["prefill_stages" if prefill else "stages"]
+    if v_pairs and not prefill and device.type == "cuda" and num_tokens * num_kv_heads * splits > (
+            TUNING["resident"] * num_sms(device)):
+        stages = TUNING["stages_rounds"]
     sm_scale = head_dim ** -0.5 if scale is None else float(scale)
     if tile_qt > 1:
         fp8 = k_cache.dtype == FP8
