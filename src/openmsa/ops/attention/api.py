@@ -29,14 +29,17 @@ __all__ = ["sparse_attention", "sparse_page_table"]
 # lost on most shapes (TP1 B=64 48 -> 55 µs, B=128 q_len 4 266 -> 340: each split repeats the
 # program's prologue and writes partials). Packing for 2 with 3 resident turns two full planned
 # rounds into 1.3 (a long tail: Nsight Compute on TP1 B=128, 512 programs), so a grid of more
-# than one round takes stages_rounds (4 stages, 96 KB: exactly 2 per SM): TP1 B=128 101.7 ->
-# 88.2 µs, TP4 B=128 q_len 4 97.9 -> 85.1; one round keeps 3 stages (4: TP4 B=64 20.8 -> 22.1).
+# than one round takes rounds_sub-key steps packed for rounds_resident programs per SM (64 keys:
+# 107 registers, 4 per SM): TP1 B=128 101.8 -> 79.1 µs, TP4 B=128 q_len 4 98.7 -> 78.3 (4 stages
+# with 128 keys, exactly 2 per SM: 88.2 and 84.1). One-round grids keep 128-key steps (64: TP4
+# B=64 21.0 -> 23.0 µs, TP1 B=64 48.2 -> 49.9).
 # Steps with at most small_pairs (token, KV head) pairs (B = 1-8
 # decode) take small_sub / small_warps: finer splits, more warps (-1 µs there; slower above).
 # fused_merge: with at most fused_max_splits splits the last split program merges (no second
 # launch: TP4 B=64 24.7 -> 22.7 µs); with more, that program's serial merge costs more than a
 # merge launch (16 splits at B=1: 8.5 -> 10.0 µs), so a second launch merges.
-TUNING = dict(sub=128, resident=2, resident_16=1, stages_rounds=4, min_steps_per_split=2,
+TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident=4,
+              min_steps_per_split=2,
               warps=4, stages=3, small_pairs=8,
               small_sub=64, small_warps=8, fused_merge=True, fused_max_splits=4,
               prefill_min_tokens=2048, prefill_sub=64, prefill_sub_fp8=128, prefill_warps=4,
@@ -181,6 +184,13 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
     splits = 1 if tile_qt > 1 else _num_splits(
         num_tokens, num_kv_heads, steps, device,
         TUNING["resident" if k_cache.dtype == FP8 else "resident_16"])
+    if (v_pairs and not prefill and not small and device.type == "cuda"
+            and num_tokens * num_kv_heads * splits > TUNING["resident"] * num_sms(device)):
+        # more than one round of programs: 64-key steps, packed for 4 programs per SM (107
+        # registers, 38 KB), a finer grain that leaves a shorter last round
+        sub = min(block_size, TUNING["rounds_sub"])
+        steps = topk * (block_size // sub)
+        splits = _num_splits(num_tokens, num_kv_heads, steps, device, TUNING["rounds_resident"])
     steps_per_split = -(-steps // splits)
     splits = -(-steps // steps_per_split)
     fused = TUNING["fused_merge"] and splits <= TUNING["fused_max_splits"]
@@ -195,9 +205,6 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
     has_scale, ks, vs = scale_args(k_scale, v_scale, device, lse)
     warps = TUNING["prefill_warps" if prefill else "small_warps" if small else "warps"]
     stages = TUNING["prefill_stages" if prefill else "stages"]
-    if v_pairs and not prefill and device.type == "cuda" and num_tokens * num_kv_heads * splits > (
-            TUNING["resident"] * num_sms(device)):
-        stages = TUNING["stages_rounds"]
     sm_scale = head_dim ** -0.5 if scale is None else float(scale)
     if tile_qt > 1:
         fp8 = k_cache.dtype == FP8
