@@ -208,14 +208,16 @@ def test_attention_prefill_equals_dense_sdpa():
     assert_close(got, want.transpose(0, 1))
 
 
-def test_attention_cache_over_2_31_elements_and_graph_replay():
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8])
+def test_attention_cache_over_2_31_elements_and_graph_replay(kv_dtype):
+    """fp8: V read in byte pairs, whose offsets are halved byte offsets past 2^31."""
     pages = (1 << 31) // (B * 128) + 64  # one KV head: past 2^31 elements per cache
-    packed = torch.empty(pages, 1, B, 256, dtype=torch.bfloat16, device="cuda")
+    packed = torch.empty(pages, 1, B, 256, dtype=kv_dtype, device="cuda")
     k, v = packed[..., :128].permute(0, 2, 1, 3), packed[..., 128:].permute(0, 2, 1, 3)
     num_req = 4
     step = make_step([1] * num_req, [5000, 3000, 129, 2000], block_size=B)
     step.block_table = torch.where(step.block_table >= 0, step.block_table + pages - 150, -1)
-    packed[-150:] = torch.randn(150, 1, B, 256, device="cuda").bfloat16()
+    packed[-150:] = torch.randn(150, 1, B, 256, device="cuda").to(kv_dtype)
     d = _cuda(step)
     q = torch.randn(num_req, 16, 128, device="cuda").bfloat16()
     idx = torch.randint(0, 40, (num_req, 1, 16), device="cuda").int()

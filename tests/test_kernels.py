@@ -4,10 +4,13 @@ Triton's interpreter, or a GPU). Shapes stay tiny so the interpreter runs them i
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import openmsa
 from openmsa import reference as ref
 from openmsa.batch import token_layout
+from openmsa.ops.common.triton_utils import split_e4m3_pairs
 from openmsa.ops.indexer import api as indexer_api
 from openmsa.ops.indexer import reference as indexer_ref
 from openmsa.testing import (RecordingKernel, assert_close, assert_selection_near_optimal,
@@ -426,3 +429,29 @@ def test_other_block_sizes_and_head_dims(kernel_device, block, index_dim, head_d
                                    got, d.cu_seqlens_q, d.seq_lens, d.block_table,
                                    block_size=block)
     assert_close(out, want)
+
+
+@triton.jit
+def _split_pairs_kernel(x_ptr, lo_ptr, hi_ptr, PTX: tl.constexpr, N: tl.constexpr):
+    i = tl.program_id(0) * N + tl.arange(0, N)
+    lo, hi = split_e4m3_pairs(tl.load(x_ptr.to(tl.pointer_type(tl.uint16)) + i), PTX)
+    tl.store(lo_ptr + i, lo)
+    tl.store(hi_ptr + i, hi)
+
+
+def test_fp8_byte_pairs_split_exactly_on_every_pattern(kernel_device):
+    """split_e4m3_pairs (the attention's fp8 V path) on all 65536 16-bit patterns: low and high
+    bytes as fp16 bit for bit as torch converts them, signed zeros, subnormals, the extremes
+    (+-448) and NaN included; the PTX path on the GPU, the casts under the interpreter."""
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    lo = torch.empty(65536, dtype=torch.float16, device=kernel_device)
+    hi = torch.empty_like(lo)
+    _split_pairs_kernel[(64,)](x.to(kernel_device), lo, hi, PTX=kernel_device == "cuda", N=1024)
+    # little-endian: element bits 0-7 are its first byte
+    raw = x.view(torch.uint8).view(-1, 2)
+    for got, byte in ((lo, raw[:, 0]), (hi, raw[:, 1])):
+        want = byte.contiguous().view(FP8).to(torch.float16)
+        got = got.cpu()
+        assert torch.equal(got.isnan(), want.isnan())
+        ok = ~want.isnan()
+        assert torch.equal(got[ok].view(torch.int16), want[ok].view(torch.int16))

@@ -70,7 +70,8 @@ def split_e4m3_pairs(pairs, PTX: tl.constexpr):
     With PTX (CUDA): two 16-bit elements share a 32-bit register; one byte permute gathers their
     low bytes and their high bytes, and two conversions turn each byte pair into fp16x2 (3
     instructions per 4 values; Triton's own casts went through shifts and masks per element).
-    Without (the interpreter), the same values by casts."""
+    Without (the interpreter), the same values by casts, with e4m3's NaN (S.1111.111) put back:
+    the interpreter's conversion turns it into +-480."""
     if PTX:
         return tl.inline_asm_elementwise(
             asm="""{
@@ -86,4 +87,6 @@ def split_e4m3_pairs(pairs, PTX: tl.constexpr):
     else:
         lo = (pairs & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
         hi = (pairs >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        lo = tl.where((pairs & 0x7F) == 0x7F, float("nan"), lo)
+        hi = tl.where(((pairs >> 8) & 0x7F) == 0x7F, float("nan"), hi)
         return lo, hi
