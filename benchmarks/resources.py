@@ -11,6 +11,8 @@ whole 128-key blocks and 3 stages, 185 / 139 KB for bf16). Count before you meas
                                                                        # (4 or 8 tokens per tile)
     python3 benchmarks/resources.py --sass index:fp8,128,32,3,4   # the indexer's prefill tile launch
                                                    # (cache dtype, rows, blocks per split, stages, warps)
+    HALVES=1 MAXNREG=168 python3 benchmarks/resources.py --sass index:fp8,128,32,3,4
+                        # its blocks scored as two half dots, under ptxas' register cap
 
 Programs per SM = min(65536 // (regs rounded up to 8 * 32 * warps), 228 KB // (smem + 1 KB)).
 """
@@ -36,23 +38,30 @@ KV_TYPES = {"fp8": "*fp8e4nv", "bf16": "*bf16"}
 
 
 def _loop_mix(sass: str, top: int = 12):
-    """Instruction count and the most frequent opcodes of the longest backward branch's body (the
-    kernel's main loop) in cuobjdump's SASS."""
+    """The innermost loops (backward branches whose bodies hold no other) that issue matrix
+    instructions (HMMA, HGMMA, QGMMA), in code order, in cuobjdump's SASS: a list of (instruction
+    count, most frequent opcodes). A kernel may have several (the indexer's prefill tile launch:
+    the unmasked scoring loop, then the loop over blocks that straddle the causal cut); an outer
+    loop around them would also count the epilogue, so it is not reported."""
     found = []
     for line in sass.splitlines():
         m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
         if m:
             found.append((int(m.group(1), 16), m.group(2).strip()))
-    loops = [(addr, int(b.group(1), 16)) for addr, text in found
+    loops = [(int(b.group(1), 16), addr) for addr, text in found
              if (b := re.search(r"BRA (0x[0-9a-f]+)", text)) and int(b.group(1), 16) < addr]
-    if not loops:
-        return 0, []
-    end, start = max(loops, key=lambda x: x[0] - x[1])
-    body = [text for addr, text in found if start <= addr <= end]
-    # opcode without predicate and modifiers: LDS.U8 and LDS.128 both count as LDS
-    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
-                              for t in body)
-    return len(body), ops.most_common(top)
+    inner = sorted((lo, hi) for lo, hi in loops
+                   if not any((lo, hi) != (a, b) and lo <= a and b <= hi for a, b in loops))
+    result = []
+    for lo, hi in inner:
+        body = [text for addr, text in found if lo <= addr <= hi]
+        if not any(re.search(r"\b[HQ]?G?MMA", t) for t in body):
+            continue
+        # opcode without predicate and modifiers: LDS.U8 and LDS.128 both count as LDS
+        ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
+                                  for t in body)
+        result.append((len(body), ops.most_common(top)))
+    return result
 
 
 def attention_resources(kv: str, sub: int, stages: int, warps: int, splits: int = 2,
@@ -85,7 +94,7 @@ def index_resources(kv: str, rows: int, bps: int, stages: int, warps: int, sass:
                     seq_lens_ptr="*i32", bt_ptr="*i32", out_ptr="*fp32")
     constexprs = dict(H=4, HP=4, DI=128, DIP=128, BLOCK=128, BPS=bps, SMALL_Q=16, TILE_MODE=True,
                       ROWS_T=rows // 4, CAST_K=False, IEEE=False, KEYS_AS_ROWS=False,
-                      MAX_SKIPS_NAN=nan,
+                      MAX_SKIPS_NAN=nan, HALVES=os.environ.get("HALVES") == "1",
                       stride_qd=1, stride_cd=1, stride_btb=1, stride_ob=1)
     return _compile(_block_scores_kernel, constexprs, pointers, stages, warps, sass)
 
@@ -99,7 +108,9 @@ def _compile(fn, constexprs, pointers, stages, warps, sass):
     src = ASTSource(fn=fn, signature=signature, attrs=attrs,
                     constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=warps, num_stages=stages))
+                              options=dict(num_warps=warps, num_stages=stages,
+                                           **({"maxnreg": int(os.environ["MAXNREG"])}
+                                              if os.environ.get("MAXNREG") else {})))
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.TemporaryDirectory() as tmp:
         ptx = os.path.join(tmp, "k.ptx")
@@ -121,6 +132,11 @@ def _compile(fn, constexprs, pointers, stages, warps, sass):
     return regs, int(spills), smem, per_sm, mix
 
 
+def _print_loops(mix):
+    for count, ops in mix or []:
+        print(f"      loop: {count} instructions per warp per iteration; {ops}")
+
+
 if __name__ == "__main__":
     args = sys.argv[1:]
     want_sass = "--sass" in args
@@ -134,8 +150,7 @@ if __name__ == "__main__":
                                                               sass=want_sass)
             print(f"index  {kv:5s} rows {rows} bps {bps} {stages:>6s} {warps:>5s}  {regs:9d} "
                   f"{spills:11d} {smem / 1024:7.1f} {per_sm:12d}", flush=True)
-            if mix is not None:
-                print(f"      main loop: {mix[0]} instructions per warp per step; {mix[1]}")
+            _print_loops(mix)
             continue
         tile = arg.startswith("tile")
         qt = int(arg[4:arg.index(":")] or 4) if tile else 4
@@ -146,5 +161,4 @@ if __name__ == "__main__":
         print(f"{f'tile{qt}' if tile else 'token':6s} {kv:5s} {sub:>3s} {stages:>6s} {warps:>5s}  "
               f"{regs:9d} {spills:11d} "
               f"{smem / 1024:7.1f} {per_sm:12d}", flush=True)
-        if mix is not None:
-            print(f"      main loop: {mix[0]} instructions per warp per step; {mix[1]}")
+        _print_loops(mix)
