@@ -11,8 +11,7 @@ whole 128-key blocks and 3 stages, 185 / 139 KB for bf16). Count before you meas
                                                                        # (4 or 8 tokens per tile)
     python3 benchmarks/resources.py --sass index:fp8,128,32,3,4   # the indexer's prefill tile launch
                                                    # (cache dtype, rows, blocks per split, stages, warps)
-    HALVES=1 MAXNREG=168 python3 benchmarks/resources.py --sass index:fp8,128,32,3,4
-                        # its blocks scored as two half dots, under ptxas' register cap
+    MAXNREG=168 python3 benchmarks/resources.py index:fp8,128,32,3,4   # under ptxas' register cap
 
 Programs per SM = min(65536 // (regs rounded up to 8 * 32 * warps), 228 KB // (smem + 1 KB)).
 """
@@ -94,7 +93,7 @@ def index_resources(kv: str, rows: int, bps: int, stages: int, warps: int, sass:
                     seq_lens_ptr="*i32", bt_ptr="*i32", out_ptr="*fp32")
     constexprs = dict(H=4, HP=4, DI=128, DIP=128, BLOCK=128, BPS=bps, SMALL_Q=16, TILE_MODE=True,
                       ROWS_T=rows // 4, CAST_K=False, IEEE=False, KEYS_AS_ROWS=False,
-                      MAX_SKIPS_NAN=nan, HALVES=os.environ.get("HALVES") == "1",
+                      MAX_SKIPS_NAN=nan,
                       stride_qd=1, stride_cd=1, stride_btb=1, stride_ob=1)
     return _compile(_block_scores_kernel, constexprs, pointers, stages, warps, sass)
 

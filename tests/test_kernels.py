@@ -455,27 +455,3 @@ def test_fp8_byte_pairs_split_exactly_on_every_pattern(kernel_device):
         assert torch.equal(got.isnan(), want.isnan())
         ok = ~want.isnan()
         assert torch.equal(got[ok].view(torch.int16), want[ok].view(torch.int16))
-
-
-@pytest.mark.parametrize("q_dtype", [FP8, torch.float16])
-def test_prefill_tile_launch_in_half_blocks(kernel_device, q_dtype, monkeypatch):
-    """The fp8 tile launch scoring each block as two dots of half its keys (prefill_halves_fp8):
-    integer inputs, so scores and selections equal the reference exactly (32-token blocks: the
-    20-token chunk's rows straddle the causal cut inside both halves)."""
-    monkeypatch.setitem(indexer_api.TUNING, "prefill_halves_fp8", True)
-    block = 32
-    step = make_step(Q_LENS, [2 * s + 40 for s in SEQ_LENS], block_size=block, extra_columns=2,
-                     pad_tokens=2, generator=torch.Generator().manual_seed(5))
-    q, c = random_index_inputs(step, num_heads=2, head_dim=32, block_size=block, q_dtype=q_dtype,
-                               cache_dtype=FP8, integer=True,
-                               generator=torch.Generator().manual_seed(6))
-    args = (step.cu_seqlens_q, step.seq_lens, step.block_table)
-    dargs = tuple(x.to(kernel_device) for x in args)
-    s_want = ref.block_scores(q, c, *args, block_size=block)
-    s_got = openmsa.block_scores(q.to(kernel_device), c.to(kernel_device), *dargs,
-                                 block_size=block)
-    assert torch.equal(s_got.cpu(), s_want)
-    want = ref.select_blocks(q, c, *args, topk=3, block_size=block)
-    got = openmsa.select_blocks(q.to(kernel_device), c.to(kernel_device), *dargs, topk=3,
-                                block_size=block)
-    assert torch.equal(got.cpu(), want)

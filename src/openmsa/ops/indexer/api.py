@@ -29,13 +29,7 @@ SELECT_SEGMENT = 1024
 TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64, decode_min_bps=1,
               decode_keys_as_rows=True, prefill_rows=128, prefill_bps=32, prefill_warps=4,
               prefill_stages=2, prefill_warps_fp8=4, prefill_stages_fp8=3, select_warps=4,
-              select_sort_waves=2, select_search_scale=1, select_scratch=64,
-              prefill_halves_fp8=False, prefill_maxnreg_fp8=0)
-# prefill_halves_fp8: the fp8 tile launch scores each block as two dots of half the keys (183
-# registers instead of 255, 323 loop instructions instead of 279 per warp per block, offline);
-# with prefill_maxnreg_fp8 = 168 (ptxas' register cap, no spills in the loop) 3 programs fit per
-# SM instead of 2 (the launch is latency-bound: Nsight Compute, docs/performance.md). Not yet
-# measured on the GPU, so off.
+              select_sort_waves=2, select_search_scale=1, select_scratch=64)
 
 
 def _programs_per_wave(device: torch.device) -> int:
@@ -96,13 +90,10 @@ def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_tabl
     fp8 = index_cache.dtype == FP8
     bps = TUNING["prefill_bps"]
     grid = (-(-num_tokens // rows_t), -(-max_blocks // bps))
-    halves = fp8 and TUNING["prefill_halves_fp8"] and not ieee and block_size >= 32
-    cap = {"maxnreg": TUNING["prefill_maxnreg_fp8"]} if fp8 and TUNING["prefill_maxnreg_fp8"] else {}
     _block_scores_kernel[grid](*args, BPS=bps, TILE_MODE=True, ROWS_T=rows_t, **common,
-                               KEYS_AS_ROWS=False, HALVES=halves,
+                               KEYS_AS_ROWS=False,
                                num_warps=TUNING["prefill_warps_fp8" if fp8 else "prefill_warps"],
-                               num_stages=TUNING["prefill_stages_fp8" if fp8 else "prefill_stages"],
-                               **cap)
+                               num_stages=TUNING["prefill_stages_fp8" if fp8 else "prefill_stages"])
 
 
 def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, local_blocks,

@@ -33,19 +33,17 @@ def _max_skip_nan(a, b):
 def _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, stride_cb, stride_cd,
                  d, DI: tl.constexpr, BLOCK: tl.constexpr, BPS: tl.constexpr,
                  CAST_K: tl.constexpr, IEEE: tl.constexpr, CAUSAL: tl.constexpr,
-                 KEYS_AS_ROWS: tl.constexpr, MAX_SKIPS_NAN: tl.constexpr,
-                 HALVES: tl.constexpr):
+                 KEYS_AS_ROWS: tl.constexpr, MAX_SKIPS_NAN: tl.constexpr):
     """Column b - b_lo of the [rows, BPS] score tile: each row's max over block b's keys."""
     offs = tl.arange(0, BLOCK)
     cols = tl.arange(0, BPS)
     page = tl.sum(tl.where(cols == b - b_lo, split_pages, 0), axis=0).to(tl.int64)
     # a negative page id (a table the engine left unfilled) reads nothing and scores -inf
     page_ok = page >= 0
-    if not HALVES:
-        k = tl.load(cache_ptr + page * stride_cp + offs[:, None] * stride_cb
-                    + d[None, :] * stride_cd, mask=page_ok & (d[None, :] < DI), other=0.0)
-        if CAST_K:
-            k = k.to(q.dtype)
+    k = tl.load(cache_ptr + page * stride_cp + offs[:, None] * stride_cb + d[None, :] * stride_cd,
+                mask=page_ok & (d[None, :] < DI), other=0.0)  # [BLOCK, DIP]
+    if CAST_K:
+        k = k.to(q.dtype)
     if KEYS_AS_ROWS:
         # keys are the matrix unit's M dimension (128 >= the 64 rows of a Hopper warpgroup MMA),
         # so an fp8 key tile feeds the tensor cores from shared memory as is; with the query rows
@@ -56,27 +54,6 @@ def _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, strid
         if not MAX_SKIPS_NAN:
             s = tl.where(s == s, s, float("-inf"))
         best = tl.reduce(s, 0, _max_skip_nan)  # [M]
-    elif HALVES:
-        # two dots of BLOCK/2 keys: the second's warpgroup MMA can run while the first half's
-        # max is taken (one dot's result must be waited for whole before any use)
-        HB: tl.constexpr = BLOCK // 2
-        half = tl.arange(0, HB)
-        k_a = tl.load(cache_ptr + page * stride_cp + half[:, None] * stride_cb
-                      + d[None, :] * stride_cd, mask=page_ok & (d[None, :] < DI), other=0.0)
-        k_b = tl.load(cache_ptr + page * stride_cp + (HB + half)[:, None] * stride_cb
-                      + d[None, :] * stride_cd, mask=page_ok & (d[None, :] < DI), other=0.0)
-        if CAST_K:
-            k_a = k_a.to(q.dtype)
-            k_b = k_b.to(q.dtype)
-        s_a = tl.dot(q, tl.trans(k_a))  # [M, BLOCK/2]
-        s_b = tl.dot(q, tl.trans(k_b))
-        if CAUSAL:
-            s_a = tl.where((b * BLOCK + half)[None, :] <= pos[:, None], s_a, float("-inf"))
-            s_b = tl.where((b * BLOCK + HB + half)[None, :] <= pos[:, None], s_b, float("-inf"))
-        if not MAX_SKIPS_NAN:
-            s_a = tl.where(s_a == s_a, s_a, float("-inf"))
-            s_b = tl.where(s_b == s_b, s_b, float("-inf"))
-        best = _max_skip_nan(tl.reduce(s_a, 1, _max_skip_nan), tl.reduce(s_b, 1, _max_skip_nan))
     else:
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [M, BLOCK]
@@ -103,7 +80,7 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
                        H: tl.constexpr, HP: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr,
                        BLOCK: tl.constexpr, ROWS_T: tl.constexpr, BPS: tl.constexpr,
                        CAST_K: tl.constexpr, IEEE: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
-                       MAX_SKIPS_NAN: tl.constexpr, HALVES: tl.constexpr):
+                       MAX_SKIPS_NAN: tl.constexpr):
     """Score tokens [t_begin, t_end) (< ROWS_T of them, all of one request whose first token is
     t_req) against blocks [b_lo, b_hi) and store the tile; rows are (token, head) pairs."""
     M: tl.constexpr = ROWS_T * HP
@@ -129,11 +106,11 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
     for b in range(b_lo, b_full):
         tile = _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, stride_cb,
                             stride_cd, d, DI, BLOCK, BPS, CAST_K, IEEE, False, KEYS_AS_ROWS,
-                            MAX_SKIPS_NAN, HALVES)
+                            MAX_SKIPS_NAN)
     for b in range(b_full, b_hi):
         tile = _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, stride_cb,
                             stride_cd, d, DI, BLOCK, BPS, CAST_K, IEEE, True, KEYS_AS_ROWS,
-                            MAX_SKIPS_NAN, HALVES)
+                            MAX_SKIPS_NAN)
     blk = b_lo + cols
     out = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh \
         + blk.to(tl.int64)[None, :] * stride_ob
@@ -149,7 +126,7 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                          BLOCK: tl.constexpr, BPS: tl.constexpr, SMALL_Q: tl.constexpr,
                          TILE_MODE: tl.constexpr, ROWS_T: tl.constexpr, CAST_K: tl.constexpr,
                          IEEE: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
-                         MAX_SKIPS_NAN: tl.constexpr, HALVES: tl.constexpr = False):
+                         MAX_SKIPS_NAN: tl.constexpr):
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b_first = split * BPS
@@ -178,7 +155,7 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                                            b_first, b_hi, stride_qt, stride_qh, stride_qd,
                                            stride_cp, stride_cb, stride_cd, stride_btb, stride_ot, stride_oh,
                                            stride_ob, H, HP, DI, DIP, BLOCK, ROWS_T, BPS,
-                                           CAST_K, IEEE, KEYS_AS_ROWS, MAX_SKIPS_NAN, HALVES)
+                                           CAST_K, IEEE, KEYS_AS_ROWS, MAX_SKIPS_NAN)
                 r += 1
     else:
         r = pid
@@ -194,4 +171,4 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                                    seq_len, q_len, t_req, b_first, b_hi, stride_qt, stride_qh,
                                    stride_qd, stride_cp, stride_cb, stride_cd, stride_btb, stride_ot, stride_oh,
                                    stride_ob, H, HP, DI, DIP, BLOCK, ROWS_T, BPS, CAST_K, IEEE,
-                                   KEYS_AS_ROWS, MAX_SKIPS_NAN, False)
+                                   KEYS_AS_ROWS, MAX_SKIPS_NAN)
