@@ -32,16 +32,16 @@ __all__ = ["sparse_attention", "sparse_page_table"]
 # than one round takes rounds_sub-key steps packed for rounds_resident programs per SM (64 keys:
 # 107 registers, 4 per SM): TP1 B=128 101.8 -> 79.1 µs, TP4 B=128 q_len 4 98.7 -> 78.3 (4 stages
 # with 128 keys, exactly 2 per SM: 88.2 and 84.1). One-round grids keep 128-key steps (64: TP4
-# B=64 21.0 -> 23.0 µs, TP1 B=64 48.2 -> 49.9).
-# Steps with at most small_pairs (token, KV head) pairs (B = 1-8
-# decode) take small_sub / small_warps: finer splits, more warps (-1 µs there; slower above).
+# B=64 21.0 -> 23.0 µs, TP1 B=64 48.2 -> 49.9). fp8_v_pairs: fp8 V read in byte pairs
+# (decode.py, V_PAIRS; where the view allows it). Steps with at most small_pairs (token, KV head)
+# pairs (B = 1-8 decode) take small_sub / small_warps: finer splits, more warps (-1 µs there;
+# slower above).
 # fused_merge: with at most fused_max_splits splits the last split program merges (no second
 # launch: TP4 B=64 24.7 -> 22.7 µs); with more, that program's serial merge costs more than a
 # merge launch (16 splits at B=1: 8.5 -> 10.0 µs), so a second launch merges.
 TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident=4,
-              min_steps_per_split=2,
-              warps=4, stages=3, small_pairs=8,
-              small_sub=64, small_warps=8, fused_merge=True, fused_max_splits=4,
+              min_steps_per_split=2, warps=4, stages=3, small_pairs=8, small_sub=64,
+              small_warps=8, fused_merge=True, fused_max_splits=4,
               prefill_min_tokens=2048, prefill_sub=64, prefill_sub_fp8=128, prefill_warps=4,
               prefill_stages=2, fp8_f16_compute=True, fp8_v_pairs=True,
               tile=True, tile_rows=64, tile_waste=2.0, tile_sub=64, tile_stages=3,
