@@ -81,7 +81,7 @@ def attention_resources(kv: str, sub: int, stages: int, warps: int, splits: int 
         constexprs = dict(shared, NUM_HEADS=64, M=16, STEPS=16 * 128 // sub // splits,
                           SPLITS=splits, FUSED_MERGE=True, TILE_QT=0,
                           V_PAIRS=kv == "fp8" and os.environ.get("V_PAIRS", "1") == "1",
-                          PTX=True)
+                          PTX=True, GUESS=True)
     constexprs.update({name: 1 for name in UNIT_STRIDES})
     return _compile(fn, constexprs, pointers, stages, warps, sass)
 

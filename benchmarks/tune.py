@@ -95,7 +95,8 @@ def main():
 
 def _attention_fp8(args):
     """fp8 K/V decode knobs (and the split count, on a few bf16 shapes too)."""
-    variants = pick(args, [{}, dict(fp8_v_pairs=False), dict(rounds_sub=128), dict(rounds_resident=3),
+    variants = pick(args, [{}, dict(request_guess=False), dict(fp8_v_pairs=False),
+                           dict(rounds_sub=128), dict(rounds_resident=3),
                            dict(resident_16=2), dict(stages=4), dict(warps=8), dict(small_pairs=0),
                            dict(fp8_f16_compute=False)])
     print("attention fp8 variants:", variants)

@@ -74,7 +74,8 @@ def test_attention_kernels(kv_type, splits, sub):
                   BLOCK=128, TOPK=16, KP=16, SUB=sub, STEPS=16 * 128 // sub // splits,
                   SPLITS=splits, HAS_SCALE=kv_type == "*fp8e4nv", IEEE=False,
                   F16_COMPUTE=kv_type == "*fp8e4nv", FUSED_MERGE=splits > 1,
-                  TILE_QT=4 if splits == 1 else 0, V_PAIRS=kv_type == "*fp8e4nv", PTX=True))
+                  TILE_QT=4 if splits == 1 else 0, V_PAIRS=kv_type == "*fp8e4nv", PTX=True,
+                  GUESS=True))
     _compile(_tile_plan_kernel, dict(idx_ptr=I32, blocks_ptr=I32, union_ptr=I32, **STEP),
              dict(waste="fp32"), dict(NUM_KV_HEADS=4, NUM_INDEX_HEADS=4, QT=4, BLOCK=128,
                                       TOPK=16, KP=16))

@@ -10,7 +10,7 @@ import triton.language as tl
 import openmsa
 from openmsa import reference as ref
 from openmsa.batch import token_layout
-from openmsa.ops.common.triton_utils import split_e4m3_pairs
+from openmsa.ops.common.triton_utils import find_request, split_e4m3_pairs
 from openmsa.ops.indexer import api as indexer_api
 from openmsa.ops.indexer import reference as indexer_ref
 from openmsa.testing import (RecordingKernel, assert_close, assert_selection_near_optimal,
@@ -459,3 +459,31 @@ def test_fp8_byte_pairs_split_exactly_on_every_pattern(kernel_device):
         assert torch.equal(got.isnan(), want.isnan())
         ok = ~want.isnan()
         assert torch.equal(got[ok].view(torch.int16), want[ok].view(torch.int16))
+
+
+@triton.jit
+def _find_request_kernel(cu_ptr, guess_ptr, out_ptr, num_requests):
+    t = tl.program_id(0)
+    tl.store(out_ptr + t, find_request(cu_ptr, num_requests, t, tl.load(guess_ptr + t)))
+
+
+def test_find_request_with_any_guess(kernel_device):
+    """find_request's guess (one check of cu[g] <= t < cu[g+1] before the binary search) gives
+    the search's answer for every guess: right ones, wrong ones, -1, out of range; on layouts
+    with zero-length requests, padding tokens past cu[R] and equal q_len (where t * R // T is
+    always right)."""
+    g = torch.Generator().manual_seed(11)
+    layouts = [[1] * 8, [4] * 5, [0, 3, 0, 0, 2, 5, 0], [1, 3, 0, 20, 1, 0], [7], [0, 0, 2]]
+    for q_lens in layouts:
+        cu = torch.tensor([0] + q_lens).cumsum(0).int()
+        num_tokens = int(cu[-1]) + 3  # 3 padding tokens
+        r = len(q_lens)
+        t = torch.arange(num_tokens)
+        want = torch.searchsorted(cu[1:], t, right=True).clamp(max=r).int()
+        guesses = [t * r // num_tokens, want.long(), torch.full_like(t, -1),
+                   torch.full_like(t, r + 2), torch.randint(0, r, (num_tokens,), generator=g)]
+        for guess in guesses:
+            out = torch.full((num_tokens,), -7, dtype=torch.int32, device=kernel_device)
+            _find_request_kernel[(num_tokens,)](cu.to(kernel_device),
+                                                guess.int().to(kernel_device), out, r)
+            assert torch.equal(out.cpu(), want), (q_lens, guess)

@@ -36,6 +36,9 @@ __all__ = ["sparse_attention", "sparse_page_table"]
 # (decode.py, V_PAIRS; where the view allows it). Steps with at most small_pairs (token, KV head)
 # pairs (B = 1-8 decode) take small_sub / small_warps: finer splits, more warps (-1 µs there;
 # slower above).
+# request_guess: a program looks its token's request up by checking t * R // T first (right for
+# equal q_len per request) before the binary search over cu_seqlens (see find_request): fewer
+# dependent loads before the first K/V load. Not measured yet (git branch exp/decode-prologue).
 # fused_merge: with at most fused_max_splits splits the last split program merges (no second
 # launch: TP4 B=64 24.7 -> 22.7 µs); with more, that program's serial merge costs more than a
 # merge launch (16 splits at B=1: 8.5 -> 10.0 µs), so a second launch merges.
@@ -43,7 +46,7 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
               min_steps_per_split=2, warps=4, stages=3, small_pairs=8, small_sub=64,
               small_warps=8, fused_merge=True, fused_max_splits=4,
               prefill_min_tokens=2048, prefill_sub=64, prefill_sub_fp8=128, prefill_warps=4,
-              prefill_stages=2, fp8_f16_compute=True, fp8_v_pairs=True,
+              prefill_stages=2, fp8_f16_compute=True, fp8_v_pairs=True, request_guess=True,
               tile=True, tile_rows=64, tile_waste=2.0, tile_sub=64, tile_stages=3,
               tile_sub_fp8=128, tile_stages_fp8=2, tile_warps=4, tile_lazy_mask=True,
               tile_persistent=False, tile_persistent_fp8=True, tile_resident=2,
@@ -246,6 +249,7 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
         BLOCK=block_size, TOPK=topk, KP=_next_pow2(topk), SUB=sub, STEPS=steps_per_split,
         SPLITS=splits, HAS_SCALE=has_scale, IEEE=ieee, F16_COMPUTE=f16_compute,
         FUSED_MERGE=fused, TILE_QT=tile_qt, V_PAIRS=v_pairs, PTX=device.type == "cuda",
+        GUESS=TUNING["request_guess"],
         num_warps=warps, num_stages=stages)
     if splits > 1 and not fused:
         _merge_splits_kernel[(num_tokens, num_heads)](

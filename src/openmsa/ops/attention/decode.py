@@ -42,7 +42,8 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
                              KP: tl.constexpr, SUB: tl.constexpr, STEPS: tl.constexpr,
                              SPLITS: tl.constexpr, HAS_SCALE: tl.constexpr, IEEE: tl.constexpr,
                              F16_COMPUTE: tl.constexpr, FUSED_MERGE: tl.constexpr,
-                             TILE_QT: tl.constexpr, V_PAIRS: tl.constexpr, PTX: tl.constexpr):
+                             TILE_QT: tl.constexpr, V_PAIRS: tl.constexpr, PTX: tl.constexpr,
+                             GUESS: tl.constexpr):
     t = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
@@ -58,16 +59,24 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
     offs = tl.arange(0, SUB)
     PARTS: tl.constexpr = BLOCK // SUB
 
-    # the token's request, position and causal block count (0 for padding)
-    r, pos = token_position(cu_ptr, seq_lens_ptr, num_requests, t)
-    n = tl.where(pos >= 0, pos // BLOCK + 1, 0)
-    r_safe = tl.minimum(r, num_requests - 1).to(tl.int64)
-
-    # the selection row, valid entries only; an id listed earlier in the row counts once
+    # the loads that need only t first (the selection row, q): they are in flight while the
+    # request is looked up, so the prologue's dependent chain is cu_seqlens -> seq_lens ->
+    # block table -> K/V
     ih = g * NUM_INDEX_HEADS // NUM_KV_HEADS
     idx_row = idx_ptr + t.to(tl.int64) * stride_it + ih * stride_ih
     kk = tl.arange(0, KP)
     row_ids = tl.load(idx_row + kk * stride_ik, mask=kk < TOPK, other=-1)  # [KP]
+    q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + head[:, None] * stride_qh
+                + d[None, :] * stride_qd, mask=head_ok[:, None], other=0.0)  # [M, D]
+
+    # the token's request, position and causal block count (0 for padding); requests of equal
+    # q_len hold token t in request t * R // T
+    guess = (t.to(tl.int64) * num_requests // tl.num_programs(0)).to(tl.int32) if GUESS else -1
+    r, pos = token_position(cu_ptr, seq_lens_ptr, num_requests, t, guess)
+    n = tl.where(pos >= 0, pos // BLOCK + 1, 0)
+    r_safe = tl.minimum(r, num_requests - 1).to(tl.int64)
+
+    # the selection row, valid entries only; an id listed earlier in the row counts once
     in_range = (row_ids >= 0) & (row_ids < n)
     earlier = kk[None, :] < kk[:, None]  # [KP, KP]: column j before row i
     dup = tl.sum((earlier & (row_ids[None, :] == row_ids[:, None]) & in_range[None, :])
@@ -80,8 +89,6 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
     # a negative page id (a table the engine left unfilled) reads nothing
     row_ok = in_range & ~dup & (row_pages >= 0)
 
-    q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + head[:, None] * stride_qh
-                + d[None, :] * stride_qd, mask=head_ok[:, None], other=0.0)  # [M, D]
     # fp8 K/V: the matrix unit runs in fp16. e4m3 -> fp16 is one hardware conversion per pair
     # (e4m3 -> bf16 is not: it goes through more instructions, and this loop is bound by
     # converting 2 * BLOCK * D values per block, not by the bytes). q is pre-scaled by sm_scale so

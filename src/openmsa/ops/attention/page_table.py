@@ -25,7 +25,9 @@ def _sparse_page_table_kernel(idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr, pages_ptr, 
     t = tl.program_id(0)
     g = tl.program_id(1)
     S: tl.constexpr = BLOCK // SUB
-    r, pos = token_position(cu_ptr, seq_lens_ptr, num_requests, t)
+    # requests of equal q_len hold token t in request t * R // T (see find_request)
+    guess = (t.to(tl.int64) * num_requests // tl.num_programs(0)).to(tl.int32)
+    r, pos = token_position(cu_ptr, seq_lens_ptr, num_requests, t, guess)
     n = tl.where(pos >= 0, pos // BLOCK + 1, 0)
     r_safe = tl.minimum(r, num_requests - 1).to(tl.int64)
     kk = tl.arange(0, KP)

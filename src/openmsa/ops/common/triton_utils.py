@@ -12,11 +12,23 @@ FORCED_SCORE_KEY = tl.constexpr(0x7FFFFFFF)
 
 
 @triton.jit
-def find_request(cu_seqlens_ptr, num_requests, token):
+def find_request(cu_seqlens_ptr, num_requests, token, guess=-1):
     """The request holding packed token `token`: the smallest r with cu[r+1] > token (R if none).
-    A binary search over the R+1 offsets, so no token->request map is built on the host."""
+    A binary search over the R+1 offsets, so no token->request map is built on the host.
+
+    `guess` (a request index, or -1): checked first with two loads issued together. When
+    cu[guess] <= token < cu[guess+1] it is the answer (every earlier r has cu[r+1] <= token) and
+    the search's log2(R) dependent loads are skipped: with equal q_len per request (decode,
+    verify), token * R // T always holds, so a program's first K/V load waits on one round trip
+    to cu_seqlens instead of up to 8 at R = 128."""
     lo = 0
     hi = num_requests
+    if (guess >= 0) & (guess < num_requests):
+        begin = tl.load(cu_seqlens_ptr + guess)
+        end = tl.load(cu_seqlens_ptr + guess + 1)
+        if (begin <= token) & (token < end):
+            lo = guess
+            hi = guess
     while lo < hi:
         mid = (lo + hi) // 2
         if tl.load(cu_seqlens_ptr + mid + 1) > token:
@@ -27,10 +39,11 @@ def find_request(cu_seqlens_ptr, num_requests, token):
 
 
 @triton.jit
-def token_position(cu_seqlens_ptr, seq_lens_ptr, num_requests, token):
+def token_position(cu_seqlens_ptr, seq_lens_ptr, num_requests, token, guess=-1):
     """(request, position) of packed token `token`, right-aligned in its request. The position is
-    -1 for padding: a token past cu[R], or any token of a request with q_len > seq_len."""
-    r = find_request(cu_seqlens_ptr, num_requests, token)
+    -1 for padding: a token past cu[R], or any token of a request with q_len > seq_len. `guess`:
+    see find_request."""
+    r = find_request(cu_seqlens_ptr, num_requests, token, guess)
     pos = -1
     if r < num_requests:
         t_req = tl.load(cu_seqlens_ptr + r)

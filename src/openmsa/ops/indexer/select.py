@@ -35,8 +35,10 @@ DEAD_KEY = tl.constexpr(-(2 ** 31))
 
 @triton.jit
 def _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, t, BLOCK: tl.constexpr):
-    """n = p // B + 1 for token t; 0 for padding."""
-    _, pos = token_position(cu_ptr, seq_lens_ptr, num_requests, t)
+    """n = p // B + 1 for token t (program_id(0) of a grid of the step's T tokens); 0 for
+    padding. Requests of equal q_len hold token t in request t * R // T (see find_request)."""
+    guess = (t.to(tl.int64) * num_requests // tl.num_programs(0)).to(tl.int32)
+    _, pos = token_position(cu_ptr, seq_lens_ptr, num_requests, t, guess)
     return tl.where(pos >= 0, pos // BLOCK + 1, 0)
 
 
