@@ -20,7 +20,10 @@ from openmsa.ops.indexer import api as indexer_api  # noqa: E402
 
 
 def pick(args, variants):
-    """The section's own variant list, unless --variants or --quick says otherwise."""
+    """The section's own variant list, unless --variants or --quick says otherwise. (A variant
+    with `pdl` on or off changes how kernels overlap: compare it on run.py's graph-replay call
+    time, because the device time here sums the kernels' durations and a dependent launch's
+    duration includes its wait.)"""
     if args.variants is not None:
         return args.variants
     return variants[:2] if args.quick else variants

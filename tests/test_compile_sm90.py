@@ -48,7 +48,7 @@ def test_block_scores_kernel(tile_mode, q_type, c_type):
              dict(H=4, HP=4, DI=128, DIP=128, BLOCK=128, BPS=32 if tile_mode else 16,
                   SMALL_Q=16, TILE_MODE=tile_mode, ROWS_T=32 if tile_mode else 4,
                   CAST_K=q_type != c_type, IEEE=False, KEYS_AS_ROWS=not tile_mode,
-                  MAX_SKIPS_NAN=True))
+                  MAX_SKIPS_NAN=True, PDL=tile_mode))
 
 
 @pytest.mark.parametrize("by_sort", [False, True])
@@ -58,9 +58,13 @@ def test_selection_kernels(by_sort):
             _compile(_segment_topk_kernel, dict(scores_ptr=F32, cu_ptr=I32, seq_lens_ptr=I32,
                                                 out_ptr=I32, cand_ptr=I64, scratch_ptr=I64), {},
                      dict(TOPK=16, KP=16, INIT=0, LOCAL=1, BLOCK=128, SEG=1024, SINGLE=single,
-                          BY_SORT=by_sort, CAP=cap, NG=64))
-    _compile(_merge_topk_kernel, dict(cand_ptr=I64, cu_ptr=I32, seq_lens_ptr=I32, out_ptr=I32),
-             {}, dict(TOPK=16, KP=16, BLOCK=128, SEG=1024, CANDP=128, BY_SORT=by_sort))
+                          BY_SORT=by_sort, CAP=cap, NG=64, PDL=single))
+    merge = _compile(_merge_topk_kernel, dict(cand_ptr=I64, cu_ptr=I32, seq_lens_ptr=I32,
+                                              out_ptr=I32), {},
+                     dict(TOPK=16, KP=16, BLOCK=128, SEG=1024, CANDP=128, BY_SORT=by_sort,
+                          PDL=by_sort))
+    # a dependent launch waits for its predecessor before reading (and only then)
+    assert ("griddepcontrol.wait" in merge.asm["ptx"]) == by_sort
 
 
 @pytest.mark.parametrize("kv_type, splits, sub", [("*fp8e4nv", 2, 64), ("*bf16", 1, 128)])
@@ -75,7 +79,7 @@ def test_attention_kernels(kv_type, splits, sub):
                   SPLITS=splits, HAS_SCALE=kv_type == "*fp8e4nv", IEEE=False,
                   F16_COMPUTE=kv_type == "*fp8e4nv", FUSED_MERGE=splits > 1,
                   TILE_QT=4 if splits == 1 else 0, V_PAIRS=kv_type == "*fp8e4nv", PTX=True,
-                  GUESS=True))
+                  GUESS=True, PDL=splits > 1))
     _compile(_tile_plan_kernel, dict(idx_ptr=I32, blocks_ptr=I32, union_ptr=I32, **STEP),
              dict(waste="fp32"), dict(NUM_KV_HEADS=4, NUM_INDEX_HEADS=4, QT=4, BLOCK=128,
                                       TOPK=16, KP=16))
@@ -89,7 +93,7 @@ def test_attention_kernels(kv_type, splits, sub):
                   PERSISTENT=kv_type == "*bf16"))
     _compile(_merge_splits_kernel, dict(part_out_ptr=F32, part_lse_ptr=F32, out_ptr="*bf16",
                                         lse_ptr=F32), {},
-             dict(NUM_HEADS=64, D=128, SPLITS=2, SP=2))
+             dict(NUM_HEADS=64, D=128, SPLITS=2, SP=2, PDL=True))
     _compile(_sparse_page_table_kernel, dict(idx_ptr=I32, pages_ptr=I32, lens_ptr=I32, **STEP),
              {}, dict(NUM_KV_HEADS=4, NUM_INDEX_HEADS=4, TOPK=16, KP=16, BLOCK=128, SUB=16))
 

@@ -39,6 +39,9 @@ __all__ = ["sparse_attention", "sparse_page_table"]
 # request_guess: a program looks its token's request up by checking t * R // T first (right for
 # equal q_len per request) before the binary search over cu_seqlens (see find_request): fewer
 # dependent loads before the first K/V load. Not measured yet (git branch exp/decode-prologue).
+# pdl: the merge launch (more than fused_max_splits splits) is a programmatic dependent launch
+# (CUDA only): it starts while the split programs run and waits for them before reading. Not
+# measured yet (git branch exp/pdl).
 # fused_merge: with at most fused_max_splits splits the last split program merges (no second
 # launch: TP4 B=64 24.7 -> 22.7 µs); with more, that program's serial merge costs more than a
 # merge launch (16 splits at B=1: 8.5 -> 10.0 µs), so a second launch merges.
@@ -47,6 +50,7 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
               small_warps=8, fused_merge=True, fused_max_splits=4,
               prefill_min_tokens=2048, prefill_sub=64, prefill_sub_fp8=128, prefill_warps=4,
               prefill_stages=2, fp8_f16_compute=True, fp8_v_pairs=True, request_guess=True,
+              pdl=True,
               tile=True, tile_rows=64, tile_waste=2.0, tile_sub=64, tile_stages=3,
               tile_sub_fp8=128, tile_stages_fp8=2, tile_warps=4, tile_lazy_mask=True,
               tile_persistent=False, tile_persistent_fp8=True, tile_resident=2,
@@ -206,6 +210,8 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
     else:
         part_out = part_lse = counters = lse
     has_scale, ks, vs = scale_args(k_scale, v_scale, device, lse)
+    # the merge launch, if any, starts early (the decode launch triggers it)
+    pdl = TUNING["pdl"] and device.type == "cuda" and splits > 1 and not fused
     warps = TUNING["prefill_warps" if prefill else "small_warps" if small else "warps"]
     stages = TUNING["prefill_stages" if prefill else "stages"]
     sm_scale = head_dim ** -0.5 if scale is None else float(scale)
@@ -250,11 +256,12 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
         SPLITS=splits, HAS_SCALE=has_scale, IEEE=ieee, F16_COMPUTE=f16_compute,
         FUSED_MERGE=fused, TILE_QT=tile_qt, V_PAIRS=v_pairs, PTX=device.type == "cuda",
         GUESS=TUNING["request_guess"],
-        num_warps=warps, num_stages=stages)
+        PDL=pdl, num_warps=warps, num_stages=stages)
     if splits > 1 and not fused:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part_out, part_lse, out, lse, *out.stride(), *lse.stride(), NUM_HEADS=num_heads,
-            D=head_dim, SPLITS=splits, SP=_next_pow2(splits), num_warps=4)
+            D=head_dim, SPLITS=splits, SP=_next_pow2(splits), PDL=pdl, num_warps=4,
+            launch_pdl=pdl)
     return (out, lse) if return_lse else out
 
 

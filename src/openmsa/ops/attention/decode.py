@@ -20,6 +20,7 @@ between tokens that picked the same blocks).
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..common.triton_utils import split_e4m3_pairs, token_position
 
@@ -43,7 +44,11 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
                              SPLITS: tl.constexpr, HAS_SCALE: tl.constexpr, IEEE: tl.constexpr,
                              F16_COMPUTE: tl.constexpr, FUSED_MERGE: tl.constexpr,
                              TILE_QT: tl.constexpr, V_PAIRS: tl.constexpr, PTX: tl.constexpr,
-                             GUESS: tl.constexpr):
+                             GUESS: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:
+        # the merge launch may start now (programmatic dependent launch); it waits for this
+        # launch to finish before it reads a partial
+        gdc_launch_dependents()
     t = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
@@ -215,8 +220,11 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
 @triton.jit
 def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, stride_ot, stride_oh,
                          stride_od, stride_lt, stride_lh, NUM_HEADS: tl.constexpr,
-                         D: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr):
+                         D: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """out = sum_s exp(lse_s - lse) * out_s with lse = logsumexp_s lse_s; all -inf gives 0."""
+    if PDL:
+        gdc_wait()  # launched before the split programs finished: wait for their partials
     t = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SP)

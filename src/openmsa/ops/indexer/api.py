@@ -29,7 +29,10 @@ SELECT_SEGMENT = 1024
 TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64, decode_min_bps=1,
               decode_keys_as_rows=True, prefill_rows=128, prefill_bps=32, prefill_warps=4,
               prefill_stages=2, prefill_warps_fp8=4, prefill_stages_fp8=3, select_warps=4,
-              select_sort_waves=2, select_search_scale=1, select_scratch=64)
+              select_sort_waves=2, select_search_scale=1, select_scratch=64, pdl=True)
+# pdl: the selection and merge launches are programmatic dependent launches (CUDA only): each
+# starts while its predecessor runs and waits (griddepcontrol.wait) before reading its output,
+# which hides a launch's latency on the small decode steps. Not measured yet (git branch exp/pdl).
 
 
 def _programs_per_wave(device: torch.device) -> int:
@@ -68,7 +71,8 @@ def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_tabl
     ieee = index_q.dtype == torch.float32
     # the GPU's max skips NaN by itself; the interpreter's does not (see scores.py)
     common = dict(H=num_heads, HP=hp, DI=head_dim, DIP=dip, BLOCK=block_size, SMALL_Q=SMALL_Q,
-                  CAST_K=cast_k, IEEE=ieee, MAX_SKIPS_NAN=index_q.is_cuda)
+                  CAST_K=cast_k, IEEE=ieee, MAX_SKIPS_NAN=index_q.is_cuda,
+                  PDL=_pdl(index_q.device))
     args = (index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores, num_requests,
             num_tokens, *index_q.stride(), *index_cache.stride(), *block_table.stride(),
             *scores.stride())
@@ -96,6 +100,10 @@ def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_tabl
                                num_stages=TUNING["prefill_stages_fp8" if fp8 else "prefill_stages"])
 
 
+def _pdl(device: torch.device) -> bool:
+    return TUNING["pdl"] and device.type == "cuda"
+
+
 def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, local_blocks,
                   block_size) -> None:
     """Top-k per (token, head) row of `scores` into `out`; rows are cut into segments of
@@ -106,6 +114,7 @@ def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, loc
     if num_tokens == 0:
         return
     kp = _next_pow2(topk)
+    pdl = _pdl(scores.device)
 
     def segment(width):
         return max(2 * kp, min(width, _next_pow2(max(max_blocks, 1))))
@@ -135,12 +144,13 @@ def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, loc
         scores, cu_seqlens_q, seq_lens, out, cand, scratch, seq_lens.shape[0], num_segments,
         *scores.stride(), *out.stride(), TOPK=topk, KP=kp, INIT=init_blocks, LOCAL=local_blocks,
         BLOCK=block_size, SEG=seg, SINGLE=single, BY_SORT=by_sort, CAP=cap, NG=groups,
-        num_warps=warps)
+        PDL=pdl, num_warps=warps, launch_pdl=pdl)
     if not single:
         _merge_topk_kernel[(num_tokens, num_heads)](
             cand, cu_seqlens_q, seq_lens, out, seq_lens.shape[0], num_segments, *out.stride(),
             TOPK=topk, KP=kp, BLOCK=block_size, SEG=seg,
-            CANDP=_next_pow2(num_segments * kp), BY_SORT=by_sort, num_warps=warps)
+            CANDP=_next_pow2(num_segments * kp), BY_SORT=by_sort, PDL=pdl, num_warps=warps,
+            launch_pdl=pdl)
 
 
 def block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, block_size=128,

@@ -18,6 +18,7 @@ traffic; that is the whole cost model of decode.
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from ..common.triton_utils import find_request
 
@@ -126,7 +127,12 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                          BLOCK: tl.constexpr, BPS: tl.constexpr, SMALL_Q: tl.constexpr,
                          TILE_MODE: tl.constexpr, ROWS_T: tl.constexpr, CAST_K: tl.constexpr,
                          IEEE: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
-                         MAX_SKIPS_NAN: tl.constexpr):
+                         MAX_SKIPS_NAN: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:
+        # the selection launch may start now (programmatic dependent launch): it takes effect
+        # once every program of this launch has passed here, and the selection waits for this
+        # launch to finish before it reads a score
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b_first = split * BPS

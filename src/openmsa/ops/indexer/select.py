@@ -25,6 +25,7 @@ Bytes: reads n * 4 bytes of scores per row (+ segments * KP * 8 of candidates), 
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..common.triton_utils import (EMPTY_KEY, FORCED_SCORE_KEY, pack_key, score_key,
                                    token_position, unpack_block)
@@ -129,12 +130,19 @@ def _segment_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, cand_ptr, sc
                          stride_oh, stride_ok, TOPK: tl.constexpr, KP: tl.constexpr,
                          INIT: tl.constexpr, LOCAL: tl.constexpr, BLOCK: tl.constexpr,
                          SEG: tl.constexpr, SINGLE: tl.constexpr, BY_SORT: tl.constexpr,
-                         CAP: tl.constexpr, NG: tl.constexpr):
+                         CAP: tl.constexpr, NG: tl.constexpr, PDL: tl.constexpr = False):
     t = tl.program_id(0)
     h = tl.program_id(1)
     seg = tl.program_id(2)
     num_heads = tl.num_programs(1)
     n = _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, t, BLOCK)
+    if PDL:
+        # launched while the scoring launch was still running (programmatic dependent launch):
+        # the step's offsets above are inputs, but the scores (and every write) wait until that
+        # launch has finished and its stores are visible. This launch lets the merge launch
+        # start early in turn.
+        gdc_wait()
+        gdc_launch_dependents()
     slots = tl.arange(0, KP)
     out_row = out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh
     if n <= TOPK:
@@ -191,11 +199,13 @@ def _segment_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, cand_ptr, sc
 def _merge_topk_kernel(cand_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_requests, num_segments,
                        stride_ot, stride_oh, stride_ok, TOPK: tl.constexpr, KP: tl.constexpr,
                        BLOCK: tl.constexpr, SEG: tl.constexpr, CANDP: tl.constexpr,
-                       BY_SORT: tl.constexpr):
+                       BY_SORT: tl.constexpr, PDL: tl.constexpr = False):
     t = tl.program_id(0)
     h = tl.program_id(1)
     num_heads = tl.num_programs(1)
     n = _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, t, BLOCK)
+    if PDL:
+        gdc_wait()  # the segment launch's candidates (see _segment_topk_kernel)
     if n > TOPK:
         # segments past the row's causal blocks wrote nothing: read only those that exist. On
         # the threshold path the candidates are in ascending block order (segments in order,
