@@ -20,18 +20,30 @@ from openmsa.ops.indexer import api as indexer_api  # noqa: E402
 
 
 def pick(args, variants):
-    """The section's own variant list, unless --variants or --quick says otherwise. (A variant
-    with `pdl` on or off changes how kernels overlap: compare it on run.py's graph-replay call
-    time, because the device time here sums the kernels' durations and a dependent launch's
-    duration includes its wait.)"""
+    """The section's own variant list, unless --variants or --quick says otherwise. (Compare
+    `pdl` on and off with --metric call: see timing.)"""
     if args.variants is not None:
         return args.variants
     return variants[:2] if args.quick else variants
 
 
+METRIC = "device"  # --metric: what each cell shows
+
+
+def timing(fn, iters) -> str:
+    """One cell: median device µs, graph-replayed call µs (run.graph_call_us: what pdl and
+    other launch-overlap knobs change, since device time sums each kernel's duration, a
+    dependent launch's wait included), or both as device/call."""
+    dev = run.med(run.device_times_us(fn, iters)) if METRIC in ("device", "both") else None
+    call = run.graph_call_us(fn, iters) if METRIC in ("call", "both") else None
+    if METRIC == "both":
+        return f"{dev:6.1f}/{call:<6.1f}"
+    return f"{dev if call is None else call:8.1f}"
+
+
 def sweep(name, tuning, variants, cases, iters):
-    """Median device time of each case under each variant; a variant whose output differs from
-    the first variant's by more than bf16 rounding of the output prints "wrong" instead."""
+    """Median time (see timing) of each case under each variant; a variant whose output differs
+    from the first variant's by more than bf16 rounding of the output prints "wrong" instead."""
     base = dict(tuning)
     for case_name, fn in cases:
         cells = []
@@ -46,7 +58,7 @@ def sweep(name, tuning, variants, cases, iters):
                 elif not torch.allclose(got.float(), first, rtol=2e-2, atol=2e-2):
                     cells.append("   wrong")
                     continue
-                cells.append(f"{run.med(run.device_times_us(fn, iters)):8.1f}")
+                cells.append(timing(fn, iters))
             except Exception as e:  # noqa: BLE001
                 cells.append(f"  fail({type(e).__name__})")
         print(f"{name:10s} {case_name:28s} " + " ".join(cells), flush=True)
@@ -62,7 +74,11 @@ def main():
     p.add_argument("--variants", type=json.loads, default=None,
                    help='a JSON list of TUNING overrides replacing every section\'s own list, '
                         'e.g. \'[{}, {"sub": 128}]\'')
+    p.add_argument("--metric", choices=("device", "call", "both"), default="device",
+                   help="device µs (profiler), graph-replayed call µs, or both")
     args = p.parse_args()
+    global METRIC
+    METRIC = args.metric
     only = args.only.split(",")
     print(run.provenance(), flush=True)
     for name, fn in (("attention-prefill", _attention_prefill), ("attention-fp8", _attention_fp8)):

@@ -3,6 +3,7 @@
 # the GPU machine; results land in $OUT (the device tool brings them back).
 #   bash scripts/gpu_check.sh tests            # tier 2 + tier 1 on the GPU
 #   bash scripts/gpu_check.sh bench [args...]  # benchmarks/run.py with args
+#   bash scripts/gpu_check.sh tune [args...]   # benchmarks/tune.py with args (appends tune.log)
 # The device copy has no .git: write the commit first (`git rev-parse --short HEAD > REVISION`
 # and name REVISION in the call's carry) so the benchmark's provenance line names it.
 set -uo pipefail
@@ -19,6 +20,8 @@ case "$what" in
     python3 -m pytest -q -x -m "gpu or interpret" tests "$@" 2>&1 | tee "$OUT/tests.log" ;;
   bench)
     python3 benchmarks/run.py "$@" 2>&1 | tee "$OUT/bench.log" ;;
+  tune)
+    python3 benchmarks/tune.py "$@" 2>&1 | tee -a "$OUT/tune.log" ;;
   all)
     python3 -m pytest -q -m "gpu or interpret" tests 2>&1 | tee "$OUT/tests.log"
     python3 benchmarks/run.py "$@" 2>&1 | tee "$OUT/bench.log" ;;
