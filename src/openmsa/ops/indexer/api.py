@@ -32,7 +32,8 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               select_sort_waves=2, select_search_scale=1, select_scratch=64, pdl=True)
 # pdl: the selection and merge launches are programmatic dependent launches (CUDA only): each
 # starts while its predecessor runs and waits (griddepcontrol.wait) before reading its output,
-# which hides a launch's latency on the small decode steps. Not measured yet (git branch exp/pdl).
+# which hides a launch's latency on the small decode steps: graph-replayed call time at B = 1
+# 9.6 -> 7.1 µs (32K fp8), 17.2 -> 13.5 (128K), 56.7 -> 50.2 (1M); device time unchanged.
 
 
 def _programs_per_wave(device: torch.device) -> int:
