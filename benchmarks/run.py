@@ -654,8 +654,9 @@ def main():
             print(f"# section {name} failed: {type(e).__name__}: {e}", flush=True)
             import traceback
             traceback.print_exc()
-    with open(os.path.join(args.out, "bench.json"), "w") as f:
-        json.dump({"provenance": provenance(), "rows": ROWS}, f, indent=1)
+        # after every section, so a call that runs out of time still brings back what finished
+        with open(os.path.join(args.out, "bench.json"), "w") as f:
+            json.dump({"provenance": provenance(), "rows": ROWS}, f, indent=1)
 
 
 if __name__ == "__main__":
