@@ -38,6 +38,7 @@ CASES = {
     "attn-bf16-tp1-prefill": lambda: _attention("m3-tp1", "bf16", 1, 16384, 8192),
     "idx-fp8-b32-128k": lambda: _indexer("fp8", 32, 131072, 1, 4),
     "idx-fp8-b1-32k": lambda: _indexer("fp8", 1, 32768, 1, 4),
+    "idx-fp8-b32-32k": lambda: _indexer("fp8", 32, 32768, 1, 4),
     # an 8K prefill chunk after 120K: each call launches the request (decode) scoring launch,
     # then the tile launch, so a profiler wanting the tile launch skips an odd count of
     # _block_scores launches (scripts/ncu_cases.sh: idx-fp8-prefill-120k:_block_scores:3)
