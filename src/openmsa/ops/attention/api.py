@@ -44,10 +44,14 @@ __all__ = ["sparse_attention", "sparse_page_table"]
 # (CUDA only): it starts while the split programs run and waits for them before reading. Graph
 # call time at TP4 B = 8 12.9 -> 9.6 µs, TP1 B = 8 18.1 -> 17.2 (one call, noisy; see
 # docs/performance.md).
+# rounds_stages_16: 16-bit K/V decode grids of more than one round (1 program per SM) on 2
+# stages instead of 3: TP1 bf16 B = 128 145.7 -> 137.1 µs, B = 64 79.6 -> 75.6; single-round
+# grids lose with 2 (TP4 B = 64 28.6 -> 30.1), so they keep `stages`.
 # fused_merge: with at most fused_max_splits splits the last split program merges (no second
 # launch: TP4 B=64 24.7 -> 22.7 µs); with more, that program's serial merge costs more than a
 # merge launch (16 splits at B=1: 8.5 -> 10.0 µs), so a second launch merges.
 TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident=4,
+              rounds_stages_16=2,
               min_steps_per_split=2, warps=4, stages=3, small_pairs=8, small_sub=64,
               small_warps=8, fused_merge=True, fused_max_splits=4,
               prefill_min_tokens=2048, prefill_sub=64, prefill_sub_fp8=128, prefill_warps=4,
@@ -216,6 +220,10 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
     pdl = TUNING["pdl"] and device.type == "cuda" and splits > 1 and not fused
     warps = TUNING["prefill_warps" if prefill else "small_warps" if small else "warps"]
     stages = TUNING["prefill_stages" if prefill else "stages"]
+    if (not prefill and k_cache.dtype != FP8 and device.type == "cuda"
+            and num_tokens * num_kv_heads * splits > TUNING["resident_16"] * num_sms(device)):
+        # 16-bit K/V, more than one round of programs: fewer stages (see TUNING)
+        stages = TUNING["rounds_stages_16"]
     sm_scale = head_dim ** -0.5 if scale is None else float(scale)
     if tile_qt > 1:
         fp8 = k_cache.dtype == FP8
