@@ -4,7 +4,9 @@
     ncu --clock-control none -k regex:_sparse_attention --launch-skip 2 --launch-count 1 \\
         python3 benchmarks/profile_case.py attn-fp8-tp4-b128
 
-`scripts/ncu_cases.sh` runs the cases below under Nsight Compute in one device call."""
+`scripts/ncu_cases.sh` runs the cases below under Nsight Compute in one device call.
+`python3 benchmarks/profile_case.py --breakdown CASE...` prints each case's median device µs per
+kernel (torch profiler, L2 flushed before each call)."""
 
 import os
 import sys
@@ -47,6 +49,11 @@ CASES = {
 }
 
 if __name__ == "__main__":
+    if sys.argv[1] == "--breakdown":
+        for name in sys.argv[2:]:
+            parts = run.kernel_breakdown_us(CASES[name](), 20)
+            print(f"{name}: " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()), flush=True)
+        sys.exit(0)
     fn = CASES[sys.argv[1]]()
     for _ in range(int(sys.argv[2]) if len(sys.argv) > 2 else 3):
         fn()
