@@ -54,7 +54,7 @@ def test_select_exact_on_integer_inputs(kernel_device, q_dtype, c_dtype, topk, i
     indices must agree exactly, tie rule included. `segment` cuts score rows into several
     selection programs, so the merge launch runs too."""
     if segment is not None:
-        monkeypatch.setattr(indexer_api, "SELECT_SEGMENT", segment)
+        monkeypatch.setitem(indexer_api.TUNING, "select_segment", segment)
     step, q, c, dstep = _index_case(kernel_device, q_dtype, c_dtype, integer=True)
     args = (step.cu_seqlens_q, step.seq_lens, step.block_table)
     dargs = (dstep.cu_seqlens_q, dstep.seq_lens, dstep.block_table)
@@ -100,7 +100,7 @@ def test_selection_kernels_on_crafted_scores(kernel_device, topk, init, local, s
     the reference selection from the same scores; both paths (threshold search, bitonic sort)."""
     monkeypatch.setitem(indexer_api.TUNING, "select_sort_waves", 10**9 if by_sort else 0)
     if segment is not None:
-        monkeypatch.setattr(indexer_api, "SELECT_SEGMENT", segment)
+        monkeypatch.setitem(indexer_api.TUNING, "select_segment", segment)
     g = torch.Generator().manual_seed(topk)
     q_lens, seq_lens = [1, 1, 1, 1, 3, 40, 1], [700, 53, 16 * 2 + 1, 400, 260, 90, 1000]
     step = make_step(q_lens, seq_lens, block_size=B, pad_tokens=1)

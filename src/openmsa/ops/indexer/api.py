@@ -20,8 +20,6 @@ SMALL_Q = 16
 # rows (token, head pairs) of one tensor-core tile in the decode launch (the prefill launch's
 # is TUNING["prefill_rows"])
 DECODE_ROWS = 16
-# blocks of a score row per selection program (a 1M-token row of 8192 blocks takes 8)
-SELECT_SEGMENT = 1024
 # launch knobs, read at each call so that benchmarks/tune.py can sweep them. The prefill tile
 # launch has its own warps/stages per cache type: a 16-bit key tile is twice the bytes, and 2
 # stages on 4 warps fit 2 programs per SM for bf16 (13% faster at 8K@120K than 3 stages on 8
@@ -29,7 +27,10 @@ SELECT_SEGMENT = 1024
 TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64, decode_min_bps=1,
               decode_keys_as_rows=True, prefill_rows=128, prefill_bps=32, prefill_warps=4,
               prefill_stages=2, prefill_warps_fp8=4, prefill_stages_fp8=3, select_warps=4,
-              select_sort_waves=2, select_search_scale=1, select_scratch=64, pdl=True)
+              select_sort_waves=2, select_search_scale=1, select_scratch=64, select_segment=1024,
+              pdl=True)
+# select_segment: blocks of a score row per selection program (a 1M-token row of 8192 blocks
+# takes 8, merged by a second launch)
 # pdl: the selection and merge launches are programmatic dependent launches (CUDA only): each
 # starts while its predecessor runs and waits (griddepcontrol.wait) before reading its output,
 # which hides a launch's latency on the small decode steps: graph-replayed call time at B = 1
@@ -108,7 +109,7 @@ def _pdl(device: torch.device) -> bool:
 def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, local_blocks,
                   block_size) -> None:
     """Top-k per (token, head) row of `scores` into `out`; rows are cut into segments of
-    SELECT_SEGMENT blocks (one program each), merged by a second launch when there are several."""
+    TUNING["select_segment"] blocks (one program each), merged by a second launch when there are several."""
     from .select import _merge_topk_kernel, _segment_topk_kernel
 
     num_tokens, num_heads, max_blocks = scores.shape
@@ -120,7 +121,7 @@ def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, loc
     def segment(width):
         return max(2 * kp, min(width, _next_pow2(max(max_blocks, 1))))
 
-    seg = segment(SELECT_SEGMENT)
+    seg = segment(TUNING["select_segment"])
     # few programs (decode at small batch): a bitonic top-k on 4 warps has the shortest latency;
     # many (prefill, large batches): the threshold search on one warp per row has the most
     # throughput, on segments select_search_scale times longer (select.py; docs/performance.md)
@@ -128,7 +129,7 @@ def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, loc
     by_sort = programs < TUNING["select_sort_waves"] * _programs_per_wave(scores.device)
     warps = TUNING["select_warps"] if by_sort else 1
     if not by_sort:
-        seg = segment(int(SELECT_SEGMENT * TUNING["select_search_scale"]))
+        seg = segment(int(TUNING["select_segment"] * TUNING["select_search_scale"]))
     num_segments = -(-max(max_blocks, 1) // seg)
     single = num_segments == 1
     cand = out if single else torch.empty((num_tokens, num_heads, num_segments, kp),
