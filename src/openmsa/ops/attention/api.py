@@ -42,8 +42,7 @@ __all__ = ["sparse_attention", "sparse_page_table"]
 # B = 64 21.1 -> 20.2; TP1 B = 128 80.7 -> 79.6), equal on small steps.
 # pdl: the merge launch (more than fused_max_splits splits) is a programmatic dependent launch
 # (CUDA only): it starts while the split programs run and waits for them before reading. Graph
-# call time at TP4 B = 8 12.9 -> 9.6 µs, TP1 B = 8 18.1 -> 17.2 (one call, noisy; see
-# docs/performance.md).
+# call time about 1 µs lower at B = 1 (TP1 9.9 -> 8.9 µs, TP4 9.3 -> 8.1), equal at B = 8.
 # rounds_stages_16: 16-bit K/V decode grids of more than one round (1 program per SM) on 2
 # stages instead of 3: TP1 bf16 B = 128 145.7 -> 137.1 µs, B = 64 79.6 -> 75.6; single-round
 # grids lose with 2 (TP4 B = 64 28.6 -> 30.1), so they keep `stages`.
