@@ -12,6 +12,7 @@ whole 128-key blocks and 3 stages, 185 / 139 KB for bf16). Count before you meas
     python3 benchmarks/resources.py --sass index:fp8,128,32,3,4   # the indexer's prefill tile launch
                                                    # (cache dtype, rows, blocks per split, stages, warps)
     MAXNREG=168 python3 benchmarks/resources.py index:fp8,128,32,3,4   # under ptxas' register cap
+    python3 benchmarks/resources.py --sass idec:fp8,16,32,3,4   # the indexer's decode launch
 
 Programs per SM = min(65536 // (regs rounded up to 8 * 32 * warps), 228 KB // (smem + 1 KB)).
 """
@@ -87,12 +88,14 @@ def attention_resources(kv: str, sub: int, stages: int, warps: int, splits: int 
 
 
 def index_resources(kv: str, rows: int, bps: int, stages: int, warps: int, sass: bool = False,
-                    nan: bool = True):
-    """The indexer's prefill tile launch (`TILE_MODE`) on M3's index shapes (4 heads of 128)."""
+                    nan: bool = True, decode: bool = False):
+    """The indexer's prefill tile launch (`TILE_MODE`) on M3's index shapes (4 heads of 128), or
+    with `decode` its request launch (keys as the MMA's rows, `rows` = 16 (token, head) rows)."""
     pointers = dict(q_ptr=KV_TYPES[kv], cache_ptr=KV_TYPES[kv], cu_ptr="*i32",
                     seq_lens_ptr="*i32", bt_ptr="*i32", out_ptr="*fp32")
-    constexprs = dict(H=4, HP=4, DI=128, DIP=128, BLOCK=128, BPS=bps, SMALL_Q=16, TILE_MODE=True,
-                      ROWS_T=rows // 4, CAST_K=False, IEEE=False, KEYS_AS_ROWS=False,
+    constexprs = dict(H=4, HP=4, DI=128, DIP=128, BLOCK=128, BPS=bps, SMALL_Q=16,
+                      TILE_MODE=not decode, ROWS_T=rows // 4, CAST_K=False, IEEE=False,
+                      KEYS_AS_ROWS=decode,
                       MAX_SKIPS_NAN=nan,
                       stride_qd=1, stride_cd=1, stride_btb=1, stride_ob=1)
     return _compile(_block_scores_kernel, constexprs, pointers, stages, warps, sass)
@@ -142,12 +145,13 @@ if __name__ == "__main__":
     args = [a for a in args if a != "--sass"]
     print("kernel kv    sub stages warps  registers spill_bytes smem_KB programs/SM")
     for arg in args or ["fp8,128,3,4", "fp8,64,3,4", "bf16,128,3,4", "bf16,64,3,4"]:
-        if arg.startswith("index:"):
+        if arg.startswith(("index:", "idec:")):
             kv, rows, bps, stages, warps = arg.split(":")[1].split(",")
             regs, spills, smem, per_sm, mix = index_resources(kv, int(rows), int(bps),
                                                               int(stages), int(warps),
-                                                              sass=want_sass)
-            print(f"index  {kv:5s} rows {rows} bps {bps} {stages:>6s} {warps:>5s}  {regs:9d} "
+                                                              sass=want_sass,
+                                                              decode=arg.startswith("idec:"))
+            print(f"{arg[:4]:6s} {kv:5s} rows {rows} bps {bps} {stages:>6s} {warps:>5s}  {regs:9d} "
                   f"{spills:11d} {smem / 1024:7.1f} {per_sm:12d}", flush=True)
             _print_loops(mix)
             continue
