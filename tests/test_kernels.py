@@ -411,42 +411,6 @@ def test_nan_keys_and_unfilled_pages_match_reference(kernel_device, dtype):
     assert torch.equal(got.cpu(), want)
 
 
-@pytest.mark.parametrize("q_dtype, c_dtype", INDEX_DTYPES[:3])
-@pytest.mark.parametrize("max_bps", [4, 64])
-def test_decode_scores_two_blocks_per_iteration(kernel_device, q_dtype, c_dtype, max_bps,
-                                                monkeypatch):
-    """TUNING["decode_pairs"]: the decode launch scores unmasked blocks two at a time. Odd counts
-    of them per split (the last pair's second block is the causal loop's, or no block), splits of
-    4 blocks, an unfilled page as either block of a pair, and NaN keys (16-bit caches: the
-    interpreter reads e4m3 NaN as +-480): exact against the reference."""
-    monkeypatch.setitem(indexer_api.TUNING, "decode_pairs", True)
-    monkeypatch.setitem(indexer_api.TUNING, "decode_max_bps", max_bps)
-    # unmasked blocks before the first token's own block: 5, 7 (q_len 2), 2, 6 (q_len 4)
-    q_lens, seq_lens = [1, 2, 1, 4], [86, 119, 35, 112]
-
-    def step_for(device):
-        st = make_step(q_lens, seq_lens, block_size=B, extra_columns=1, pad_tokens=1,
-                       generator=torch.Generator().manual_seed(5))
-        return _to(st, device)
-
-    step = step_for("cpu")
-    q, c = random_index_inputs(step, num_heads=2, head_dim=32, block_size=B, q_dtype=q_dtype,
-                               cache_dtype=c_dtype, integer=True,
-                               generator=torch.Generator().manual_seed(6))
-    if c_dtype != FP8:
-        c = c.clone()
-        c[int(step.block_table[0, 1]), :3] = float("nan")
-    table = step.block_table.clone()
-    table[1, 3] = -1  # the second block of a pair
-    table[3, 4] = -1  # the first block of a pair
-    args = (step.cu_seqlens_q, step.seq_lens, table)
-    dstep = step_for(kernel_device)
-    dargs = (dstep.cu_seqlens_q, dstep.seq_lens, table.to(kernel_device))
-    want = ref.block_scores(q, c, *args, block_size=B)
-    got = openmsa.block_scores(q.to(kernel_device), c.to(kernel_device), *dargs, block_size=B)
-    assert not want.isnan().any() and torch.equal(got.cpu(), want)
-
-
 @pytest.mark.parametrize("block, index_dim, head_dim", [(32, 64, 128), (64, 256, 256)])
 def test_other_block_sizes_and_head_dims(kernel_device, block, index_dim, head_dim):
     """Block sizes and head dims besides the 16/32/64 of the cases above: exact selection on

@@ -75,46 +75,13 @@ def _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, strid
 
 
 @triton.jit
-def _score_two_blocks(q, cache_ptr, split_pages, tile, b, b_lo, b_end, stride_cp, stride_cb,
-                      stride_cd, d, DI: tl.constexpr, BLOCK: tl.constexpr, BPS: tl.constexpr,
-                      CAST_K: tl.constexpr, MAX_SKIPS_NAN: tl.constexpr):
-    """Columns b - b_lo and b + 1 - b_lo of the score tile (no causal cut; block b + 1 only if
-    it is < b_end), as one [2 * BLOCK, M] keys-as-rows MMA: the cross-warp max and the move of
-    the maxima into the tile, each a round trip through shared memory between CTA barriers, are
-    paid once per two blocks."""
-    offs = tl.arange(0, 2 * BLOCK)
-    cols = tl.arange(0, BPS)
-    page_a = tl.sum(tl.where(cols == b - b_lo, split_pages, 0), axis=0).to(tl.int64)
-    page_b = tl.sum(tl.where(cols == b + 1 - b_lo, split_pages, 0), axis=0).to(tl.int64)
-    page_b = tl.where(b + 1 < b_end, page_b, -1)
-    page = tl.where(offs < BLOCK, page_a, page_b)  # [2 * BLOCK]: each key row's page
-    k = tl.load(cache_ptr + page[:, None] * stride_cp + (offs % BLOCK)[:, None] * stride_cb
-                + d[None, :] * stride_cd, mask=(page >= 0)[:, None] & (d[None, :] < DI),
-                other=0.0)  # [2 * BLOCK, DIP]
-    if CAST_K:
-        k = k.to(q.dtype)
-    s = tl.dot(k, tl.trans(q))  # [2 * BLOCK, M]
-    if not MAX_SKIPS_NAN:
-        s = tl.where(s == s, s, float("-inf"))
-    # [2, BLOCK, M] -> max over keys -> [M, 2] -> the two blocks' columns
-    best = tl.reduce(tl.permute(tl.reshape(s, [2, BLOCK, s.shape[1]]), [1, 2, 0]), 0,
-                     _max_skip_nan)
-    best_a, best_b = tl.split(best)
-    best_a = tl.where((page_a >= 0) & (best_a == best_a), best_a, float("-inf"))
-    best_b = tl.where((page_b >= 0) & (best_b == best_b), best_b, float("-inf"))
-    tile = tl.where(cols[None, :] == b - b_lo, best_a[:, None], tile)
-    # past b_end, column b + 1 - b_lo belongs to the causal loop (or to no block): left as is
-    return tl.where((cols[None, :] == b + 1 - b_lo) & (b + 1 < b_end), best_b[:, None], tile)
-
-
-@triton.jit
 def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, seq_len, q_len,
                        t_req, b_lo, b_hi, stride_qt, stride_qh, stride_qd, stride_cp,
                        stride_cb, stride_cd, stride_btb, stride_ot, stride_oh, stride_ob,
                        H: tl.constexpr, HP: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr,
                        BLOCK: tl.constexpr, ROWS_T: tl.constexpr, BPS: tl.constexpr,
                        CAST_K: tl.constexpr, IEEE: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
-                       MAX_SKIPS_NAN: tl.constexpr, PAIRS: tl.constexpr = False):
+                       MAX_SKIPS_NAN: tl.constexpr):
     """Score tokens [t_begin, t_end) (< ROWS_T of them, all of one request whose first token is
     t_req) against blocks [b_lo, b_hi) and store the tile; rows are (token, head) pairs."""
     M: tl.constexpr = ROWS_T * HP
@@ -137,17 +104,10 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
     # last one or two blocks of a tile pay for it
     b_full = tl.minimum(tl.maximum((seq_len - q_len + (t_begin - t_req) + 1) // BLOCK, b_lo),
                         b_hi)
-    if PAIRS:
-        # two blocks per iteration (keys as rows only: see _score_two_blocks)
-        for b in range(b_lo, b_full, 2):
-            tile = _score_two_blocks(q, cache_ptr, split_pages, tile, b, b_lo, b_full, stride_cp,
-                                     stride_cb, stride_cd, d, DI, BLOCK, BPS, CAST_K,
-                                     MAX_SKIPS_NAN)
-    else:
-        for b in range(b_lo, b_full):
-            tile = _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp,
-                                stride_cb, stride_cd, d, DI, BLOCK, BPS, CAST_K, IEEE, False,
-                                KEYS_AS_ROWS, MAX_SKIPS_NAN)
+    for b in range(b_lo, b_full):
+        tile = _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, stride_cb,
+                            stride_cd, d, DI, BLOCK, BPS, CAST_K, IEEE, False, KEYS_AS_ROWS,
+                            MAX_SKIPS_NAN)
     for b in range(b_full, b_hi):
         tile = _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, stride_cb,
                             stride_cd, d, DI, BLOCK, BPS, CAST_K, IEEE, True, KEYS_AS_ROWS,
@@ -167,8 +127,7 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                          BLOCK: tl.constexpr, BPS: tl.constexpr, SMALL_Q: tl.constexpr,
                          TILE_MODE: tl.constexpr, ROWS_T: tl.constexpr, CAST_K: tl.constexpr,
                          IEEE: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
-                         MAX_SKIPS_NAN: tl.constexpr, PDL: tl.constexpr = False,
-                         PAIRS: tl.constexpr = False):
+                         MAX_SKIPS_NAN: tl.constexpr, PDL: tl.constexpr = False):
     if PDL:
         # the selection launch may start now (programmatic dependent launch): it takes effect
         # once every program of this launch has passed here, and the selection waits for this
@@ -218,4 +177,4 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                                    seq_len, q_len, t_req, b_first, b_hi, stride_qt, stride_qh,
                                    stride_qd, stride_cp, stride_cb, stride_cd, stride_btb, stride_ot, stride_oh,
                                    stride_ob, H, HP, DI, DIP, BLOCK, ROWS_T, BPS, CAST_K, IEEE,
-                                   KEYS_AS_ROWS, MAX_SKIPS_NAN, PAIRS)
+                                   KEYS_AS_ROWS, MAX_SKIPS_NAN)
