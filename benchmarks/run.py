@@ -620,7 +620,13 @@ SECTIONS = {"ceilings": ceilings, "indexer-decode": indexer_decode,
 
 def provenance() -> str:
     # the device's copy of the tree may carry a stale .git: a given revision wins
+    # (OPENMSA_REVISION, or the REVISION file carried beside the tree, see scripts/gpu_check.sh)
     sha = os.environ.get("OPENMSA_REVISION", "")
+    rev_file = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            "REVISION")
+    if not sha and os.path.isfile(rev_file):
+        with open(rev_file) as f:
+            sha = f.read().strip()
     if not sha:
         try:
             sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
