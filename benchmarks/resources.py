@@ -13,6 +13,7 @@ whole 128-key blocks and 3 stages, 185 / 139 KB for bf16). Count before you meas
                                                    # (cache dtype, rows, blocks per split, stages, warps)
     MAXNREG=168 python3 benchmarks/resources.py index:fp8,128,32,3,4   # under ptxas' register cap
     python3 benchmarks/resources.py --sass idec:fp8,16,32,3,4   # the indexer's decode launch
+    SASS_DUMP=/tmp/k.sass python3 benchmarks/resources.py --sass idec:fp8,16,32,3,4   # + all SASS
 
 Programs per SM = min(65536 // (regs rounded up to 8 * 32 * warps), 228 KB // (smem + 1 KB)).
 """
@@ -127,6 +128,9 @@ def _compile(fn, constexprs, pointers, stages, warps, sass):
                                    "--dump-sass", cubin], capture_output=True, text=True,
                                   check=True).stdout
             mix = _loop_mix(dump)
+            if os.environ.get("SASS_DUMP"):  # the whole SASS, to read a loop line by line
+                with open(os.environ["SASS_DUMP"], "w") as f:
+                    f.write(dump)
     regs = int(info.split("Used ")[1].split(" registers")[0])
     spills = info.split("bytes spill stores")[0].rsplit(",", 1)[-1].strip()
     smem = compiled.metadata.shared

@@ -42,20 +42,35 @@ CEIL = {"copy_tbs": None, "bf16_tflops": None, "fp8_tflops": None}
 # timing
 
 @triton.jit
-def _bench_l2_flush_kernel(ptr, n, BLOCK: tl.constexpr):
+def _bench_l2_flush_kernel(ptr, n, WRITE: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(ptr + offs, tl.zeros([BLOCK], tl.int32), mask=offs < n)
+    if WRITE:
+        tl.store(ptr + offs, tl.zeros([BLOCK], tl.int32), mask=offs < n)
+    else:
+        x = tl.load(ptr + offs, mask=offs < n, other=0)
+        # never true (the buffer holds zeros): the store keeps the loads alive
+        if tl.sum(x, axis=0) == 12345:
+            tl.store(ptr + offs, x + 1, mask=offs < n)
 
 
 _FLUSH = None
+# How the L2 is emptied before each timed call. "read" (the default) streams a 256 MB buffer
+# through it and leaves only clean lines. "write" (how every table before the eighth session was
+# measured; also what the usual zero_() of a buffer does) leaves it full of dirty lines, so the
+# timed kernels also pay for writing them back to HBM as they evict them (docs/performance.md,
+# "How it was measured", has the A/B). Set by --flush or OPENMSA_BENCH_FLUSH.
+FLUSH_MODE = os.environ.get("OPENMSA_BENCH_FLUSH", "read")
 
 
 def flush_l2():
     global _FLUSH
     if _FLUSH is None:
-        _FLUSH = torch.empty(256 << 20 >> 2, dtype=torch.int32, device="cuda")  # 256 MB > L2
+        _FLUSH = torch.zeros(256 << 20 >> 2, dtype=torch.int32, device="cuda")  # 256 MB > L2
+    if FLUSH_MODE not in ("read", "write"):
+        raise ValueError(f"flush mode must be 'read' or 'write', got {FLUSH_MODE!r}")
     n = _FLUSH.numel()
-    _bench_l2_flush_kernel[(triton.cdiv(n, 4096),)](_FLUSH, n, BLOCK=4096)
+    _bench_l2_flush_kernel[(triton.cdiv(n, 4096),)](_FLUSH, n, WRITE=FLUSH_MODE == "write",
+                                                     BLOCK=4096)
 
 
 def device_times_us(fn, iters: int) -> list[float]:
@@ -636,7 +651,7 @@ def provenance() -> str:
     p = torch.cuda.get_device_properties(0)
     return (f"# {p.name} ({p.multi_processor_count} SMs), CUDA {torch.version.cuda}, torch "
             f"{torch.__version__}, triton {triton.__version__}, openmsa {openmsa.__version__} "
-            f"@ {sha}")
+            f"@ {sha}, L2 flush: {FLUSH_MODE}")
 
 
 def main():
@@ -646,7 +661,10 @@ def main():
     parser.add_argument("--quick", action="store_true", help="a subset of the decode grid")
     parser.add_argument("--no-peers", action="store_true")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--flush", choices=("read", "write"), default=FLUSH_MODE,
+                        help="how the L2 is emptied before each timed call (see FLUSH_MODE)")
     args = parser.parse_args()
+    globals()["FLUSH_MODE"] = args.flush
     print(provenance(), flush=True)
     fi = None if args.no_peers else load_flashinfer()
     sections = args.sections.split(",")
