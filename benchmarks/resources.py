@@ -61,7 +61,7 @@ def _loop_mix(sass: str, top: int = 12):
         # opcode without predicate and modifiers: LDS.U8 and LDS.128 both count as LDS
         ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
                                   for t in body)
-        result.append((len(body), ops.most_common(top)))
+        result.append((len(body), ops.most_common(top), ops["BAR"]))
     return result
 
 
@@ -98,6 +98,8 @@ def index_resources(kv: str, rows: int, bps: int, stages: int, warps: int, sass:
                       TILE_MODE=not decode, ROWS_T=rows // 4, CAST_K=False, IEEE=False,
                       KEYS_AS_ROWS=decode,
                       MAX_SKIPS_NAN=nan,
+                      # the decode launch's per-block stores (TUNING decode_direct_store)
+                      DIRECT=decode and os.environ.get("DIRECT", "1") == "1",
                       stride_qd=1, stride_cd=1, stride_btb=1, stride_ob=1)
     return _compile(_block_scores_kernel, constexprs, pointers, stages, warps, sass)
 
@@ -139,8 +141,9 @@ def _compile(fn, constexprs, pointers, stages, warps, sass):
 
 
 def _print_loops(mix):
-    for count, ops in mix or []:
-        print(f"      loop: {count} instructions per warp per iteration; {ops}")
+    for count, ops, bars in mix or []:
+        # each BAR stalls the whole program until its slowest warp arrives
+        print(f"      loop: {count} instructions per warp per iteration, {bars} BAR; {ops}")
 
 
 if __name__ == "__main__":
