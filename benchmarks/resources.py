@@ -98,8 +98,6 @@ def index_resources(kv: str, rows: int, bps: int, stages: int, warps: int, sass:
                       TILE_MODE=not decode, ROWS_T=rows // 4, CAST_K=False, IEEE=False,
                       KEYS_AS_ROWS=decode,
                       MAX_SKIPS_NAN=nan,
-                      # the decode launch's per-block stores (TUNING decode_direct_store)
-                      DIRECT=decode and os.environ.get("DIRECT", "1") == "1",
                       stride_qd=1, stride_cd=1, stride_btb=1, stride_ob=1)
     return _compile(_block_scores_kernel, constexprs, pointers, stages, warps, sass)
 

@@ -68,19 +68,6 @@ def test_select_exact_on_integer_inputs(kernel_device, q_dtype, c_dtype, topk, i
     assert torch.equal(s_got.cpu(), s_want)
 
 
-@pytest.mark.parametrize("q_dtype, c_dtype", INDEX_DTYPES[1:3])
-def test_block_scores_direct_store(kernel_device, q_dtype, c_dtype, monkeypatch):
-    """The decode launch's other store path (TUNING decode_direct_store: each block's maxima
-    straight to the output instead of through the register tile) gives the same exact scores."""
-    monkeypatch.setitem(indexer_api.TUNING, "decode_direct_store", True)
-    step, q, c, dstep = _index_case(kernel_device, q_dtype, c_dtype, integer=True, seed=2)
-    want = ref.block_scores(q, c, step.cu_seqlens_q, step.seq_lens, step.block_table,
-                            block_size=B)
-    got = openmsa.block_scores(q.to(kernel_device), c.to(kernel_device), dstep.cu_seqlens_q,
-                               dstep.seq_lens, dstep.block_table, block_size=B)
-    assert torch.equal(got.cpu(), want)
-
-
 @pytest.mark.parametrize("q_dtype, c_dtype", INDEX_DTYPES[:2])
 def test_select_on_random_floats_meets_threshold(kernel_device, q_dtype, c_dtype):
     """Random floats: rounding may reorder near-equal blocks, so check that every selected block

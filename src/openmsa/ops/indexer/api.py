@@ -28,10 +28,7 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               decode_keys_as_rows=True, prefill_rows=128, prefill_bps=32, prefill_warps=4,
               prefill_stages=2, prefill_warps_fp8=4, prefill_stages_fp8=3, select_warps=4,
               select_sort_waves=2, select_search_scale=1, select_scratch=64, select_segment=1024,
-              pdl=True, decode_direct_store=False)
-# decode_direct_store: the decode launch stores each block's row maxima straight to the output
-# instead of into a [blocks, rows] register tile stored once per split (the tile's insert needs no
-# layout change, 3 barriers per block instead of 5; a direct store converts through shared memory)
+              pdl=True)
 # select_segment: blocks of a score row per selection program (a 1M-token row of 8192 blocks
 # takes 8, merged by a second launch)
 # pdl: the selection and merge launches are programmatic dependent launches (CUDA only): each
@@ -90,8 +87,7 @@ def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_tabl
     # keys as the MMA's rows (see scores.py); the fp32 reference-precision path keeps the IEEE dot
     keys_as_rows = TUNING["decode_keys_as_rows"] and not ieee
     _block_scores_kernel[grid](*args, BPS=bps, TILE_MODE=False, ROWS_T=rows_t, **common,
-                               KEYS_AS_ROWS=keys_as_rows, DIRECT=TUNING["decode_direct_store"],
-                               num_warps=TUNING["decode_warps"],
+                               KEYS_AS_ROWS=keys_as_rows, num_warps=TUNING["decode_warps"],
                                num_stages=TUNING["decode_stages"])
     # prefill chunks: tiles of packed tokens; with T <= SMALL_Q no request can be long
     if num_tokens <= SMALL_Q:

@@ -31,11 +31,11 @@ def _max_skip_nan(a, b):
 
 
 @triton.jit
-def _score_block(q, cache_ptr, split_pages, b, b_lo, pos, stride_cp, stride_cb, stride_cd,
+def _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, stride_cb, stride_cd,
                  d, DI: tl.constexpr, BLOCK: tl.constexpr, BPS: tl.constexpr,
                  CAST_K: tl.constexpr, IEEE: tl.constexpr, CAUSAL: tl.constexpr,
                  KEYS_AS_ROWS: tl.constexpr, MAX_SKIPS_NAN: tl.constexpr):
-    """Each row's max over block b's keys ([rows])."""
+    """Column b - b_lo of the [rows, BPS] score tile: each row's max over block b's keys."""
     offs = tl.arange(0, BLOCK)
     cols = tl.arange(0, BPS)
     page = tl.sum(tl.where(cols == b - b_lo, split_pages, 0), axis=0).to(tl.int64)
@@ -70,27 +70,8 @@ def _score_block(q, cache_ptr, split_pages, b, b_lo, pos, stride_cp, stride_cb, 
     # other operand), so only an all-NaN block is left to fix, per row instead of per key: half
     # of the prefill loop's instructions were that per-key compare and select. The interpreter's
     # numpy max propagates NaN, so there every key is cleaned first.
-    return tl.where(page_ok & (best == best), best, float("-inf"))
-
-
-@triton.jit
-def _put_block(best, tile, out_col, row_ok, b, b_lo, stride_ob, BPS: tl.constexpr,
-               DIRECT: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """Block b's row maxima go into column b - b_lo of the score tile (stored once, after the
-    loop, coalesced along b), or with DIRECT straight to the output column."""
-    if DIRECT:
-        # int64: a strided out= may put block b past 2^31 elements (b is a plain int in the
-        # interpreter, hence tl.full rather than .to)
-        tl.store(out_col + tl.full([], b, tl.int64) * stride_ob, best, mask=row_ok)
-    elif TRANSPOSED:
-        # [BPS, rows]: best[None, :] keeps the layout the max over the keys left it in (keys were
-        # the MMA's rows), so the insert needs no trip through shared memory
-        cols = tl.arange(0, BPS)
-        tile = tl.where(cols[:, None] == b - b_lo, best[None, :], tile)
-    else:
-        cols = tl.arange(0, BPS)
-        tile = tl.where(cols[None, :] == b - b_lo, best[:, None], tile)
-    return tile
+    best = tl.where(page_ok & (best == best), best, float("-inf"))
+    return tl.where(cols[None, :] == b - b_lo, best[:, None], tile)
 
 
 @triton.jit
@@ -100,7 +81,7 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
                        H: tl.constexpr, HP: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr,
                        BLOCK: tl.constexpr, ROWS_T: tl.constexpr, BPS: tl.constexpr,
                        CAST_K: tl.constexpr, IEEE: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
-                       MAX_SKIPS_NAN: tl.constexpr, DIRECT: tl.constexpr):
+                       MAX_SKIPS_NAN: tl.constexpr):
     """Score tokens [t_begin, t_end) (< ROWS_T of them, all of one request whose first token is
     t_req) against blocks [b_lo, b_hi) and store the tile; rows are (token, head) pairs."""
     M: tl.constexpr = ROWS_T * HP
@@ -118,37 +99,23 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
     # registers, which the software pipeline prefetches (no block-table -> key load chain)
     split_pages = tl.load(bt_row_ptr + (b_lo + cols) * stride_btb, mask=b_lo + cols < b_hi,
                           other=-1)  # [BPS]
-    if KEYS_AS_ROWS:
-        tile = tl.full([BPS, M], float("-inf"), tl.float32)
-    else:
-        tile = tl.full([M, BPS], float("-inf"), tl.float32)
-    # each row's score for block b sits at out_col + b * stride_ob
-    out_col = out_ptr + tok.to(tl.int64) * stride_ot + head * stride_oh  # [M]
+    tile = tl.full([M, BPS], float("-inf"), tl.float32)
     # blocks wholly at or before the earliest row's position need no causal mask: only the
     # last one or two blocks of a tile pay for it
     b_full = tl.minimum(tl.maximum((seq_len - q_len + (t_begin - t_req) + 1) // BLOCK, b_lo),
                         b_hi)
     for b in range(b_lo, b_full):
-        best = _score_block(q, cache_ptr, split_pages, b, b_lo, pos, stride_cp, stride_cb,
+        tile = _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, stride_cb,
                             stride_cd, d, DI, BLOCK, BPS, CAST_K, IEEE, False, KEYS_AS_ROWS,
                             MAX_SKIPS_NAN)
-        tile = _put_block(best, tile, out_col, row_ok, b, b_lo, stride_ob, BPS, DIRECT,
-                          KEYS_AS_ROWS)
     for b in range(b_full, b_hi):
-        best = _score_block(q, cache_ptr, split_pages, b, b_lo, pos, stride_cp, stride_cb,
+        tile = _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, stride_cb,
                             stride_cd, d, DI, BLOCK, BPS, CAST_K, IEEE, True, KEYS_AS_ROWS,
                             MAX_SKIPS_NAN)
-        tile = _put_block(best, tile, out_col, row_ok, b, b_lo, stride_ob, BPS, DIRECT,
-                          KEYS_AS_ROWS)
     blk = b_lo + cols
-    if DIRECT:
-        pass
-    elif KEYS_AS_ROWS:
-        out = out_col[None, :] + blk.to(tl.int64)[:, None] * stride_ob
-        tl.store(out, tile, mask=row_ok[None, :] & (blk[:, None] < b_hi))
-    else:
-        out = out_col[:, None] + blk.to(tl.int64)[None, :] * stride_ob
-        tl.store(out, tile, mask=row_ok[:, None] & (blk[None, :] < b_hi))
+    out = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh \
+        + blk.to(tl.int64)[None, :] * stride_ob
+    tl.store(out, tile, mask=row_ok[:, None] & (blk[None, :] < b_hi))
 
 
 @triton.jit
@@ -160,8 +127,7 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                          BLOCK: tl.constexpr, BPS: tl.constexpr, SMALL_Q: tl.constexpr,
                          TILE_MODE: tl.constexpr, ROWS_T: tl.constexpr, CAST_K: tl.constexpr,
                          IEEE: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
-                         MAX_SKIPS_NAN: tl.constexpr, PDL: tl.constexpr = False,
-                         DIRECT: tl.constexpr = False):
+                         MAX_SKIPS_NAN: tl.constexpr, PDL: tl.constexpr = False):
     if PDL:
         # the selection launch may start now (programmatic dependent launch): it takes effect
         # once every program of this launch has passed here, and the selection waits for this
@@ -195,7 +161,7 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                                            b_first, b_hi, stride_qt, stride_qh, stride_qd,
                                            stride_cp, stride_cb, stride_cd, stride_btb, stride_ot, stride_oh,
                                            stride_ob, H, HP, DI, DIP, BLOCK, ROWS_T, BPS,
-                                           CAST_K, IEEE, KEYS_AS_ROWS, MAX_SKIPS_NAN, DIRECT)
+                                           CAST_K, IEEE, KEYS_AS_ROWS, MAX_SKIPS_NAN)
                 r += 1
     else:
         r = pid
@@ -211,4 +177,4 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                                    seq_len, q_len, t_req, b_first, b_hi, stride_qt, stride_qh,
                                    stride_qd, stride_cp, stride_cb, stride_cd, stride_btb, stride_ot, stride_oh,
                                    stride_ob, H, HP, DI, DIP, BLOCK, ROWS_T, BPS, CAST_K, IEEE,
-                                   KEYS_AS_ROWS, MAX_SKIPS_NAN, DIRECT)
+                                   KEYS_AS_ROWS, MAX_SKIPS_NAN)
