@@ -6,7 +6,11 @@
 
 `scripts/ncu_cases.sh` runs the cases below under Nsight Compute in one device call.
 `python3 benchmarks/profile_case.py --breakdown CASE...` prints each case's median device µs per
-kernel (torch profiler, L2 flushed before each call)."""
+kernel (torch profiler, L2 flushed before each call).
+`python3 benchmarks/profile_case.py --graph CASE...` splits run.graph_call_us' number: the same
+graphs of (flush, call) and (flush) alone, replayed back to back under the profiler, each
+replay's period (flush start to the next flush start), the flush kernel's own time, the call's
+kernels (union) and the idle gaps, medians over the replays."""
 
 import os
 import sys
@@ -20,11 +24,54 @@ import shapes  # noqa: E402
 import openmsa  # noqa: E402
 
 
-def _attention(model_name, dname, batch, context, q_len):
+def _attention(model_name, dname, batch, context, q_len, out=False):
+    """out=True writes into one preallocated buffer, as run.py's attention tables do."""
     m = shapes.MODELS[model_name]
     q, packed, idx, cu, seq, table = run._attention_step(m, batch, context, q_len, dname)
     k, v = packed[..., :128].permute(0, 2, 1, 3), packed[..., 128:].permute(0, 2, 1, 3)
-    return lambda: openmsa.sparse_attention(q, k, v, idx, cu, seq, table)
+    o = torch.empty_like(q) if out else None
+    return lambda: openmsa.sparse_attention(q, k, v, idx, cu, seq, table, out=o)
+
+
+def graph_breakdown_us(fn, iters: int = 20) -> dict[str, float]:
+    fn()
+    run.flush_l2()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g_both, g_flush = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g_both):
+        run.flush_l2()
+        fn()
+    with torch.cuda.graph(g_flush):
+        run.flush_l2()
+    result = {}
+    from torch.profiler import ProfilerActivity, profile
+    for label, g in (("both", g_both), ("flush", g_flush)):
+        g.replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                g.replay()
+            torch.cuda.synchronize()
+        kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                          if e.device_type == torch.autograd.DeviceType.CUDA
+                          and e.device_time_total > 0), key=lambda x: x[0])
+        starts = [i for i, k in enumerate(kernels) if "_bench_l2_flush_kernel" in k[2]]
+        period, flush, call = [], [], []
+        for i, j in zip(starts, starts[1:]):
+            period.append(kernels[j][0] - kernels[i][0])
+            flush.append(kernels[i][1] - kernels[i][0])
+            call.append(run._union_length([(a, b) for a, b, _ in kernels[i + 1:j]]))
+        result[f"{label}: period"] = run.med(period)
+        result[f"{label}: flush"] = run.med(flush)
+        if label == "both":
+            result["both: call kernels"] = run.med(call)
+            result["both: idle"] = run.med([p - f - c for p, f, c in zip(period, flush, call)])
+    return result
 
 
 def _indexer(dname, batch, context, q_len, heads):
@@ -36,6 +83,10 @@ CASES = {
     "attn-fp8-tp4-b128": lambda: _attention("m3-tp4", "fp8", 128, 65536, 1),
     "attn-bf16-tp4-b128": lambda: _attention("m3-tp4", "bf16", 128, 65536, 1),
     "attn-fp8-tp1-b128": lambda: _attention("m3-tp1", "fp8", 128, 65536, 1),
+    "attn-fp8-tp1-b128-out": lambda: _attention("m3-tp1", "fp8", 128, 65536, 1, out=True),
+    "attn-fp8-tp1-b64-out": lambda: _attention("m3-tp1", "fp8", 64, 65536, 1, out=True),
+    "attn-fp8-tp1-b128-q4-out": lambda: _attention("m3-tp1", "fp8", 128, 65536, 4, out=True),
+    "attn-bf16-tp1-b128-q4-out": lambda: _attention("m3-tp1", "bf16", 128, 65536, 4, out=True),
     "attn-fp8-tp1-b1": lambda: _attention("m3-tp1", "fp8", 1, 65536, 1),
     "attn-bf16-tp1-prefill": lambda: _attention("m3-tp1", "bf16", 1, 16384, 8192),
     "idx-fp8-b32-128k": lambda: _indexer("fp8", 32, 131072, 1, 4),
@@ -52,6 +103,14 @@ if __name__ == "__main__":
     if sys.argv[1] == "--breakdown":
         for name in sys.argv[2:]:
             parts = run.kernel_breakdown_us(CASES[name](), 20)
+            print(f"{name}: " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()), flush=True)
+        sys.exit(0)
+    if sys.argv[1] == "--graph":
+        for name in sys.argv[2:]:
+            fn = CASES[name]()
+            parts = {"device (union)": run.med(run.device_times_us(fn, 20))}
+            parts.update(graph_breakdown_us(fn))
+            parts["graph call (run.graph_call_us)"] = run.graph_call_us(fn, 10)
             print(f"{name}: " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()), flush=True)
         sys.exit(0)
     fn = CASES[sys.argv[1]]()
