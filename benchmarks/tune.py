@@ -30,38 +30,55 @@ def pick(args, variants):
 METRIC = "device"  # --metric: what each cell shows
 
 
-def timing(fn, iters) -> str:
+def _cell(dev, call) -> str:
     """One cell: median device µs, graph-replayed call µs (run.graph_call_us: what pdl and
-    other launch-overlap knobs change, since device time sums each kernel's duration, a
-    dependent launch's wait included), or both as device/call."""
-    dev = run.med(run.device_times_us(fn, iters)) if METRIC in ("device", "both") else None
-    call = run.graph_call_us(fn, iters) if METRIC in ("call", "both") else None
+    other launch-overlap knobs change), or both as device/call."""
     if METRIC == "both":
         return f"{dev:6.1f}/{call:<6.1f}"
     return f"{dev if call is None else call:8.1f}"
 
 
 def sweep(name, tuning, variants, cases, iters):
-    """Median time (see timing) of each case under each variant; a variant whose output differs
-    from the first variant's by more than bf16 rounding of the output prints "wrong" instead."""
+    """Median time (see _cell) of each case under each variant; a variant whose output differs
+    from the first variant's by more than bf16 rounding of the output prints "wrong" instead.
+    The device times of a case's variants come from one profiled loop in which their calls
+    alternate (run.interleaved_device_times_us), so a change of the GPU's state
+    (docs/performance.md, "Why interleave") hits every variant alike."""
     base = dict(tuning)
-    for case_name, fn in cases:
-        cells = []
-        first = None
-        for v in variants:
+
+    def under(v, fn):
+        def call():  # the knobs are read on the host at launch time
             tuning.clear()
             tuning.update(base, **v)
+            return fn()
+        return call
+
+    for case_name, fn in cases:
+        cells, ok, first = {}, [], None
+        for i, v in enumerate(variants):
+            f = under(v, fn)
             try:
-                got = fn()
-                if first is None:
-                    first = got.float()
-                elif not torch.allclose(got.float(), first, rtol=2e-2, atol=2e-2):
-                    cells.append("   wrong")
-                    continue
-                cells.append(timing(fn, iters))
+                got = f()
             except Exception as e:  # noqa: BLE001
-                cells.append(f"  fail({type(e).__name__})")
-        print(f"{name:10s} {case_name:28s} " + " ".join(cells), flush=True)
+                cells[i] = f"  fail({type(e).__name__})"
+                continue
+            if first is None:
+                first = got.float()
+            elif not torch.allclose(got.float(), first, rtol=2e-2, atol=2e-2):
+                cells[i] = "   wrong"
+                continue
+            ok.append((i, f))
+        try:
+            devs = (run.interleaved_device_times_us([f for _, f in ok], iters)
+                    if METRIC in ("device", "both") else None)
+            for k, (i, f) in enumerate(ok):
+                call = run.graph_call_us(f, iters) if METRIC in ("call", "both") else None
+                cells[i] = _cell(run.med(devs[k]) if devs is not None else None, call)
+        except Exception as e:  # noqa: BLE001
+            for i, _ in ok:
+                cells.setdefault(i, f"  fail({type(e).__name__})")
+        print(f"{name:10s} {case_name:28s} " + " ".join(cells[i] for i in range(len(variants))),
+              flush=True)
     tuning.clear()
     tuning.update(base)
 
