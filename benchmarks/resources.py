@@ -131,6 +131,9 @@ def _compile(fn, constexprs, pointers, stages, warps, sass):
             if os.environ.get("SASS_DUMP"):  # the whole SASS, to read a loop line by line
                 with open(os.environ["SASS_DUMP"], "w") as f:
                     f.write(dump)
+                # and Triton's layout-annotated IR beside it (where convert_layout sits)
+                with open(os.environ["SASS_DUMP"] + ".ttgir", "w") as f:
+                    f.write(compiled.asm["ttgir"])
     regs = int(info.split("Used ")[1].split(" registers")[0])
     spills = info.split("bytes spill stores")[0].rsplit(",", 1)[-1].strip()
     smem = compiled.metadata.shared
