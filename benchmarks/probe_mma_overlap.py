@@ -142,13 +142,15 @@ def run_triton(q, k, out):
                             num_stages=3)
 
 
-def run_gluon(q, k, out, stages, warps=8):
+def run_gluon(q, k, out, stages, warps=8, rows=128):
+    """rows per program: 128 on 8 warps (two warpgroups of 64 rows), or 64 on 4 warps (one
+    warpgroup, half the registers, so two programs fit on an SM)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    q_layout = gl.NVMMASharedLayout.get_default_for([128, D], gl.float8e4nv)
+    q_layout = gl.NVMMASharedLayout.get_default_for([rows, D], gl.float8e4nv)
     k_layout = gl.NVMMASharedLayout.get_default_for([KB, D], gl.float8e4nv)
-    q_desc = TensorDescriptor(q, list(q.shape), list(q.stride()), [128, D], q_layout)
+    q_desc = TensorDescriptor(q, list(q.shape), list(q.stride()), [rows, D], q_layout)
     k_desc = TensorDescriptor(k, list(k.shape), list(k.stride()), [KB, D], k_layout)
-    grid = (ROWS // 128, BLOCKS // BPS)
+    grid = (ROWS // rows, BLOCKS // BPS)
     _gluon_block_max[grid](q_desc, k_desc, out, BLOCKS, BPS=BPS, STAGES=stages,
                            num_warps=warps)
 
@@ -165,6 +167,8 @@ def main_gpu(stage_list):
     flops = 2 * ROWS * BLOCKS * KB * D
     runs = [("triton", lambda out: run_triton(q, k, out))]
     runs += [(f"gluon stages={s}", lambda out, s=s: run_gluon(q, k, out, s)) for s in stage_list]
+    runs += [(f"gluon 64 rows s={s}", lambda out, s=s: run_gluon(q, k, out, s, 4, 64))
+             for s in stage_list]
     for name, fn in runs:
         out = torch.full((ROWS, BLOCKS), float("nan"), device="cuda")
         try:
@@ -216,16 +220,20 @@ def main_offline(stage_list):
     report("triton", triton.compile(
         ASTSource(_triton_block_max, sig, {(names.index(k),): v for k, v in cx.items()}),
         target=target, options=dict(num_warps=4, num_stages=3)))
-    layout = gl.NVMMASharedLayout.get_default_for([128, D], gl.float8e4nv)
-    desc = f"tensordesc<fp8e4nv[128, {D}],{layout!r}>"
-    for stages in stage_list:
-        names = list(_gluon_block_max.arg_names)
-        cx = dict(BPS=BPS, STAGES=stages, num_warps=8)
-        sig = {n: "constexpr" if n in cx else "i32" for n in names}
-        sig.update(q_desc=desc, k_desc=desc, out_ptr="*fp32")
-        src = GluonASTSource(_gluon_block_max, sig, {(names.index(k),): v for k, v in cx.items()})
-        report(f"gluon stages={stages}", triton.compile(src, target=target,
-                                                        options=dict(num_warps=8)))
+    def desc(rows):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, D], gl.float8e4nv)
+        return f"tensordesc<fp8e4nv[{rows}, {D}],{layout!r}>"
+
+    for warps, rows in ((8, 128), (4, 64)):
+        for stages in stage_list:
+            names = list(_gluon_block_max.arg_names)
+            cx = dict(BPS=BPS, STAGES=stages, num_warps=warps)
+            sig = {n: "constexpr" if n in cx else "i32" for n in names}
+            sig.update(q_desc=desc(rows), k_desc=desc(KB), out_ptr="*fp32")
+            src = GluonASTSource(_gluon_block_max, sig,
+                                 {(names.index(k),): v for k, v in cx.items()})
+            report(f"gluon {rows} rows s={stages}",
+                   triton.compile(src, target=target, options=dict(num_warps=warps)))
 
 
 if __name__ == "__main__":

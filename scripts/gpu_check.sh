@@ -4,6 +4,7 @@
 #   bash scripts/gpu_check.sh tests            # tier 2 + tier 1 on the GPU
 #   bash scripts/gpu_check.sh bench [args...]  # benchmarks/run.py with args
 #   bash scripts/gpu_check.sh tune [args...]   # benchmarks/tune.py with args (appends tune.log)
+#   bash scripts/gpu_check.sh probe [args...]  # benchmarks/probe_mma_overlap.py (Triton vs Gluon)
 # The device copy has no .git: write the commit first (`git rev-parse --short HEAD > REVISION`
 # and name REVISION in the call's carry) so the benchmark's provenance line names it.
 set -uo pipefail
@@ -22,6 +23,8 @@ case "$what" in
     python3 benchmarks/run.py "$@" 2>&1 | tee "$OUT/bench.log" ;;
   tune)
     python3 benchmarks/tune.py "$@" 2>&1 | tee -a "$OUT/tune.log" ;;
+  probe)
+    python3 benchmarks/probe_mma_overlap.py "$@" 2>&1 | tee "$OUT/probe.log" ;;
   all)
     python3 -m pytest -q -m "gpu or interpret" tests 2>&1 | tee "$OUT/tests.log"
     python3 benchmarks/run.py "$@" 2>&1 | tee "$OUT/bench.log" ;;
