@@ -1,0 +1,38 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The benchmark's device-time bookkeeping (benchmarks/run.py), on made-up profiler events: the
+tables in docs/performance.md are only as right as these few lines."""
+
+import os
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.reference
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+run = pytest.importorskip("run")
+
+FLUSH = "_bench_l2_flush_kernel"
+
+
+def test_union_counts_overlap_once():
+    # a dependent launch (PDL) starting inside its predecessor, one nested in it, a gap
+    assert run._union_length([(0, 10), (8, 15), (9, 12), (20, 21)]) == 16
+    assert run._union_length([]) == 0
+    assert run._union_length([(5, 5)]) == 0
+
+
+def test_split_calls_alternating_functions():
+    """Calls alternate over the functions, each after a flush kernel; events before the first
+    flush (warm-up) and the flushes themselves do not count, unsorted input is sorted."""
+    events = [
+        (-5, -1, "warmup_kernel"),
+        (0, 60, FLUSH), (61, 70, "ours_scores"), (68, 72, "ours_select"),   # ours: 11
+        (73, 133, FLUSH), (140, 150, "fi_proxy"), (151, 153, "fi_topk"),    # FlashInfer: 12
+        (154, 214, FLUSH), (215, 224, "ours_scores"),                       # ours: 9
+        (225, 285, FLUSH),                                                  # FlashInfer: none
+    ]
+    ours, theirs = run.split_calls(list(reversed(events)), 2)
+    assert ours == [11, 9]
+    assert theirs == [12, 0]
+    assert run.split_calls(events, 1) == [[11, 12, 9, 0]]
