@@ -92,6 +92,13 @@ CASES = {
     "idx-fp8-b32-128k": lambda: _indexer("fp8", 32, 131072, 1, 4),
     "idx-fp8-b1-32k": lambda: _indexer("fp8", 1, 32768, 1, 4),
     "idx-fp8-b32-32k": lambda: _indexer("fp8", 32, 32768, 1, 4),
+    # with b32-32k and b32-128k: time against blocks per program (B = 32 launches 256 programs
+    # at every L, so the per-program block count is L / 1K: 8 / 16 / 32 / 128); b8-128k and
+    # b1-1m launch the same 256 x 32 blocks as b32-32k over 8 requests and one
+    "idx-fp8-b32-8k": lambda: _indexer("fp8", 32, 8192, 1, 4),
+    "idx-fp8-b32-16k": lambda: _indexer("fp8", 32, 16384, 1, 4),
+    "idx-fp8-b8-128k": lambda: _indexer("fp8", 8, 131072, 1, 4),
+    "idx-fp8-b1-1m": lambda: _indexer("fp8", 1, 1 << 20, 1, 4),
     # an 8K prefill chunk after 120K: each call launches the request (decode) scoring launch,
     # then the tile launch, so a profiler wanting the tile launch skips an odd count of
     # _block_scores launches (scripts/ncu_cases.sh: idx-fp8-prefill-120k:_block_scores:3)

@@ -280,11 +280,10 @@ def indexer_decode(args, fi):
         batches, contexts = (1, 128), (128 * 1024, 1024 * 1024)
     for model_name in ("m3-tp1", "m3-tp4"):
         heads = shapes.MODELS[model_name].num_index_heads
-        mb = (1, 32) if model_name == "m3-tp4" else batches  # TP4: a subset
         for dname in grid["dtypes"]:
             dtype = DTYPES[dname]
             for context in contexts:
-                for batch in mb:
+                for batch in batches:
                     if batch * context * 128 * (2 if dname == "bf16" else 1) > 40e9:
                         continue
                     for q_len in grid["q_lens"]:
@@ -333,16 +332,22 @@ def indexer_prefill(args, fi):
                 ours = lambda: openmsa.select_blocks(q, cache, cu, seq, table, out=out)  # noqa
                 ours()
                 flops = 2 * heads * 128 * chunk * (context + chunk / 2)
-                dev = med(device_times_us(ours, max(5, args.iters // 4)))
+                iters = max(5, args.iters // 4)
+                run = _fi_select(fi, q, cache, cu, seq, table, chunk) if fi is not None else None
+                theirs = try_peer(run) if run is not None else None
+                if theirs is not None:
+                    # interleaved, as in the decode sections: both sides in one GPU state
+                    mine, fi_times = interleaved_device_times_us([ours, run], iters)
+                    dev = med(mine)
+                else:
+                    dev = med(device_times_us(ours, iters))
                 ceil = CEIL["fp8_tflops" if dname == "fp8" else "bf16_tflops"]
                 row = dict(section="indexer-prefill", model=model_name, dtype=dname,
                            context=context, T=chunk, us=dev, tflops=flops / dev / 1e6,
                            pct_mm=100 * flops / dev / 1e6 / ceil if ceil else None)
                 if fi is not None:
-                    run = _fi_select(fi, q, cache, cu, seq, table, chunk)
-                    theirs = try_peer(run)
                     if theirs is not None:
-                        row["fi_us"] = med(device_times_us(run, max(5, args.iters // 4)))
+                        row["fi_us"] = med(fi_times)
                         row["fi_tflops"] = flops / row["fi_us"] / 1e6
                         row["same_rows"] = float((theirs == out).all(-1).float().mean())
                 record(**row)

@@ -39,16 +39,20 @@ def _compile(fn, pointers, scalars, constexprs):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32))
 
 
-@pytest.mark.parametrize("tile_mode, q_type, c_type", [(False, "*fp8e4nv", "*fp8e4nv"),
-                                                       (True, "*fp8e4nv", "*fp8e4nv"),
-                                                       (False, "*bf16", "*fp8e4nv"),
-                                                       (True, "*bf16", "*bf16")])
-def test_block_scores_kernel(tile_mode, q_type, c_type):
+@pytest.mark.parametrize("tile_mode, q_type, c_type, early", [(False, "*fp8e4nv", "*fp8e4nv", 0),
+                                                              (False, "*fp8e4nv", "*fp8e4nv", 1),
+                                                              (True, "*fp8e4nv", "*fp8e4nv", 0),
+                                                              (False, "*bf16", "*fp8e4nv", 1),
+                                                              (True, "*bf16", "*bf16", 0)])
+def test_block_scores_kernel(tile_mode, q_type, c_type, early):
+    # early: the decode launch's page ids loaded up front and one causal loop (TUNING
+    # decode_pages_early, decode_one_loop)
     _compile(_block_scores_kernel, dict(q_ptr=q_type, cache_ptr=c_type, out_ptr=F32, **STEP), {},
              dict(H=4, HP=4, DI=128, DIP=128, BLOCK=128, BPS=32 if tile_mode else 16,
                   SMALL_Q=16, TILE_MODE=tile_mode, ROWS_T=32 if tile_mode else 4,
                   CAST_K=q_type != c_type, IEEE=False, KEYS_AS_ROWS=not tile_mode,
-                  MAX_SKIPS_NAN=True, PDL=tile_mode))
+                  MAX_SKIPS_NAN=True, PDL=tile_mode, PAGES_EARLY=bool(early),
+                  ONE_LOOP=bool(early)))
 
 
 @pytest.mark.parametrize("by_sort", [False, True])

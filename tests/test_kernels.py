@@ -163,6 +163,31 @@ def test_strided_out_is_written_in_place(kernel_device):
                                         block_size=B))
 
 
+@pytest.mark.parametrize("knobs", [dict(decode_pages_early=True), dict(decode_one_loop=True),
+                                   dict(decode_pages_early=True, decode_one_loop=True)])
+@pytest.mark.parametrize("q_dtype, c_dtype", [(torch.float16, torch.float16), (FP8, FP8)])
+def test_decode_launch_variants(kernel_device, q_dtype, c_dtype, knobs, monkeypatch):
+    """The decode launch's knobs keep the reference's exact scores and selection. The table's
+    entries past each request's blocks hold page ids far outside the cache: decode_pages_early
+    loads them (masked by the table's width, not the request's length) and must never read the
+    keys they point to (on the GPU such a read faults)."""
+    for name, value in knobs.items():
+        monkeypatch.setitem(indexer_api.TUNING, name, value)
+    step, q, c, dstep = _index_case(kernel_device, q_dtype, c_dtype, integer=True, seed=5)
+    table = step.block_table.clone()
+    for r, seq_len in enumerate(SEQ_LENS):
+        table[r, -(-seq_len // B):] = 1 << 30
+    args = (step.cu_seqlens_q, step.seq_lens, table)
+    dargs = (dstep.cu_seqlens_q, dstep.seq_lens, table.to(kernel_device))
+    s_want = ref.block_scores(q, c, *args, block_size=B)
+    s_got = openmsa.block_scores(q.to(kernel_device), c.to(kernel_device), *dargs, block_size=B)
+    assert torch.equal(s_got.cpu(), s_want)
+    want = ref.select_blocks(q, c, *args, topk=4, block_size=B)
+    got = openmsa.select_blocks(q.to(kernel_device), c.to(kernel_device), *dargs, topk=4,
+                                block_size=B)
+    assert torch.equal(got.cpu(), want)
+
+
 def test_select_is_deterministic(kernel_device):
     _, q, c, dstep = _index_case(kernel_device, torch.float16, torch.float16, integer=False)
     args = (q.to(kernel_device), c.to(kernel_device), dstep.cu_seqlens_q, dstep.seq_lens,

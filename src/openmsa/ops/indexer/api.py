@@ -28,7 +28,7 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               decode_keys_as_rows=True, prefill_rows=128, prefill_bps=32, prefill_warps=4,
               prefill_stages=2, prefill_warps_fp8=4, prefill_stages_fp8=3, select_warps=4,
               select_sort_waves=2, select_search_scale=1, select_scratch=64, select_segment=1024,
-              pdl=True)
+              pdl=True, decode_pages_early=False, decode_one_loop=False)
 # select_segment: blocks of a score row per selection program (a 1M-token row of 8192 blocks
 # takes 8, merged by a second launch)
 # pdl: the selection and merge launches are programmatic dependent launches (CUDA only): each
@@ -88,7 +88,9 @@ def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_tabl
     keys_as_rows = TUNING["decode_keys_as_rows"] and not ieee
     _block_scores_kernel[grid](*args, BPS=bps, TILE_MODE=False, ROWS_T=rows_t, **common,
                                KEYS_AS_ROWS=keys_as_rows, num_warps=TUNING["decode_warps"],
-                               num_stages=TUNING["decode_stages"])
+                               num_stages=TUNING["decode_stages"], table_width=max_blocks,
+                               PAGES_EARLY=TUNING["decode_pages_early"],
+                               ONE_LOOP=TUNING["decode_one_loop"])
     # prefill chunks: tiles of packed tokens; with T <= SMALL_Q no request can be long
     if num_tokens <= SMALL_Q:
         return

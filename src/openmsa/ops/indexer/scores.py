@@ -81,9 +81,12 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
                        H: tl.constexpr, HP: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr,
                        BLOCK: tl.constexpr, ROWS_T: tl.constexpr, BPS: tl.constexpr,
                        CAST_K: tl.constexpr, IEEE: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
-                       MAX_SKIPS_NAN: tl.constexpr):
+                       MAX_SKIPS_NAN: tl.constexpr, split_pages_given=0,
+                       PAGES_GIVEN: tl.constexpr = False, ONE_LOOP: tl.constexpr = False):
     """Score tokens [t_begin, t_end) (< ROWS_T of them, all of one request whose first token is
-    t_req) against blocks [b_lo, b_hi) and store the tile; rows are (token, head) pairs."""
+    t_req) against blocks [b_lo, b_hi) and store the tile; rows are (token, head) pairs.
+    PAGES_GIVEN: the caller loaded the split's page ids (split_pages_given, [BPS]); ONE_LOOP: one
+    causal-masked loop over the split instead of an unmasked loop and a masked one."""
     M: tl.constexpr = ROWS_T * HP
     rows = tl.arange(0, M)
     tok = t_begin + rows // HP  # [M]
@@ -97,13 +100,19 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
     cols = tl.arange(0, BPS)
     # the split's page ids up front: the loop then issues only key loads with addresses from
     # registers, which the software pipeline prefetches (no block-table -> key load chain)
-    split_pages = tl.load(bt_row_ptr + (b_lo + cols) * stride_btb, mask=b_lo + cols < b_hi,
-                          other=-1)  # [BPS]
+    if PAGES_GIVEN:
+        split_pages = split_pages_given
+    else:
+        split_pages = tl.load(bt_row_ptr + (b_lo + cols) * stride_btb, mask=b_lo + cols < b_hi,
+                              other=-1)  # [BPS]
     tile = tl.full([M, BPS], float("-inf"), tl.float32)
     # blocks wholly at or before the earliest row's position need no causal mask: only the
     # last one or two blocks of a tile pay for it
-    b_full = tl.minimum(tl.maximum((seq_len - q_len + (t_begin - t_req) + 1) // BLOCK, b_lo),
-                        b_hi)
+    if ONE_LOOP:
+        b_full = b_lo
+    else:
+        b_full = tl.minimum(tl.maximum((seq_len - q_len + (t_begin - t_req) + 1) // BLOCK, b_lo),
+                            b_hi)
     for b in range(b_lo, b_full):
         tile = _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, stride_cb,
                             stride_cd, d, DI, BLOCK, BPS, CAST_K, IEEE, False, KEYS_AS_ROWS,
@@ -127,7 +136,9 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                          BLOCK: tl.constexpr, BPS: tl.constexpr, SMALL_Q: tl.constexpr,
                          TILE_MODE: tl.constexpr, ROWS_T: tl.constexpr, CAST_K: tl.constexpr,
                          IEEE: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
-                         MAX_SKIPS_NAN: tl.constexpr, PDL: tl.constexpr = False):
+                         MAX_SKIPS_NAN: tl.constexpr, PDL: tl.constexpr = False,
+                         table_width=0, PAGES_EARLY: tl.constexpr = False,
+                         ONE_LOOP: tl.constexpr = False):
     if PDL:
         # the selection launch may start now (programmatic dependent launch): it takes effect
         # once every program of this launch has passed here, and the selection waits for this
@@ -165,6 +176,15 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                 r += 1
     else:
         r = pid
+        if PAGES_EARLY:
+            # the split's page ids, masked by the table's width instead of the request's length,
+            # so that their load does not wait for seq_lens: one memory latency less before
+            # the first key load (entries past the request's blocks are read, never used)
+            cols = tl.arange(0, BPS)
+            pages = tl.load(bt_ptr + r.to(tl.int64) * stride_btr + (b_first + cols) * stride_btb,
+                            mask=b_first + cols < table_width, other=-1)
+        else:
+            pages = 0
         t_req = tl.load(cu_ptr + r)
         t_next = tl.minimum(tl.load(cu_ptr + r + 1), num_tokens)
         q_len = tl.load(cu_ptr + r + 1) - t_req
@@ -177,4 +197,4 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                                    seq_len, q_len, t_req, b_first, b_hi, stride_qt, stride_qh,
                                    stride_qd, stride_cp, stride_cb, stride_cd, stride_btb, stride_ot, stride_oh,
                                    stride_ob, H, HP, DI, DIP, BLOCK, ROWS_T, BPS, CAST_K, IEEE,
-                                   KEYS_AS_ROWS, MAX_SKIPS_NAN)
+                                   KEYS_AS_ROWS, MAX_SKIPS_NAN, pages, PAGES_EARLY, ONE_LOOP)
