@@ -35,6 +35,7 @@ import openmsa  # noqa: E402
 FP8 = torch.float8_e4m3fn
 DTYPES = {"bf16": torch.bfloat16, "fp8": FP8}
 ROWS: list[dict] = []
+OUT_DIR: str | None = None  # main() sets it: where record() keeps bench.json current
 CEIL = {"copy_tbs": None, "bf16_tflops": None, "fp8_tflops": None}
 
 
@@ -186,6 +187,14 @@ def record(**row):
     ROWS.append(row)
     keys = [k for k in row if k not in ("section",)]
     print(" | ".join(f"{k}={_fmt(row[k])}" for k in keys), flush=True)
+    if OUT_DIR is not None:
+        save()
+
+
+def save():
+    """bench.json after every row, so a call that runs out of time brings back what finished."""
+    with open(os.path.join(OUT_DIR, "bench.json"), "w") as f:
+        json.dump({"provenance": provenance(), "rows": ROWS}, f, indent=1)
 
 
 def _fmt(v):
@@ -711,6 +720,7 @@ def main():
                         help="how the L2 is emptied before each timed call (see FLUSH_MODE)")
     args = parser.parse_args()
     globals()["FLUSH_MODE"] = args.flush
+    globals()["OUT_DIR"] = args.out
     print(provenance(), flush=True)
     fi = None if args.no_peers else load_flashinfer()
     sections = args.sections.split(",")
@@ -724,9 +734,7 @@ def main():
             print(f"# section {name} failed: {type(e).__name__}: {e}", flush=True)
             import traceback
             traceback.print_exc()
-        # after every section, so a call that runs out of time still brings back what finished
-        with open(os.path.join(args.out, "bench.json"), "w") as f:
-            json.dump({"provenance": provenance(), "rows": ROWS}, f, indent=1)
+    save()
 
 
 if __name__ == "__main__":
