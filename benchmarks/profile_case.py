@@ -102,6 +102,7 @@ CASES = {
     # an 8K prefill chunk after 120K: each call launches the request (decode) scoring launch,
     # then the tile launch, so a profiler wanting the tile launch skips an odd count of
     # _block_scores launches (scripts/ncu_cases.sh: idx-fp8-prefill-120k:_block_scores:3)
+    "idx-fp8-prefill-0k": lambda: _indexer("fp8", 1, 8192, 8192, 4),
     "idx-fp8-prefill-120k": lambda: _indexer("fp8", 1, 120 * 1024 + 8192, 8192, 4),
     "idx-bf16-prefill-120k": lambda: _indexer("bf16", 1, 120 * 1024 + 8192, 8192, 4),
 }
