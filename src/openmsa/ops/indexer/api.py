@@ -124,7 +124,6 @@ def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, loc
     if num_tokens == 0:
         return
     kp = _next_pow2(topk)
-    pdl = _pdl(scores.device)
 
     def segment(width):
         return max(2 * kp, min(width, _next_pow2(max(max_blocks, 1))))
@@ -136,6 +135,11 @@ def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, loc
     programs = num_tokens * num_heads * -(-max(max_blocks, 1) // seg)
     by_sort = programs < TUNING["select_sort_waves"] * _programs_per_wave(scores.device)
     warps = TUNING["select_warps"] if by_sort else 1
+    # programmatic dependent launch only for the few programs of the sort path: it hides a
+    # launch latency there (small decode steps), while a many-program selection launched early
+    # cost a prefill chunk more than it hid (8K chunk, no context: fp8 74 -> 93 µs, bf16 108 ->
+    # 127; the selection kernel 22 -> 41 µs; tune.py and profile_case.py --breakdown, one call)
+    pdl = _pdl(scores.device) and by_sort
     if not by_sort:
         seg = segment(int(TUNING["select_segment"] * TUNING["select_search_scale"]))
     num_segments = -(-max(max_blocks, 1) // seg)
