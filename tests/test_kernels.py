@@ -163,14 +163,17 @@ def test_strided_out_is_written_in_place(kernel_device):
                                         block_size=B))
 
 
-@pytest.mark.parametrize("knobs", [dict(decode_pages_early=True), dict(decode_one_loop=True),
-                                   dict(decode_pages_early=True, decode_one_loop=True)])
+@pytest.mark.parametrize("knobs", [dict(decode_pages_early=False, decode_one_loop=False),
+                                   dict(decode_pages_early=True, decode_one_loop=False),
+                                   dict(decode_pages_early=False, decode_one_loop=True),
+                                   dict(decode_split_major=True)])
 @pytest.mark.parametrize("q_dtype, c_dtype", [(torch.float16, torch.float16), (FP8, FP8)])
 def test_decode_launch_variants(kernel_device, q_dtype, c_dtype, knobs, monkeypatch):
-    """The decode launch's knobs keep the reference's exact scores and selection. The table's
-    entries past each request's blocks hold page ids far outside the cache: decode_pages_early
-    loads them (masked by the table's width, not the request's length) and must never read the
-    keys they point to (on the GPU such a read faults)."""
+    """The decode launch's knobs (defaults: page ids early, one loop) keep the reference's exact
+    scores and selection. The table's entries past each request's blocks hold page ids far
+    outside the cache: decode_pages_early loads them (masked by the table's width, not the
+    request's length) and must never read the keys they point to (on the GPU such a read
+    faults)."""
     for name, value in knobs.items():
         monkeypatch.setitem(indexer_api.TUNING, name, value)
     step, q, c, dstep = _index_case(kernel_device, q_dtype, c_dtype, integer=True, seed=5)

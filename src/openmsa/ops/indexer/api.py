@@ -28,7 +28,8 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               decode_keys_as_rows=True, prefill_rows=128, prefill_bps=32, prefill_warps=4,
               prefill_stages=2, prefill_warps_fp8=4, prefill_stages_fp8=3, select_warps=4,
               select_sort_waves=2, select_search_scale=1, select_scratch=64, select_segment=1024,
-              pdl=True, decode_pages_early=True, decode_one_loop=True)
+              pdl=True, decode_pages_early=True, decode_one_loop=True,
+              decode_split_major=False)
 # decode_pages_early: the decode launch loads its split's page ids before (not after) cu_seqlens_q
 # and seq_lens, one memory latency less before the first key load; decode_one_loop: one
 # causal-masked loop over the split (the mask costs little on 16 rows) instead of an unmasked
@@ -90,13 +91,16 @@ def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_tabl
               max(TUNING["decode_min_bps"], _next_pow2(-(-max_blocks // splits_wanted))))
     rows_t = max(1, DECODE_ROWS // hp)
     grid = (num_requests, -(-max_blocks // bps))
+    split_major = TUNING["decode_split_major"]
+    if split_major:
+        grid = grid[::-1]
     # keys as the MMA's rows (see scores.py); the fp32 reference-precision path keeps the IEEE dot
     keys_as_rows = TUNING["decode_keys_as_rows"] and not ieee
     _block_scores_kernel[grid](*args, BPS=bps, TILE_MODE=False, ROWS_T=rows_t, **common,
                                KEYS_AS_ROWS=keys_as_rows, num_warps=TUNING["decode_warps"],
                                num_stages=TUNING["decode_stages"], table_width=max_blocks,
                                PAGES_EARLY=TUNING["decode_pages_early"],
-                               ONE_LOOP=TUNING["decode_one_loop"])
+                               ONE_LOOP=TUNING["decode_one_loop"], SPLIT_MAJOR=split_major)
     # prefill chunks: tiles of packed tokens; with T <= SMALL_Q no request can be long
     if num_tokens <= SMALL_Q:
         return

@@ -138,14 +138,19 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                          IEEE: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
                          MAX_SKIPS_NAN: tl.constexpr, PDL: tl.constexpr = False,
                          table_width=0, PAGES_EARLY: tl.constexpr = False,
-                         ONE_LOOP: tl.constexpr = False):
+                         ONE_LOOP: tl.constexpr = False, SPLIT_MAJOR: tl.constexpr = False):
     if PDL:
         # the selection launch may start now (programmatic dependent launch): it takes effect
         # once every program of this launch has passed here, and the selection waits for this
         # launch to finish before it reads a score
         gdc_launch_dependents()
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
+    if SPLIT_MAJOR:
+        # grid (splits, R): consecutive programs take consecutive splits of one request
+        pid = tl.program_id(1)
+        split = tl.program_id(0)
+    else:
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
     b_first = split * BPS
     if TILE_MODE:
         tile_begin = pid * ROWS_T
