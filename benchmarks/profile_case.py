@@ -10,7 +10,9 @@ kernel (torch profiler, L2 flushed before each call).
 `python3 benchmarks/profile_case.py --graph CASE...` splits run.graph_call_us' number: the same
 graphs of (flush, call) and (flush) alone, replayed back to back under the profiler, each
 replay's period (flush start to the next flush start), the flush kernel's own time, the call's
-kernels (union) and the idle gaps, medians over the replays."""
+kernels (union) and the idle gaps, medians over the replays.
+`python3 benchmarks/profile_case.py --offsets CASE...` prints, per kernel, when it starts after
+the flush kernel ends and how long it runs (medians): launch gaps and overlaps."""
 
 import os
 import sys
@@ -107,7 +109,40 @@ CASES = {
     "idx-bf16-prefill-120k": lambda: _indexer("bf16", 1, 120 * 1024 + 8192, 8192, 4),
 }
 
+def kernel_offsets_us(fn, iters: int = 20) -> dict[str, tuple[float, float]]:
+    """Per kernel of a call: (median start after the flush kernel's end, median duration), L2
+    flushed before each call, so launch gaps and overlaps show beside the durations."""
+    fn()
+    run.flush_l2()
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            run.flush_l2()
+            fn()
+        torch.cuda.synchronize()
+    events = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                    if e.device_type == torch.autograd.DeviceType.CUDA
+                    and e.device_time_total > 0)
+    per: dict[str, tuple[list[float], list[float]]] = {}
+    flush_end = None
+    for a, b, name in events:
+        if "_bench_l2_flush_kernel" in name:
+            flush_end = b
+        elif flush_end is not None:
+            starts, durs = per.setdefault(name, ([], []))
+            starts.append(a - flush_end)
+            durs.append(b - a)
+    return {k: (run.med(v[0]), run.med(v[1])) for k, v in per.items()}
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--offsets":
+        for name in sys.argv[2:]:
+            parts = kernel_offsets_us(CASES[name]())
+            print(f"{name}: " + ", ".join(f"{k} start +{a:.1f} for {d:.1f}"
+                                          for k, (a, d) in parts.items()), flush=True)
+        sys.exit(0)
     if sys.argv[1] == "--breakdown":
         for name in sys.argv[2:]:
             parts = run.kernel_breakdown_us(CASES[name](), 20)
