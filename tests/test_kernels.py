@@ -191,6 +191,40 @@ def test_decode_launch_variants(kernel_device, q_dtype, c_dtype, knobs, monkeypa
     assert torch.equal(got.cpu(), want)
 
 
+@pytest.mark.parametrize("q_lens", [[3, 1, 4, 2, 3, 1, 4, 3],  # verify, 21 tokens: no long one
+                                    [1] + [0] * 20 + [17, 2]])  # a long one after 20 empty ones
+@pytest.mark.parametrize("knobs", [dict(), dict(tile_quick_exit=False, tile_overlap=False)])
+def test_steps_of_more_than_small_q_tokens(kernel_device, q_lens, knobs, monkeypatch):
+    """A step of more than SMALL_Q tokens also runs the tile launch: with no long request its
+    programs end after one look at their requests (tile_quick_exit), which must not skip a long
+    request standing after more requests than that look covers (8-token tiles here, so the
+    look spans 16 requests)."""
+    monkeypatch.setitem(indexer_api.TUNING, "prefill_rows", 16)
+    for name, value in knobs.items():
+        monkeypatch.setitem(indexer_api.TUNING, name, value)
+    seq_lens = [max(q, 1) * 9 + 5 for q in q_lens]
+
+    def step_on(device):
+        st = make_step(q_lens, seq_lens, block_size=B, extra_columns=1, pad_tokens=3,
+                       generator=torch.Generator().manual_seed(11))
+        return _to(st, device) if device is not None else st
+    step = step_on(None)
+    q, c = random_index_inputs(step, num_heads=2, head_dim=32, block_size=B,
+                               q_dtype=torch.float16, cache_dtype=torch.float16, integer=True,
+                               generator=torch.Generator().manual_seed(12))
+    d = step_on(kernel_device)
+    args = (step.cu_seqlens_q, step.seq_lens, step.block_table)
+    dargs = (d.cu_seqlens_q, d.seq_lens, d.block_table)
+    assert step.num_tokens > indexer_api.SMALL_Q
+    s_want = ref.block_scores(q, c, *args, block_size=B)
+    s_got = openmsa.block_scores(q.to(kernel_device), c.to(kernel_device), *dargs, block_size=B)
+    assert torch.equal(s_got.cpu(), s_want)
+    want = ref.select_blocks(q, c, *args, topk=4, block_size=B)
+    got = openmsa.select_blocks(q.to(kernel_device), c.to(kernel_device), *dargs, topk=4,
+                                block_size=B)
+    assert torch.equal(got.cpu(), want)
+
+
 def test_select_is_deterministic(kernel_device):
     _, q, c, dstep = _index_case(kernel_device, torch.float16, torch.float16, integer=False)
     args = (q.to(kernel_device), c.to(kernel_device), dstep.cu_seqlens_q, dstep.seq_lens,

@@ -29,13 +29,17 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               prefill_stages=2, prefill_warps_fp8=4, prefill_stages_fp8=3, select_warps=4,
               select_sort_waves=2, select_search_scale=1, select_scratch=64, select_segment=1024,
               pdl=True, decode_pages_early=True, decode_one_loop=True,
-              decode_split_major=False)
+              decode_split_major=False, tile_quick_exit=True, tile_overlap=True)
 # decode_pages_early: the decode launch loads its split's page ids before (not after) cu_seqlens_q
 # and seq_lens, one memory latency less before the first key load; decode_one_loop: one
 # causal-masked loop over the split (the mask costs little on 16 rows) instead of an unmasked
 # loop and a masked one, whose pipelines drain and refill in between. Together (tune.py, one
 # call, fe52e65): fp8 B = 1 128K 12.0 -> 11.2 µs, B = 32 32K 44.1 -> 42.6, bf16 B = 1 128K
 # 16.4 -> 15.0; the large shapes unchanged
+# tile_quick_exit, tile_overlap: a decode or verify step of more than SMALL_Q tokens launches the
+# prefill tile launch too (no host sync can tell that no request is long); its programs look at
+# their requests in one vector load and end (quick exit), and the launch is a programmatic
+# dependent of the request launch, so it runs beside it rather than after (overlap)
 # select_segment: blocks of a score row per selection program (a 1M-token row of 8192 blocks
 # takes 8, merged by a second launch)
 # pdl: the selection and merge launches are programmatic dependent launches (CUDA only): each
@@ -108,8 +112,10 @@ def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_tabl
     fp8 = index_cache.dtype == FP8
     bps = TUNING["prefill_bps"]
     grid = (-(-num_tokens // rows_t), -(-max_blocks // bps))
+    overlap = TUNING["tile_overlap"] and common["PDL"]
     _block_scores_kernel[grid](*args, BPS=bps, TILE_MODE=True, ROWS_T=rows_t, **common,
-                               KEYS_AS_ROWS=False,
+                               KEYS_AS_ROWS=False, QUICK_EXIT=TUNING["tile_quick_exit"],
+                               WAIT_AT_END=overlap, launch_pdl=overlap,
                                num_warps=TUNING["prefill_warps_fp8" if fp8 else "prefill_warps"],
                                num_stages=TUNING["prefill_stages_fp8" if fp8 else "prefill_stages"])
 

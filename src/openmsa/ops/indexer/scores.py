@@ -18,7 +18,7 @@ traffic; that is the whole cost model of decode.
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..common.triton_utils import find_request
 
@@ -138,7 +138,8 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                          IEEE: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
                          MAX_SKIPS_NAN: tl.constexpr, PDL: tl.constexpr = False,
                          table_width=0, PAGES_EARLY: tl.constexpr = False,
-                         ONE_LOOP: tl.constexpr = False, SPLIT_MAJOR: tl.constexpr = False):
+                         ONE_LOOP: tl.constexpr = False, SPLIT_MAJOR: tl.constexpr = False,
+                         QUICK_EXIT: tl.constexpr = False, WAIT_AT_END: tl.constexpr = False):
     if PDL:
         # the selection launch may start now (programmatic dependent launch): it takes effect
         # once every program of this launch has passed here, and the selection waits for this
@@ -155,7 +156,26 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
     if TILE_MODE:
         tile_begin = pid * ROWS_T
         tile_end = tl.minimum(tile_begin + ROWS_T, num_tokens)
-        r = find_request(cu_ptr, num_requests, tile_begin)
+        if QUICK_EXIT:
+            # a decode or verify step of more than SMALL_Q tokens launches this too: one look at
+            # the next 2 * ROWS_T requests, loaded at once, usually shows that none of the tile's
+            # requests is long, and the program ends there instead of walking them one by one
+            # (each a dependent load)
+            r = find_request(cu_ptr, num_requests, tile_begin,
+                             (tile_begin.to(tl.int64) * num_requests // num_tokens).to(tl.int32))
+            rr = r + tl.arange(0, 2 * ROWS_T)
+            ok = rr < num_requests
+            t0 = tl.load(cu_ptr + rr, mask=ok, other=0)
+            t1 = tl.load(cu_ptr + rr + 1, mask=ok, other=0)
+            before = ok & (t0 < tile_end)
+            n_long = tl.sum((before & (t1 - t0 > SMALL_Q)).to(tl.int32), axis=0)
+            # cu is nondecreasing, so the requests starting before tile_end are a prefix of the
+            # window; if the prefix ends inside it, the window holds all of the tile's requests
+            seen_all = tl.sum(before.to(tl.int32), axis=0) < 2 * ROWS_T
+            if seen_all & (n_long == 0):
+                r = num_requests
+        else:
+            r = find_request(cu_ptr, num_requests, tile_begin)
         # every long request overlapping this tile of packed tokens
         while r < num_requests:
             t_req = tl.load(cu_ptr + r)
@@ -203,3 +223,8 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                                    stride_qd, stride_cp, stride_cb, stride_cd, stride_btb, stride_ot, stride_oh,
                                    stride_ob, H, HP, DI, DIP, BLOCK, ROWS_T, BPS, CAST_K, IEEE,
                                    KEYS_AS_ROWS, MAX_SKIPS_NAN, pages, PAGES_EARLY, ONE_LOOP)
+    if WAIT_AT_END:
+        # launched as a programmatic dependent of the request launch (the two write disjoint
+        # rows, so nothing here waits for it), this launch ends only after that one has: a
+        # launch that waits for this one then sees both launches' scores
+        gdc_wait()
