@@ -29,7 +29,7 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               prefill_stages=2, prefill_warps_fp8=4, prefill_stages_fp8=3, select_warps=4,
               select_sort_waves=2, select_search_scale=1, select_scratch=64, select_segment=1024,
               pdl=True, decode_pages_early=True, decode_one_loop=True,
-              decode_split_major=False, tile_quick_exit=True, tile_overlap=True)
+              decode_split_major=False, tile_quick_exit=True, tile_overlap=False)
 # decode_pages_early: the decode launch loads its split's page ids before (not after) cu_seqlens_q
 # and seq_lens, one memory latency less before the first key load; decode_one_loop: one
 # causal-masked loop over the split (the mask costs little on 16 rows) instead of an unmasked
