@@ -225,6 +225,40 @@ def test_steps_of_more_than_small_q_tokens(kernel_device, q_lens, knobs, monkeyp
     assert torch.equal(got.cpu(), want)
 
 
+@pytest.mark.parametrize("q_lens, hint, launches", [
+    ([3, 1, 4, 2, 3, 1, 4, 3], 4, 1),  # a verify step of 21 tokens, hint right: one launch
+    ([3, 1, 4, 2, 3, 1, 4, 3], None, 2),  # no hint: the tile launch runs too
+    ([1, 3, 20, 1], 1, 1),  # hint wrong (a 20-token chunk): still exact, by the request launch
+    ([1, 3, 20, 1], 20, 2)])
+def test_max_q_len_hint(kernel_device, q_lens, hint, launches, monkeypatch):
+    """max_q_len <= 16 makes a step of more than 16 tokens one scoring launch; it is a speed hint
+    only: with a request longer than the hint the scores and the selection stay exact."""
+    from openmsa.ops.indexer import scores as scores_mod
+    seen = []
+    monkeypatch.setattr(scores_mod, "_block_scores_kernel",
+                        RecordingKernel(scores_mod._block_scores_kernel, seen, arg=0))
+    seq_lens = [q * 9 + 5 for q in q_lens]
+
+    def step_on(device):
+        st = make_step(q_lens, seq_lens, block_size=B, extra_columns=1, pad_tokens=2,
+                       generator=torch.Generator().manual_seed(21))
+        return _to(st, device) if device is not None else st
+    step = step_on(None)
+    q, c = random_index_inputs(step, num_heads=2, head_dim=32, block_size=B,
+                               q_dtype=torch.float16, cache_dtype=torch.float16, integer=True,
+                               generator=torch.Generator().manual_seed(22))
+    d = step_on(kernel_device)
+    args = (step.cu_seqlens_q, step.seq_lens, step.block_table)
+    dargs = (d.cu_seqlens_q, d.seq_lens, d.block_table)
+    s_got = openmsa.block_scores(q.to(kernel_device), c.to(kernel_device), *dargs, block_size=B,
+                                 max_q_len=hint)
+    assert len(seen) == launches
+    assert torch.equal(s_got.cpu(), ref.block_scores(q, c, *args, block_size=B))
+    got = openmsa.select_blocks(q.to(kernel_device), c.to(kernel_device), *dargs, topk=4,
+                                block_size=B, max_q_len=hint)
+    assert torch.equal(got.cpu(), ref.select_blocks(q, c, *args, topk=4, block_size=B))
+
+
 def test_select_is_deterministic(kernel_device):
     _, q, c, dstep = _index_case(kernel_device, torch.float16, torch.float16, integer=False)
     args = (q.to(kernel_device), c.to(kernel_device), dstep.cu_seqlens_q, dstep.seq_lens,

@@ -63,6 +63,14 @@ def test_select_bad_options(kw, exc, match):
         openmsa.select_blocks(*_indexer_args().values(), block_size=B, **kw)
 
 
+@pytest.mark.parametrize("fn", [openmsa.block_scores, openmsa.select_blocks])
+@pytest.mark.parametrize("hint", [-1, 2.0, "4", True])
+def test_bad_max_q_len(fn, hint):
+    # like topk and the other int options: ValueError naming the argument
+    with pytest.raises(ValueError, match="max_q_len must be an int >= 0"):
+        fn(*_indexer_args().values(), block_size=B, max_q_len=hint)
+
+
 def test_block_scores_bad_out():
     with pytest.raises(ValueError, match="out must have shape"):
         openmsa.block_scores(*_indexer_args().values(), block_size=B,

@@ -152,7 +152,8 @@ class MSAAttention(nn.Module):
             indices = ops.select_blocks(
                 index_q, index_cache, meta.cu_seqlens_q, meta.seq_lens, meta.index_block_table,
                 topk=cfg.topk_blocks, init_blocks=cfg.init_blocks,
-                local_blocks=cfg.local_blocks, block_size=cfg.block_size)
+                local_blocks=cfg.local_blocks, block_size=cfg.block_size,
+                max_q_len=meta.max_q_len)
             out = ops.sparse_attention(q, k_cache, v_cache, indices, meta.cu_seqlens_q,
                                        meta.seq_lens, meta.block_table,
                                        block_size=cfg.block_size, k_scale=k_scale,

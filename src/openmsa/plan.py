@@ -27,7 +27,8 @@ class MSAMetadata:
 
     cu_seqlens_q int32 [R+1], seq_lens int32 [R], block_table and index_block_table int32
     [R, max_blocks], positions int32 [T] (-1 for padding tokens), slot_mapping and
-    index_slot_mapping int64 [T] (-1 for padding tokens).
+    index_slot_mapping int64 [T] (-1 for padding tokens). max_q_len: the step's longest q_len
+    (a host int, None when unknown), which the indexer takes as a speed hint (select_blocks).
     """
     cu_seqlens_q: torch.Tensor
     seq_lens: torch.Tensor
@@ -36,6 +37,7 @@ class MSAMetadata:
     positions: torch.Tensor
     slot_mapping: torch.Tensor
     index_slot_mapping: torch.Tensor
+    max_q_len: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -180,4 +182,5 @@ class MSAPlanner:
             else:
                 buf[:num_tokens].copy_(slots_from_table(request, pos, tab, cfg.block_size))
         return MSAMetadata(cu_d, sl_d, table, index_table, self._positions[:num_tokens],
-                           self._slots[:num_tokens], self._index_slots[:num_tokens])
+                           self._slots[:num_tokens], self._index_slots[:num_tokens],
+                           max_q_len=max(ql, default=0))

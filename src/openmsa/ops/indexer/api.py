@@ -17,6 +17,8 @@ __all__ = ["block_scores", "select_blocks"]
 
 # requests with q_len <= SMALL_Q (decode, speculative verify) take the per-request launch
 SMALL_Q = 16
+# the request launch's q_len bound when the caller says the step has no long request (max_q_len)
+ANY_Q = 2 ** 30
 # rows (token, head pairs) of one tensor-core tile in the decode launch (the prefill launch's
 # is TUNING["prefill_rows"])
 DECODE_ROWS = 16
@@ -68,9 +70,13 @@ def _raise_if_unsupported(index_q, index_cache, block_size, topk) -> None:
 
 
 def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores,
-                        block_size: int) -> None:
+                        block_size: int, max_q_len: int | None = None) -> None:
     """Write scores[t, h, b] for every block b < ceil(seq_len / B) of each token's request
-    (entries past the token's own causal blocks get -inf; nothing else is written)."""
+    (entries past the token's own causal blocks get -inf; nothing else is written).
+
+    max_q_len <= SMALL_Q (the caller's bound on every q_len): the request launch takes every
+    request, whatever its q_len, and the tile launch is not made. A bound that is wrong leaves
+    the scores exact: a long request then goes through the request launch's token loop, slowly."""
     from .scores import _block_scores_kernel
 
     num_tokens, num_heads, head_dim = index_q.shape
@@ -78,12 +84,15 @@ def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_tabl
     max_blocks = block_table.shape[1]
     if num_tokens == 0 or num_requests == 0 or max_blocks == 0:
         return
+    # a decode/verify step: one launch (the tile launch of a step of > SMALL_Q tokens costs a
+    # launch even when its programs find no long request)
+    only_requests = num_tokens <= SMALL_Q or (max_q_len is not None and max_q_len <= SMALL_Q)
     hp = _next_pow2(num_heads)
     dip = max(16, _next_pow2(head_dim))
     cast_k = index_q.dtype in HALF and index_cache.dtype == FP8
     ieee = index_q.dtype == torch.float32
     # the GPU's max skips NaN by itself; the interpreter's does not (see scores.py)
-    common = dict(H=num_heads, HP=hp, DI=head_dim, DIP=dip, BLOCK=block_size, SMALL_Q=SMALL_Q,
+    common = dict(H=num_heads, HP=hp, DI=head_dim, DIP=dip, BLOCK=block_size,
                   CAST_K=cast_k, IEEE=ieee, MAX_SKIPS_NAN=index_q.is_cuda,
                   PDL=_pdl(index_q.device))
     args = (index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores, num_requests,
@@ -100,13 +109,15 @@ def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_tabl
         grid = grid[::-1]
     # keys as the MMA's rows (see scores.py); the fp32 reference-precision path keeps the IEEE dot
     keys_as_rows = TUNING["decode_keys_as_rows"] and not ieee
+    # with only_requests the request launch takes requests of any q_len (ANY_Q)
     _block_scores_kernel[grid](*args, BPS=bps, TILE_MODE=False, ROWS_T=rows_t, **common,
+                               SMALL_Q=ANY_Q if only_requests else SMALL_Q,
                                KEYS_AS_ROWS=keys_as_rows, num_warps=TUNING["decode_warps"],
                                num_stages=TUNING["decode_stages"], table_width=max_blocks,
                                PAGES_EARLY=TUNING["decode_pages_early"],
                                ONE_LOOP=TUNING["decode_one_loop"], SPLIT_MAJOR=split_major)
     # prefill chunks: tiles of packed tokens; with T <= SMALL_Q no request can be long
-    if num_tokens <= SMALL_Q:
+    if only_requests:
         return
     rows_t = max(1, TUNING["prefill_rows"] // hp)
     fp8 = index_cache.dtype == FP8
@@ -114,7 +125,8 @@ def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_tabl
     grid = (-(-num_tokens // rows_t), -(-max_blocks // bps))
     overlap = TUNING["tile_overlap"] and common["PDL"]
     _block_scores_kernel[grid](*args, BPS=bps, TILE_MODE=True, ROWS_T=rows_t, **common,
-                               KEYS_AS_ROWS=False, QUICK_EXIT=TUNING["tile_quick_exit"],
+                               SMALL_Q=SMALL_Q, KEYS_AS_ROWS=False,
+                               QUICK_EXIT=TUNING["tile_quick_exit"],
                                WAIT_AT_END=overlap, launch_pdl=overlap,
                                num_warps=TUNING["prefill_warps_fp8" if fp8 else "prefill_warps"],
                                num_stages=TUNING["prefill_stages_fp8" if fp8 else "prefill_stages"])
@@ -178,7 +190,7 @@ def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, loc
 
 
 def block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, block_size=128,
-                 out=None):
+                 out=None, max_q_len=None):
     """S[t, h, b] = max over keys j <= p of block b of dot(index_q[t, h], key[j]), fp32.
 
     Args:
@@ -186,6 +198,10 @@ def block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, b
         index_cache: [P, B, Di] of the same dtype, or fp8 e4m3 under a 16-bit query.
         cu_seqlens_q: int32 [R+1]; seq_lens: int32 [R]; block_table: int32 [R, max_blocks].
         out: optional fp32 [T, H, max_blocks], any strides, written in place.
+        max_q_len: optional host int, the engine's bound on every request's q_len (as
+            FlashInfer's max_seqlen_q). At most 16 (decode, speculative verify), a step of more
+            than 16 tokens runs one launch instead of two. A speed hint only: were a request
+            longer, its scores would still be exact (computed on the decode path, slowly).
 
     Returns:
         fp32 [T, H, max_blocks], -inf past each token's causal blocks and for padding tokens.
@@ -193,25 +209,27 @@ def block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, b
     """
     if not use_kernels(index_q):
         return reference.block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
-                                      block_size=block_size, out=out)
+                                      block_size=block_size, out=out, max_q_len=max_q_len)
     check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
-                       block_size=block_size, out=out, out_width=None, out_dtype=torch.float32)
+                       block_size=block_size, out=out, out_width=None, out_dtype=torch.float32,
+                       max_q_len=max_q_len)
     shape = (*index_q.shape[:2], block_table.shape[1])
     _raise_if_unsupported(index_q, index_cache, block_size, None)
     if out is None:
         out = torch.empty(shape, dtype=torch.float32, device=index_q.device)
     out.fill_(float("-inf"))
     launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, out,
-                        block_size)
+                        block_size, max_q_len)
     return out
 
 
 def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, topk=16,
-                  init_blocks=0, local_blocks=1, block_size=128, out=None):
+                  init_blocks=0, local_blocks=1, block_size=128, out=None, max_q_len=None):
     """The `topk` best blocks per (token, index head), forced init/local blocks included.
 
-    Args: as `block_scores`, plus the selection rule (topk, init_blocks, local_blocks) and
-        out: optional int32 [T, H, topk], any strides (e.g. a transposed [H, T, K] buffer).
+    Args: as `block_scores` (max_q_len included), plus the selection rule (topk, init_blocks,
+        local_blocks) and out: optional int32 [T, H, topk], any strides (e.g. a transposed
+        [H, T, K] buffer).
 
     Returns:
         int32 [T, H, topk]: ascending block ids, -1 padded; ties go to the lower block, NaN
@@ -226,10 +244,12 @@ def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, 
     if not use_kernels(index_q):
         return reference.select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
                                        topk=topk, init_blocks=init_blocks,
-                                       local_blocks=local_blocks, block_size=block_size, out=out)
+                                       local_blocks=local_blocks, block_size=block_size, out=out,
+                                       max_q_len=max_q_len)
     check_select_args(topk, init_blocks, local_blocks)
     check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
-                       block_size=block_size, out=out, out_width=topk, out_dtype=torch.int32)
+                       block_size=block_size, out=out, out_width=topk, out_dtype=torch.int32,
+                       max_q_len=max_q_len)
     num_tokens, num_heads, _ = index_q.shape
     _raise_if_unsupported(index_q, index_cache, block_size, topk)
     if out is None:
@@ -239,7 +259,7 @@ def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, 
     scores = torch.empty((num_tokens, num_heads, block_table.shape[1]), dtype=torch.float32,
                          device=index_q.device)
     launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores,
-                        block_size)
+                        block_size, max_q_len)
     launch_select(scores, cu_seqlens_q, seq_lens, out, topk=topk, init_blocks=init_blocks,
                   local_blocks=local_blocks, block_size=block_size)
     return out

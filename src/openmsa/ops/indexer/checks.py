@@ -8,8 +8,11 @@ from ..._checks import (check_block_size, check_index_dtypes, check_out, check_p
 
 
 def check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, block_size,
-                       out, out_width, out_dtype) -> None:
-    """out must be [T, H, out_width] of out_dtype (out_width None: the block table's width)."""
+                       out, out_width, out_dtype, max_q_len=None) -> None:
+    """out must be [T, H, out_width] of out_dtype (out_width None: the block table's width);
+    max_q_len None or an int >= 0."""
+    if max_q_len is not None:
+        check_positive_int("max_q_len", max_q_len, minimum=0)
     check_tensor("index_q", index_q, ndim=3)
     device = index_q.device
     check_tensor("index_cache", index_cache, ndim=3, device=device)

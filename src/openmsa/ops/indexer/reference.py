@@ -15,7 +15,7 @@ _CHUNK_ELEMENTS = 1 << 25
 
 
 def block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *,
-                 block_size=128, out=None):
+                 block_size=128, out=None, max_q_len=None):
     """S[t, h, b] = max over keys j <= p of block b of dot(index_q[t, h], key[j]), fp32.
 
     Args:
@@ -23,13 +23,16 @@ def block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *,
         index_cache: [P, B, Di] one index key per token slot (B == block_size).
         cu_seqlens_q: int32 [R+1]; seq_lens: int32 [R]; block_table: int32 [R, max_blocks].
         out: optional fp32 [T, H, max_blocks] (any strides), written in place.
+        max_q_len: optional host int, an expected bound on every request's q_len (FlashInfer's
+            max_seqlen_q); only a speed hint for the kernels, never changes a result.
 
     Returns:
         fp32 [T, H, max_blocks]; -inf for blocks past the token's causal blocks and for padding
         tokens. A NaN dot product counts as -inf, so S is never NaN.
     """
     check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
-                       block_size=block_size, out=out, out_width=None, out_dtype=torch.float32)
+                       block_size=block_size, out=out, out_width=None, out_dtype=torch.float32,
+                       max_q_len=max_q_len)
     num_tokens, num_heads, _ = index_q.shape
     max_blocks = block_table.shape[1]
     scores = torch.full((num_tokens, num_heads, max_blocks), float("-inf"), dtype=torch.float32,
@@ -105,8 +108,9 @@ def select_from_scores(scores, position, *, topk, init_blocks, local_blocks, blo
 
 
 def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, topk=16,
-                  init_blocks=0, local_blocks=1, block_size=128, out=None):
-    """Top-`topk` blocks per (token, index head) by block_scores, with forced init/local blocks.
+                  init_blocks=0, local_blocks=1, block_size=128, out=None, max_q_len=None):
+    """Top-`topk` blocks per (token, index head) by block_scores, with forced init/local blocks
+    (max_q_len: a speed hint, see block_scores).
 
     Returns:
         int32 [T, H, topk]: ascending block ids (logical, into the request's block table), -1
@@ -114,7 +118,8 @@ def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, 
     """
     check_select_args(topk, init_blocks, local_blocks)
     check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
-                       block_size=block_size, out=out, out_width=topk, out_dtype=torch.int32)
+                       block_size=block_size, out=out, out_width=topk, out_dtype=torch.int32,
+                       max_q_len=max_q_len)
     num_tokens = index_q.shape[0]
     scores = block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
                           block_size=block_size)
