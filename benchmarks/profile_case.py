@@ -78,7 +78,7 @@ def graph_breakdown_us(fn, iters: int = 20) -> dict[str, float]:
 
 def _indexer(dname, batch, context, q_len, heads):
     q, cache, cu, seq, table = run._index_step(batch, context, q_len, heads, run.DTYPES[dname])
-    return lambda: openmsa.select_blocks(q, cache, cu, seq, table)
+    return lambda: openmsa.select_blocks(q, cache, cu, seq, table, max_q_len=q_len)
 
 
 CASES = {

@@ -304,7 +304,9 @@ def indexer_decode(args, fi):
 def _indexer_decode_case(fi, model_name, heads, dname, dtype, context, batch, q_len, args):
     q, cache, cu, seq, table = _index_step(batch, context, q_len, heads, dtype)
     out = torch.empty(q.shape[0], heads, 16, dtype=torch.int32, device="cuda")
-    ours = lambda: openmsa.select_blocks(q, cache, cu, seq, table, out=out)  # noqa: E731
+    # max_q_len as FlashInfer's max_seqlen_q: the engine's bound on q_len (a speed hint)
+    ours = lambda: openmsa.select_blocks(q, cache, cu, seq, table, out=out,  # noqa: E731
+                                         max_q_len=q_len)
     ours()
     nbytes = batch * context * 128 * cache.element_size()
     run = _fi_select(fi, q, cache, cu, seq, table, q_len) if fi is not None else None
@@ -338,7 +340,8 @@ def indexer_prefill(args, fi):
             for context in grid["contexts"]:
                 q, cache, cu, seq, table = _index_step(1, context + chunk, chunk, heads, dtype)
                 out = torch.empty(chunk, heads, 16, dtype=torch.int32, device="cuda")
-                ours = lambda: openmsa.select_blocks(q, cache, cu, seq, table, out=out)  # noqa
+                ours = lambda: openmsa.select_blocks(q, cache, cu, seq, table, out=out,  # noqa
+                                                     max_q_len=chunk)
                 ours()
                 flops = 2 * heads * 128 * chunk * (context + chunk / 2)
                 iters = max(5, args.iters // 4)

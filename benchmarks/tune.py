@@ -193,8 +193,8 @@ def _indexer(args, only):
             ("fp8", 8, 131072, 1, 4), ("bf16", 8, 131072, 4, 4), ("bf16", 1, 1 << 20, 1, 4)):
         q, cache, cu, seq, table = run._index_step(batch, ctx, q_len, heads, run.DTYPES[dname])
         cases.append((f"dec {dname} B{batch} L{ctx // 1024}K q{q_len} H{heads}",
-                      (lambda q=q, cache=cache, cu=cu, seq=seq, table=table:
-                       openmsa.select_blocks(q, cache, cu, seq, table))))
+                      (lambda q=q, cache=cache, cu=cu, seq=seq, table=table, q_len=q_len:
+                       openmsa.select_blocks(q, cache, cu, seq, table, max_q_len=q_len))))
     sweep("indexer", indexer_api.TUNING, variants, cases, args.iters)
     del cases
     torch.cuda.empty_cache()
