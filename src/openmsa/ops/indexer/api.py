@@ -139,7 +139,8 @@ def _pdl(device: torch.device) -> bool:
 def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, local_blocks,
                   block_size) -> None:
     """Top-k per (token, head) row of `scores` into `out`; rows are cut into segments of
-    TUNING["select_segment"] blocks (one program each), merged by a second launch when there are several."""
+    TUNING["select_segment"] blocks (one program each), merged by a second launch when there
+    are several."""
     from .select import _merge_topk_kernel, _segment_topk_kernel
 
     num_tokens, num_heads, max_blocks = scores.shape

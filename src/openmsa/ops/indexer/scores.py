@@ -96,7 +96,8 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
     pos = seq_len - q_len + (tok - t_req)  # [M]
     d = tl.arange(0, DIP)
     q = tl.load(q_ptr + tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
-                + d[None, :] * stride_qd, mask=row_ok[:, None] & (d[None, :] < DI), other=0.0)  # [M, DIP]
+                + d[None, :] * stride_qd, mask=row_ok[:, None] & (d[None, :] < DI),
+                other=0.0)  # [M, DIP]
     cols = tl.arange(0, BPS)
     # the split's page ids up front: the loop then issues only key loads with addresses from
     # registers, which the software pipeline prefetches (no block-table -> key load chain)
@@ -195,8 +196,8 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                         _score_token_range(q_ptr, cache_ptr, bt_ptr + r.to(tl.int64) * stride_btr,
                                            out_ptr, t_begin, t_end, seq_len, q_len, t_req,
                                            b_first, b_hi, stride_qt, stride_qh, stride_qd,
-                                           stride_cp, stride_cb, stride_cd, stride_btb, stride_ot, stride_oh,
-                                           stride_ob, H, HP, DI, DIP, BLOCK, ROWS_T, BPS,
+                                           stride_cp, stride_cb, stride_cd, stride_btb,
+                                           stride_ot, stride_oh, stride_ob, H, HP, DI, DIP, BLOCK, ROWS_T, BPS,
                                            CAST_K, IEEE, KEYS_AS_ROWS, MAX_SKIPS_NAN)
                 r += 1
     else:
@@ -220,8 +221,8 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                 _score_token_range(q_ptr, cache_ptr, bt_ptr + r.to(tl.int64) * stride_btr,
                                    out_ptr, t_begin, tl.minimum(t_begin + ROWS_T, t_next),
                                    seq_len, q_len, t_req, b_first, b_hi, stride_qt, stride_qh,
-                                   stride_qd, stride_cp, stride_cb, stride_cd, stride_btb, stride_ot, stride_oh,
-                                   stride_ob, H, HP, DI, DIP, BLOCK, ROWS_T, BPS, CAST_K, IEEE,
+                                   stride_qd, stride_cp, stride_cb, stride_cd, stride_btb,
+                                   stride_ot, stride_oh, stride_ob, H, HP, DI, DIP, BLOCK, ROWS_T, BPS, CAST_K, IEEE,
                                    KEYS_AS_ROWS, MAX_SKIPS_NAN, pages, PAGES_EARLY, ONE_LOOP)
     if WAIT_AT_END:
         # launched as a programmatic dependent of the request launch (the two write disjoint
