@@ -166,10 +166,15 @@ def test_strided_out_is_written_in_place(kernel_device):
 @pytest.mark.parametrize("knobs", [dict(decode_pages_early=False, decode_one_loop=False),
                                    dict(decode_pages_early=True, decode_one_loop=False),
                                    dict(decode_pages_early=False, decode_one_loop=True),
-                                   dict(decode_split_major=True)])
+                                   dict(decode_split_major=True),
+                                   # 2 tiles (the last one holds the chunk's last tokens)
+                                   # x 4 splits
+                                   dict(prefill_heavy_first=True, prefill_rows=32,
+                                        prefill_bps=2)])
 @pytest.mark.parametrize("q_dtype, c_dtype", [(torch.float16, torch.float16), (FP8, FP8)])
 def test_decode_launch_variants(kernel_device, q_dtype, c_dtype, knobs, monkeypatch):
-    """The decode launch's knobs (defaults: page ids early, one loop) keep the reference's exact
+    """The launch-order knobs (the 20-token request takes the tile launch) and the decode
+    launch's knobs (defaults: page ids early, one loop) keep the reference's exact
     scores and selection. The table's entries past each request's blocks hold page ids far
     outside the cache: decode_pages_early loads them (masked by the table's width, not the
     request's length) and must never read the keys they point to (on the GPU such a read

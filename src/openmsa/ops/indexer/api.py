@@ -31,7 +31,8 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               prefill_stages=2, prefill_warps_fp8=4, prefill_stages_fp8=3, select_warps=4,
               select_sort_waves=2, select_search_scale=1, select_scratch=64, select_segment=1024,
               pdl=True, decode_pages_early=True, decode_one_loop=True,
-              decode_split_major=False, tile_quick_exit=True, tile_overlap=False)
+              decode_split_major=False, tile_quick_exit=True, tile_overlap=False,
+              prefill_heavy_first=False)
 # decode_pages_early: the decode launch loads its split's page ids before (not after) cu_seqlens_q
 # and seq_lens, one memory latency less before the first key load; decode_one_loop: one
 # causal-masked loop over the split (the mask costs little on 16 rows) instead of an unmasked
@@ -42,6 +43,9 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
 # prefill tile launch too (no host sync can tell that no request is long); its programs look at
 # their requests in one vector load and end (quick exit), and the launch is a programmatic
 # dependent of the request launch, so it runs beside it rather than after (overlap)
+# prefill_heavy_first (written after the last GPU call, not measured): the tile launch's programs
+# in order of decreasing work (last tile first, its splits together), for the causal triangle of
+# a chunk with little context, where the longest programs were dispatched last
 # select_segment: blocks of a score row per selection program (a 1M-token row of 8192 blocks
 # takes 8, merged by a second launch)
 # pdl: the selection and merge launches are programmatic dependent launches (CUDA only): each
@@ -123,8 +127,12 @@ def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_tabl
     fp8 = index_cache.dtype == FP8
     bps = TUNING["prefill_bps"]
     grid = (-(-num_tokens // rows_t), -(-max_blocks // bps))
+    heavy_first = TUNING["prefill_heavy_first"]
+    if heavy_first:
+        grid = grid[::-1]
     overlap = TUNING["tile_overlap"] and common["PDL"]
     _block_scores_kernel[grid](*args, BPS=bps, TILE_MODE=True, ROWS_T=rows_t, **common,
+                               SPLIT_MAJOR=heavy_first, HEAVY_FIRST=heavy_first,
                                SMALL_Q=SMALL_Q, KEYS_AS_ROWS=False,
                                QUICK_EXIT=TUNING["tile_quick_exit"],
                                WAIT_AT_END=overlap, launch_pdl=overlap,

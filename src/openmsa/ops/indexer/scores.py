@@ -140,19 +140,26 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                          MAX_SKIPS_NAN: tl.constexpr, PDL: tl.constexpr = False,
                          table_width=0, PAGES_EARLY: tl.constexpr = False,
                          ONE_LOOP: tl.constexpr = False, SPLIT_MAJOR: tl.constexpr = False,
-                         QUICK_EXIT: tl.constexpr = False, WAIT_AT_END: tl.constexpr = False):
+                         QUICK_EXIT: tl.constexpr = False, WAIT_AT_END: tl.constexpr = False,
+                         HEAVY_FIRST: tl.constexpr = False):
     if PDL:
         # the selection launch may start now (programmatic dependent launch): it takes effect
         # once every program of this launch has passed here, and the selection waits for this
         # launch to finish before it reads a score
         gdc_launch_dependents()
     if SPLIT_MAJOR:
-        # grid (splits, R): consecutive programs take consecutive splits of one request
+        # grid (splits, R or tiles): consecutive programs take consecutive splits of one
+        # request or tile
         pid = tl.program_id(1)
         split = tl.program_id(0)
     else:
         pid = tl.program_id(0)
         split = tl.program_id(1)
+    if HEAVY_FIRST:
+        # (tile launch, with SPLIT_MAJOR) the last tile first: in a causal chunk later tokens
+        # see more blocks, so the longest programs start first and the short ones fill in
+        # behind them, instead of the longest starting last and running alone at the end
+        pid = tl.num_programs(1) - 1 - pid
     b_first = split * BPS
     if TILE_MODE:
         tile_begin = pid * ROWS_T
