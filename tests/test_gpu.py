@@ -98,8 +98,11 @@ def test_prefill_random_floats_threshold(c_dtype):
     assert ok.all()
 
 
-def test_select_deterministic_and_graph_replay():
-    """A fixed-shape decode step is captured once and replayed with new lengths and queries."""
+@pytest.mark.parametrize("hint", [None, 4])
+def test_select_deterministic_and_graph_replay(hint):
+    """A fixed-shape decode step is captured once and replayed with new lengths and queries;
+    with max_q_len = 4 (one scoring launch) also with a step the hint does not describe (a
+    20-token request), which must still match the eager call."""
     torch.manual_seed(0)
     num_req, width, pages = 8, 64, 600
     cache = torch.randn(pages, B, 128, device="cuda").to(FP8)
@@ -109,18 +112,23 @@ def test_select_deterministic_and_graph_replay():
     q = torch.randn(4 * num_req, 4, 128, device="cuda").to(FP8)
     out = torch.empty(4 * num_req, 4, 16, dtype=torch.int32, device="cuda")
     args = (q, cache, cu, seq, table)
-    openmsa.select_blocks(*args, block_size=B, out=out)  # compile outside the capture
+    openmsa.select_blocks(*args, block_size=B, out=out, max_q_len=hint)  # compile first
     first = out.clone()
-    openmsa.select_blocks(*args, block_size=B, out=out)
+    openmsa.select_blocks(*args, block_size=B, out=out, max_q_len=hint)
     assert torch.equal(out, first)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        openmsa.select_blocks(*args, block_size=B, out=out)
-    for lens in ([5000] * num_req, [129, 8000, 4, 17, 2048, 6000, 300, 8191]):
+        openmsa.select_blocks(*args, block_size=B, out=out, max_q_len=hint)
+    steps = [([4] * num_req, [5000] * num_req), ([4] * num_req, [129, 8000, 4, 17, 2048, 6000,
+                                                                  300, 8191])]
+    if hint is not None:
+        steps.append(([20, 4, 4, 4, 0, 0, 0, 0], [3000, 500, 8000, 9, 0, 0, 0, 0]))
+    for q_lens, lens in steps:
+        cu.copy_(torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).int())
         seq.copy_(torch.tensor(lens, dtype=torch.int32))
         q.copy_(torch.randn(4 * num_req, 4, 128, device="cuda").to(FP8))
         graph.replay()
-        eager = openmsa.select_blocks(*args, block_size=B)
+        eager = openmsa.select_blocks(*args, block_size=B, max_q_len=hint)
         assert torch.equal(out, eager)
 
 
