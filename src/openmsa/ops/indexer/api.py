@@ -113,9 +113,11 @@ def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_tabl
         grid = grid[::-1]
     # keys as the MMA's rows (see scores.py); the fp32 reference-precision path keeps the IEEE dot
     keys_as_rows = TUNING["decode_keys_as_rows"] and not ieee
-    # with only_requests the request launch takes requests of any q_len (ANY_Q)
+    # skipped by the hint alone, the tile launch's requests go to the request launch, which then
+    # takes any q_len (ANY_Q); with T <= SMALL_Q no request can be longer, and the bound stays
+    any_q = only_requests and num_tokens > SMALL_Q
     _block_scores_kernel[grid](*args, BPS=bps, TILE_MODE=False, ROWS_T=rows_t, **common,
-                               SMALL_Q=ANY_Q if only_requests else SMALL_Q,
+                               SMALL_Q=ANY_Q if any_q else SMALL_Q,
                                KEYS_AS_ROWS=keys_as_rows, num_warps=TUNING["decode_warps"],
                                num_stages=TUNING["decode_stages"], table_width=max_blocks,
                                PAGES_EARLY=TUNING["decode_pages_early"],
