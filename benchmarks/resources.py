@@ -15,7 +15,7 @@ whole 128-key blocks and 3 stages, 185 / 139 KB for bf16). Count before you meas
     python3 benchmarks/resources.py --sass idec:fp8,16,32,3,4   # the indexer's decode launch
     SASS_DUMP=/tmp/k.sass python3 benchmarks/resources.py --sass idec:fp8,16,32,3,4   # + all SASS
     python3 benchmarks/resources.py sel:search,1024,64,1 sel:sort,256,0,4   # the selection
-                                                   # (path, blocks per program, scratch, warps)
+                                  # (path, blocks per program, scratch, warps[, chunk])
 
 Programs per SM = min(65536 // (regs rounded up to 8 * 32 * warps), 228 KB // (smem + 1 KB)).
 """
@@ -104,14 +104,19 @@ def index_resources(kv: str, rows: int, bps: int, stages: int, warps: int, sass:
     return _compile(_block_scores_kernel, constexprs, pointers, stages, warps, sass)
 
 
-def select_resources(path: str, seg: int, cap: int, warps: int, single: bool = True):
+def select_resources(path: str, seg: int, cap: int, warps: int, chunk: int = 0,
+                     single: bool = True):
     """The indexer's segment selection kernel: path 'search' (threshold, the many-program path)
-    or 'sort' (bitonic), SEG blocks per program, a CAP-slot scratch row (0: none)."""
+    or 'sort' (bitonic), SEG blocks per program, a CAP-slot scratch row (0: none), read in
+    chunks of `chunk` blocks (TUNING select_chunk; 0: whole)."""
     from openmsa.ops.indexer.select import _segment_topk_kernel
     ptrs = dict(scores_ptr="*fp32", cu_ptr="*i32", seq_lens_ptr="*i32", out_ptr="*i32",
                 cand_ptr="*i64", scratch_ptr="*i64")
+    # unit strides of a contiguous score tensor and output, as Triton specialises them at run
+    # time (left as plain ints, every score's address is computed apart: ~20 more registers)
     constexprs = dict(TOPK=16, KP=16, INIT=0, LOCAL=1, BLOCK=128, SEG=seg, SINGLE=single,
-                      BY_SORT=path == "sort", CAP=cap, NG=64, PDL=False)
+                      BY_SORT=path == "sort", CAP=cap, NG=64, PDL=False, stride_sb=1,
+                      stride_ok=1, CH=chunk)
     return _compile(_segment_topk_kernel, constexprs, ptrs, 1, warps, False)
 
 
@@ -177,8 +182,9 @@ if __name__ == "__main__":
             _print_loops(mix)
             continue
         if arg.startswith("sel:"):
-            path, seg, cap, warps = arg.split(":")[1].split(",")
-            regs, spills, smem, per_sm, _ = select_resources(path, int(seg), int(cap), int(warps))
+            path, seg, cap, warps, *chunk = arg.split(":")[1].split(",")
+            regs, spills, smem, per_sm, _ = select_resources(path, int(seg), int(cap), int(warps),
+                                                             int(chunk[0]) if chunk else 0)
             # Hopper also caps a multiprocessor at 32 programs
             print(f"sel    {path:6s} seg {seg} cap {cap} {warps:>5s}  {regs:9d} {spills:11d} "
                   f"{smem / 1024:7.1f} {min(per_sm, 32):12d}", flush=True)

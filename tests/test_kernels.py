@@ -114,13 +114,18 @@ def test_selection_kernels_on_crafted_scores(kernel_device, topk, init, local, s
     _check_selection_launch(kernel_device, step, scores, topk, init, local)
 
 
+@pytest.mark.parametrize("chunk, segment", [(0, None), (128, None), (256, 512)])
 @pytest.mark.parametrize("topk, init", [(16, 0), (5, 2), (64, 3)])
-def test_selection_scratch_path(kernel_device, topk, init, monkeypatch):
-    """Rows of 1000 blocks make 1024-wide segments, where the threshold path first packs the
-    keys that can be picked into a scratch row: distinct random scores take it (with a run of
-    equal top keys inside, and one row whose best keys sit in a few groups), a row of ties
-    overflows it and searches the segment."""
+def test_selection_scratch_path(kernel_device, topk, init, chunk, segment, monkeypatch):
+    """Rows of 1000 blocks make 1024-wide segments (or two of 512, merged), where the threshold
+    path first packs the keys that can be picked into a scratch row: distinct random scores take
+    it (with a run of equal top keys inside, and one row whose best keys sit in a few groups), a
+    row of ties overflows it and searches the segment. `chunk`: the segment read in chunks
+    (TUNING select_chunk), the overflow's search included."""
     monkeypatch.setitem(indexer_api.TUNING, "select_sort_waves", 0)
+    monkeypatch.setitem(indexer_api.TUNING, "select_chunk", chunk)
+    if segment is not None:
+        monkeypatch.setitem(indexer_api.TUNING, "select_segment", segment)
     g = torch.Generator().manual_seed(topk)
     step = make_step([3, 1], [16 * 1000, 16 * 999 + 3], block_size=B, pad_tokens=1)
     scores = torch.randn(step.num_tokens, 2, step.block_table.shape[1], generator=g)

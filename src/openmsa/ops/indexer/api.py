@@ -32,7 +32,7 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               select_sort_waves=2, select_search_scale=1, select_scratch=64, select_segment=1024,
               pdl=True, decode_pages_early=True, decode_one_loop=True,
               decode_split_major=False, tile_quick_exit=True, tile_overlap=False,
-              prefill_heavy_first=False)
+              prefill_heavy_first=False, select_chunk=0)
 # decode_pages_early: the decode launch loads its split's page ids before (not after) cu_seqlens_q
 # and seq_lens, one memory latency less before the first key load; decode_one_loop: one
 # causal-masked loop over the split (the mask costs little on 16 rows) instead of an unmasked
@@ -46,6 +46,8 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
 # prefill_heavy_first (written after the last GPU call, not measured): the tile launch's programs
 # in order of decreasing work (last tile first, its splits together), for the causal triangle of
 # a chunk with little context, where the longest programs were dispatched last
+# select_chunk (written after the last GPU call, not measured): the search path's segment read in
+# chunks of this many blocks; offline 157 -> fewer registers at 1024 blocks per one-warp program
 # select_segment: blocks of a score row per selection program (a 1M-token row of 8192 blocks
 # takes 8, merged by a second launch)
 # pdl: the selection and merge launches are programmatic dependent launches (CUDA only): each
@@ -185,13 +187,19 @@ def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, loc
     if by_sort or seg < 4 * cap:
         cap = 0
     groups = max(64, 2 * kp)
+    # the scratch path read in chunks of select_chunk blocks (0: the whole segment at once);
+    # a chunk must hold whole groups, and at least a group per chunk of the NG
+    chunk = TUNING["select_chunk"] if cap else 0
+    if chunk and (seg % chunk or chunk % (seg // groups) or seg // chunk > groups
+                  or chunk >= seg):
+        chunk = 0
     scratch = torch.empty((num_tokens, num_heads, num_segments, cap) if cap else (1,),
                           dtype=torch.int64, device=scores.device)
     _segment_topk_kernel[(num_tokens, num_heads, num_segments)](
         scores, cu_seqlens_q, seq_lens, out, cand, scratch, seq_lens.shape[0], num_segments,
         *scores.stride(), *out.stride(), TOPK=topk, KP=kp, INIT=init_blocks, LOCAL=local_blocks,
         BLOCK=block_size, SEG=seg, SINGLE=single, BY_SORT=by_sort, CAP=cap, NG=groups,
-        PDL=pdl, num_warps=warps, launch_pdl=pdl)
+        PDL=pdl, CH=chunk, num_warps=warps, launch_pdl=pdl)
     if not single:
         _merge_topk_kernel[(num_tokens, num_heads)](
             cand, cu_seqlens_q, seq_lens, out, seq_lens.shape[0], num_segments, *out.stride(),

@@ -125,12 +125,108 @@ def _write_ascending(out_row, stride_ok, best, TOPK: tl.constexpr, KP: tl.conste
 
 
 @triton.jit
+def _segment_keys(row, b, n, stride_sb, INIT: tl.constexpr, LOCAL: tl.constexpr):
+    """The int32 keys of blocks b of a score row (forced blocks the largest, blocks past the
+    row's n causal ones DEAD_KEY) and which of them exist."""
+    live = b < n
+    s = tl.load(row + b.to(tl.int64) * stride_sb, mask=live, other=float("-inf"))
+    forced = (b < INIT) | (b >= n - LOCAL)
+    key = tl.where(forced, FORCED_SCORE_KEY, score_key(s))
+    return tl.where(live, key, DEAD_KEY), live
+
+
+@triton.jit
+def _chunked_select(row, seg_base, n, stride_sb, out_row, stride_ok, cand_row, scratch_row,
+                    TOPK: tl.constexpr, KP: tl.constexpr, INIT: tl.constexpr,
+                    LOCAL: tl.constexpr, SEG: tl.constexpr, CH: tl.constexpr,
+                    CAP: tl.constexpr, NG: tl.constexpr, SINGLE: tl.constexpr):
+    """The threshold path on a SEG-block segment read in SEG // CH chunks, so that no tensor is
+    SEG wide: the registers of a one-warp program (~160 at SEG = 1024 read whole) are what
+    limit the programs per SM. Same result as the whole-segment path: the K-th largest of NG
+    group maxima bounds the answer; the keys reaching it are packed into the CAP-slot scratch
+    row (chunk by chunk, in block order) and searched there; more than CAP of them (ties, -inf
+    rows) fall back to a bit search whose counts re-read the chunks (slow, and rare)."""
+    NCH: tl.constexpr = SEG // CH
+    GPC: tl.constexpr = NG // NCH  # groups per chunk
+    c_idx = tl.arange(0, CH)
+    chunk_of = tl.arange(0, NCH)[:, None]
+    gm = tl.full([NCH, GPC], DEAD_KEY, tl.int32)
+    for ci in range(NCH):
+        key, _ = _segment_keys(row, seg_base + ci * CH + c_idx, n, stride_sb, INIT, LOCAL)
+        gmc = tl.max(tl.reshape(key, [GPC, CH // GPC], can_reorder=True), axis=1)
+        gm = tl.where(chunk_of == ci, gmc[None, :], gm)
+    bound = _kth_key(tl.reshape(gm, [NG], can_reorder=True), TOPK, KP)
+    n_cand = 0
+    for ci in range(NCH):
+        b = seg_base + ci * CH + c_idx
+        key, live = _segment_keys(row, b, n, stride_sb, INIT, LOCAL)
+        cand = (key >= bound) & live
+        slot = n_cand + tl.cumsum(cand.to(tl.int32), axis=0) - 1
+        tl.store(scratch_row + slot, pack_key(key, b), mask=cand & (slot < CAP))
+        n_cand += tl.sum(cand.to(tl.int32), axis=0)
+    if n_cand <= CAP:
+        tl.debug_barrier()  # the packed keys are read back by other threads
+        c = tl.arange(0, CAP)
+        packed = tl.load(scratch_row + c, mask=c < n_cand, other=EMPTY_KEY)
+        ckey = tl.where(packed == EMPTY_KEY, DEAD_KEY, (packed >> 32).to(tl.int32))
+        _write_picked(out_row, stride_ok, cand_row, _threshold_select(ckey, TOPK, KP), packed,
+                      unpack_block(packed), TOPK, KP, SINGLE)
+    else:
+        # the K-th largest key by a bit search over all 32 bits (unsigned order, as _kth_key),
+        # each count summed over the chunks
+        prefix = 0
+        bit = 31
+        searching = True
+        while searching:
+            cand_t = prefix | (1 << bit)
+            count = 0
+            for ci in range(NCH):
+                key, _ = _segment_keys(row, seg_base + ci * CH + c_idx, n, stride_sb, INIT,
+                                       LOCAL)
+                count += tl.sum((key >= (cand_t ^ DEAD_KEY)).to(tl.int32), axis=0)
+            prefix = tl.where(count >= TOPK, cand_t, prefix)
+            bit -= 1
+            searching = (bit >= 0) & (count != TOPK)
+        thresh = prefix ^ DEAD_KEY
+        n_above = 0
+        for ci in range(NCH):
+            key, _ = _segment_keys(row, seg_base + ci * CH + c_idx, n, stride_sb, INIT, LOCAL)
+            n_above += tl.sum((key > thresh).to(tl.int32), axis=0)
+        need = TOPK - n_above
+        # then the picked blocks in block order: every key above, and of the keys equal to the
+        # threshold the first `need` (running counts across the chunks)
+        n_tied = 0
+        n_picked = 0
+        for ci in range(NCH):
+            b = seg_base + ci * CH + c_idx
+            key, _ = _segment_keys(row, b, n, stride_sb, INIT, LOCAL)
+            tied = (key == thresh) & (key != DEAD_KEY)
+            picked = (key > thresh) | (tied & (n_tied + tl.cumsum(tied.to(tl.int32), axis=0)
+                                               <= need))
+            slot = n_picked + tl.cumsum(picked.to(tl.int32), axis=0) - 1
+            if SINGLE:
+                tl.store(out_row + slot * stride_ok, b, mask=picked)
+            else:
+                tl.store(cand_row + slot, pack_key(key, b), mask=picked)
+            n_tied += tl.sum(tied.to(tl.int32), axis=0)
+            n_picked += tl.sum(picked.to(tl.int32), axis=0)
+        slots = tl.arange(0, KP)
+        if SINGLE:
+            tl.store(out_row + slots * stride_ok, tl.full([KP], -1, tl.int32),
+                     mask=(slots >= n_picked) & (slots < TOPK))
+        else:
+            tl.store(cand_row + slots, tl.full([KP], EMPTY_KEY, tl.int64),
+                     mask=slots >= n_picked)
+
+
+@triton.jit
 def _segment_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, cand_ptr, scratch_ptr,
                          num_requests, num_segments, stride_st, stride_sh, stride_sb, stride_ot,
                          stride_oh, stride_ok, TOPK: tl.constexpr, KP: tl.constexpr,
                          INIT: tl.constexpr, LOCAL: tl.constexpr, BLOCK: tl.constexpr,
                          SEG: tl.constexpr, SINGLE: tl.constexpr, BY_SORT: tl.constexpr,
-                         CAP: tl.constexpr, NG: tl.constexpr, PDL: tl.constexpr = False):
+                         CAP: tl.constexpr, NG: tl.constexpr, PDL: tl.constexpr = False,
+                         CH: tl.constexpr = 0):
     t = tl.program_id(0)
     h = tl.program_id(1)
     seg = tl.program_id(2)
@@ -150,14 +246,18 @@ def _segment_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, cand_ptr, sc
         if seg == 0:
             tl.store(out_row + slots * stride_ok, tl.where(slots < n, slots, -1),
                      mask=slots < TOPK)
+    elif (CH > 0) & (CAP > 0) & (not BY_SORT):
+        # the same selection, read in chunks (fewer registers: more programs per SM)
+        row = scores_ptr + t.to(tl.int64) * stride_st + h * stride_sh
+        base = ((t.to(tl.int64) * num_heads + h) * num_segments + seg) * KP
+        row_scratch = scratch_ptr + ((t.to(tl.int64) * num_heads + h) * num_segments
+                                     + seg) * CAP
+        _chunked_select(row, seg * SEG, n, stride_sb, out_row, stride_ok, cand_ptr + base,
+                        row_scratch, TOPK, KP, INIT, LOCAL, SEG, CH, CAP, NG, SINGLE)
     else:
         b = seg * SEG + tl.arange(0, SEG)
-        live = b < n
         row = scores_ptr + t.to(tl.int64) * stride_st + h * stride_sh
-        s = tl.load(row + b.to(tl.int64) * stride_sb, mask=live, other=float("-inf"))
-        forced = (b < INIT) | (b >= n - LOCAL)
-        key = tl.where(forced, FORCED_SCORE_KEY, score_key(s))
-        key = tl.where(live, key, DEAD_KEY)
+        key, live = _segment_keys(row, b, n, stride_sb, INIT, LOCAL)
         base = ((t.to(tl.int64) * num_heads + h) * num_segments + seg) * KP
         if BY_SORT:
             best = tl.topk(tl.where(live, pack_key(key, b), EMPTY_KEY), KP)  # descending
