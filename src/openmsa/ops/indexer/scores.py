@@ -204,8 +204,9 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                                            out_ptr, t_begin, t_end, seq_len, q_len, t_req,
                                            b_first, b_hi, stride_qt, stride_qh, stride_qd,
                                            stride_cp, stride_cb, stride_cd, stride_btb,
-                                           stride_ot, stride_oh, stride_ob, H, HP, DI, DIP, BLOCK, ROWS_T, BPS,
-                                           CAST_K, IEEE, KEYS_AS_ROWS, MAX_SKIPS_NAN)
+                                           stride_ot, stride_oh, stride_ob, H, HP, DI, DIP,
+                                           BLOCK, ROWS_T, BPS, CAST_K, IEEE, KEYS_AS_ROWS,
+                                           MAX_SKIPS_NAN)
                 r += 1
     else:
         r = pid
@@ -229,8 +230,9 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                                    out_ptr, t_begin, tl.minimum(t_begin + ROWS_T, t_next),
                                    seq_len, q_len, t_req, b_first, b_hi, stride_qt, stride_qh,
                                    stride_qd, stride_cp, stride_cb, stride_cd, stride_btb,
-                                   stride_ot, stride_oh, stride_ob, H, HP, DI, DIP, BLOCK, ROWS_T, BPS, CAST_K, IEEE,
-                                   KEYS_AS_ROWS, MAX_SKIPS_NAN, pages, PAGES_EARLY, ONE_LOOP)
+                                   stride_ot, stride_oh, stride_ob, H, HP, DI, DIP, BLOCK,
+                                   ROWS_T, BPS, CAST_K, IEEE, KEYS_AS_ROWS, MAX_SKIPS_NAN,
+                                   pages, PAGES_EARLY, ONE_LOOP)
     if WAIT_AT_END:
         # launched as a programmatic dependent of the request launch (the two write disjoint
         # rows, so nothing here waits for it), this launch ends only after that one has: a
