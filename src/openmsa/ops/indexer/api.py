@@ -32,7 +32,8 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               select_sort_waves=2, select_search_scale=1, select_scratch=64, select_segment=1024,
               pdl=True, decode_pages_early=True, decode_one_loop=True,
               decode_split_major=False, tile_quick_exit=True, tile_overlap=False,
-              prefill_heavy_first=False, select_chunk=0)
+              prefill_heavy_first=False, prefill_split_major=False, select_chunk=0,
+              use_max_q_len=True)
 # decode_pages_early: the decode launch loads its split's page ids before (not after) cu_seqlens_q
 # and seq_lens, one memory latency less before the first key load; decode_one_loop: one
 # causal-masked loop over the split (the mask costs little on 16 rows) instead of an unmasked
@@ -43,9 +44,12 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
 # prefill tile launch too (no host sync can tell that no request is long); its programs look at
 # their requests in one vector load and end (quick exit), and the launch is a programmatic
 # dependent of the request launch, so it runs beside it rather than after (overlap)
-# prefill_heavy_first (written after the last GPU call, not measured): the tile launch's programs
-# in order of decreasing work (last tile first, its splits together), for the causal triangle of
-# a chunk with little context, where the longest programs were dispatched last
+# prefill_heavy_first: the tile launch's programs in order of decreasing work (last tile and last
+# split first), for the causal triangle of a chunk with little context, where the longest programs
+# were dispatched last; prefill_split_major: a tile's splits consecutive (its first measurement,
+# 4b1998d's tune call, had both: 8K@0 fp8 77.5 -> 65.1 µs, but 8K after 1M bf16 17.3 -> 21.7 ms,
+# as the programs running together then read different keys instead of sharing them in L2)
+# use_max_q_len: False ignores the caller's max_q_len hint (to measure what the hint buys)
 # select_chunk (written after the last GPU call, not measured): the search path's segment read in
 # chunks of this many blocks; offline 157 -> fewer registers at 1024 blocks per one-warp program
 # select_segment: blocks of a score row per selection program (a 1M-token row of 8192 blocks
@@ -92,7 +96,8 @@ def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_tabl
         return
     # a decode/verify step: one launch (the tile launch of a step of > SMALL_Q tokens costs a
     # launch even when its programs find no long request)
-    only_requests = num_tokens <= SMALL_Q or (max_q_len is not None and max_q_len <= SMALL_Q)
+    hinted = TUNING["use_max_q_len"] and max_q_len is not None and max_q_len <= SMALL_Q
+    only_requests = num_tokens <= SMALL_Q or hinted
     hp = _next_pow2(num_heads)
     dip = max(16, _next_pow2(head_dim))
     cast_k = index_q.dtype in HALF and index_cache.dtype == FP8
@@ -132,11 +137,12 @@ def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_tabl
     bps = TUNING["prefill_bps"]
     grid = (-(-num_tokens // rows_t), -(-max_blocks // bps))
     heavy_first = TUNING["prefill_heavy_first"]
-    if heavy_first:
+    split_major = TUNING["prefill_split_major"]
+    if split_major:
         grid = grid[::-1]
     overlap = TUNING["tile_overlap"] and common["PDL"]
     _block_scores_kernel[grid](*args, BPS=bps, TILE_MODE=True, ROWS_T=rows_t, **common,
-                               SPLIT_MAJOR=heavy_first, HEAVY_FIRST=heavy_first,
+                               SPLIT_MAJOR=split_major, HEAVY_FIRST=heavy_first,
                                SMALL_Q=SMALL_Q, KEYS_AS_ROWS=False,
                                QUICK_EXIT=TUNING["tile_quick_exit"],
                                WAIT_AT_END=overlap, launch_pdl=overlap,

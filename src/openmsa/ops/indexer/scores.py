@@ -156,10 +156,15 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
         pid = tl.program_id(0)
         split = tl.program_id(1)
     if HEAVY_FIRST:
-        # (tile launch, with SPLIT_MAJOR) the last tile first: in a causal chunk later tokens
+        # (tile launch) the last tile and the last split first: in a causal chunk later tokens
         # see more blocks, so the longest programs start first and the short ones fill in
         # behind them, instead of the longest starting last and running alone at the end
-        pid = tl.num_programs(1) - 1 - pid
+        if SPLIT_MAJOR:
+            pid = tl.num_programs(1) - 1 - pid
+            split = tl.num_programs(0) - 1 - split
+        else:
+            pid = tl.num_programs(0) - 1 - pid
+            split = tl.num_programs(1) - 1 - split
     b_first = split * BPS
     if TILE_MODE:
         tile_begin = pid * ROWS_T
