@@ -47,8 +47,8 @@ def _compile(fn, pointers, scalars, constexprs):
 def test_block_scores_kernel(tile_mode, q_type, c_type, early):
     # early: the decode launch's page ids loaded up front and one causal loop (TUNING
     # decode_pages_early, decode_one_loop); the tile launch's quick exit and its wait at the end
-    # (tile_quick_exit, tile_overlap), its heaviest-first order (prefill_heavy_first, on both
-    # tile launches) and its split-major grid (prefill_split_major)
+    # (tile_quick_exit, tile_overlap), its heaviest-first order (prefill_reverse_tiles and
+    # _splits, on both tile launches) and its split-major grid (prefill_split_major)
     pointers = dict(q_ptr=q_type, cache_ptr=c_type, out_ptr=F32, **STEP)
     k = _compile(_block_scores_kernel, pointers, {},
              dict(H=4, HP=4, DI=128, DIP=128, BLOCK=128, BPS=32 if tile_mode else 16,
@@ -57,7 +57,7 @@ def test_block_scores_kernel(tile_mode, q_type, c_type, early):
                   MAX_SKIPS_NAN=True, PDL=tile_mode, PAGES_EARLY=bool(early),
                   ONE_LOOP=bool(early), QUICK_EXIT=bool(early),
                   WAIT_AT_END=tile_mode and bool(early), SPLIT_MAJOR=tile_mode and bool(early),
-                  HEAVY_FIRST=tile_mode))
+                  REVERSE_TILES=tile_mode, REVERSE_SPLITS=tile_mode))
     assert ("griddepcontrol.wait" in k.asm["ptx"]) == (tile_mode and bool(early))
 
 

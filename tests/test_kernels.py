@@ -174,10 +174,13 @@ def test_strided_out_is_written_in_place(kernel_device):
                                    dict(decode_split_major=True),
                                    # 2 tiles (the last one holds the chunk's last tokens)
                                    # x 4 splits
-                                   dict(prefill_heavy_first=True, prefill_rows=32,
+                                   dict(prefill_reverse_tiles=True, prefill_rows=32,
                                         prefill_bps=2),
-                                   dict(prefill_heavy_first=True, prefill_split_major=True,
-                                        prefill_rows=32, prefill_bps=2)])
+                                   dict(prefill_reverse_splits=True, prefill_rows=32,
+                                        prefill_bps=2),
+                                   dict(prefill_reverse_tiles=True, prefill_reverse_splits=True,
+                                        prefill_split_major=True, prefill_rows=32,
+                                        prefill_bps=2)])
 @pytest.mark.parametrize("q_dtype, c_dtype", [(torch.float16, torch.float16), (FP8, FP8)])
 def test_decode_launch_variants(kernel_device, q_dtype, c_dtype, knobs, monkeypatch):
     """The launch-order knobs (the 20-token request takes the tile launch) and the decode

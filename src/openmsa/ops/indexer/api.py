@@ -32,7 +32,8 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               select_sort_waves=2, select_search_scale=1, select_scratch=64, select_segment=1024,
               pdl=True, decode_pages_early=True, decode_one_loop=True,
               decode_split_major=False, tile_quick_exit=True, tile_overlap=False,
-              prefill_heavy_first=False, prefill_split_major=False, select_chunk=0,
+              prefill_reverse_tiles=False, prefill_reverse_splits=False,
+              prefill_split_major=False, select_chunk=128,
               use_max_q_len=True)
 # decode_pages_early: the decode launch loads its split's page ids before (not after) cu_seqlens_q
 # and seq_lens, one memory latency less before the first key load; decode_one_loop: one
@@ -44,14 +45,19 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
 # prefill tile launch too (no host sync can tell that no request is long); its programs look at
 # their requests in one vector load and end (quick exit), and the launch is a programmatic
 # dependent of the request launch, so it runs beside it rather than after (overlap)
-# prefill_heavy_first: the tile launch's programs in order of decreasing work (last tile and last
-# split first), for the causal triangle of a chunk with little context, where the longest programs
-# were dispatched last; prefill_split_major: a tile's splits consecutive (its first measurement,
-# 4b1998d's tune call, had both: 8K@0 fp8 77.5 -> 65.1 µs, but 8K after 1M bf16 17.3 -> 21.7 ms,
-# as the programs running together then read different keys instead of sharing them in L2)
+# prefill_reverse_tiles, prefill_reverse_splits: the tile launch's programs dispatched last tile
+# first and/or last split first; in the causal triangle of a chunk with little context the
+# longest programs (last tiles, last split) were dispatched last. prefill_split_major: a tile's
+# splits consecutive. Measured (tune.py, 4b1998d and 1feac0c): both reversed and split-major,
+# 8K@0 fp8 77.5 -> 65.1 µs, but 8K after 1M bf16 17.3 -> 21.7 ms (the programs running together
+# read different keys instead of sharing them in L2); both reversed, tile-major: 8K@0 fp8
+# 75.1 -> 62.3, bf16 108 -> 92, but fp8 after 120K 1119 -> 1166, after 1M 9.8 -> 10.3 ms
 # use_max_q_len: False ignores the caller's max_q_len hint (to measure what the hint buys)
-# select_chunk (written after the last GPU call, not measured): the search path's segment read in
-# chunks of this many blocks; offline 157 -> fewer registers at 1024 blocks per one-warp program
+# select_chunk: the search path reads its segment in chunks of this many blocks (0: at once):
+# offline 157 -> 56 registers at 1024 blocks per one-warp program (12 -> 32 programs per SM);
+# tune.py (4b1998d, 1feac0c): selection of an 8K chunk after 120K 184 -> 169 µs and
+# 189 -> 172, after 1M 1520 -> 1442 and 1452 -> 1343 (less than the occupancy promised: the
+# selection is not bound by the number of programs per SM alone)
 # select_segment: blocks of a score row per selection program (a 1M-token row of 8192 blocks
 # takes 8, merged by a second launch)
 # pdl: the selection and merge launches are programmatic dependent launches (CUDA only): each
@@ -136,13 +142,14 @@ def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_tabl
     fp8 = index_cache.dtype == FP8
     bps = TUNING["prefill_bps"]
     grid = (-(-num_tokens // rows_t), -(-max_blocks // bps))
-    heavy_first = TUNING["prefill_heavy_first"]
     split_major = TUNING["prefill_split_major"]
     if split_major:
         grid = grid[::-1]
     overlap = TUNING["tile_overlap"] and common["PDL"]
     _block_scores_kernel[grid](*args, BPS=bps, TILE_MODE=True, ROWS_T=rows_t, **common,
-                               SPLIT_MAJOR=split_major, HEAVY_FIRST=heavy_first,
+                               SPLIT_MAJOR=split_major,
+                               REVERSE_TILES=TUNING["prefill_reverse_tiles"],
+                               REVERSE_SPLITS=TUNING["prefill_reverse_splits"],
                                SMALL_Q=SMALL_Q, KEYS_AS_ROWS=False,
                                QUICK_EXIT=TUNING["tile_quick_exit"],
                                WAIT_AT_END=overlap, launch_pdl=overlap,

@@ -141,7 +141,8 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                          table_width=0, PAGES_EARLY: tl.constexpr = False,
                          ONE_LOOP: tl.constexpr = False, SPLIT_MAJOR: tl.constexpr = False,
                          QUICK_EXIT: tl.constexpr = False, WAIT_AT_END: tl.constexpr = False,
-                         HEAVY_FIRST: tl.constexpr = False):
+                         REVERSE_TILES: tl.constexpr = False,
+                         REVERSE_SPLITS: tl.constexpr = False):
     if PDL:
         # the selection launch may start now (programmatic dependent launch): it takes effect
         # once every program of this launch has passed here, and the selection waits for this
@@ -155,16 +156,13 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
     else:
         pid = tl.program_id(0)
         split = tl.program_id(1)
-    if HEAVY_FIRST:
-        # (tile launch) the last tile and the last split first: in a causal chunk later tokens
-        # see more blocks, so the longest programs start first and the short ones fill in
-        # behind them, instead of the longest starting last and running alone at the end
-        if SPLIT_MAJOR:
-            pid = tl.num_programs(1) - 1 - pid
-            split = tl.num_programs(0) - 1 - split
-        else:
-            pid = tl.num_programs(0) - 1 - pid
-            split = tl.num_programs(1) - 1 - split
+    # (tile launch) the last tile and/or the last split first: in a causal chunk later tokens
+    # see more blocks, so the longest programs start first and the short ones fill in behind
+    # them, instead of the longest starting last and running alone at the end
+    if REVERSE_TILES:
+        pid = tl.num_programs(1 if SPLIT_MAJOR else 0) - 1 - pid
+    if REVERSE_SPLITS:
+        split = tl.num_programs(0 if SPLIT_MAJOR else 1) - 1 - split
     b_first = split * BPS
     if TILE_MODE:
         tile_begin = pid * ROWS_T
