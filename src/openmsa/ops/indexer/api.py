@@ -32,7 +32,7 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               select_sort_waves=2, select_search_scale=1, select_scratch=64, select_segment=1024,
               pdl=True, decode_pages_early=True, decode_one_loop=True,
               decode_split_major=False, tile_quick_exit=True, tile_overlap=False,
-              prefill_reverse_tiles=False, prefill_reverse_splits=False,
+              prefill_reverse_tiles=True, prefill_reverse_splits=False,
               prefill_split_major=False, select_chunk=128,
               use_max_q_len=True)
 # decode_pages_early: the decode launch loads its split's page ids before (not after) cu_seqlens_q
@@ -51,7 +51,9 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
 # splits consecutive. Measured (tune.py, 4b1998d and 1feac0c): both reversed and split-major,
 # 8K@0 fp8 77.5 -> 65.1 µs, but 8K after 1M bf16 17.3 -> 21.7 ms (the programs running together
 # read different keys instead of sharing them in L2); both reversed, tile-major: 8K@0 fp8
-# 75.1 -> 62.3, bf16 108 -> 92, but fp8 after 120K 1119 -> 1166, after 1M 9.8 -> 10.3 ms
+# 75.1 -> 62.3, bf16 108 -> 92, but fp8 after 120K 1119 -> 1166, after 1M 9.8 -> 10.3 ms; tiles
+# alone (9322b1a, on): 8K@0 fp8 75.7 -> 65.0, bf16 109 -> 85, 120K and 1M equal (within 1%);
+# splits alone cost the fp8 chunks after context 4% and gave 8K@0 nothing
 # use_max_q_len: False ignores the caller's max_q_len hint (to measure what the hint buys)
 # select_chunk: the search path reads its segment in chunks of this many blocks (0: at once):
 # offline 157 -> 56 registers at 1024 blocks per one-warp program (12 -> 32 programs per SM);
