@@ -322,3 +322,83 @@ def _merge_topk_kernel(cand_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_requests, nu
             key = tl.where(packed == EMPTY_KEY, DEAD_KEY, (packed >> 32).to(tl.int32))
             picked = _threshold_select(key, TOPK, KP)
             _store_in_order(out_row, stride_ok, picked, unpack_block(packed), TOPK, KP)
+
+
+@triton.jit
+def _causal_blocks_rows(cu_ptr, seq_lens_ptr, num_requests, search_steps, t,
+                        BLOCK: tl.constexpr):
+    """n = p // B + 1 for a vector of tokens t (0 for padding): find_request's binary search,
+    for every token at once (search_steps >= bit length of num_requests + 1 rounds, each one
+    vector load), then token_position's rule."""
+    lo = tl.zeros_like(t)
+    hi = tl.zeros_like(t) + num_requests
+    for _ in range(search_steps):
+        open_ = lo < hi
+        mid = (lo + hi) // 2
+        right = tl.load(cu_ptr + mid + 1, mask=open_, other=0) > t
+        hi = tl.where(open_ & right, mid, hi)
+        lo = tl.where(open_ & (right == 0), mid + 1, lo)
+    real = lo < num_requests
+    t_req = tl.load(cu_ptr + lo, mask=real, other=0)
+    q_len = tl.load(cu_ptr + lo + 1, mask=real, other=0) - t_req
+    seq_len = tl.load(seq_lens_ptr + lo, mask=real, other=0)
+    pos = tl.where(real & (seq_len >= q_len), seq_len - q_len + (t - t_req), -1)
+    return tl.where(pos >= 0, pos // BLOCK + 1, 0)
+
+
+@triton.jit
+def _rows_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_requests, num_rows,
+                      num_heads, search_steps, stride_st, stride_sh, stride_sb, stride_ot,
+                      stride_oh, stride_ok, TOPK: tl.constexpr, KP: tl.constexpr,
+                      INIT: tl.constexpr, LOCAL: tl.constexpr, BLOCK: tl.constexpr,
+                      SEG: tl.constexpr, ROWS: tl.constexpr):
+    """The threshold selection of _segment_topk_kernel on ROWS whole score rows at once (rows
+    of at most SEG blocks, one segment): every step of the search is one [ROWS, SEG] compare
+    and row-wise count. Rows this short (a chunk with little context) are tens of thousands
+    of programs of one warp on the per-row path, whose time goes to starting programs and to
+    the search's serial chain per row; here ROWS rows share a program and each chain step."""
+    i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # row = token * num_heads + head
+    row_ok = i < num_rows
+    t = i // num_heads
+    h = i % num_heads
+    n = tl.where(row_ok, _causal_blocks_rows(cu_ptr, seq_lens_ptr, num_requests, search_steps,
+                                             t, BLOCK), 0)
+    b = tl.arange(0, SEG)[None, :]
+    live = b < n[:, None]
+    row = scores_ptr + t.to(tl.int64)[:, None] * stride_st + h[:, None] * stride_sh
+    # rows of at most TOPK blocks take them all: no score read
+    s = tl.load(row + b * stride_sb, mask=live & (n[:, None] > TOPK), other=float("-inf"))
+    forced = (b < INIT) | (b >= n[:, None] - LOCAL)
+    key = tl.where(live, tl.where(forced, FORCED_SCORE_KEY, score_key(s)), DEAD_KEY)
+    # the K-th largest key per row (as _kth_key, in unsigned order): bounded by the smallest of
+    # KP group maxima and the largest key; the search starts below the highest bit in which
+    # any row's bounds differ (the bits above it are every row's largest key's)
+    grouped = tl.reshape(key, [ROWS, KP, SEG // KP], can_reorder=True)
+    low = tl.min(tl.max(grouped, axis=2), axis=1) ^ DEAD_KEY
+    high = tl.max(key, axis=1) ^ DEAD_KEY
+    differ = tl.max((low ^ high).to(tl.int64) & 0xFFFFFFFF, axis=0)  # its highest bit: any's
+    bit = 31
+    while (bit >= 0) & (((differ >> tl.maximum(bit, 0)) & 1) == 0):
+        bit -= 1
+    prefix = high & tl.where(bit >= 0, ~((2 << tl.maximum(bit, 0)) - 1), -1)
+    searching = (tl.zeros([ROWS], tl.int32) + bit) >= 0
+    while tl.max(searching.to(tl.int32), axis=0) > 0:
+        cand = prefix | (1 << tl.maximum(bit, 0))
+        count = tl.sum((key >= (cand ^ DEAD_KEY)[:, None]).to(tl.int32), axis=1)
+        prefix = tl.where(searching & (count >= TOPK), cand, prefix)
+        bit -= 1
+        # a row stops once exactly K keys reach its threshold (as _kth_key)
+        searching = searching & (count != TOPK) & (bit >= 0)
+    thresh = (prefix ^ DEAD_KEY)[:, None]
+    above = key > thresh
+    tied = (key == thresh) & (key != DEAD_KEY)
+    need = TOPK - tl.sum(above.to(tl.int32), axis=1)
+    picked = above | (tied & (tl.cumsum(tied.to(tl.int32), axis=1) <= need[:, None]))
+    # the picked blocks in ascending order, then -1 up to TOPK
+    out_row = out_ptr + t.to(tl.int64)[:, None] * stride_ot + h[:, None] * stride_oh
+    slot = tl.cumsum(picked.to(tl.int32), axis=1) - 1
+    tl.store(out_row + slot * stride_ok, tl.zeros_like(slot) + b, mask=picked & row_ok[:, None])
+    count = tl.sum(picked.to(tl.int32), axis=1)
+    slots = tl.arange(0, KP)[None, :]
+    tl.store(out_row + slots * stride_ok, tl.full([ROWS, KP], -1, tl.int32),
+             mask=(slots >= count[:, None]) & (slots < TOPK) & row_ok[:, None])
