@@ -78,7 +78,7 @@ def test_selection_kernels(by_sort):
     assert ("griddepcontrol.wait" in merge.asm["ptx"]) == by_sort
 
 
-@pytest.mark.parametrize("topk, seg, rows", [(16, 64, 16), (16, 256, 4), (64, 128, 8)])
+@pytest.mark.parametrize("topk, seg, rows", [(16, 64, 2), (16, 64, 4), (4, 32, 8)])
 def test_rows_selection_kernel(topk, seg, rows):
     # short rows, several per program (TUNING select_rows_elems)
     _compile(_rows_topk_kernel, dict(scores_ptr=F32, cu_ptr=I32, seq_lens_ptr=I32,

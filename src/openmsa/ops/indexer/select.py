@@ -352,11 +352,13 @@ def _rows_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_requests, n
                       stride_oh, stride_ok, TOPK: tl.constexpr, KP: tl.constexpr,
                       INIT: tl.constexpr, LOCAL: tl.constexpr, BLOCK: tl.constexpr,
                       SEG: tl.constexpr, ROWS: tl.constexpr):
-    """The threshold selection of _segment_topk_kernel on ROWS whole score rows at once (rows
-    of at most SEG blocks, one segment): every step of the search is one [ROWS, SEG] compare
-    and row-wise count. Rows this short (a chunk with little context) are tens of thousands
-    of programs of one warp on the per-row path, whose time goes to starting programs and to
-    the search's serial chain per row; here ROWS rows share a program and each chain step."""
+    """The selection of ROWS whole score rows of at most SEG blocks (one segment) per program,
+    by rank instead of a search: a block's rank is the number of the row's blocks whose packed
+    key (pack_key: the score's key, then the lower block) is larger, and the blocks of rank
+    < TOPK are the answer (the tie rule is in the packed order). One [ROWS, SEG, SEG] compare
+    and count, no serial chain: rows this short (a chunk with little context, a narrow block
+    table) are tens of thousands of programs on the threshold path, each a chain of ~16
+    dependent row-wide counts."""
     i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # row = token * num_heads + head
     row_ok = i < num_rows
     t = i // num_heads
@@ -369,31 +371,12 @@ def _rows_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_requests, n
     # rows of at most TOPK blocks take them all: no score read
     s = tl.load(row + b * stride_sb, mask=live & (n[:, None] > TOPK), other=float("-inf"))
     forced = (b < INIT) | (b >= n[:, None] - LOCAL)
-    key = tl.where(live, tl.where(forced, FORCED_SCORE_KEY, score_key(s)), DEAD_KEY)
-    # the K-th largest key per row (as _kth_key, in unsigned order): bounded by the smallest of
-    # KP group maxima and the largest key; the search starts below the highest bit in which
-    # any row's bounds differ (the bits above it are every row's largest key's)
-    grouped = tl.reshape(key, [ROWS, KP, SEG // KP], can_reorder=True)
-    low = tl.min(tl.max(grouped, axis=2), axis=1) ^ DEAD_KEY
-    high = tl.max(key, axis=1) ^ DEAD_KEY
-    differ = tl.max((low ^ high).to(tl.int64) & 0xFFFFFFFF, axis=0)  # its highest bit: any's
-    bit = 31
-    while (bit >= 0) & (((differ >> tl.maximum(bit, 0)) & 1) == 0):
-        bit -= 1
-    prefix = high & tl.where(bit >= 0, ~((2 << tl.maximum(bit, 0)) - 1), -1)
-    searching = (tl.zeros([ROWS], tl.int32) + bit) >= 0
-    while tl.max(searching.to(tl.int32), axis=0) > 0:
-        cand = prefix | (1 << tl.maximum(bit, 0))
-        count = tl.sum((key >= (cand ^ DEAD_KEY)[:, None]).to(tl.int32), axis=1)
-        prefix = tl.where(searching & (count >= TOPK), cand, prefix)
-        bit -= 1
-        # a row stops once exactly K keys reach its threshold (as _kth_key)
-        searching = searching & (count != TOPK) & (bit >= 0)
-    thresh = (prefix ^ DEAD_KEY)[:, None]
-    above = key > thresh
-    tied = (key == thresh) & (key != DEAD_KEY)
-    need = TOPK - tl.sum(above.to(tl.int32), axis=1)
-    picked = above | (tied & (tl.cumsum(tied.to(tl.int32), axis=1) <= need[:, None]))
+    packed = tl.where(live, pack_key(tl.where(forced, FORCED_SCORE_KEY, score_key(s)), b),
+                      EMPTY_KEY)
+    rank = tl.zeros([ROWS, SEG], tl.int32)
+    if tl.max(n, axis=0) > TOPK:  # (else every live block is picked)
+        rank = tl.sum((packed[:, None, :] > packed[:, :, None]).to(tl.int32), axis=2)
+    picked = live & (rank < TOPK)
     # the picked blocks in ascending order, then -1 up to TOPK
     out_row = out_ptr + t.to(tl.int64)[:, None] * stride_ot + h[:, None] * stride_oh
     slot = tl.cumsum(picked.to(tl.int32), axis=1) - 1
