@@ -21,8 +21,7 @@ from openmsa.ops.attention.page_table import _sparse_page_table_kernel  # noqa: 
 from openmsa.ops.attention.prefill import _sparse_attention_tile_kernel, _tile_plan_kernel  # noqa
 from openmsa.ops.cache.write import _write_index_cache_kernel, _write_kv_cache_kernel  # noqa
 from openmsa.ops.indexer.scores import _block_scores_kernel  # noqa: E402
-from openmsa.ops.indexer.select import (_merge_topk_kernel, _rows_topk_kernel,  # noqa: E402
-                                        _segment_topk_kernel)
+from openmsa.ops.indexer.select import _merge_topk_kernel, _segment_topk_kernel  # noqa: E402
 
 I32, I64, F32 = "*i32", "*i64", "*fp32"
 STEP = dict(cu_ptr=I32, seq_lens_ptr=I32, bt_ptr=I32)
@@ -76,14 +75,6 @@ def test_selection_kernels(by_sort):
                           PDL=by_sort))
     # a dependent launch waits for its predecessor before reading (and only then)
     assert ("griddepcontrol.wait" in merge.asm["ptx"]) == by_sort
-
-
-@pytest.mark.parametrize("topk, seg, rows", [(16, 64, 2), (16, 64, 4), (4, 32, 8)])
-def test_rows_selection_kernel(topk, seg, rows):
-    # short rows, several per program (TUNING select_rows_elems)
-    _compile(_rows_topk_kernel, dict(scores_ptr=F32, cu_ptr=I32, seq_lens_ptr=I32,
-                                     out_ptr=I32), {},
-             dict(TOPK=topk, KP=topk, INIT=0, LOCAL=1, BLOCK=128, SEG=seg, ROWS=rows))
 
 
 @pytest.mark.parametrize("kv_type, splits, sub", [("*fp8e4nv", 2, 64), ("*bf16", 1, 128)])

@@ -90,20 +90,15 @@ CRAFTED = [float("-inf"), float("inf"), float("nan"), -0.0, 0.0, 1e-45, -1e-45, 
            1.0, 1.0000001, -1.0, -1.0000001, 2.0, 2.0]
 
 
-@pytest.mark.parametrize("path, rows_elems", [("search", 0), ("search", 4096),
-                                              ("search", 16384), ("sort", 16384)])
+@pytest.mark.parametrize("by_sort", [False, True])
 @pytest.mark.parametrize("topk, init, local, segment", [(4, 0, 1, None), (5, 1, 2, 8),
                                                         (16, 0, 1, None)])
-def test_selection_kernels_on_crafted_scores(kernel_device, topk, init, local, segment, path,
-                                             rows_elems, monkeypatch):
+def test_selection_kernels_on_crafted_scores(kernel_device, topk, init, local, segment, by_sort,
+                                             monkeypatch):
     """The selection launches alone on score rows drawn from CRAFTED (many exact ties, all-equal
     rows, all -inf rows, rows shorter and longer than topk, one segment or several), equal to
-    the reference selection from the same scores; every path: the threshold search one row per
-    program (rows_elems 0, or rows cut into segments), the rank selection of whole rows of one
-    64-block segment (1 row per program at rows_elems 4096; 4 at 16384, the last program part
-    empty), the bitonic sort."""
-    monkeypatch.setitem(indexer_api.TUNING, "select_sort_waves", 10**9 if path == "sort" else 0)
-    monkeypatch.setitem(indexer_api.TUNING, "select_rows_elems", rows_elems)
+    the reference selection from the same scores; both paths (threshold search, bitonic sort)."""
+    monkeypatch.setitem(indexer_api.TUNING, "select_sort_waves", 10**9 if by_sort else 0)
     if segment is not None:
         monkeypatch.setitem(indexer_api.TUNING, "select_segment", segment)
     g = torch.Generator().manual_seed(topk)

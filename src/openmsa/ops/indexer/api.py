@@ -34,8 +34,7 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               decode_split_major=False, tile_quick_exit=True, tile_overlap=False,
               prefill_reverse_tiles=True, prefill_reverse_splits=False,
               prefill_split_major=False, select_chunk=128,
-              use_max_q_len=True, select_rows_elems=8192, select_rows_max_seg=64,
-              select_rows_warps=4)
+              use_max_q_len=True)
 # decode_pages_early: the decode launch loads its split's page ids before (not after) cu_seqlens_q
 # and seq_lens, one memory latency less before the first key load; decode_one_loop: one
 # causal-masked loop over the split (the mask costs little on 16 rows) instead of an unmasked
@@ -61,9 +60,6 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
 # tune.py (4b1998d, 1feac0c): selection of an 8K chunk after 120K 184 -> 169 µs and
 # 189 -> 172, after 1M 1520 -> 1442 and 1452 -> 1343 (less than the occupancy promised: the
 # selection is not bound by the number of programs per SM alone)
-# select_rows_elems, select_rows_max_seg: score rows of one segment of at most max_seg blocks
-# (2 * KP at least) go to the rank selection, with rows_elems // seg^2 rows per program (a power
-# of two, at least 1); rows_elems 0: off (not measured yet)
 # select_segment: blocks of a score row per selection program (a 1M-token row of 8192 blocks
 # takes 8, merged by a second launch)
 # pdl: the selection and merge launches are programmatic dependent launches (CUDA only): each
@@ -172,7 +168,7 @@ def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, loc
     """Top-k per (token, head) row of `scores` into `out`; rows are cut into segments of
     TUNING["select_segment"] blocks (one program each), merged by a second launch when there
     are several."""
-    from .select import _merge_topk_kernel, _rows_topk_kernel, _segment_topk_kernel
+    from .select import _merge_topk_kernel, _segment_topk_kernel
 
     num_tokens, num_heads, max_blocks = scores.shape
     if num_tokens == 0:
@@ -197,18 +193,6 @@ def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, loc
     if not by_sort:
         seg = segment(int(TUNING["select_segment"] * TUNING["select_search_scale"]))
     num_segments = -(-max(max_blocks, 1) // seg)
-    # short rows (a chunk with little context, a narrow block table): several whole rows per
-    # program, selected by rank (select.py, _rows_topk_kernel: ROWS * SEG^2 compares each)
-    rows = 1 << max(0, (TUNING["select_rows_elems"] // (seg * seg)).bit_length() - 1)
-    if (not by_sort and num_segments == 1 and TUNING["select_rows_elems"]
-            and seg <= TUNING["select_rows_max_seg"]):
-        num_rows = num_tokens * num_heads
-        _rows_topk_kernel[(-(-num_rows // rows),)](
-            scores, cu_seqlens_q, seq_lens, out, seq_lens.shape[0], num_rows, num_heads,
-            seq_lens.shape[0].bit_length() + 1, *scores.stride(), *out.stride(), TOPK=topk,
-            KP=kp, INIT=init_blocks, LOCAL=local_blocks, BLOCK=block_size, SEG=seg, ROWS=rows,
-            num_warps=TUNING["select_rows_warps"])
-        return
     single = num_segments == 1
     cand = out if single else torch.empty((num_tokens, num_heads, num_segments, kp),
                                           dtype=torch.int64, device=scores.device)
