@@ -34,7 +34,8 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               decode_split_major=False, tile_quick_exit=True, tile_overlap=False,
               prefill_reverse_tiles=True, prefill_reverse_splits=False,
               prefill_split_major=False, select_chunk=128,
-              use_max_q_len=True, select_sort_max_seg=0, select_short_warps=1)
+              use_max_q_len=True, select_sort_max_seg=0, select_short_warps=1,
+              select_early_loads=False)
 # decode_pages_early: the decode launch loads its split's page ids before (not after) cu_seqlens_q
 # and seq_lens, one memory latency less before the first key load; decode_one_loop: one
 # causal-masked loop over the split (the mask costs little on 16 rows) instead of an unmasked
@@ -63,6 +64,8 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
 # select_sort_max_seg, select_short_warps: score rows cut into segments of at most this many
 # blocks take the sort path on select_short_warps warps even when they are many (0: off; not
 # measured yet)
+# select_early_loads: the selection program loads its segment's scores and the guessed request's
+# offsets and seq_len at once, before it knows the row's causal count (not measured yet)
 # select_segment: blocks of a score row per selection program (a 1M-token row of 8192 blocks
 # takes 8, merged by a second launch)
 # pdl: the selection and merge launches are programmatic dependent launches (CUDA only): each
@@ -216,13 +219,16 @@ def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, loc
     if chunk and (seg % chunk or chunk % (seg // groups) or seg // chunk > groups
                   or chunk >= seg):
         chunk = 0
+    # the scores loaded before the row's causal count (select.py, EARLY): not on the chunked
+    # path (it reads its chunks later) nor under an early launch (the scores are not there yet)
+    early = TUNING["select_early_loads"] and not pdl and not chunk
     scratch = torch.empty((num_tokens, num_heads, num_segments, cap) if cap else (1,),
                           dtype=torch.int64, device=scores.device)
     _segment_topk_kernel[(num_tokens, num_heads, num_segments)](
         scores, cu_seqlens_q, seq_lens, out, cand, scratch, seq_lens.shape[0], num_segments,
         *scores.stride(), *out.stride(), TOPK=topk, KP=kp, INIT=init_blocks, LOCAL=local_blocks,
         BLOCK=block_size, SEG=seg, SINGLE=single, BY_SORT=by_sort, CAP=cap, NG=groups,
-        PDL=pdl, CH=chunk, num_warps=warps, launch_pdl=pdl)
+        PDL=pdl, CH=chunk, EARLY=early, width=max_blocks, num_warps=warps, launch_pdl=pdl)
     if not single:
         _merge_topk_kernel[(num_tokens, num_heads)](
             cand, cu_seqlens_q, seq_lens, out, seq_lens.shape[0], num_segments, *out.stride(),
