@@ -90,22 +90,15 @@ CRAFTED = [float("-inf"), float("inf"), float("nan"), -0.0, 0.0, 1e-45, -1e-45, 
            1.0, 1.0000001, -1.0, -1.0000001, 2.0, 2.0]
 
 
-@pytest.mark.parametrize("early", [False, True])
-@pytest.mark.parametrize("by_sort", [False, True, "short"])
+@pytest.mark.parametrize("by_sort", [False, True])
 @pytest.mark.parametrize("topk, init, local, segment", [(4, 0, 1, None), (5, 1, 2, 8),
                                                         (16, 0, 1, None)])
 def test_selection_kernels_on_crafted_scores(kernel_device, topk, init, local, segment, by_sort,
-                                             early, monkeypatch):
+                                             monkeypatch):
     """The selection launches alone on score rows drawn from CRAFTED (many exact ties, all-equal
     rows, all -inf rows, rows shorter and longer than topk, one segment or several), equal to
-    the reference selection from the same scores; both paths (threshold search, bitonic sort),
-    and the sort taken for its short segments by a launch of many programs ("short": one warp,
-    no early launch). `early`: the scores and the guessed request loaded before the row's
-    causal count (TUNING select_early_loads; the ragged q_lens make some guesses miss)."""
-    monkeypatch.setitem(indexer_api.TUNING, "select_early_loads", early)
-    monkeypatch.setitem(indexer_api.TUNING, "select_sort_waves", 10**9 if by_sort is True else 0)
-    if by_sort == "short":
-        monkeypatch.setitem(indexer_api.TUNING, "select_sort_max_seg", 64)
+    the reference selection from the same scores; both paths (threshold search, bitonic sort)."""
+    monkeypatch.setitem(indexer_api.TUNING, "select_sort_waves", 10**9 if by_sort else 0)
     if segment is not None:
         monkeypatch.setitem(indexer_api.TUNING, "select_segment", segment)
     g = torch.Generator().manual_seed(topk)

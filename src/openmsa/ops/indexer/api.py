@@ -34,8 +34,7 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               decode_split_major=False, tile_quick_exit=True, tile_overlap=False,
               prefill_reverse_tiles=True, prefill_reverse_splits=False,
               prefill_split_major=False, select_chunk=128,
-              use_max_q_len=True, select_sort_max_seg=0, select_short_warps=1,
-              select_early_loads=False)
+              use_max_q_len=True)
 # decode_pages_early: the decode launch loads its split's page ids before (not after) cu_seqlens_q
 # and seq_lens, one memory latency less before the first key load; decode_one_loop: one
 # causal-masked loop over the split (the mask costs little on 16 rows) instead of an unmasked
@@ -61,11 +60,6 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
 # tune.py (4b1998d, 1feac0c): selection of an 8K chunk after 120K 184 -> 169 µs and
 # 189 -> 172, after 1M 1520 -> 1442 and 1452 -> 1343 (less than the occupancy promised: the
 # selection is not bound by the number of programs per SM alone)
-# select_sort_max_seg, select_short_warps: score rows cut into segments of at most this many
-# blocks take the sort path on select_short_warps warps even when they are many (0: off; not
-# measured yet)
-# select_early_loads: the selection program loads its segment's scores and the guessed request's
-# offsets and seq_len at once, before it knows the row's causal count (not measured yet)
 # select_segment: blocks of a score row per selection program (a 1M-token row of 8192 blocks
 # takes 8, merged by a second launch)
 # pdl: the selection and merge launches are programmatic dependent launches (CUDA only): each
@@ -189,18 +183,13 @@ def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, loc
     # many (prefill, large batches): the threshold search on one warp per row has the most
     # throughput, on segments select_search_scale times longer (select.py; docs/performance.md)
     programs = num_tokens * num_heads * -(-max(max_blocks, 1) // seg)
-    few = programs < TUNING["select_sort_waves"] * _programs_per_wave(scores.device)
-    # rows of at most select_sort_max_seg blocks (a chunk with little context, a narrow block
-    # table) take the sort on one warp however many they are: a bitonic sort of so few keys is
-    # a handful of shuffles against the search's chain of row-wide counts
-    short = seg <= TUNING["select_sort_max_seg"]
-    by_sort = few or short
-    warps = TUNING["select_warps"] if few else TUNING["select_short_warps"] if short else 1
+    by_sort = programs < TUNING["select_sort_waves"] * _programs_per_wave(scores.device)
+    warps = TUNING["select_warps"] if by_sort else 1
     # programmatic dependent launch only for the few programs of the sort path: it hides a
     # launch latency there (small decode steps), while a many-program selection launched early
     # cost a prefill chunk more than it hid (8K chunk, no context: fp8 74 -> 93 µs, bf16 108 ->
     # 127; the selection kernel 22 -> 41 µs; tune.py and profile_case.py --breakdown, one call)
-    pdl = _pdl(scores.device) and few
+    pdl = _pdl(scores.device) and by_sort
     if not by_sort:
         seg = segment(int(TUNING["select_segment"] * TUNING["select_search_scale"]))
     num_segments = -(-max(max_blocks, 1) // seg)
@@ -219,16 +208,13 @@ def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, loc
     if chunk and (seg % chunk or chunk % (seg // groups) or seg // chunk > groups
                   or chunk >= seg):
         chunk = 0
-    # the scores loaded before the row's causal count (select.py, EARLY): not on the chunked
-    # path (it reads its chunks later) nor under an early launch (the scores are not there yet)
-    early = TUNING["select_early_loads"] and not pdl and not chunk
     scratch = torch.empty((num_tokens, num_heads, num_segments, cap) if cap else (1,),
                           dtype=torch.int64, device=scores.device)
     _segment_topk_kernel[(num_tokens, num_heads, num_segments)](
         scores, cu_seqlens_q, seq_lens, out, cand, scratch, seq_lens.shape[0], num_segments,
         *scores.stride(), *out.stride(), TOPK=topk, KP=kp, INIT=init_blocks, LOCAL=local_blocks,
         BLOCK=block_size, SEG=seg, SINGLE=single, BY_SORT=by_sort, CAP=cap, NG=groups,
-        PDL=pdl, CH=chunk, EARLY=early, width=max_blocks, num_warps=warps, launch_pdl=pdl)
+        PDL=pdl, CH=chunk, num_warps=warps, launch_pdl=pdl)
     if not single:
         _merge_topk_kernel[(num_tokens, num_heads)](
             cand, cu_seqlens_q, seq_lens, out, seq_lens.shape[0], num_segments, *out.stride(),

@@ -44,27 +44,6 @@ def _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, t, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _causal_blocks_early(cu_ptr, seq_lens_ptr, num_requests, t, BLOCK: tl.constexpr):
-    """_causal_blocks with the guessed request's offsets and seq_len loaded together (one round
-    trip to memory when the guess holds, as it always does for equal q_lens; otherwise the
-    binary search, as before)."""
-    guess = tl.minimum((t.to(tl.int64) * num_requests // tl.num_programs(0)).to(tl.int32),
-                       tl.maximum(num_requests - 1, 0))
-    some = num_requests > 0
-    c0 = tl.load(cu_ptr + guess)
-    c1 = tl.load(cu_ptr + guess + 1, mask=some, other=0)
-    seq_len = tl.load(seq_lens_ptr + guess, mask=some, other=0)
-    n = 0
-    if some & (c0 <= t) & (t < c1):
-        q_len = c1 - c0
-        pos = tl.where(seq_len >= q_len, seq_len - q_len + (t - c0), -1)
-        n = tl.where(pos >= 0, pos // BLOCK + 1, 0)
-    else:
-        n = _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, t, BLOCK)
-    return n
-
-
-@triton.jit
 def _kth_key(key, TOPK: tl.constexpr, GROUPS: tl.constexpr):
     """The TOPK-th largest of the int32 `key` [N], counting equal keys separately (DEAD_KEY when
     fewer than TOPK entries are live). GROUPS >= TOPK, a power of two dividing N."""
@@ -146,13 +125,11 @@ def _write_ascending(out_row, stride_ok, best, TOPK: tl.constexpr, KP: tl.conste
 
 
 @triton.jit
-def _segment_keys(row, b, n, stride_sb, INIT: tl.constexpr, LOCAL: tl.constexpr, s=None):
+def _segment_keys(row, b, n, stride_sb, INIT: tl.constexpr, LOCAL: tl.constexpr):
     """The int32 keys of blocks b of a score row (forced blocks the largest, blocks past the
-    row's n causal ones DEAD_KEY) and which of them exist. `s`: the scores of blocks b if
-    already loaded (entries past n are not used)."""
+    row's n causal ones DEAD_KEY) and which of them exist."""
     live = b < n
-    if s is None:
-        s = tl.load(row + b.to(tl.int64) * stride_sb, mask=live, other=float("-inf"))
+    s = tl.load(row + b.to(tl.int64) * stride_sb, mask=live, other=float("-inf"))
     forced = (b < INIT) | (b >= n - LOCAL)
     key = tl.where(forced, FORCED_SCORE_KEY, score_key(s))
     return tl.where(live, key, DEAD_KEY), live
@@ -249,24 +226,12 @@ def _segment_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, cand_ptr, sc
                          INIT: tl.constexpr, LOCAL: tl.constexpr, BLOCK: tl.constexpr,
                          SEG: tl.constexpr, SINGLE: tl.constexpr, BY_SORT: tl.constexpr,
                          CAP: tl.constexpr, NG: tl.constexpr, PDL: tl.constexpr = False,
-                         CH: tl.constexpr = 0, EARLY: tl.constexpr = False, width=0):
+                         CH: tl.constexpr = 0):
     t = tl.program_id(0)
     h = tl.program_id(1)
     seg = tl.program_id(2)
     num_heads = tl.num_programs(1)
-    s_early = None
-    if EARLY:
-        # (whole-segment paths, no early launch) the segment's scores loaded before the row's
-        # causal count is known, masked by the score tensor's width only, and the guessed
-        # request's offsets and seq_len with them: the program waits for one memory round
-        # trip instead of three before it can select (entries past the count are never used)
-        b_e = seg * SEG + tl.arange(0, SEG)
-        s_early = tl.load(scores_ptr + t.to(tl.int64) * stride_st + h * stride_sh
-                          + b_e.to(tl.int64) * stride_sb, mask=b_e < width,
-                          other=float("-inf"))
-        n = _causal_blocks_early(cu_ptr, seq_lens_ptr, num_requests, t, BLOCK)
-    else:
-        n = _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, t, BLOCK)
+    n = _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, t, BLOCK)
     if PDL:
         # launched while the scoring launch was still running (programmatic dependent launch):
         # the step's offsets above are inputs, but the scores (and every write) wait until that
@@ -292,7 +257,7 @@ def _segment_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, cand_ptr, sc
     else:
         b = seg * SEG + tl.arange(0, SEG)
         row = scores_ptr + t.to(tl.int64) * stride_st + h * stride_sh
-        key, live = _segment_keys(row, b, n, stride_sb, INIT, LOCAL, s_early)
+        key, live = _segment_keys(row, b, n, stride_sb, INIT, LOCAL)
         base = ((t.to(tl.int64) * num_heads + h) * num_segments + seg) * KP
         if BY_SORT:
             best = tl.topk(tl.where(live, pack_key(key, b), EMPTY_KEY), KP)  # descending
