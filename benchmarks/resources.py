@@ -15,7 +15,9 @@ whole 128-key blocks and 3 stages, 185 / 139 KB for bf16). Count before you meas
     python3 benchmarks/resources.py --sass idec:fp8,16,32,3,4   # the indexer's decode launch
     SASS_DUMP=/tmp/k.sass python3 benchmarks/resources.py --sass idec:fp8,16,32,3,4   # + all SASS
     python3 benchmarks/resources.py sel:search,1024,64,1 sel:sort,256,0,4   # the selection
-                                  # (path, blocks per program, scratch, warps[, chunk])
+                                  # (path, blocks per program, scratch, warps[, chunk[, bits]])
+    python3 benchmarks/resources.py --sass sel:search,64,0,1,0,2   # + its search loops (those
+                                  # with a warp-wide sum, REDUX), two bits per step
 
 Programs per SM = min(65536 // (regs rounded up to 8 * 32 * warps), 228 KB // (smem + 1 KB)).
 """
@@ -40,25 +42,31 @@ UNIT_STRIDES = {"stride_qd", "stride_kd", "stride_vd", "stride_ik", "stride_btb"
 KV_TYPES = {"fp8": "*fp8e4nv", "bf16": "*bf16"}
 
 
-def _loop_mix(sass: str, top: int = 12):
+def _loop_mix(sass: str, top: int = 12, marker: str = r"\b[HQ]?G?MMA"):
     """The innermost loops (backward branches whose bodies hold no other) that issue matrix
-    instructions (HMMA, HGMMA, QGMMA), in code order, in cuobjdump's SASS: a list of (instruction
-    count, most frequent opcodes). A kernel may have several (the indexer's prefill tile launch:
-    the unmasked scoring loop, then the loop over blocks that straddle the causal cut); an outer
-    loop around them would also count the epilogue, so it is not reported."""
+    instructions (HMMA, HGMMA, QGMMA; or what `marker` matches), in code order, in cuobjdump's
+    SASS: a list of (instruction count, most frequent opcodes). A kernel may have several (the
+    indexer's prefill tile launch: the unmasked scoring loop, then the loop over blocks that
+    straddle the causal cut); an outer loop around them would also count the epilogue, so it is
+    not reported."""
     found = []
     for line in sass.splitlines():
         m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
         if m:
             found.append((int(m.group(1), 16), m.group(2).strip()))
+    # (a branch may carry a second predicate: "@P1 BRA P2, 0xb80")
     loops = [(int(b.group(1), 16), addr) for addr, text in found
-             if (b := re.search(r"BRA (0x[0-9a-f]+)", text)) and int(b.group(1), 16) < addr]
+             if (b := re.search(r"BRA (?:!?U?P\d, )?(0x[0-9a-f]+)", text))
+             and int(b.group(1), 16) < addr]
     inner = sorted((lo, hi) for lo, hi in loops
                    if not any((lo, hi) != (a, b) and lo <= a and b <= hi for a, b in loops))
     result = []
     for lo, hi in inner:
         body = [text for addr, text in found if lo <= addr <= hi]
-        if not any(re.search(r"\b[HQ]?G?MMA", t) for t in body):
+        # (bodies that re-converge a diverged warp, WARPSYNC ... ENDCOLLECTIVE, are the
+        # out-of-line fallback of a warp-wide operation, not the loop's fast path)
+        if not any(re.search(marker, t) for t in body) or any("ENDCOLLECTIVE" in t
+                                                              for t in body):
             continue
         # opcode without predicate and modifiers: LDS.U8 and LDS.128 both count as LDS
         ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
@@ -105,10 +113,11 @@ def index_resources(kv: str, rows: int, bps: int, stages: int, warps: int, sass:
 
 
 def select_resources(path: str, seg: int, cap: int, warps: int, chunk: int = 0,
-                     single: bool = True):
+                     single: bool = True, bits: int = 1, sass: bool = False):
     """The indexer's segment selection kernel: path 'search' (threshold, the many-program path)
     or 'sort' (bitonic), SEG blocks per program, a CAP-slot scratch row (0: none), read in
-    chunks of `chunk` blocks (TUNING select_chunk; 0: whole)."""
+    chunks of `chunk` blocks (TUNING select_chunk; 0: whole), `bits` per search step (TUNING
+    select_two_bits); with `sass`, the loops holding a warp-wide sum (the search steps)."""
     from openmsa.ops.indexer.select import _segment_topk_kernel
     ptrs = dict(scores_ptr="*fp32", cu_ptr="*i32", seq_lens_ptr="*i32", out_ptr="*i32",
                 cand_ptr="*i64", scratch_ptr="*i64")
@@ -116,11 +125,15 @@ def select_resources(path: str, seg: int, cap: int, warps: int, chunk: int = 0,
     # time (left as plain ints, every score's address is computed apart: ~20 more registers)
     constexprs = dict(TOPK=16, KP=16, INIT=0, LOCAL=1, BLOCK=128, SEG=seg, SINGLE=single,
                       BY_SORT=path == "sort", CAP=cap, NG=64, PDL=False, stride_sb=1,
-                      stride_ok=1, CH=chunk)
-    return _compile(_segment_topk_kernel, constexprs, ptrs, 1, warps, False)
+                      stride_ok=1, CH=chunk, TWO_BITS=bits == 2)
+    return _compile(_segment_topk_kernel, constexprs, ptrs, 1, warps, sass, marker=r"\bREDUX")
 
 
-def _compile(fn, constexprs, pointers, stages, warps, sass):
+def _compile(fn, constexprs, pointers, stages, warps, sass, marker=r"\b[HQ]?G?MMA"):
+    # constexpr parameters left out take their defaults (as in a launch that does not pass
+    # them), not a run-time int
+    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default},
+                  **constexprs}
     signature = {name: "constexpr" if name in constexprs
                  else pointers.get(name, "fp32" if name == "sm_scale" else "i32")
                  for name in fn.arg_names}
@@ -145,7 +158,7 @@ def _compile(fn, constexprs, pointers, stages, warps, sass):
             dump = subprocess.run([os.path.join(os.path.dirname(ptxas), "cuobjdump"),
                                    "--dump-sass", cubin], capture_output=True, text=True,
                                   check=True).stdout
-            mix = _loop_mix(dump)
+            mix = _loop_mix(dump, marker=marker)
             if os.environ.get("SASS_DUMP"):  # the whole SASS, to read a loop line by line
                 with open(os.environ["SASS_DUMP"], "w") as f:
                     f.write(dump)
@@ -182,12 +195,14 @@ if __name__ == "__main__":
             _print_loops(mix)
             continue
         if arg.startswith("sel:"):
-            path, seg, cap, warps, *chunk = arg.split(":")[1].split(",")
-            regs, spills, smem, per_sm, _ = select_resources(path, int(seg), int(cap), int(warps),
-                                                             int(chunk[0]) if chunk else 0)
+            path, seg, cap, warps, *more = arg.split(":")[1].split(",")
+            regs, spills, smem, per_sm, mix = select_resources(
+                path, int(seg), int(cap), int(warps), int(more[0]) if more else 0,
+                bits=int(more[1]) if len(more) > 1 else 1, sass=want_sass)
             # Hopper also caps a multiprocessor at 32 programs
             print(f"sel    {path:6s} seg {seg} cap {cap} {warps:>5s}  {regs:9d} {spills:11d} "
                   f"{smem / 1024:7.1f} {min(per_sm, 32):12d}", flush=True)
+            _print_loops(mix)
             continue
         tile = arg.startswith("tile")
         qt = int(arg[4:arg.index(":")] or 4) if tile else 4

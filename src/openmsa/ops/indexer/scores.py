@@ -160,9 +160,15 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
     # see more blocks, so the longest programs start first and the short ones fill in behind
     # them, instead of the longest starting last and running alone at the end
     if REVERSE_TILES:
-        pid = tl.num_programs(1 if SPLIT_MAJOR else 0) - 1 - pid
+        if SPLIT_MAJOR:
+            pid = tl.num_programs(1) - 1 - pid
+        else:
+            pid = tl.num_programs(0) - 1 - pid
     if REVERSE_SPLITS:
-        split = tl.num_programs(0 if SPLIT_MAJOR else 1) - 1 - split
+        if SPLIT_MAJOR:
+            split = tl.num_programs(0) - 1 - split
+        else:
+            split = tl.num_programs(1) - 1 - split
     b_first = split * BPS
     if TILE_MODE:
         tile_begin = pid * ROWS_T

@@ -69,25 +69,30 @@ def _kth_key(key, TOPK: tl.constexpr, GROUPS: tl.constexpr, TWO_BITS: tl.constex
         # two bits per step: the counts of the three candidates (01, 10, 11 in the two bits)
         # packed in 10-bit fields of one int32 (each count <= N < 1024), so one warp-wide sum
         # (a REDUX) per two bits: the search is a chain of such sums
+        searching = bit >= 1
+        found = bit != bit  # (False, as a loop-carried scalar)
         while searching:
-            low = tl.maximum(bit - 1, 0)
-            # at bit 0 only one bit is left: the three candidates coincide
-            c1 = prefix | tl.where(bit >= 1, 1 << low, 1)
-            c2 = prefix | tl.where(bit >= 1, 2 << low, 1)
-            c3 = prefix | tl.where(bit >= 1, 3 << low, 1)
+            low = bit - 1
+            c1 = prefix | (1 << low)
+            c2 = prefix | (2 << low)
+            c3 = c1 | c2
             counts = tl.sum((key >= (c1 ^ DEAD_KEY)).to(tl.int32)
                             + ((key >= (c2 ^ DEAD_KEY)).to(tl.int32) << 10)
                             + ((key >= (c3 ^ DEAD_KEY)).to(tl.int32) << 20), axis=0)
             n1 = counts & 1023
-            n2 = (counts >> 10) & 1023
-            n3 = counts >> 20
-            # the largest candidate that K keys reach (none: both bits 0); its count decides
-            # the early stop, as below
-            prefix = tl.where(n3 >= TOPK, c3,
-                              tl.where(n2 >= TOPK, c2, tl.where(n1 >= TOPK, c1, prefix)))
-            count = tl.where(n3 >= TOPK, n3, tl.where(n2 >= TOPK, n2, n1))
+            # the largest candidate that K keys reach (n3 <= n2 <= n1): the two bits' value
+            digit = ((n1 >= TOPK).to(tl.int32) + (((counts >> 10) & 1023) >= TOPK).to(tl.int32)
+                     + ((counts >> 20) >= TOPK).to(tl.int32))
+            prefix = prefix | (digit << low)
             bit -= 2
-            searching = (bit >= 0) & (count != TOPK)
+            # stop once n1 == K: the chosen candidate's count lies in [K, n1], so it is K too
+            # (a chosen count of K under n1 > K only stops a step later)
+            searching = (bit >= 1) & (n1 != TOPK)
+            found = n1 == TOPK
+        if (bit == 0) & (found == 0):  # the lowest bit, alone
+            cand = prefix | 1
+            count = tl.sum((key >= (cand ^ DEAD_KEY)).to(tl.int32), axis=0)
+            prefix = tl.where(count >= TOPK, cand, prefix)
     else:
         while searching:
             cand = prefix | (1 << bit)
