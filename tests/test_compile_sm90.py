@@ -68,11 +68,12 @@ def test_selection_kernels(by_sort):
             _compile(_segment_topk_kernel, dict(scores_ptr=F32, cu_ptr=I32, seq_lens_ptr=I32,
                                                 out_ptr=I32, cand_ptr=I64, scratch_ptr=I64), {},
                      dict(TOPK=16, KP=16, INIT=0, LOCAL=1, BLOCK=128, SEG=1024, SINGLE=single,
-                          BY_SORT=by_sort, CAP=cap, NG=64, PDL=single, CH=chunk))
+                          BY_SORT=by_sort, CAP=cap, NG=64, PDL=single, CH=chunk,
+                          TWO_BITS=cap > 0))  # TUNING select_two_bits
     merge = _compile(_merge_topk_kernel, dict(cand_ptr=I64, cu_ptr=I32, seq_lens_ptr=I32,
                                               out_ptr=I32), {},
                      dict(TOPK=16, KP=16, BLOCK=128, SEG=1024, CANDP=128, BY_SORT=by_sort,
-                          PDL=by_sort))
+                          PDL=by_sort, TWO_BITS=not by_sort))
     # a dependent launch waits for its predecessor before reading (and only then)
     assert ("griddepcontrol.wait" in merge.asm["ptx"]) == by_sort
 
