@@ -61,8 +61,8 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
 # 189 -> 172, after 1M 1520 -> 1442 and 1452 -> 1343 (less than the occupancy promised: the
 # selection is not bound by the number of programs per SM alone)
 # select_two_bits: the threshold search decides two bits per warp-wide count (three candidates'
-# counts packed in one int32) on rows of < 1024 keys: half the chain of dependent sums, ~20%
-# fewer instructions per two bits (offline SASS; not measured on the GPU yet)
+# counts packed in one int32) on rows of < 1024 keys: half the chain of dependent sums for 16%
+# more instructions (offline SASS, 44 per two bits against 2 x 19; not measured on the GPU)
 # select_segment: blocks of a score row per selection program (a 1M-token row of 8192 blocks
 # takes 8, merged by a second launch)
 # pdl: the selection and merge launches are programmatic dependent launches (CUDA only): each
