@@ -9,8 +9,8 @@ whole 128-key blocks and 3 stages, 185 / 139 KB for bf16). Count before you meas
     python3 benchmarks/resources.py --sass fp8,128,3,4         # + the main loop's instruction mix
     python3 benchmarks/resources.py tile:bf16,64,3,4 tile8:bf16,64,2,8   # prefill.py's tile kernel
                                                                        # (4 or 8 tokens per tile)
-    python3 benchmarks/resources.py --sass index:fp8,128,32,3,4   # the indexer's prefill tile launch
-                                                   # (cache dtype, rows, blocks per split, stages, warps)
+    python3 benchmarks/resources.py --sass index:fp8,128,32,3,4   # the indexer's prefill tile
+                                  # launch (cache dtype, rows, blocks per split, stages, warps)
     MAXNREG=168 python3 benchmarks/resources.py index:fp8,128,32,3,4   # under ptxas' register cap
     python3 benchmarks/resources.py --sass idec:fp8,16,32,3,4   # the indexer's decode launch
     SASS_DUMP=/tmp/k.sass python3 benchmarks/resources.py --sass idec:fp8,16,32,3,4   # + all SASS

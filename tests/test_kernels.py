@@ -379,8 +379,8 @@ def test_sparse_attention_prefill_tiles_match_reference(kernel_device, kv_dtype,
     kernel), or by the device's choice per tile (1.5); tiles straddling requests always go to the
     per-token kernel. Rows hold -1, out-of-range and repeated ids; one index head serves both KV
     heads. The mask-only-where-needed variant runs with waste 1e9, the persistent one with 1.5.
-    6 query heads: 3 per KV head, padded to 4 row slots per token (dead rows) and a softmax scale of 0.2; fp8 with
-    dequantisation scales, the K one negative."""
+    6 query heads: 3 per KV head, padded to 4 row slots per token (dead rows) and a softmax
+    scale of 0.2; fp8 with dequantisation scales, the K one negative."""
     from openmsa.ops.attention import api as attention_api
     from openmsa.ops.attention import prefill
     for key, value in dict(prefill_min_tokens=1, tile_rows=16, tile_waste=waste,

@@ -79,7 +79,8 @@ def test_block_scores_bad_out():
 
 def _attention_args():
     step = make_step([1, 2], [40, 20], block_size=B)
-    return dict(q=torch.randn(3, 8, 32).half(), k_cache=torch.randn(step.num_pages, B, 2, 32).half(),
+    return dict(q=torch.randn(3, 8, 32).half(),
+                k_cache=torch.randn(step.num_pages, B, 2, 32).half(),
                 v_cache=torch.randn(step.num_pages, B, 2, 32).half(),
                 indices=torch.zeros(3, 2, 4, dtype=torch.int32), cu_seqlens_q=step.cu_seqlens_q,
                 seq_lens=step.seq_lens, block_table=step.block_table)

@@ -17,7 +17,6 @@ from .support import unsupported_reason
 __version__ = "0.1.0"
 
 __all__ = ["MSAConfig", "block_scores", "select_blocks", "sparse_attention", "sparse_page_table",
-           "validate_batch",
-           "write_index_cache", "write_kv_cache", "fused_prepare", "unsupported_reason", "reference",
-           "MSAAttention", "MSAPlanner", "MSAMetadata",
+           "validate_batch", "write_index_cache", "write_kv_cache", "fused_prepare",
+           "unsupported_reason", "reference", "MSAAttention", "MSAPlanner", "MSAMetadata",
            "__version__"]

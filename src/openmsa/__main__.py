@@ -209,7 +209,8 @@ def _demo_model(device: str | None, prompt_len: int | None) -> None:
         note = ""
         if name in against:
             base = runs[against[name]][1]
-            note = f"  last logits vs {against[name]}: {float((last - base).norm() / base.norm()):.1e}"
+            rel = float((last - base).norm() / base.norm())
+            note = f"  last logits vs {against[name]}: {rel:.1e}"
         print(f"  {name:20s} ({secs:5.1f} s) tokens {toks}{note}")
     print(f"  (openmsa ops ran on {backend_name(device)}; sparse and dense differ by design: "
           f"MSA attends to {cfg.topk_blocks} blocks of {cfg.block_size})")

@@ -12,7 +12,8 @@ import torch
 from ..ops.cache.reference import to_cache_dtype
 
 __all__ = ["Step", "make_step", "TOLERANCES", "assert_close", "random_index_inputs",
-           "random_kv_cache", "to_device", "nan_poison", "assert_selection_near_optimal", "RecordingKernel"]
+           "random_kv_cache", "to_device", "nan_poison", "assert_selection_near_optimal",
+           "RecordingKernel"]
 
 # (atol, rtol) by output dtype; relaxing one is a design change, not a test fix
 TOLERANCES = {
@@ -114,7 +115,8 @@ def random_kv_cache(num_pages: int, block_size: int, num_kv_heads: int, head_dim
     if layout == "vllm":
         packed = to_cache_dtype(torch.randn(num_pages, num_kv_heads, block_size, 2 * head_dim,
                                             generator=g), dtype).to(device)
-        return packed[..., :head_dim].permute(0, 2, 1, 3), packed[..., head_dim:].permute(0, 2, 1, 3)
+        return (packed[..., :head_dim].permute(0, 2, 1, 3),
+                packed[..., head_dim:].permute(0, 2, 1, 3))
     if layout == "odd":
         packed = to_cache_dtype(torch.randn(num_pages, num_kv_heads, block_size, 2 * head_dim + 1,
                                             generator=g), dtype).to(device)

@@ -103,7 +103,8 @@ def select_from_scores(scores, position, *, topk, init_blocks, local_blocks, blo
     chosen = torch.where(chosen_ok, chosen, torch.full_like(chosen, big))
     chosen = torch.sort(chosen, dim=-1).values
     result = torch.full((num_tokens, num_heads, topk), -1, dtype=torch.int32, device=device)
-    result[..., :k] = torch.where(chosen == big, torch.full_like(chosen, -1), chosen).to(torch.int32)
+    result[..., :k] = torch.where(chosen == big, torch.full_like(chosen, -1),
+                                  chosen).to(torch.int32)
     return result
 
 
