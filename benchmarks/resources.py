@@ -109,6 +109,17 @@ def index_resources(kv: str, rows: int, bps: int, stages: int, warps: int, sass:
                       KEYS_AS_ROWS=decode,
                       MAX_SKIPS_NAN=nan,
                       stride_qd=1, stride_cd=1, stride_btb=1, stride_ob=1)
+    # the launch knobs as ops/indexer/api.py passes them today (TUNING)
+    from openmsa.ops.indexer.api import TUNING
+    if decode:
+        constexprs.update(PAGES_EARLY=TUNING["decode_pages_early"],
+                          ONE_LOOP=TUNING["decode_one_loop"],
+                          SPLIT_MAJOR=TUNING["decode_split_major"])
+    else:
+        constexprs.update(QUICK_EXIT=TUNING["tile_quick_exit"],
+                          SPLIT_MAJOR=TUNING["prefill_split_major"],
+                          REVERSE_TILES=TUNING["prefill_reverse_tiles"],
+                          REVERSE_SPLITS=TUNING["prefill_reverse_splits"])
     return _compile(_block_scores_kernel, constexprs, pointers, stages, warps, sass)
 
 
