@@ -134,3 +134,19 @@ def test_fused_prepare_kernel(kv_type, index_type):
                   BLOCK=128, IBLOCK=128, HT=16, KV_SATURATE=fp8,
                   INDEX_SATURATE=index_type == "*fp8e4nv", IQ_SATURATE=index_type == "*fp8e4nv",
                   HAS_SCALE=fp8))
+
+
+def test_resources_tool():
+    """benchmarks/resources.py (docs/performance.md's offline counts) still compiles its specs
+    with the kernels' current signatures, and finds the selection's search loop in the SASS."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+    resources = pytest.importorskip("resources")
+    regs, spills, _, per_sm, _ = resources.index_resources("fp8", 128, 32, 3, 4)
+    assert 0 < regs <= 255 and per_sm >= 1
+    regs, _, _, _, _ = resources.index_resources("fp8", 16, 32, 3, 4, decode=True)
+    assert 0 < regs <= 255
+    for bits in (1, 2):
+        regs, spills, _, _, loops = resources.select_resources("search", 64, 0, 1, bits=bits,
+                                                               sass=True)
+        assert spills == 0 and loops, "no search loop (a REDUX in a backward branch) found"
