@@ -35,6 +35,20 @@ def _attention(model_name, dname, batch, context, q_len, out=False):
     return lambda: openmsa.sparse_attention(q, k, v, idx, cu, seq, table, out=o)
 
 
+def _fi_attention(model_name, batch, context, q_len):
+    """FlashInfer's msa_sparse_decode_attention on the same step as _attention (fp8 K|V), for
+    --offsets / --breakdown beside ours (needs `. .peers/env.sh`)."""
+    m = shapes.MODELS[model_name]
+    q, packed, idx, cu, seq, table = run._attention_step(m, batch, context, q_len, "fp8")
+    fi = run.load_flashinfer()
+    d = m.head_dim
+    kf, vf = packed[..., :d], packed[..., d:]
+    idx_fi = idx.permute(1, 0, 2).contiguous()
+    fo = torch.empty_like(q)
+    return lambda: fi.msa_sparse_decode_attention(q, kf, vf, idx_fi, page_table=table,
+                                                  seqused_k=seq, seqlen_q=q_len, out=fo)
+
+
 def graph_breakdown_us(fn, iters: int = 20) -> dict[str, float]:
     fn()
     run.flush_l2()
@@ -90,6 +104,15 @@ CASES = {
     "attn-fp8-tp1-b128-q4-out": lambda: _attention("m3-tp1", "fp8", 128, 65536, 4, out=True),
     "attn-bf16-tp1-b128-q4-out": lambda: _attention("m3-tp1", "bf16", 128, 65536, 4, out=True),
     "attn-fp8-tp1-b1": lambda: _attention("m3-tp1", "fp8", 1, 65536, 1),
+    # the small decode steps where FlashInfer is ahead (docs/performance.md), and its calls
+    "attn-fp8-tp1-b8-out": lambda: _attention("m3-tp1", "fp8", 8, 65536, 1, out=True),
+    "attn-fp8-tp1-b1-q4-out": lambda: _attention("m3-tp1", "fp8", 1, 65536, 4, out=True),
+    "attn-fp8-tp4-b8-q4-out": lambda: _attention("m3-tp4", "fp8", 8, 65536, 4, out=True),
+    "attn-fp8-tp4-b64-out": lambda: _attention("m3-tp4", "fp8", 64, 65536, 1, out=True),
+    "fi-attn-tp1-b8": lambda: _fi_attention("m3-tp1", 8, 65536, 1),
+    "fi-attn-tp1-b1-q4": lambda: _fi_attention("m3-tp1", 1, 65536, 4),
+    "fi-attn-tp4-b8-q4": lambda: _fi_attention("m3-tp4", 8, 65536, 4),
+    "fi-attn-tp4-b64": lambda: _fi_attention("m3-tp4", 64, 65536, 1),
     "attn-bf16-tp1-prefill": lambda: _attention("m3-tp1", "bf16", 1, 16384, 8192),
     "idx-fp8-b32-128k": lambda: _indexer("fp8", 32, 131072, 1, 4),
     "idx-fp8-b1-32k": lambda: _indexer("fp8", 1, 32768, 1, 4),
