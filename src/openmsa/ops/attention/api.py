@@ -264,7 +264,7 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
         BLOCK=block_size, TOPK=topk, KP=_next_pow2(topk), SUB=sub, STEPS=steps_per_split,
         SPLITS=splits, HAS_SCALE=has_scale, IEEE=ieee, F16_COMPUTE=f16_compute,
         FUSED_MERGE=fused, TILE_QT=tile_qt, V_PAIRS=v_pairs, PTX=device.type == "cuda",
-        GUESS=TUNING["request_guess"],
+        GUESS=TUNING["request_guess"], SP=_next_pow2(splits),
         PDL=pdl, num_warps=warps, num_stages=stages)
     if splits > 1 and not fused:
         _merge_splits_kernel[(num_tokens, num_heads)](

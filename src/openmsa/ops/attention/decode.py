@@ -44,7 +44,8 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
                              SPLITS: tl.constexpr, HAS_SCALE: tl.constexpr, IEEE: tl.constexpr,
                              F16_COMPUTE: tl.constexpr, FUSED_MERGE: tl.constexpr,
                              TILE_QT: tl.constexpr, V_PAIRS: tl.constexpr, PTX: tl.constexpr,
-                             GUESS: tl.constexpr, PDL: tl.constexpr = False):
+                             GUESS: tl.constexpr, SP: tl.constexpr = 1,
+                             PDL: tl.constexpr = False):
     if PDL:
         # the merge launch may start now (programmatic dependent launch); it waits for this
         # launch to finish before it reads a partial
@@ -192,20 +193,22 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
             counter = counter_ptr + t.to(tl.int64) * NUM_KV_HEADS + g
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if arrived == SPLITS - 1:
-                m_all = tl.full([M], float("-inf"), tl.float32)
-                for j in tl.static_range(SPLITS):
-                    m_all = tl.maximum(m_all, tl.load(part_lse_ptr + row * SPLITS + j,
-                                                      mask=head_ok, other=float("-inf"),
-                                                      cache_modifier=".cg"))
+                # every split's LSE in one [M, SP] load, then the partial outputs, which depend
+                # on nothing loaded here, so the unrolled loop can issue them all at once: two
+                # L2 round trips after the counter, not one per split
+                jj = tl.arange(0, SP)
+                lse_all = tl.load(part_lse_ptr + row[:, None] * SPLITS + jj[None, :],
+                                  mask=head_ok[:, None] & (jj[None, :] < SPLITS),
+                                  other=float("-inf"), cache_modifier=".cg")  # [M, SP]
+                m_all = tl.max(lse_all, axis=1)
                 shift_all = tl.where(m_all == float("-inf"), 0.0, m_all)
-                total = tl.zeros([M], tl.float32)
+                w_all = tl.exp(lse_all - shift_all[:, None])  # [M, SP]
+                total = tl.sum(w_all, axis=1)
                 o_all = tl.zeros([M, D], tl.float32)
                 for j in tl.static_range(SPLITS):
-                    w = tl.exp(tl.load(part_lse_ptr + row * SPLITS + j, mask=head_ok,
-                                       other=float("-inf"), cache_modifier=".cg") - shift_all)
+                    w = tl.sum(tl.where(jj[None, :] == j, w_all, 0.0), axis=1)  # [M]
                     o_j = tl.load(part_out_ptr + (row * SPLITS + j)[:, None] * D + d[None, :],
                                   mask=head_ok[:, None], other=0.0, cache_modifier=".cg")
-                    total += w
                     o_all += w[:, None] * o_j
                 none = total == 0.0
                 o_all = o_all / tl.where(none, 1.0, total)[:, None]
