@@ -52,7 +52,7 @@ __all__ = ["sparse_attention", "sparse_page_table"]
 TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident=4,
               rounds_stages_16=2,
               min_steps_per_split=2, warps=4, stages=3, small_pairs=8, small_sub=64,
-              small_warps=8, fused_merge=True, fused_max_splits=4,
+              small_warps=8, fused_merge=True, fused_max_splits=4, merge_launch_keys=0,
               prefill_min_tokens=2048, prefill_sub=64, prefill_sub_fp8=128, prefill_warps=4,
               prefill_stages=2, fp8_f16_compute=True, fp8_v_pairs=True, request_guess=True,
               pdl=True,
@@ -98,7 +98,7 @@ def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def _num_splits(num_tokens: int, num_kv_heads: int, steps: int, device: torch.device,
-                resident: int) -> int:
+                resident: int, sub: int = 128) -> int:
     """How many programs share one (token, KV head)'s steps; a function of shapes only, so a
     CUDA graph sees one grid.
 
@@ -106,14 +106,20 @@ def _num_splits(num_tokens: int, num_kv_heads: int, steps: int, device: torch.de
     of fixed cost), a round being `resident` x SMs programs at once. The count minimising
     that (the smaller on ties: fewer partials to merge) avoids a last, mostly idle round, e.g.
     128 (token, head) pairs on 132 SMs x 2 take 2 splits of 8 blocks (one round), not 3 of 6
-    (two rounds). At least min_steps_per_split steps per program."""
+    (two rounds). At least min_steps_per_split steps per program. A count the fused merge does
+    not take (more than fused_max_splits) pays for the merge launch as merge_launch_keys keys'
+    worth of steps of `sub` keys."""
     if device.type != "cuda":
         return 2 if steps >= 4 else 1  # the interpreter tier always exercises the merge
     pairs = max(1, num_tokens * num_kv_heads)
     slots = resident * num_sms(device)
 
+    fused_max = TUNING["fused_max_splits"] if TUNING["fused_merge"] else 1
+    merge_launch = -(-TUNING["merge_launch_keys"] // sub)
+
     def cost(s):
-        return -(-pairs * s // slots) * (-(-steps // s) + 1)
+        return (-(-pairs * s // slots) * (-(-steps // s) + 1)
+                + (merge_launch if s > fused_max else 0))
 
     return min(range(1, max(1, steps // TUNING["min_steps_per_split"]) + 1),
                key=lambda s: (cost(s), s))
@@ -195,14 +201,15 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
     # tile kernel did is skipped by every split program, so nothing would merge its partials)
     splits = 1 if tile_qt > 1 else _num_splits(
         num_tokens, num_kv_heads, steps, device,
-        TUNING["resident" if k_cache.dtype == FP8 else "resident_16"])
+        TUNING["resident" if k_cache.dtype == FP8 else "resident_16"], sub)
     if (v_pairs and not prefill and not small and device.type == "cuda"
             and num_tokens * num_kv_heads * splits > TUNING["resident"] * num_sms(device)):
         # more than one round of programs: 64-key steps, packed for 4 programs per SM (107
         # registers, 38 KB), a finer grain that leaves a shorter last round
         sub = min(block_size, TUNING["rounds_sub"])
         steps = topk * (block_size // sub)
-        splits = _num_splits(num_tokens, num_kv_heads, steps, device, TUNING["rounds_resident"])
+        splits = _num_splits(num_tokens, num_kv_heads, steps, device, TUNING["rounds_resident"],
+                             sub)
     steps_per_split = -(-steps // splits)
     splits = -(-steps // steps_per_split)
     fused = TUNING["fused_merge"] and splits <= TUNING["fused_max_splits"]
