@@ -141,7 +141,7 @@ def _attention_fp8(args):
         m = shapes.MODELS[model_name]
         for dname, batch, q_len, ctx in (
                 ("fp8", 1, 1, 65536), ("fp8", 8, 1, 65536), ("fp8", 1, 4, 65536),
-                ("fp8", 8, 4, 65536), ("fp8", 64, 1, 65536),
+                ("fp8", 8, 4, 65536), ("fp8", 10, 1, 65536), ("fp8", 64, 1, 65536),
                 ("fp8", 64, 4, 65536), ("fp8", 128, 1, 65536), ("fp8", 128, 4, 65536),
                 ("fp8", 1, 8192, 16384), ("bf16", 64, 1, 65536), ("bf16", 128, 1, 65536)):
             q, packed, idx, cu, seq, table = run._attention_step(m, batch, ctx, q_len, dname)

@@ -52,7 +52,8 @@ __all__ = ["sparse_attention", "sparse_page_table"]
 TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident=4,
               rounds_stages_16=2,
               min_steps_per_split=2, warps=4, stages=3, small_pairs=8, small_sub=64,
-              small_warps=8, fused_merge=True, fused_max_splits=4, merge_launch_keys=0,
+              small_warps=8, fused_merge=True, fused_max_splits=4, merge_launch_keys=384,
+              merge_launch_min_fill=0.75,
               prefill_min_tokens=2048, prefill_sub=64, prefill_sub_fp8=128, prefill_warps=4,
               prefill_stages=2, fp8_f16_compute=True, fp8_v_pairs=True, request_guess=True,
               pdl=True,
@@ -106,20 +107,25 @@ def _num_splits(num_tokens: int, num_kv_heads: int, steps: int, device: torch.de
     of fixed cost), a round being `resident` x SMs programs at once. The count minimising
     that (the smaller on ties: fewer partials to merge) avoids a last, mostly idle round, e.g.
     128 (token, head) pairs on 132 SMs x 2 take 2 splits of 8 blocks (one round), not 3 of 6
-    (two rounds). At least min_steps_per_split steps per program. A count the fused merge does
-    not take (more than fused_max_splits) pays for the merge launch as merge_launch_keys keys'
-    worth of steps of `sub` keys."""
+    (two rounds). At least min_steps_per_split steps per program.
+
+    A count above fused_max_splits needs a merge launch, charged as merge_launch_keys keys'
+    worth of steps of `sub` keys, but only where the fused alternative (fused_max_splits
+    splits) still fills the GPU: one round with at least merge_launch_min_fill x SMs programs.
+    With fewer, its longer programs leave SMs idle, and more splits with a merge launch win."""
     if device.type != "cuda":
         return 2 if steps >= 4 else 1  # the interpreter tier always exercises the merge
     pairs = max(1, num_tokens * num_kv_heads)
     slots = resident * num_sms(device)
 
     fused_max = TUNING["fused_max_splits"] if TUNING["fused_merge"] else 1
-    merge_launch = -(-TUNING["merge_launch_keys"] // sub)
+    fused_fills = (TUNING["merge_launch_min_fill"] * num_sms(device) <= pairs * fused_max
+                   <= slots)
+    merge_launch = TUNING["merge_launch_keys"] / sub if fused_fills else 0.0
 
     def cost(s):
         return (-(-pairs * s // slots) * (-(-steps // s) + 1)
-                + (merge_launch if s > fused_max else 0))
+                + (merge_launch if s > fused_max else 0.0))
 
     return min(range(1, max(1, steps // TUNING["min_steps_per_split"]) + 1),
                key=lambda s: (cost(s), s))
