@@ -49,6 +49,11 @@ __all__ = ["sparse_attention", "sparse_page_table"]
 # fused_merge: with at most fused_max_splits splits the last split program merges (no second
 # launch: TP4 B=64 24.7 -> 22.7 µs); with more, that program's serial merge costs more than a
 # merge launch (16 splits at B=1: 8.5 -> 10.0 µs), so a second launch merges.
+# merge_launch_keys, merge_launch_min_fill: the split count charges that launch (see
+# _num_splits): B = 8 decode (32 (token, KV head) pairs) takes 4 fused splits of 4 blocks
+# instead of 8 and a merge launch: TP1 fp8 q_len 1 13.1 -> 12.4 µs, TP4 q_len 4 13.1 -> 12.4
+# (graph call 15.0 -> 13.2). The fused merge loads every split's LSE at once (one [M, SP]
+# load); measured alone it did not move the 8/16-split choice (fused_max_splits 8 or 16).
 TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident=4,
               rounds_stages_16=2,
               min_steps_per_split=2, warps=4, stages=3, small_pairs=8, small_sub=64,
@@ -111,8 +116,10 @@ def _num_splits(num_tokens: int, num_kv_heads: int, steps: int, device: torch.de
 
     A count above fused_max_splits needs a merge launch, charged as merge_launch_keys keys'
     worth of steps of `sub` keys, but only where the fused alternative (fused_max_splits
-    splits) still fills the GPU: one round with at least merge_launch_min_fill x SMs programs.
-    With fewer, its longer programs leave SMs idle, and more splits with a merge launch win."""
+    splits) fills the GPU about once: between merge_launch_min_fill x SMs and SMs programs.
+    With fewer, its longer programs leave SMs idle and more splits with a merge launch win (16
+    (token, KV head) pairs: 9.4 -> 11.3 µs with 4 fused splits); with more, 2 programs share
+    an SM and the split-wide grid hides more latency (40 pairs: 15.2 -> 15.6 µs)."""
     if device.type != "cuda":
         return 2 if steps >= 4 else 1  # the interpreter tier always exercises the merge
     pairs = max(1, num_tokens * num_kv_heads)
@@ -120,7 +127,7 @@ def _num_splits(num_tokens: int, num_kv_heads: int, steps: int, device: torch.de
 
     fused_max = TUNING["fused_max_splits"] if TUNING["fused_merge"] else 1
     fused_fills = (TUNING["merge_launch_min_fill"] * num_sms(device) <= pairs * fused_max
-                   <= slots)
+                   <= num_sms(device))
     merge_launch = TUNING["merge_launch_keys"] / sub if fused_fills else 0.0
 
     def cost(s):
