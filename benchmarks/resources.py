@@ -15,9 +15,9 @@ whole 128-key blocks and 3 stages, 185 / 139 KB for bf16). Count before you meas
     python3 benchmarks/resources.py --sass idec:fp8,16,32,3,4   # the indexer's decode launch
     SASS_DUMP=/tmp/k.sass python3 benchmarks/resources.py --sass idec:fp8,16,32,3,4   # + all SASS
     python3 benchmarks/resources.py sel:search,1024,64,1 sel:sort,256,0,4   # the selection
-                                  # (path, blocks per program, scratch, warps[, chunk[, bits]])
-    python3 benchmarks/resources.py --sass sel:search,64,0,1,0,2   # + its search loops (those
-                                  # with a warp-wide sum, REDUX), two bits per step
+                                  # (path, blocks per program, scratch, warps[, chunk])
+    python3 benchmarks/resources.py --sass sel:search,64,0,1   # + its search loops (those
+                                  # with a warp-wide sum, REDUX)
 
 Programs per SM = min(65536 // (regs rounded up to 8 * 32 * warps), 228 KB // (smem + 1 KB)).
 """
@@ -91,7 +91,8 @@ def attention_resources(kv: str, sub: int, stages: int, warps: int, splits: int 
     else:
         fn = _sparse_attention_kernel
         constexprs = dict(shared, NUM_HEADS=64, M=16, STEPS=16 * 128 // sub // splits,
-                          SPLITS=splits, FUSED_MERGE=True, TILE_QT=0,
+                          SPLITS=splits, SP=1 << (splits - 1).bit_length(),
+                          FUSED_MERGE=True, TILE_QT=0,
                           V_PAIRS=kv == "fp8" and os.environ.get("V_PAIRS", "1") == "1",
                           PTX=True, GUESS=True)
     constexprs.update({name: 1 for name in UNIT_STRIDES})
@@ -124,11 +125,11 @@ def index_resources(kv: str, rows: int, bps: int, stages: int, warps: int, sass:
 
 
 def select_resources(path: str, seg: int, cap: int, warps: int, chunk: int = 0,
-                     single: bool = True, bits: int = 1, sass: bool = False):
+                     single: bool = True, sass: bool = False):
     """The indexer's segment selection kernel: path 'search' (threshold, the many-program path)
     or 'sort' (bitonic), SEG blocks per program, a CAP-slot scratch row (0: none), read in
-    chunks of `chunk` blocks (TUNING select_chunk; 0: whole), `bits` per search step (TUNING
-    select_two_bits); with `sass`, the loops holding a warp-wide sum (the search steps)."""
+    chunks of `chunk` blocks (TUNING select_chunk; 0: whole); with `sass`, the loops holding a
+    warp-wide sum (the search steps)."""
     from openmsa.ops.indexer.select import _segment_topk_kernel
     ptrs = dict(scores_ptr="*fp32", cu_ptr="*i32", seq_lens_ptr="*i32", out_ptr="*i32",
                 cand_ptr="*i64", scratch_ptr="*i64")
@@ -136,7 +137,7 @@ def select_resources(path: str, seg: int, cap: int, warps: int, chunk: int = 0,
     # time (left as plain ints, every score's address is computed apart: ~20 more registers)
     constexprs = dict(TOPK=16, KP=16, INIT=0, LOCAL=1, BLOCK=128, SEG=seg, SINGLE=single,
                       BY_SORT=path == "sort", CAP=cap, NG=64, PDL=False, stride_sb=1,
-                      stride_ok=1, CH=chunk, TWO_BITS=bits == 2)
+                      stride_ok=1, CH=chunk)
     return _compile(_segment_topk_kernel, constexprs, ptrs, 1, warps, sass, marker=r"\bREDUX")
 
 
@@ -209,7 +210,7 @@ if __name__ == "__main__":
             path, seg, cap, warps, *more = arg.split(":")[1].split(",")
             regs, spills, smem, per_sm, mix = select_resources(
                 path, int(seg), int(cap), int(warps), int(more[0]) if more else 0,
-                bits=int(more[1]) if len(more) > 1 else 1, sass=want_sass)
+                sass=want_sass)
             # Hopper also caps a multiprocessor at 32 programs
             print(f"sel    {path:6s} seg {seg} cap {cap} {warps:>5s}  {regs:9d} {spills:11d} "
                   f"{smem / 1024:7.1f} {min(per_sm, 32):12d}", flush=True)

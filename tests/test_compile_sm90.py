@@ -68,12 +68,11 @@ def test_selection_kernels(by_sort):
             _compile(_segment_topk_kernel, dict(scores_ptr=F32, cu_ptr=I32, seq_lens_ptr=I32,
                                                 out_ptr=I32, cand_ptr=I64, scratch_ptr=I64), {},
                      dict(TOPK=16, KP=16, INIT=0, LOCAL=1, BLOCK=128, SEG=1024, SINGLE=single,
-                          BY_SORT=by_sort, CAP=cap, NG=64, PDL=single, CH=chunk,
-                          TWO_BITS=cap > 0))  # TUNING select_two_bits
+                          BY_SORT=by_sort, CAP=cap, NG=64, PDL=single, CH=chunk))
     merge = _compile(_merge_topk_kernel, dict(cand_ptr=I64, cu_ptr=I32, seq_lens_ptr=I32,
                                               out_ptr=I32), {},
                      dict(TOPK=16, KP=16, BLOCK=128, SEG=1024, CANDP=128, BY_SORT=by_sort,
-                          PDL=by_sort, TWO_BITS=not by_sort))
+                          PDL=by_sort))
     # a dependent launch waits for its predecessor before reading (and only then)
     assert ("griddepcontrol.wait" in merge.asm["ptx"]) == by_sort
 
@@ -90,7 +89,7 @@ def test_attention_kernels(kv_type, splits, sub):
                   SPLITS=splits, HAS_SCALE=kv_type == "*fp8e4nv", IEEE=False,
                   F16_COMPUTE=kv_type == "*fp8e4nv", FUSED_MERGE=splits > 1,
                   TILE_QT=4 if splits == 1 else 0, V_PAIRS=kv_type == "*fp8e4nv", PTX=True,
-                  GUESS=True, PDL=splits > 1))
+                  GUESS=True, SP=1 << (splits - 1).bit_length(), PDL=splits > 1))
     _compile(_tile_plan_kernel, dict(idx_ptr=I32, blocks_ptr=I32, union_ptr=I32, **STEP),
              dict(waste="fp32"), dict(NUM_KV_HEADS=4, NUM_INDEX_HEADS=4, QT=4, BLOCK=128,
                                       TOPK=16, KP=16))
@@ -146,7 +145,5 @@ def test_resources_tool():
     assert 0 < regs <= 255 and per_sm >= 1
     regs, _, _, _, _ = resources.index_resources("fp8", 16, 32, 3, 4, decode=True)
     assert 0 < regs <= 255
-    for bits in (1, 2):
-        regs, spills, _, _, loops = resources.select_resources("search", 64, 0, 1, bits=bits,
-                                                               sass=True)
-        assert spills == 0 and loops, "no search loop (a REDUX in a backward branch) found"
+    regs, spills, _, _, loops = resources.select_resources("search", 64, 0, 1, sass=True)
+    assert spills == 0 and loops, "no search loop (a REDUX in a backward branch) found"

@@ -90,17 +90,15 @@ CRAFTED = [float("-inf"), float("inf"), float("nan"), -0.0, 0.0, 1e-45, -1e-45, 
            1.0, 1.0000001, -1.0, -1.0000001, 2.0, 2.0]
 
 
-@pytest.mark.parametrize("by_sort, two_bits", [(False, False), (False, True), (True, False)])
+@pytest.mark.parametrize("by_sort", [False, True])
 @pytest.mark.parametrize("topk, init, local, segment", [(4, 0, 1, None), (5, 1, 2, 8),
                                                         (16, 0, 1, None)])
 def test_selection_kernels_on_crafted_scores(kernel_device, topk, init, local, segment, by_sort,
-                                             two_bits, monkeypatch):
+                                             monkeypatch):
     """The selection launches alone on score rows drawn from CRAFTED (many exact ties, all-equal
     rows, all -inf rows, rows shorter and longer than topk, one segment or several), equal to
-    the reference selection from the same scores; both paths (threshold search, bitonic sort),
-    the search one bit or two per step (TUNING select_two_bits)."""
+    the reference selection from the same scores; both paths (threshold search, bitonic sort)."""
     monkeypatch.setitem(indexer_api.TUNING, "select_sort_waves", 10**9 if by_sort else 0)
-    monkeypatch.setitem(indexer_api.TUNING, "select_two_bits", two_bits)
     if segment is not None:
         monkeypatch.setitem(indexer_api.TUNING, "select_segment", segment)
     g = torch.Generator().manual_seed(topk)
@@ -116,20 +114,15 @@ def test_selection_kernels_on_crafted_scores(kernel_device, topk, init, local, s
     _check_selection_launch(kernel_device, step, scores, topk, init, local)
 
 
-@pytest.mark.parametrize("chunk, segment, two_bits", [(0, None, False), (128, None, False),
-                                                      (256, 512, False), (0, None, True),
-                                                      (128, None, True)])
+@pytest.mark.parametrize("chunk, segment", [(0, None), (128, None), (256, 512)])
 @pytest.mark.parametrize("topk, init", [(16, 0), (5, 2), (64, 3)])
-def test_selection_scratch_path(kernel_device, topk, init, chunk, segment, two_bits,
-                                monkeypatch):
+def test_selection_scratch_path(kernel_device, topk, init, chunk, segment, monkeypatch):
     """Rows of 1000 blocks make 1024-wide segments (or two of 512, merged), where the threshold
     path first packs the keys that can be picked into a scratch row: distinct random scores take
     it (with a run of equal top keys inside, and one row whose best keys sit in a few groups), a
     row of ties overflows it and searches the segment. `chunk`: the segment read in chunks
-    (TUNING select_chunk), the overflow's search included; `two_bits`: two bits per search
-    step (the 1024-key whole-segment search keeps one: its counts need 11 bits)."""
+    (TUNING select_chunk), the overflow's search included."""
     monkeypatch.setitem(indexer_api.TUNING, "select_sort_waves", 0)
-    monkeypatch.setitem(indexer_api.TUNING, "select_two_bits", two_bits)
     monkeypatch.setitem(indexer_api.TUNING, "select_chunk", chunk)
     if segment is not None:
         monkeypatch.setitem(indexer_api.TUNING, "select_segment", segment)

@@ -34,7 +34,7 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               decode_split_major=False, tile_quick_exit=True, tile_overlap=False,
               prefill_reverse_tiles=True, prefill_reverse_splits=False,
               prefill_split_major=False, select_chunk=128,
-              use_max_q_len=True, select_two_bits=False)
+              use_max_q_len=True)
 # decode_pages_early: the decode launch loads its split's page ids before (not after) cu_seqlens_q
 # and seq_lens, one memory latency less before the first key load; decode_one_loop: one
 # causal-masked loop over the split (the mask costs little on 16 rows) instead of an unmasked
@@ -60,9 +60,6 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
 # tune.py (4b1998d, 1feac0c): selection of an 8K chunk after 120K 184 -> 169 µs and
 # 189 -> 172, after 1M 1520 -> 1442 and 1452 -> 1343 (less than the occupancy promised: the
 # selection is not bound by the number of programs per SM alone)
-# select_two_bits: the threshold search decides two bits per warp-wide count (three candidates'
-# counts packed in one int32) on rows of < 1024 keys: half the chain of dependent sums for 16%
-# more instructions (offline SASS, 44 per two bits against 2 x 19; not measured on the GPU)
 # select_segment: blocks of a score row per selection program (a 1M-token row of 8192 blocks
 # takes 8, merged by a second launch)
 # pdl: the selection and merge launches are programmatic dependent launches (CUDA only): each
@@ -211,20 +208,19 @@ def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, loc
     if chunk and (seg % chunk or chunk % (seg // groups) or seg // chunk > groups
                   or chunk >= seg):
         chunk = 0
-    two_bits = TUNING["select_two_bits"]
     scratch = torch.empty((num_tokens, num_heads, num_segments, cap) if cap else (1,),
                           dtype=torch.int64, device=scores.device)
     _segment_topk_kernel[(num_tokens, num_heads, num_segments)](
         scores, cu_seqlens_q, seq_lens, out, cand, scratch, seq_lens.shape[0], num_segments,
         *scores.stride(), *out.stride(), TOPK=topk, KP=kp, INIT=init_blocks, LOCAL=local_blocks,
         BLOCK=block_size, SEG=seg, SINGLE=single, BY_SORT=by_sort, CAP=cap, NG=groups,
-        PDL=pdl, CH=chunk, TWO_BITS=two_bits, num_warps=warps, launch_pdl=pdl)
+        PDL=pdl, CH=chunk, num_warps=warps, launch_pdl=pdl)
     if not single:
         _merge_topk_kernel[(num_tokens, num_heads)](
             cand, cu_seqlens_q, seq_lens, out, seq_lens.shape[0], num_segments, *out.stride(),
             TOPK=topk, KP=kp, BLOCK=block_size, SEG=seg,
-            CANDP=_next_pow2(num_segments * kp), BY_SORT=by_sort, PDL=pdl, TWO_BITS=two_bits,
-            num_warps=warps, launch_pdl=pdl)
+            CANDP=_next_pow2(num_segments * kp), BY_SORT=by_sort, PDL=pdl, num_warps=warps,
+            launch_pdl=pdl)
 
 
 def block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, block_size=128,

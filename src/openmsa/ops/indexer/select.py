@@ -44,10 +44,9 @@ def _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, t, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _kth_key(key, TOPK: tl.constexpr, GROUPS: tl.constexpr, TWO_BITS: tl.constexpr = False):
+def _kth_key(key, TOPK: tl.constexpr, GROUPS: tl.constexpr):
     """The TOPK-th largest of the int32 `key` [N], counting equal keys separately (DEAD_KEY when
-    fewer than TOPK entries are live). GROUPS >= TOPK, a power of two dividing N. TWO_BITS (N <
-    1024): two bits per search step (see below)."""
+    fewer than TOPK entries are live). GROUPS >= TOPK, a power of two dividing N."""
     # work in unsigned order (x ^ DEAD_KEY maps the signed order onto it). The K-th largest key
     # lies between the smallest of GROUPS group maxima (each group holds a key at least that
     # large, so GROUPS >= K keys do) and the largest key: the bits those two bounds share are
@@ -65,52 +64,22 @@ def _kth_key(key, TOPK: tl.constexpr, GROUPS: tl.constexpr, TWO_BITS: tl.constex
     prefix = high & tl.where(bit >= 0, ~((2 << tl.maximum(bit, 0)) - 1), -1)
     # then bit by bit from there: the largest t with count(key >= t) >= TOPK
     searching = bit >= 0
-    if TWO_BITS and key.shape[0] < 1024:
-        # two bits per step: the counts of the three candidates (01, 10, 11 in the two bits)
-        # packed in 10-bit fields of one int32 (each count <= N < 1024), so one warp-wide sum
-        # (a REDUX) per two bits: the search is a chain of such sums
-        searching = bit >= 1
-        found = bit != bit  # (False, as a loop-carried scalar)
-        while searching:
-            low = bit - 1
-            c1 = prefix | (1 << low)
-            c2 = prefix | (2 << low)
-            c3 = c1 | c2
-            counts = tl.sum((key >= (c1 ^ DEAD_KEY)).to(tl.int32)
-                            + ((key >= (c2 ^ DEAD_KEY)).to(tl.int32) << 10)
-                            + ((key >= (c3 ^ DEAD_KEY)).to(tl.int32) << 20), axis=0)
-            n1 = counts & 1023
-            # the largest candidate that K keys reach (n3 <= n2 <= n1): the two bits' value
-            digit = ((n1 >= TOPK).to(tl.int32) + (((counts >> 10) & 1023) >= TOPK).to(tl.int32)
-                     + ((counts >> 20) >= TOPK).to(tl.int32))
-            prefix = prefix | (digit << low)
-            bit -= 2
-            # stop once n1 == K: the chosen candidate's count lies in [K, n1], so it is K too
-            # (a chosen count of K under n1 > K only stops a step later)
-            searching = (bit >= 1) & (n1 != TOPK)
-            found = n1 == TOPK
-        if (bit == 0) & (found == 0):  # the lowest bit, alone
-            cand = prefix | 1
-            count = tl.sum((key >= (cand ^ DEAD_KEY)).to(tl.int32), axis=0)
-            prefix = tl.where(count >= TOPK, cand, prefix)
-    else:
-        while searching:
-            cand = prefix | (1 << bit)
-            count = tl.sum((key >= (cand ^ DEAD_KEY)).to(tl.int32), axis=0)
-            prefix = tl.where(count >= TOPK, cand, prefix)
-            bit -= 1
-            # stop early once exactly K keys reach it: the lower bits cannot change the set
-            searching = (bit >= 0) & (count != TOPK)
+    while searching:
+        cand = prefix | (1 << bit)
+        count = tl.sum((key >= (cand ^ DEAD_KEY)).to(tl.int32), axis=0)
+        prefix = tl.where(count >= TOPK, cand, prefix)
+        bit -= 1
+        # stop early once exactly K keys reach it: the lower bits cannot change the set
+        searching = (bit >= 0) & (count != TOPK)
     return prefix ^ DEAD_KEY
 
 
 @triton.jit
-def _threshold_select(key, TOPK: tl.constexpr, GROUPS: tl.constexpr,
-                      TWO_BITS: tl.constexpr = False):
+def _threshold_select(key, TOPK: tl.constexpr, GROUPS: tl.constexpr):
     """Mask of the TOPK largest entries of the int32 `key` [N] (DEAD_KEY entries never; fewer
     than TOPK live entries: all of them); of equal keys the earliest win. GROUPS >= TOPK, a
     power of two dividing N."""
-    thresh = _kth_key(key, TOPK, GROUPS, TWO_BITS)
+    thresh = _kth_key(key, TOPK, GROUPS)
     above = key > thresh
     tied = (key == thresh) & (key != DEAD_KEY)
     need = TOPK - tl.sum(above.to(tl.int32), axis=0)
@@ -170,8 +139,7 @@ def _segment_keys(row, b, n, stride_sb, INIT: tl.constexpr, LOCAL: tl.constexpr)
 def _chunked_select(row, seg_base, n, stride_sb, out_row, stride_ok, cand_row, scratch_row,
                     TOPK: tl.constexpr, KP: tl.constexpr, INIT: tl.constexpr,
                     LOCAL: tl.constexpr, SEG: tl.constexpr, CH: tl.constexpr,
-                    CAP: tl.constexpr, NG: tl.constexpr, SINGLE: tl.constexpr,
-                    TWO_BITS: tl.constexpr = False):
+                    CAP: tl.constexpr, NG: tl.constexpr, SINGLE: tl.constexpr):
     """The threshold path on a SEG-block segment read in SEG // CH chunks, so that no tensor is
     SEG wide: the registers of a one-warp program (~160 at SEG = 1024 read whole) are what
     limit the programs per SM. Same result as the whole-segment path: the K-th largest of NG
@@ -187,7 +155,7 @@ def _chunked_select(row, seg_base, n, stride_sb, out_row, stride_ok, cand_row, s
         key, _ = _segment_keys(row, seg_base + ci * CH + c_idx, n, stride_sb, INIT, LOCAL)
         gmc = tl.max(tl.reshape(key, [GPC, CH // GPC], can_reorder=True), axis=1)
         gm = tl.where(chunk_of == ci, gmc[None, :], gm)
-    bound = _kth_key(tl.reshape(gm, [NG], can_reorder=True), TOPK, KP, TWO_BITS)
+    bound = _kth_key(tl.reshape(gm, [NG], can_reorder=True), TOPK, KP)
     n_cand = 0
     for ci in range(NCH):
         b = seg_base + ci * CH + c_idx
@@ -201,7 +169,7 @@ def _chunked_select(row, seg_base, n, stride_sb, out_row, stride_ok, cand_row, s
         c = tl.arange(0, CAP)
         packed = tl.load(scratch_row + c, mask=c < n_cand, other=EMPTY_KEY)
         ckey = tl.where(packed == EMPTY_KEY, DEAD_KEY, (packed >> 32).to(tl.int32))
-        _write_picked(out_row, stride_ok, cand_row, _threshold_select(ckey, TOPK, KP, TWO_BITS),
+        _write_picked(out_row, stride_ok, cand_row, _threshold_select(ckey, TOPK, KP),
                       packed, unpack_block(packed), TOPK, KP, SINGLE)
     else:
         # the K-th largest key by a bit search over all 32 bits (unsigned order, as _kth_key),
@@ -258,7 +226,7 @@ def _segment_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, cand_ptr, sc
                          INIT: tl.constexpr, LOCAL: tl.constexpr, BLOCK: tl.constexpr,
                          SEG: tl.constexpr, SINGLE: tl.constexpr, BY_SORT: tl.constexpr,
                          CAP: tl.constexpr, NG: tl.constexpr, PDL: tl.constexpr = False,
-                         CH: tl.constexpr = 0, TWO_BITS: tl.constexpr = False):
+                         CH: tl.constexpr = 0):
     t = tl.program_id(0)
     h = tl.program_id(1)
     seg = tl.program_id(2)
@@ -285,7 +253,7 @@ def _segment_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, cand_ptr, sc
         row_scratch = scratch_ptr + ((t.to(tl.int64) * num_heads + h) * num_segments
                                      + seg) * CAP
         _chunked_select(row, seg * SEG, n, stride_sb, out_row, stride_ok, cand_ptr + base,
-                        row_scratch, TOPK, KP, INIT, LOCAL, SEG, CH, CAP, NG, SINGLE, TWO_BITS)
+                        row_scratch, TOPK, KP, INIT, LOCAL, SEG, CH, CAP, NG, SINGLE)
     else:
         b = seg * SEG + tl.arange(0, SEG)
         row = scores_ptr + t.to(tl.int64) * stride_st + h * stride_sh
@@ -303,7 +271,7 @@ def _segment_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, cand_ptr, sc
             # of the SEG, so they are packed into this program's CAP-slot scratch row (in block
             # order) and searched there instead of the whole segment
             group_max = tl.max(tl.reshape(key, [NG, SEG // NG], can_reorder=True), axis=1)
-            cand = (key >= _kth_key(group_max, TOPK, KP, TWO_BITS)) & live
+            cand = (key >= _kth_key(group_max, TOPK, KP)) & live
             n_cand = tl.sum(cand.to(tl.int32), axis=0)
             if n_cand <= CAP:
                 row_scratch = scratch_ptr + ((t.to(tl.int64) * num_heads + h) * num_segments
@@ -315,16 +283,16 @@ def _segment_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, cand_ptr, sc
                 packed = tl.load(row_scratch + c, mask=c < n_cand, other=EMPTY_KEY)
                 ckey = tl.where(packed == EMPTY_KEY, DEAD_KEY, (packed >> 32).to(tl.int32))
                 _write_picked(out_row, stride_ok, cand_ptr + base,
-                              _threshold_select(ckey, TOPK, KP, TWO_BITS), packed,
+                              _threshold_select(ckey, TOPK, KP), packed,
                               unpack_block(packed), TOPK, KP, SINGLE)
             else:
                 # too many keys reach the bound (ties, -inf rows): search the whole segment
                 _write_picked(out_row, stride_ok, cand_ptr + base,
-                              _threshold_select(key, TOPK, KP, TWO_BITS), pack_key(key, b), b,
+                              _threshold_select(key, TOPK, KP), pack_key(key, b), b,
                               TOPK, KP, SINGLE)
         else:
             _write_picked(out_row, stride_ok, cand_ptr + base,
-                          _threshold_select(key, TOPK, KP, TWO_BITS), pack_key(key, b), b, TOPK,
+                          _threshold_select(key, TOPK, KP), pack_key(key, b), b, TOPK,
                           KP, SINGLE)
 
 
@@ -332,8 +300,7 @@ def _segment_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, cand_ptr, sc
 def _merge_topk_kernel(cand_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_requests, num_segments,
                        stride_ot, stride_oh, stride_ok, TOPK: tl.constexpr, KP: tl.constexpr,
                        BLOCK: tl.constexpr, SEG: tl.constexpr, CANDP: tl.constexpr,
-                       BY_SORT: tl.constexpr, PDL: tl.constexpr = False,
-                       TWO_BITS: tl.constexpr = False):
+                       BY_SORT: tl.constexpr, PDL: tl.constexpr = False):
     t = tl.program_id(0)
     h = tl.program_id(1)
     num_heads = tl.num_programs(1)
@@ -354,5 +321,5 @@ def _merge_topk_kernel(cand_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_requests, nu
             _write_ascending(out_row, stride_ok, tl.topk(packed, KP), TOPK, KP)
         else:
             key = tl.where(packed == EMPTY_KEY, DEAD_KEY, (packed >> 32).to(tl.int32))
-            picked = _threshold_select(key, TOPK, KP, TWO_BITS)
+            picked = _threshold_select(key, TOPK, KP)
             _store_in_order(out_row, stride_ok, picked, unpack_block(packed), TOPK, KP)
