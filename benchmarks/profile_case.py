@@ -12,7 +12,9 @@ graphs of (flush, call) and (flush) alone, replayed back to back under the profi
 replay's period (flush start to the next flush start), the flush kernel's own time, the call's
 kernels (union) and the idle gaps, medians over the replays.
 `python3 benchmarks/profile_case.py --offsets CASE...` prints, per kernel, when it starts after
-the flush kernel ends and how long it runs (medians): launch gaps and overlaps."""
+the flush kernel ends and how long it runs (medians): launch gaps and overlaps.
+`python3 benchmarks/profile_case.py --eager CASE...` prints the eager call's wall time and the
+host functions it spends it in (cProfile over 200 calls)."""
 
 import os
 import sys
@@ -170,6 +172,24 @@ if __name__ == "__main__":
         for name in sys.argv[2:]:
             parts = run.kernel_breakdown_us(CASES[name](), 20)
             print(f"{name}: " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()), flush=True)
+        sys.exit(0)
+    if sys.argv[1] == "--eager":
+        # an engine that does not capture graphs pays the host side of every call: the eager
+        # call's wall time, and where the host spends it (cProfile over back-to-back calls)
+        import cProfile
+        import pstats
+        for name in sys.argv[2:]:
+            fn = CASES[name]()
+            call = run.eager_call_us(fn, 20)
+            torch.cuda.synchronize()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(200):
+                fn()
+            prof.disable()
+            torch.cuda.synchronize()
+            print(f"{name}: eager call {call:.1f} µs (device + host)", flush=True)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(12)
         sys.exit(0)
     if sys.argv[1] == "--graph":
         for name in sys.argv[2:]:
