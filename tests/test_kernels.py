@@ -336,13 +336,16 @@ def test_sparse_attention_matches_reference(kernel_device, kv_dtype, layout, blo
     assert (got.cpu()[pos < 0] == 0).all() and torch.isneginf(lse.cpu()[pos < 0]).all()
 
 
-@pytest.mark.parametrize("fused_merge", [True, False])
+@pytest.mark.parametrize("fused_merge, splits", [(True, None), (False, None), (True, 3)])
 def test_sparse_attention_index_head_sharing_scales_and_noisy_rows(kernel_device, fused_merge,
-                                                                    monkeypatch):
+                                                                    splits, monkeypatch):
     """One index head serving two KV heads, fp8 with per-tensor scales, and rows holding -1,
-    out-of-range and repeated ids; splits merged by their last program or by a second launch."""
+    out-of-range and repeated ids; splits merged by their last program or by a second launch,
+    and 3 splits (the fused merge reads their LSEs as one row padded to 4)."""
     from openmsa.ops.attention import api as attention_api
     monkeypatch.setitem(attention_api.TUNING, "fused_merge", fused_merge)
+    if splits is not None:
+        monkeypatch.setattr(attention_api, "_num_splits", lambda *args: splits)
     dtype = _attention_dtype(kernel_device)
     step, dstep, q, k, v, idx = _attention_case(kernel_device, FP8, "flash", hq=4, hkv=2, h=1)
     idx = torch.cat([idx, torch.full_like(idx[..., :1], 99), idx[..., :1]], dim=-1)
