@@ -100,7 +100,7 @@ def test_attention_kernels(kv_type, splits, sub):
              dict(NUM_KV_HEADS=4, NUM_INDEX_HEADS=4, G=16, GP=16, QT=4, D=128, BLOCK=128,
                   TOPK=16, KP=16, SUB=sub, HAS_SCALE=kv_type == "*fp8e4nv", IEEE=False,
                   F16_COMPUTE=kv_type == "*fp8e4nv", LAZY_MASK=kv_type == "*fp8e4nv",
-                  PERSISTENT=kv_type == "*bf16"))
+                  PERSISTENT=kv_type == "*bf16", SLOT_META=True))
     _compile(_merge_splits_kernel, dict(part_out_ptr=F32, part_lse_ptr=F32, out_ptr="*bf16",
                                         lse_ptr=F32), {},
              dict(NUM_HEADS=64, D=128, SPLITS=2, SP=2, PDL=True))

@@ -365,18 +365,20 @@ def test_sparse_attention_index_head_sharing_scales_and_noisy_rows(kernel_device
         assert all(int(c.count_nonzero()) == 0 for c in attention_api._COUNTERS.values())
 
 
-@pytest.mark.parametrize("waste", [0.0, 1.5, 1e9])
+@pytest.mark.parametrize("waste, alias", [(0.0, False), (1.5, False), (1e9, False), (1e9, True)])
 @pytest.mark.parametrize("kv_dtype, block, sub, hq", [("q", B, B, 8), (FP8, 32, 16, 8),
                                                      ("q", B, B, 6)])
 def test_sparse_attention_prefill_tiles_match_reference(kernel_device, kv_dtype, block, sub, hq,
-                                                        waste, monkeypatch):
+                                                        waste, alias, monkeypatch):
     """The prefill path: tiles of 4 tokens over the union of their selections, taken by the tile
     kernel (waste 1e9: every tile inside one request), by neither (0: all left to the per-token
     kernel), or by the device's choice per tile (1.5); tiles straddling requests always go to the
     per-token kernel. Rows hold -1, out-of-range and repeated ids; one index head serves both KV
     heads. The mask-only-where-needed variant runs with waste 1e9, the persistent one with 1.5.
     6 query heads: 3 per KV head, padded to 4 row slots per token (dead rows) and a softmax
-    scale of 0.2; fp8 with dequantisation scales, the K one negative."""
+    scale of 0.2; fp8 with dequantisation scales, the K one negative. `alias`: a block table
+    mapping two blocks of every request to one page (the 20-token request's last two); a tile
+    whose tokens selected both goes to the per-token kernel (one page, two causal cuts)."""
     from openmsa.ops.attention import api as attention_api
     from openmsa.ops.attention import prefill
     for key, value in dict(prefill_min_tokens=1, tile_rows=16, tile_waste=waste,
@@ -390,6 +392,10 @@ def test_sparse_attention_prefill_tiles_match_reference(kernel_device, kv_dtype,
                                                 block=block)
     idx = torch.cat([idx, torch.full_like(idx[..., :1], 99), idx[..., :1]], dim=-1)
     q = q.to(dtype)
+    if alias:
+        for st in (step, dstep):
+            last = -(-SEQ_LENS[3] // block) - 1  # the 20-token request's own last block
+            st.block_table[:, last] = st.block_table[:, last - 1]
     # fp8: a negative K scale (the kernel moves the sign onto q: its row max is taken before
     # scaling) as a device tensor; 6 heads: a softmax scale other than D ** -0.5
     scales = dict(k_scale=-0.75, v_scale=1.5) if kv_dtype == FP8 else {}
@@ -415,12 +421,16 @@ def test_sparse_attention_prefill_tiles_match_reference(kernel_device, kv_dtype,
     # lie inside the 20-token request, 0 and 6 straddle requests
     want_taken = _tiles_taken(idx, step, block, qt=4, num_kv_heads=2, waste=waste)
     assert torch.equal((flags[0] >= 0).int().cpu(), want_taken)
-    assert want_taken[1:6].all() if waste == 1e9 else not want_taken[[0, 6]].any()
+    if alias:  # the case shows the rule: some tiles of the 20-token request are left
+        assert 0 < int(want_taken[1:6].sum()) < want_taken[1:6].numel()
+    else:
+        assert want_taken[1:6].all() if waste == 1e9 else not want_taken[[0, 6]].any()
 
 
 def _tiles_taken(idx, step, block, qt, num_kv_heads, waste):
-    """[tiles, Hkv]: 1 where a tile of qt tokens lies in one request and the union of its tokens'
-    selected pages, times qt, is at most waste x the sum of each token's distinct pages."""
+    """[tiles, Hkv]: 1 where a tile of qt tokens lies in one request, no page of the union holds
+    two of the tokens' selected blocks, and the union of their selected pages, times qt, is at
+    most waste x the sum of each token's distinct pages."""
     request, pos = token_layout(step.cu_seqlens_q, step.seq_lens, step.num_tokens)
     num_tiles = -(-step.num_tokens // qt)
     taken = torch.zeros(num_tiles, num_kv_heads, dtype=torch.int32)
@@ -435,7 +445,13 @@ def _tiles_taken(idx, step, block, qt, num_kv_heads, waste):
                      if 0 <= b <= pos[t] // block and step.block_table[request[t], b] >= 0}
                     for t in toks]
             union = set().union(*sets)
-            taken[i, g] = len(union) * qt <= waste * sum(len(x) for x in sets)
+            blocks_of = {}
+            for t in toks:
+                for b in idx[t, h].tolist():
+                    if 0 <= b <= pos[t] // block and step.block_table[request[t], b] >= 0:
+                        blocks_of.setdefault(int(step.block_table[request[t], b]), set()).add(b)
+            aliased = any(len(x) > 1 for x in blocks_of.values())
+            taken[i, g] = not aliased and len(union) * qt <= waste * sum(len(x) for x in sets)
     return taken
 
 

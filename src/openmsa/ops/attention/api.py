@@ -65,7 +65,7 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
               tile=True, tile_rows=64, tile_waste=2.0, tile_sub=64, tile_stages=3,
               tile_sub_fp8=128, tile_stages_fp8=2, tile_warps=4, tile_lazy_mask=True,
               tile_persistent=False, tile_persistent_fp8=True, tile_resident=2,
-              tile_plan_warps=1)
+              tile_plan_warps=1, tile_slot_meta=True)
 # tile*: prefill steps first launch prefill.py's kernel over tiles of tile_rows // G tokens (the
 # union of their selections, taken on the device when union blocks x tokens <= tile_waste x the
 # tokens' selected blocks); the per-token kernel then does the tiles it left. Measured on 8K
@@ -249,7 +249,8 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
         num_tiles = -(-num_tokens // tile_qt)
         kp = _next_pow2(topk)
         blocks = torch.empty((num_tiles, num_kv_heads), dtype=torch.int32, device=device)
-        union = torch.empty((num_tiles * num_kv_heads, tile_qt * kp), dtype=torch.int32,
+        # per (tile, KV head): the union's page ids, block ids and token bits (prefill.py)
+        union = torch.empty((num_tiles * num_kv_heads, 3, tile_qt * kp), dtype=torch.int32,
                             device=device)
         _tile_plan_kernel[(num_tiles, num_kv_heads)](
             indices, cu_seqlens_q, seq_lens, block_table, blocks, union,
@@ -271,6 +272,7 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
             SUB=min(block_size, TUNING["tile_sub_fp8" if fp8 else "tile_sub"]),
             HAS_SCALE=has_scale, IEEE=ieee, F16_COMPUTE=f16_compute,
             LAZY_MASK=TUNING["tile_lazy_mask"], PERSISTENT=persistent,
+            SLOT_META=TUNING["tile_slot_meta"],
             num_warps=TUNING["tile_warps"],
             num_stages=TUNING["tile_stages_fp8" if fp8 else "tile_stages"])
     else:

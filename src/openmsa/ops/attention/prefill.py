@@ -56,6 +56,11 @@ def _tile_first_position(cu_ptr, seq_lens_ptr, num_requests, t0, QT: tl.constexp
 
 
 @triton.jit
+def _bit_or(a, b):
+    return a | b
+
+
+@triton.jit
 def _tile_plan_kernel(idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr, blocks_ptr, union_ptr, waste,
                       num_requests, stride_it, stride_ih, stride_ik, stride_btr, stride_btb,
                       NUM_KV_HEADS: tl.constexpr, NUM_INDEX_HEADS: tl.constexpr,
@@ -87,12 +92,24 @@ def _tile_plan_kernel(idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr, blocks_ptr, union_p
     # slot is its rank among first entries by page (distinct pages: ascending page order)
     first = (e_pages != NO_PAGE) & (tl.max((earlier & same).to(tl.int32), axis=1) == 0)
     num_blocks = tl.sum(first.to(tl.int32), axis=0)
-    take = whole & (num_blocks * QT <= waste * useful)
+    # per union page: its block id, and a bit per token of the tile that selected it. A table
+    # mapping two of the request's blocks to one page (never in a sane engine) would need two
+    # causal cuts for one page: such a tile goes to the per-token kernel
+    live = e_pages != NO_PAGE
+    e_blk = tl.where(live, e_ids, -1)
+    blk_hi = tl.max(tl.where(same, e_blk[None, :], -1), axis=1)  # [N]
+    blk_lo = tl.min(tl.where(same & live[None, :], e_blk[None, :], 2**31 - 1), axis=1)
+    aliased = tl.max((live & (blk_hi != blk_lo)).to(tl.int32), axis=0) > 0
+    tok_bits = tl.reduce(tl.where(same, 1 << (e // KP)[None, :], 0), 1, _bit_or)  # [N]
+    take = whole & (num_blocks * QT <= waste * useful) & ~aliased
     item = tile * NUM_KV_HEADS + g
     tl.store(blocks_ptr + item, tl.where(take, num_blocks, -1))
+    # the union, ascending by page: row 0 page ids, row 1 block ids, row 2 token bits
     rank = tl.sum((first[None, :] & (e_pages[None, :] < e_pages[:, None])).to(tl.int32), axis=1)
-    tl.store(union_ptr + item.to(tl.int64) * N + tl.where(first, rank, 0), e_pages,
-             mask=take & first)
+    slot = union_ptr + item.to(tl.int64) * (3 * N) + tl.where(first, rank, 0)
+    tl.store(slot, e_pages, mask=take & first)
+    tl.store(slot + N, blk_hi, mask=take & first)
+    tl.store(slot + 2 * N, tok_bits, mask=take & first)
 
 
 @triton.jit
@@ -109,7 +126,8 @@ def _sparse_attention_tile_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens
                                   D: tl.constexpr, BLOCK: tl.constexpr, TOPK: tl.constexpr,
                                   KP: tl.constexpr, SUB: tl.constexpr, HAS_SCALE: tl.constexpr,
                                   IEEE: tl.constexpr, F16_COMPUTE: tl.constexpr,
-                                  LAZY_MASK: tl.constexpr, PERSISTENT: tl.constexpr):
+                                  LAZY_MASK: tl.constexpr, PERSISTENT: tl.constexpr,
+                                  SLOT_META: tl.constexpr = True):
     M: tl.constexpr = QT * GP
     N: tl.constexpr = QT * KP
     PARTS: tl.constexpr = BLOCK // SUB
@@ -125,7 +143,7 @@ def _sparse_attention_tile_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens
                              stride_vd, stride_it, stride_ih, stride_ik, stride_btr, stride_btb,
                              stride_ot, stride_oh, stride_od, stride_lt, stride_lh, NUM_KV_HEADS,
                              NUM_INDEX_HEADS, G, GP, QT, D, BLOCK, TOPK, KP, SUB, HAS_SCALE, IEEE,
-                             F16_COMPUTE, LAZY_MASK, M, N, PARTS)
+                             F16_COMPUTE, LAZY_MASK, M, N, PARTS, SLOT_META)
     else:
         # one program per item: a tile the plan left exits after one load
         item = tl.program_id(0)
@@ -138,7 +156,7 @@ def _sparse_attention_tile_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens
                          stride_it, stride_ih, stride_ik, stride_btr, stride_btb, stride_ot,
                          stride_oh, stride_od, stride_lt, stride_lh, NUM_KV_HEADS, NUM_INDEX_HEADS,
                          G, GP, QT, D, BLOCK, TOPK, KP, SUB, HAS_SCALE, IEEE, F16_COMPUTE,
-                         LAZY_MASK, M, N, PARTS)
+                         LAZY_MASK, M, N, PARTS, SLOT_META)
 
 
 @triton.jit
@@ -152,28 +170,31 @@ def _attend_tile(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out
                  TOPK: tl.constexpr, KP: tl.constexpr, SUB: tl.constexpr,
                  HAS_SCALE: tl.constexpr, IEEE: tl.constexpr, F16_COMPUTE: tl.constexpr,
                  LAZY_MASK: tl.constexpr, M: tl.constexpr, N: tl.constexpr,
-                 PARTS: tl.constexpr):
+                 PARTS: tl.constexpr, SLOT_META: tl.constexpr):
     tile = item // NUM_KV_HEADS
     g = item % NUM_KV_HEADS
     t0 = tile * QT
     r, first_pos, _ = _tile_first_position(cu_ptr, seq_lens_ptr, num_requests, t0, QT)
     ih = g * NUM_INDEX_HEADS // NUM_KV_HEADS
     bt_row = bt_ptr + r.to(tl.int64) * stride_btr
-    e = tl.arange(0, N)
-    union = tl.load(union_ptr + tl.cast(item, tl.int64) * N + e, mask=e < num_blocks, other=0)
+    union_row = union_ptr + tl.cast(item, tl.int64) * (3 * N)
     # rows: token-major, QT tokens x GP head slots
     rows = tl.arange(0, M)
     tok = t0 + rows // GP
     head = g * G + rows % GP
     head_ok = rows % GP < G
     pos = first_pos + rows // GP  # [M]
-    kk = tl.arange(0, KP)
-    ids_rows = tl.load(idx_ptr + tok.to(tl.int64)[:, None] * stride_it + ih * stride_ih
-                       + kk[None, :] * stride_ik, mask=(kk < TOPK)[None, :], other=-1)
-    ok_rows = (ids_rows >= 0) & (ids_rows <= (pos // BLOCK)[:, None])
-    pages_rows = tl.load(bt_row + tl.where(ok_rows, ids_rows, 0) * stride_btb,
-                         mask=ok_rows, other=-1)
-    pages_rows = tl.where(ok_rows & (pages_rows >= 0), pages_rows, NO_PAGE)  # [M, KP]
+    if not SLOT_META:
+        e = tl.arange(0, N)
+        union = tl.load(union_row + e, mask=e < num_blocks, other=0)
+        kk = tl.arange(0, KP)
+        ids_rows = tl.load(idx_ptr + tok.to(tl.int64)[:, None] * stride_it + ih * stride_ih
+                           + kk[None, :] * stride_ik, mask=(kk < TOPK)[None, :], other=-1)
+        ok_rows = (ids_rows >= 0) & (ids_rows <= (pos // BLOCK)[:, None])
+        pages_rows = tl.load(bt_row + tl.where(ok_rows, ids_rows, 0) * stride_btb,
+                             mask=ok_rows, other=-1)
+        pages_rows = tl.where(ok_rows & (pages_rows >= 0), pages_rows, NO_PAGE)  # [M, KP]
+    ALL_TOKENS: tl.constexpr = (1 << QT) - 1
 
     d = tl.arange(0, D)
     offs = tl.arange(0, SUB)
@@ -196,13 +217,32 @@ def _attend_tile(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, D], tl.float32)
     for step in range(0, num_blocks * PARTS):
-        page = tl.sum(tl.where(e == step // PARTS, union, 0), axis=0)
-        # each row's block id for this page (-1: its token did not select it)
-        blk_row = tl.max(tl.where(pages_rows == page, ids_rows, -1), axis=1)  # [M]
-        cut_row = tl.where(blk_row >= 0, pos - blk_row * BLOCK, -1)  # last visible offset
+        if SLOT_META:
+            # the plan's slot: page, block id and which tokens selected it, as scalars, so the
+            # step needs no reduction across the program (each one a barrier)
+            j = step // PARTS
+            page = tl.load(union_row + j)
+            base = tl.load(union_row + N + j) * BLOCK
+            bits = tl.load(union_row + 2 * N + j)
+            # last visible offset per row (-1: its token did not select the block)
+            cut_row = tl.where(((bits >> (rows // GP)) & 1) != 0, pos - base, -1)  # [M]
+            # tokens are consecutive positions: the largest cut is the highest bit's token's,
+            # the smallest the first token's when every token selected the block
+            last = 0
+            for k in tl.static_range(1, QT):
+                last += (bits >= (1 << k)).to(tl.int32)
+            max_cut = first_pos + last - base
+            min_cut = tl.where(bits == ALL_TOKENS, first_pos - base, -1)
+        else:
+            page = tl.sum(tl.where(e == step // PARTS, union, 0), axis=0)
+            # each row's block id for this page (-1: its token did not select it)
+            blk_row = tl.max(tl.where(pages_rows == page, ids_rows, -1), axis=1)  # [M]
+            cut_row = tl.where(blk_row >= 0, pos - blk_row * BLOCK, -1)  # last visible offset
+            max_cut = tl.max(cut_row, axis=0)
+            min_cut = tl.min(cut_row, axis=0)
         key_off = (step % PARTS) * SUB + offs
         # keys past every row's cut are not read
-        loaded = key_off <= tl.max(cut_row, axis=0)
+        loaded = key_off <= max_cut
         p64 = page.to(tl.int64)
         k = tl.load(k_ptr + p64 * stride_kp + key_off[:, None] * stride_kb + g * stride_kh
                     + d[None, :] * stride_kd, mask=loaded[:, None], other=0.0)  # [SUB, D]
@@ -215,7 +255,7 @@ def _attend_tile(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out
         if LAZY_MASK:
             # mask only a step some row does not see whole (a block some token did not
             # select, or a token's own block): most steps of a shared selection skip it
-            if tl.min(cut_row, axis=0) < (step % PARTS) * SUB + SUB - 1:
+            if min_cut < (step % PARTS) * SUB + SUB - 1:
                 s = tl.where(key_off[None, :] <= cut_row[:, None], s, float("-inf"))
         else:
             s = tl.where(key_off[None, :] <= cut_row[:, None], s, float("-inf"))
