@@ -87,7 +87,9 @@ def attention_resources(kv: str, sub: int, stages: int, warps: int, splits: int 
                   SUB=sub, HAS_SCALE=False, IEEE=False, F16_COMPUTE=kv == "fp8")
     if tile:
         fn = _sparse_attention_tile_kernel
-        constexprs = dict(shared, GP=16, QT=qt, LAZY_MASK=True, PERSISTENT=False)
+        # (the tile kernel reads the plan's union, not the selection or the block table)
+        constexprs = {k: v for k, v in dict(shared, GP=16, QT=qt, LAZY_MASK=True,
+                                            PERSISTENT=False).items() if k in fn.arg_names}
     else:
         fn = _sparse_attention_kernel
         constexprs = dict(shared, NUM_HEADS=64, M=16, STEPS=16 * 128 // sub // splits,
@@ -95,7 +97,7 @@ def attention_resources(kv: str, sub: int, stages: int, warps: int, splits: int 
                           FUSED_MERGE=True, TILE_QT=0,
                           V_PAIRS=kv == "fp8" and os.environ.get("V_PAIRS", "1") == "1",
                           PTX=True, GUESS=True)
-    constexprs.update({name: 1 for name in UNIT_STRIDES})
+    constexprs.update({name: 1 for name in UNIT_STRIDES if name in fn.arg_names})
     return _compile(fn, constexprs, pointers, stages, warps, sass)
 
 

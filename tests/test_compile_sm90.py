@@ -94,13 +94,13 @@ def test_attention_kernels(kv_type, splits, sub):
              dict(waste="fp32"), dict(NUM_KV_HEADS=4, NUM_INDEX_HEADS=4, QT=4, BLOCK=128,
                                       TOPK=16, KP=16))
     _compile(_sparse_attention_tile_kernel,
-             dict(q_ptr="*bf16", k_ptr=kv_type, v_ptr=kv_type, idx_ptr=I32, out_ptr="*bf16",
-                  lse_ptr=F32, blocks_ptr=I32, union_ptr=I32, k_scale_ptr=F32, v_scale_ptr=F32,
-                  **STEP), dict(sm_scale="fp32"),
-             dict(NUM_KV_HEADS=4, NUM_INDEX_HEADS=4, G=16, GP=16, QT=4, D=128, BLOCK=128,
-                  TOPK=16, KP=16, SUB=sub, HAS_SCALE=kv_type == "*fp8e4nv", IEEE=False,
+             dict(q_ptr="*bf16", k_ptr=kv_type, v_ptr=kv_type, out_ptr="*bf16", lse_ptr=F32,
+                  blocks_ptr=I32, union_ptr=I32, k_scale_ptr=F32, v_scale_ptr=F32, **STEP),
+             dict(sm_scale="fp32"),
+             dict(NUM_KV_HEADS=4, G=16, GP=16, QT=4, D=128, BLOCK=128, KP=16, SUB=sub,
+                  HAS_SCALE=kv_type == "*fp8e4nv", IEEE=False,
                   F16_COMPUTE=kv_type == "*fp8e4nv", LAZY_MASK=kv_type == "*fp8e4nv",
-                  PERSISTENT=kv_type == "*bf16", SLOT_META=True))
+                  PERSISTENT=kv_type == "*bf16"))
     _compile(_merge_splits_kernel, dict(part_out_ptr=F32, part_lse_ptr=F32, out_ptr="*bf16",
                                         lse_ptr=F32), {},
              dict(NUM_HEADS=64, D=128, SPLITS=2, SP=2, PDL=True))

@@ -62,10 +62,10 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
               prefill_min_tokens=2048, prefill_sub=64, prefill_sub_fp8=128, prefill_warps=4,
               prefill_stages=2, fp8_f16_compute=True, fp8_v_pairs=True, request_guess=True,
               pdl=True,
-              tile=True, tile_rows=64, tile_waste=2.0, tile_sub=64, tile_stages=3,
+              tile=True, tile_rows=64, tile_waste=2.0, tile_sub=64, tile_stages=2,
               tile_sub_fp8=128, tile_stages_fp8=2, tile_warps=4, tile_lazy_mask=True,
               tile_persistent=False, tile_persistent_fp8=True, tile_resident=2,
-              tile_plan_warps=1, tile_slot_meta=True)
+              tile_plan_warps=1)
 # tile*: prefill steps first launch prefill.py's kernel over tiles of tile_rows // G tokens (the
 # union of their selections, taken on the device when union blocks x tokens <= tile_waste x the
 # tokens' selected blocks); the per-token kernel then does the tiles it left. Measured on 8K
@@ -264,15 +264,13 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
         programs = items if not persistent else min(
             items, TUNING["tile_resident"] * num_sms(device) if device.type == "cuda" else 3)
         _sparse_attention_tile_kernel[(programs,)](
-            q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, out, lse, blocks,
-            union, ks, vs, sm_scale, seq_lens.shape[0], items, *q.stride(), *k_cache.stride(),
-            *v_cache.stride(), *indices.stride(), *block_table.stride(), *out.stride(),
-            *lse.stride(), NUM_KV_HEADS=num_kv_heads, NUM_INDEX_HEADS=indices.shape[1],
-            G=group, GP=group_pad, QT=tile_qt, D=head_dim, BLOCK=block_size, TOPK=topk, KP=kp,
+            q, k_cache, v_cache, cu_seqlens_q, seq_lens, out, lse, blocks, union, ks, vs,
+            sm_scale, seq_lens.shape[0], items, *q.stride(), *k_cache.stride(),
+            *v_cache.stride(), *out.stride(), *lse.stride(), NUM_KV_HEADS=num_kv_heads,
+            G=group, GP=group_pad, QT=tile_qt, D=head_dim, BLOCK=block_size, KP=kp,
             SUB=min(block_size, TUNING["tile_sub_fp8" if fp8 else "tile_sub"]),
             HAS_SCALE=has_scale, IEEE=ieee, F16_COMPUTE=f16_compute,
             LAZY_MASK=TUNING["tile_lazy_mask"], PERSISTENT=persistent,
-            SLOT_META=TUNING["tile_slot_meta"],
             num_warps=TUNING["tile_warps"],
             num_stages=TUNING["tile_stages_fp8" if fp8 else "tile_stages"])
     else:

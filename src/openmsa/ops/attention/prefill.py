@@ -113,21 +113,18 @@ def _tile_plan_kernel(idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr, blocks_ptr, union_p
 
 
 @triton.jit
-def _sparse_attention_tile_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr,
-                                  out_ptr, lse_ptr, blocks_ptr, union_ptr, k_scale_ptr,
-                                  v_scale_ptr, sm_scale, num_requests, num_items,
+def _sparse_attention_tile_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, seq_lens_ptr, out_ptr, lse_ptr,
+                                  blocks_ptr, union_ptr, k_scale_ptr, v_scale_ptr, sm_scale,
+                                  num_requests, num_items,
                                   stride_qt, stride_qh, stride_qd,
                                   stride_kp, stride_kb, stride_kh, stride_kd,
                                   stride_vp, stride_vb, stride_vh, stride_vd,
-                                  stride_it, stride_ih, stride_ik, stride_btr, stride_btb,
                                   stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
-                                  NUM_KV_HEADS: tl.constexpr, NUM_INDEX_HEADS: tl.constexpr,
-                                  G: tl.constexpr, GP: tl.constexpr, QT: tl.constexpr,
-                                  D: tl.constexpr, BLOCK: tl.constexpr, TOPK: tl.constexpr,
+                                  NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                                  QT: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                                   KP: tl.constexpr, SUB: tl.constexpr, HAS_SCALE: tl.constexpr,
                                   IEEE: tl.constexpr, F16_COMPUTE: tl.constexpr,
-                                  LAZY_MASK: tl.constexpr, PERSISTENT: tl.constexpr,
-                                  SLOT_META: tl.constexpr = True):
+                                  LAZY_MASK: tl.constexpr, PERSISTENT: tl.constexpr):
     M: tl.constexpr = QT * GP
     N: tl.constexpr = QT * KP
     PARTS: tl.constexpr = BLOCK // SUB
@@ -136,47 +133,40 @@ def _sparse_attention_tile_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens
         for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
             num_blocks = tl.load(blocks_ptr + item)
             if num_blocks >= 0:
-                _attend_tile(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr,
-                             lse_ptr, union_ptr, k_scale_ptr, v_scale_ptr, sm_scale, num_requests,
-                             item, num_blocks, stride_qt, stride_qh, stride_qd, stride_kp,
-                             stride_kb, stride_kh, stride_kd, stride_vp, stride_vb, stride_vh,
-                             stride_vd, stride_it, stride_ih, stride_ik, stride_btr, stride_btb,
+                _attend_tile(q_ptr, k_ptr, v_ptr, cu_ptr, seq_lens_ptr, out_ptr, lse_ptr,
+                             union_ptr, k_scale_ptr, v_scale_ptr, sm_scale, num_requests, item,
+                             num_blocks, stride_qt, stride_qh, stride_qd, stride_kp, stride_kb,
+                             stride_kh, stride_kd, stride_vp, stride_vb, stride_vh, stride_vd,
                              stride_ot, stride_oh, stride_od, stride_lt, stride_lh, NUM_KV_HEADS,
-                             NUM_INDEX_HEADS, G, GP, QT, D, BLOCK, TOPK, KP, SUB, HAS_SCALE, IEEE,
-                             F16_COMPUTE, LAZY_MASK, M, N, PARTS, SLOT_META)
+                             G, GP, QT, D, BLOCK, SUB, HAS_SCALE, IEEE, F16_COMPUTE, LAZY_MASK,
+                             M, N, PARTS)
     else:
         # one program per item: a tile the plan left exits after one load
         item = tl.program_id(0)
         num_blocks = tl.load(blocks_ptr + item)
         if num_blocks >= 0:
-            _attend_tile(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr,
-                         lse_ptr, union_ptr, k_scale_ptr, v_scale_ptr, sm_scale, num_requests, item,
-                         num_blocks, stride_qt, stride_qh, stride_qd, stride_kp, stride_kb,
-                         stride_kh, stride_kd, stride_vp, stride_vb, stride_vh, stride_vd,
-                         stride_it, stride_ih, stride_ik, stride_btr, stride_btb, stride_ot,
-                         stride_oh, stride_od, stride_lt, stride_lh, NUM_KV_HEADS, NUM_INDEX_HEADS,
-                         G, GP, QT, D, BLOCK, TOPK, KP, SUB, HAS_SCALE, IEEE, F16_COMPUTE,
-                         LAZY_MASK, M, N, PARTS, SLOT_META)
+            _attend_tile(q_ptr, k_ptr, v_ptr, cu_ptr, seq_lens_ptr, out_ptr, lse_ptr, union_ptr,
+                         k_scale_ptr, v_scale_ptr, sm_scale, num_requests, item, num_blocks,
+                         stride_qt, stride_qh, stride_qd, stride_kp, stride_kb, stride_kh,
+                         stride_kd, stride_vp, stride_vb, stride_vh, stride_vd, stride_ot,
+                         stride_oh, stride_od, stride_lt, stride_lh, NUM_KV_HEADS, G, GP, QT, D,
+                         BLOCK, SUB, HAS_SCALE, IEEE, F16_COMPUTE, LAZY_MASK, M, N, PARTS)
 
 
 @triton.jit
-def _attend_tile(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr, lse_ptr,
-                 union_ptr, k_scale_ptr, v_scale_ptr, sm_scale, num_requests, item, num_blocks,
+def _attend_tile(q_ptr, k_ptr, v_ptr, cu_ptr, seq_lens_ptr, out_ptr, lse_ptr, union_ptr,
+                 k_scale_ptr, v_scale_ptr, sm_scale, num_requests, item, num_blocks,
                  stride_qt, stride_qh, stride_qd, stride_kp, stride_kb, stride_kh, stride_kd,
-                 stride_vp, stride_vb, stride_vh, stride_vd, stride_it, stride_ih, stride_ik,
-                 stride_btr, stride_btb, stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
-                 NUM_KV_HEADS: tl.constexpr, NUM_INDEX_HEADS: tl.constexpr, G: tl.constexpr,
+                 stride_vp, stride_vb, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
+                 stride_lt, stride_lh, NUM_KV_HEADS: tl.constexpr, G: tl.constexpr,
                  GP: tl.constexpr, QT: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                 TOPK: tl.constexpr, KP: tl.constexpr, SUB: tl.constexpr,
-                 HAS_SCALE: tl.constexpr, IEEE: tl.constexpr, F16_COMPUTE: tl.constexpr,
-                 LAZY_MASK: tl.constexpr, M: tl.constexpr, N: tl.constexpr,
-                 PARTS: tl.constexpr, SLOT_META: tl.constexpr):
+                 SUB: tl.constexpr, HAS_SCALE: tl.constexpr, IEEE: tl.constexpr,
+                 F16_COMPUTE: tl.constexpr, LAZY_MASK: tl.constexpr, M: tl.constexpr,
+                 N: tl.constexpr, PARTS: tl.constexpr):
     tile = item // NUM_KV_HEADS
     g = item % NUM_KV_HEADS
     t0 = tile * QT
-    r, first_pos, _ = _tile_first_position(cu_ptr, seq_lens_ptr, num_requests, t0, QT)
-    ih = g * NUM_INDEX_HEADS // NUM_KV_HEADS
-    bt_row = bt_ptr + r.to(tl.int64) * stride_btr
+    _, first_pos, _ = _tile_first_position(cu_ptr, seq_lens_ptr, num_requests, t0, QT)
     union_row = union_ptr + tl.cast(item, tl.int64) * (3 * N)
     # rows: token-major, QT tokens x GP head slots
     rows = tl.arange(0, M)
@@ -184,16 +174,6 @@ def _attend_tile(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out
     head = g * G + rows % GP
     head_ok = rows % GP < G
     pos = first_pos + rows // GP  # [M]
-    if not SLOT_META:
-        e = tl.arange(0, N)
-        union = tl.load(union_row + e, mask=e < num_blocks, other=0)
-        kk = tl.arange(0, KP)
-        ids_rows = tl.load(idx_ptr + tok.to(tl.int64)[:, None] * stride_it + ih * stride_ih
-                           + kk[None, :] * stride_ik, mask=(kk < TOPK)[None, :], other=-1)
-        ok_rows = (ids_rows >= 0) & (ids_rows <= (pos // BLOCK)[:, None])
-        pages_rows = tl.load(bt_row + tl.where(ok_rows, ids_rows, 0) * stride_btb,
-                             mask=ok_rows, other=-1)
-        pages_rows = tl.where(ok_rows & (pages_rows >= 0), pages_rows, NO_PAGE)  # [M, KP]
     ALL_TOKENS: tl.constexpr = (1 << QT) - 1
 
     d = tl.arange(0, D)
@@ -217,29 +197,22 @@ def _attend_tile(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, D], tl.float32)
     for step in range(0, num_blocks * PARTS):
-        if SLOT_META:
-            # the plan's slot: page, block id and which tokens selected it, as scalars, so the
-            # step needs no reduction across the program (each one a barrier)
-            j = step // PARTS
-            page = tl.load(union_row + j)
-            base = tl.load(union_row + N + j) * BLOCK
-            bits = tl.load(union_row + 2 * N + j)
-            # last visible offset per row (-1: its token did not select the block)
-            cut_row = tl.where(((bits >> (rows // GP)) & 1) != 0, pos - base, -1)  # [M]
-            # tokens are consecutive positions: the largest cut is the highest bit's token's,
-            # the smallest the first token's when every token selected the block
-            last = 0
-            for k in tl.static_range(1, QT):
-                last += (bits >= (1 << k)).to(tl.int32)
-            max_cut = first_pos + last - base
-            min_cut = tl.where(bits == ALL_TOKENS, first_pos - base, -1)
-        else:
-            page = tl.sum(tl.where(e == step // PARTS, union, 0), axis=0)
-            # each row's block id for this page (-1: its token did not select it)
-            blk_row = tl.max(tl.where(pages_rows == page, ids_rows, -1), axis=1)  # [M]
-            cut_row = tl.where(blk_row >= 0, pos - blk_row * BLOCK, -1)  # last visible offset
-            max_cut = tl.max(cut_row, axis=0)
-            min_cut = tl.min(cut_row, axis=0)
+        # the plan's slot: page, block id and which tokens selected it, as scalars, so the
+        # step needs no reduction across the program (each one a barrier: reducing [M, KP]
+        # ids per step took 14 barriers per step where this takes 3, bf16 offline SASS)
+        j = step // PARTS
+        page = tl.load(union_row + j)
+        base = tl.load(union_row + N + j) * BLOCK
+        bits = tl.load(union_row + 2 * N + j)
+        # last visible offset per row (-1: its token did not select the block)
+        cut_row = tl.where(((bits >> (rows // GP)) & 1) != 0, pos - base, -1)  # [M]
+        # tokens are consecutive positions: the largest cut is the highest bit's token's, the
+        # smallest the first token's when every token selected the block
+        last = 0
+        for k in tl.static_range(1, QT):
+            last += (bits >= (1 << k)).to(tl.int32)
+        max_cut = first_pos + last - base
+        min_cut = tl.where(bits == ALL_TOKENS, first_pos - base, -1)
         key_off = (step % PARTS) * SUB + offs
         # keys past every row's cut are not read
         loaded = key_off <= max_cut
