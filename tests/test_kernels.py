@@ -427,6 +427,43 @@ def test_sparse_attention_prefill_tiles_match_reference(kernel_device, kv_dtype,
         assert want_taken[1:6].all() if waste == 1e9 else not want_taken[[0, 6]].any()
 
 
+def test_sparse_attention_prefill_tiles_cap_at_16_tokens(kernel_device, monkeypatch):
+    """One query head per KV head (G = 1): tile_rows 64 would make tiles of 64 tokens; they are
+    capped at 16 (the plan keeps a bit per token beside 8 flag bits in an int32), and a
+    40-token request holds two whole tiles, which the tile kernel takes."""
+    from openmsa.ops.attention import api as attention_api
+    from openmsa.ops.attention import prefill
+    for key, value in dict(prefill_min_tokens=1, tile_rows=64, tile_waste=1e9).items():
+        monkeypatch.setitem(attention_api.TUNING, key, value)
+    dtype = _attention_dtype(kernel_device)
+    q_lens, seq_lens = [40, 2], [150, 40]
+
+    def step_of(seed):
+        return make_step(q_lens, seq_lens, block_size=B,
+                         generator=torch.Generator().manual_seed(seed))
+    step, dstep = step_of(5), _to(step_of(5), kernel_device)
+    qi, ci = random_index_inputs(step, num_heads=1, head_dim=16, block_size=B,
+                                 q_dtype=torch.float32, cache_dtype=torch.float32,
+                                 generator=torch.Generator().manual_seed(6))
+    idx = ref.select_blocks(qi, ci, step.cu_seqlens_q, step.seq_lens, step.block_table, topk=4,
+                            block_size=B)
+    k, v = random_kv_cache(step.num_pages, B, 2, 64, dtype=dtype, layout="flash",
+                           generator=torch.Generator().manual_seed(7))
+    q = torch.randn(step.num_tokens, 2, 64, generator=torch.Generator().manual_seed(8)).to(dtype)
+    want = ref.sparse_attention(q, k, v, idx, step.cu_seqlens_q, step.seq_lens, step.block_table,
+                                block_size=B)
+    flags = []
+    monkeypatch.setattr(prefill, "_tile_plan_kernel",
+                        RecordingKernel(prefill._tile_plan_kernel, flags, arg=4))
+    got = openmsa.sparse_attention(q.to(kernel_device), to_device(k, kernel_device),
+                                   to_device(v, kernel_device), idx.to(kernel_device),
+                                   dstep.cu_seqlens_q, dstep.seq_lens, dstep.block_table,
+                                   block_size=B)
+    assert_close(got, want)
+    taken = (flags[0] >= 0).cpu()
+    assert taken.shape == (3, 2) and taken[:2].all() and not taken[2].any()
+
+
 def _tiles_taken(idx, step, block, qt, num_kv_heads, waste):
     """[tiles, Hkv]: 1 where a tile of qt tokens lies in one request, no page of the union holds
     two of the tokens' selected blocks, and the union of their selected pages, times qt, is at

@@ -208,7 +208,8 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
     sub = min(block_size, sub)
     steps = topk * (block_size // sub)
     group_pad = max(1, _next_pow2(group))
-    tile_qt = TUNING["tile_rows"] // group_pad if prefill and TUNING["tile"] else 0
+    # (at most 16 tokens per tile: the plan keeps a bit per token beside 8 flag bits in an int32)
+    tile_qt = min(TUNING["tile_rows"] // group_pad, 16) if prefill and TUNING["tile"] else 0
     ieee = q.dtype == torch.float32
     f16_compute = k_cache.dtype == FP8 and not ieee and TUNING["fp8_f16_compute"]
     v_pairs = f16_compute and TUNING["fp8_v_pairs"] and _reads_as_pairs(v_cache)

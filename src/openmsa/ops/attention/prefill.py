@@ -82,25 +82,27 @@ def _tile_plan_kernel(idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr, blocks_ptr, union_p
     e_pages = tl.load(bt_ptr + r.to(tl.int64) * stride_btr + tl.where(e_ok, e_ids, 0) * stride_btb,
                       mask=e_ok, other=-1)
     e_pages = tl.where(e_ok & (e_pages >= 0), e_pages, NO_PAGE)
-    # useful entries (a token's repeated id counts once) against the union's size
+    # one OR-reduction over the [N, N] entry pairs answers, per entry i: bit 0, does an
+    # earlier entry hold its page (then i is not the page's first); bit 1, does an earlier entry
+    # of its own token (a repeated id, counted once); bit 2, does an entry hold its page under
+    # another block id (a table mapping two of the request's blocks to one page would need two
+    # causal cuts for one page: such a tile goes to the per-token kernel); bits 8 + k: did
+    # token k select its page (QT <= 16, api.py caps it)
+    live = e_pages != NO_PAGE
+    e_blk = tl.where(live, e_ids, -1)
     earlier = e[None, :] < e[:, None]
     same = e_pages[None, :] == e_pages[:, None]
     same_tok = (e[None, :] // KP) == (e[:, None] // KP)
-    repeat = tl.max((earlier & same_tok & same).to(tl.int32), axis=1) > 0
-    useful = tl.sum(((e_pages != NO_PAGE) & ~repeat).to(tl.int32), axis=0)
-    # the union: an entry is the first of its page when no earlier entry has that page; its
-    # slot is its rank among first entries by page (distinct pages: ascending page order)
-    first = (e_pages != NO_PAGE) & (tl.max((earlier & same).to(tl.int32), axis=1) == 0)
+    pairs = ((same & earlier).to(tl.int32) | ((same & earlier & same_tok).to(tl.int32) << 1)
+             | ((same & (e_blk[None, :] != e_blk[:, None])).to(tl.int32) << 2)
+             | tl.where(same, 1 << (8 + e // KP)[None, :], 0))
+    flags = tl.reduce(pairs, 1, _bit_or)  # [N]
+    useful = tl.sum((live & ((flags & 2) == 0)).to(tl.int32), axis=0)
+    # the union: the first entry of each page; its slot is its rank among first entries by
+    # page (distinct pages: ascending page order)
+    first = live & ((flags & 1) == 0)
     num_blocks = tl.sum(first.to(tl.int32), axis=0)
-    # per union page: its block id, and a bit per token of the tile that selected it. A table
-    # mapping two of the request's blocks to one page (never in a sane engine) would need two
-    # causal cuts for one page: such a tile goes to the per-token kernel
-    live = e_pages != NO_PAGE
-    e_blk = tl.where(live, e_ids, -1)
-    blk_hi = tl.max(tl.where(same, e_blk[None, :], -1), axis=1)  # [N]
-    blk_lo = tl.min(tl.where(same & live[None, :], e_blk[None, :], 2**31 - 1), axis=1)
-    aliased = tl.max((live & (blk_hi != blk_lo)).to(tl.int32), axis=0) > 0
-    tok_bits = tl.reduce(tl.where(same, 1 << (e // KP)[None, :], 0), 1, _bit_or)  # [N]
+    aliased = tl.max((live & ((flags & 4) != 0)).to(tl.int32), axis=0) > 0
     take = whole & (num_blocks * QT <= waste * useful) & ~aliased
     item = tile * NUM_KV_HEADS + g
     tl.store(blocks_ptr + item, tl.where(take, num_blocks, -1))
@@ -108,8 +110,8 @@ def _tile_plan_kernel(idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr, blocks_ptr, union_p
     rank = tl.sum((first[None, :] & (e_pages[None, :] < e_pages[:, None])).to(tl.int32), axis=1)
     slot = union_ptr + item.to(tl.int64) * (3 * N) + tl.where(first, rank, 0)
     tl.store(slot, e_pages, mask=take & first)
-    tl.store(slot + N, blk_hi, mask=take & first)
-    tl.store(slot + 2 * N, tok_bits, mask=take & first)
+    tl.store(slot + N, e_ids, mask=take & first)  # one block id per page (not aliased)
+    tl.store(slot + 2 * N, flags >> 8, mask=take & first)
 
 
 @triton.jit
