@@ -122,6 +122,8 @@ CASES = {
     # with b32-32k and b32-128k: time against blocks per program (B = 32 launches 256 programs
     # at every L, so the per-program block count is L / 1K: 8 / 16 / 32 / 128); b8-128k and
     # b1-1m launch the same 256 x 32 blocks as b32-32k over 8 requests and one
+    "idx-fp8-b128-32k-q4": lambda: _indexer("fp8", 128, 32768, 4, 4),
+    "idx-fp8-b64-128k-tp4": lambda: _indexer("fp8", 64, 131072, 1, 1),
     "idx-fp8-b32-8k": lambda: _indexer("fp8", 32, 8192, 1, 4),
     "idx-fp8-b32-16k": lambda: _indexer("fp8", 32, 16384, 1, 4),
     "idx-fp8-b8-128k": lambda: _indexer("fp8", 8, 131072, 1, 4),
