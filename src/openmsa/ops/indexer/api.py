@@ -34,7 +34,7 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               decode_split_major=False, tile_quick_exit=True, tile_overlap=False,
               prefill_reverse_tiles=True, prefill_reverse_splits=False,
               prefill_split_major=False, select_chunk=128,
-              use_max_q_len=True)
+              use_max_q_len=True, select_pdl_decode=False)
 # decode_pages_early: the decode launch loads its split's page ids before (not after) cu_seqlens_q
 # and seq_lens, one memory latency less before the first key load; decode_one_loop: one
 # causal-masked loop over the split (the mask costs little on 16 rows) instead of an unmasked
@@ -164,10 +164,12 @@ def _pdl(device: torch.device) -> bool:
 
 
 def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, local_blocks,
-                  block_size) -> None:
+                  block_size, after_one_wave: bool = False) -> None:
     """Top-k per (token, head) row of `scores` into `out`; rows are cut into segments of
     TUNING["select_segment"] blocks (one program each), merged by a second launch when there
-    are several."""
+    are several. after_one_wave: the scores come from the request launch alone (a decode or
+    verify step), whose programs all start at once, so a selection launched early cannot
+    hold SM slots that scoring programs still wait for."""
     from .select import _merge_topk_kernel, _segment_topk_kernel
 
     num_tokens, num_heads, max_blocks = scores.shape
@@ -189,7 +191,7 @@ def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, loc
     # launch latency there (small decode steps), while a many-program selection launched early
     # cost a prefill chunk more than it hid (8K chunk, no context: fp8 74 -> 93 µs, bf16 108 ->
     # 127; the selection kernel 22 -> 41 µs; tune.py and profile_case.py --breakdown, one call)
-    pdl = _pdl(scores.device) and by_sort
+    pdl = _pdl(scores.device) and (by_sort or (after_one_wave and TUNING["select_pdl_decode"]))
     if not by_sort:
         seg = segment(int(TUNING["select_segment"] * TUNING["select_search_scale"]))
     num_segments = -(-max(max_blocks, 1) // seg)
@@ -294,7 +296,9 @@ def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, 
                          device=index_q.device)
     launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores,
                         block_size, max_q_len)
+    hinted = TUNING["use_max_q_len"] and max_q_len is not None and max_q_len <= SMALL_Q
     launch_select(scores, cu_seqlens_q, seq_lens, out, topk=topk, init_blocks=init_blocks,
-                  local_blocks=local_blocks, block_size=block_size)
+                  local_blocks=local_blocks, block_size=block_size,
+                  after_one_wave=num_tokens <= SMALL_Q or hinted)
     return out
 
