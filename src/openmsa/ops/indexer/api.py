@@ -34,7 +34,7 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               decode_split_major=False, tile_quick_exit=True, tile_overlap=False,
               prefill_reverse_tiles=True, prefill_reverse_splits=False,
               prefill_split_major=False, select_chunk=128,
-              use_max_q_len=True, select_pdl_decode=False)
+              use_max_q_len=True, select_segment_fill=True)
 # decode_pages_early: the decode launch loads its split's page ids before (not after) cu_seqlens_q
 # and seq_lens, one memory latency less before the first key load; decode_one_loop: one
 # causal-masked loop over the split (the mask costs little on 16 rows) instead of an unmasked
@@ -164,12 +164,10 @@ def _pdl(device: torch.device) -> bool:
 
 
 def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, local_blocks,
-                  block_size, after_one_wave: bool = False) -> None:
+                  block_size) -> None:
     """Top-k per (token, head) row of `scores` into `out`; rows are cut into segments of
     TUNING["select_segment"] blocks (one program each), merged by a second launch when there
-    are several. after_one_wave: the scores come from the request launch alone (a decode or
-    verify step), whose programs all start at once, so a selection launched early cannot
-    hold SM slots that scoring programs still wait for."""
+    are several."""
     from .select import _merge_topk_kernel, _segment_topk_kernel
 
     num_tokens, num_heads, max_blocks = scores.shape
@@ -184,14 +182,23 @@ def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, loc
     # few programs (decode at small batch): a bitonic top-k on 4 warps has the shortest latency;
     # many (prefill, large batches): the threshold search on one warp per row has the most
     # throughput, on segments select_search_scale times longer (select.py; docs/performance.md)
-    programs = num_tokens * num_heads * -(-max(max_blocks, 1) // seg)
-    by_sort = programs < TUNING["select_sort_waves"] * _programs_per_wave(scores.device)
+    rows = num_tokens * num_heads
+    programs = rows * -(-max(max_blocks, 1) // seg)
+    sort_limit = TUNING["select_sort_waves"] * _programs_per_wave(scores.device)
+    by_sort = programs < sort_limit
+    if by_sort and TUNING["select_segment_fill"]:
+        # few rows of many blocks (TP4 decode, B = 1 at 1M): shorter segments, as many
+        # programs as the sort path takes; each sort is shorter, a merge launch joins them
+        for width in (256, 512):
+            if width < seg and rows * -(-max(max_blocks, 1) // segment(width)) < sort_limit:
+                seg = segment(width)
+                break
     warps = TUNING["select_warps"] if by_sort else 1
     # programmatic dependent launch only for the few programs of the sort path: it hides a
     # launch latency there (small decode steps), while a many-program selection launched early
     # cost a prefill chunk more than it hid (8K chunk, no context: fp8 74 -> 93 µs, bf16 108 ->
     # 127; the selection kernel 22 -> 41 µs; tune.py and profile_case.py --breakdown, one call)
-    pdl = _pdl(scores.device) and (by_sort or (after_one_wave and TUNING["select_pdl_decode"]))
+    pdl = _pdl(scores.device) and by_sort
     if not by_sort:
         seg = segment(int(TUNING["select_segment"] * TUNING["select_search_scale"]))
     num_segments = -(-max(max_blocks, 1) // seg)
@@ -296,9 +303,7 @@ def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, 
                          device=index_q.device)
     launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores,
                         block_size, max_q_len)
-    hinted = TUNING["use_max_q_len"] and max_q_len is not None and max_q_len <= SMALL_Q
     launch_select(scores, cu_seqlens_q, seq_lens, out, topk=topk, init_blocks=init_blocks,
-                  local_blocks=local_blocks, block_size=block_size,
-                  after_one_wave=num_tokens <= SMALL_Q or hinted)
+                  local_blocks=local_blocks, block_size=block_size)
     return out
 
