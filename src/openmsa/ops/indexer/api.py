@@ -61,7 +61,12 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
 # 189 -> 172, after 1M 1520 -> 1442 and 1452 -> 1343 (less than the occupancy promised: the
 # selection is not bound by the number of programs per SM alone)
 # select_segment: blocks of a score row per selection program (a 1M-token row of 8192 blocks
-# takes 8, merged by a second launch)
+# takes 8, merged by a second launch). select_segment_fill: on the sort path, 256- or 512-block
+# segments while the program count stays under the sort path's limit (few long rows: TP4
+# decode, B = 1 at 1M): tune.py (a569483) TP4 fp8 B = 64 128K 249.2 -> 245.7 µs, bf16 B = 8 128K
+# q_len 4 71.6 -> 69.2, fp8 1M B = 1 40.1 -> 39.6; TP4 B = 32 128K 127.9 -> 128.8, the rest
+# within 0.6 µs. (Launching the search path early after a decode step's one-wave scoring
+# launch, tried beside it, cost B = 128 32K q_len 4 131.8 -> 135.2 and was removed.)
 # pdl: the selection and merge launches are programmatic dependent launches (CUDA only): each
 # starts while its predecessor runs and waits (griddepcontrol.wait) before reading its output,
 # which hides a launch's latency on the small decode steps: graph-replayed call time at B = 1
