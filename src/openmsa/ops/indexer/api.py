@@ -168,6 +168,31 @@ def _pdl(device: torch.device) -> bool:
     return TUNING["pdl"] and device.type == "cuda"
 
 
+def _selection_layout(rows: int, max_blocks: int, kp: int, per_wave: int) -> tuple[int, bool]:
+    """(blocks per selection program, whether the launch takes the sort path) for `rows` score
+    rows of max_blocks blocks; a function of shapes only (graph-safe)."""
+
+    def segment(width):
+        return max(2 * kp, min(width, _next_pow2(max(max_blocks, 1))))
+
+    def programs(width):
+        return rows * -(-max(max_blocks, 1) // segment(width))
+
+    # few programs (decode at small batch): a bitonic top-k on 4 warps has the shortest latency;
+    # many (prefill, large batches): the threshold search on one warp per row has the most
+    # throughput, on segments select_search_scale times longer (select.py; docs/performance.md)
+    sort_limit = TUNING["select_sort_waves"] * per_wave
+    if programs(TUNING["select_segment"]) >= sort_limit:
+        return segment(int(TUNING["select_segment"] * TUNING["select_search_scale"])), False
+    if TUNING["select_segment_fill"]:
+        # few rows of many blocks (TP4 decode, B = 1 at 1M): shorter segments, as many
+        # programs as the sort path takes; each sort is shorter, a merge launch joins them
+        for width in (256, 512):
+            if width < segment(TUNING["select_segment"]) and programs(width) < sort_limit:
+                return segment(width), True
+    return segment(TUNING["select_segment"]), True
+
+
 def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, local_blocks,
                   block_size) -> None:
     """Top-k per (token, head) row of `scores` into `out`; rows are cut into segments of
@@ -179,33 +204,14 @@ def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, loc
     if num_tokens == 0:
         return
     kp = _next_pow2(topk)
-
-    def segment(width):
-        return max(2 * kp, min(width, _next_pow2(max(max_blocks, 1))))
-
-    seg = segment(TUNING["select_segment"])
-    # few programs (decode at small batch): a bitonic top-k on 4 warps has the shortest latency;
-    # many (prefill, large batches): the threshold search on one warp per row has the most
-    # throughput, on segments select_search_scale times longer (select.py; docs/performance.md)
-    rows = num_tokens * num_heads
-    programs = rows * -(-max(max_blocks, 1) // seg)
-    sort_limit = TUNING["select_sort_waves"] * _programs_per_wave(scores.device)
-    by_sort = programs < sort_limit
-    if by_sort and TUNING["select_segment_fill"]:
-        # few rows of many blocks (TP4 decode, B = 1 at 1M): shorter segments, as many
-        # programs as the sort path takes; each sort is shorter, a merge launch joins them
-        for width in (256, 512):
-            if width < seg and rows * -(-max(max_blocks, 1) // segment(width)) < sort_limit:
-                seg = segment(width)
-                break
+    seg, by_sort = _selection_layout(num_tokens * num_heads, max_blocks, kp,
+                                     _programs_per_wave(scores.device))
     warps = TUNING["select_warps"] if by_sort else 1
     # programmatic dependent launch only for the few programs of the sort path: it hides a
     # launch latency there (small decode steps), while a many-program selection launched early
     # cost a prefill chunk more than it hid (8K chunk, no context: fp8 74 -> 93 µs, bf16 108 ->
     # 127; the selection kernel 22 -> 41 µs; tune.py and profile_case.py --breakdown, one call)
     pdl = _pdl(scores.device) and by_sort
-    if not by_sort:
-        seg = segment(int(TUNING["select_segment"] * TUNING["select_search_scale"]))
     num_segments = -(-max(max_blocks, 1) // seg)
     single = num_segments == 1
     cand = out if single else torch.empty((num_tokens, num_heads, num_segments, kp),

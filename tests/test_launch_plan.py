@@ -1,0 +1,61 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The host-side launch decisions that shape a kernel's grid, as plain functions of the step's
+shapes: the attention split count and the indexer's selection layout, on an H200's 132 SMs.
+The cases are the M3 shapes whose measured times chose the rules (docs/performance.md)."""
+
+import pytest
+import torch
+
+from openmsa.ops.attention import api as attention_api
+from openmsa.ops.indexer import api as indexer_api
+
+pytestmark = pytest.mark.reference
+
+CUDA = torch.device("cuda")  # a device object only: nothing runs on it
+
+
+@pytest.fixture
+def h200(monkeypatch):
+    monkeypatch.setattr(attention_api, "num_sms", lambda device: 132)
+
+
+@pytest.mark.parametrize("pairs, steps, sub, want", [
+    (32, 16, 128, 4),   # TP1 B=8 q_len 1, TP4 B=8 q_len 4: 4 fused splits, no merge launch
+    (16, 16, 128, 8),   # TP1 B=1 q_len 4: 4 fused splits would leave half the SMs idle
+    (40, 16, 128, 6),   # 4 fused splits would put 2 programs on some SMs: merge launch wins
+    (4, 32, 64, 16),    # B=1 decode, 64-key steps: 16 splits and a merge launch
+    (256, 16, 128, 1),  # TP1 B=64: one round of whole selections
+])
+def test_attention_split_count(h200, pairs, steps, sub, want):
+    assert attention_api._num_splits(pairs, 1, steps, CUDA, 2, sub) == want
+
+
+def test_attention_split_count_without_the_merge_charge(h200, monkeypatch):
+    monkeypatch.setitem(attention_api.TUNING, "merge_launch_keys", 0)
+    assert attention_api._num_splits(32, 1, 16, CUDA, 2, 128) == 8  # the rule before a merge
+    # launch was charged (measured 13.1 µs against 12.4 with 4 fused splits)
+
+
+def test_attention_split_count_is_bounded_by_steps(h200):
+    # never more splits than steps / min_steps_per_split, never fewer than one
+    for pairs in (1, 3, 8, 33, 500, 5000):
+        for steps in (1, 2, 16, 32):
+            s = attention_api._num_splits(pairs, 1, steps, CUDA, 2, 128)
+            assert 1 <= s <= max(1, steps // attention_api.TUNING["min_steps_per_split"])
+
+
+@pytest.mark.parametrize("rows, blocks, want", [
+    (64, 1024, (256, True)),    # TP4 B=64 128K: 4 segments of 256 on the sort path
+    (128, 1024, (512, True)),   # TP1 B=32 128K: 256 programs stay under the sort path's 264
+    (4, 8192, (256, True)),     # B=1 at 1M: 128 programs
+    (128, 256, (256, True)),    # B=32 32K: a row is one segment
+    (2048, 256, (256, False)),  # B=128 32K q_len 4: the threshold search, one warp per row
+    (32768, 1000, (1024, False)),  # an 8K prefill chunk after 120K (4 heads)
+])
+def test_selection_layout(rows, blocks, want):
+    assert indexer_api._selection_layout(rows, blocks, 16, 132) == want
+
+
+def test_selection_layout_without_fill(monkeypatch):
+    monkeypatch.setitem(indexer_api.TUNING, "select_segment_fill", False)
+    assert indexer_api._selection_layout(64, 1024, 16, 132) == (1024, True)
