@@ -10,6 +10,7 @@ from ..._checks import FP8
 from ..._dispatch import next_pow2 as _next_pow2
 from ..._dispatch import num_sms, scale_args, use_kernels
 from ...support import attention_unsupported_reason
+from ..common.launch import launch
 from . import reference
 from .checks import check_attention_args, check_page_table_args
 
@@ -94,8 +95,10 @@ _RETIRED: list[torch.Tensor] = []
 def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     if device.type != "cuda":
         return torch.zeros(n, dtype=torch.int32, device=device)
-    key = (device.index if device.index is not None else torch.cuda.current_device(),
-           torch.cuda.current_stream(device).cuda_stream)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    # the raw query: torch.cuda.current_stream() builds a Stream object (8 µs on the H200
+    # machine's host, benchmarks/host_cost.py)
+    key = (index, torch._C._cuda_getCurrentRawStream(index))
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < n:
         if buf is not None:
@@ -255,45 +258,45 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
         # per (tile, KV head): the union's page ids, block ids and token bits (prefill.py)
         union = torch.empty((num_tiles * num_kv_heads, 3, tile_qt * kp), dtype=torch.int32,
                             device=device)
-        _tile_plan_kernel[(num_tiles, num_kv_heads)](
-            indices, cu_seqlens_q, seq_lens, block_table, blocks, union,
-            float(TUNING["tile_waste"]), seq_lens.shape[0], *indices.stride(),
-            *block_table.stride(), NUM_KV_HEADS=num_kv_heads, NUM_INDEX_HEADS=indices.shape[1],
-            QT=tile_qt, BLOCK=block_size, TOPK=topk, KP=kp,
-            num_warps=TUNING["tile_plan_warps"])
+        launch(_tile_plan_kernel, (num_tiles, num_kv_heads),
+               indices, cu_seqlens_q, seq_lens, block_table, blocks, union,
+               float(TUNING["tile_waste"]), seq_lens.shape[0], *indices.stride(),
+               *block_table.stride(), NUM_KV_HEADS=num_kv_heads, NUM_INDEX_HEADS=indices.shape[1],
+               QT=tile_qt, BLOCK=block_size, TOPK=topk, KP=kp,
+               num_warps=TUNING["tile_plan_warps"])
         items = num_tiles * num_kv_heads
         persistent = TUNING["tile_persistent_fp8" if fp8 else "tile_persistent"]
         # (persistent under the interpreter: 3 programs, each walking several items)
         programs = items if not persistent else min(
             items, TUNING["tile_resident"] * num_sms(device) if device.type == "cuda" else 3)
-        _sparse_attention_tile_kernel[(programs,)](
-            q, k_cache, v_cache, cu_seqlens_q, seq_lens, out, lse, blocks, union, ks, vs,
-            sm_scale, seq_lens.shape[0], items, *q.stride(), *k_cache.stride(),
-            *v_cache.stride(), *out.stride(), *lse.stride(), NUM_KV_HEADS=num_kv_heads,
-            G=group, GP=group_pad, QT=tile_qt, D=head_dim, BLOCK=block_size, KP=kp,
-            SUB=min(block_size, TUNING["tile_sub_fp8" if fp8 else "tile_sub"]),
-            HAS_SCALE=has_scale, IEEE=ieee, F16_COMPUTE=f16_compute,
-            LAZY_MASK=TUNING["tile_lazy_mask"], PERSISTENT=persistent,
-            num_warps=TUNING["tile_warps"],
-            num_stages=TUNING["tile_stages_fp8" if fp8 else "tile_stages"])
+        launch(_sparse_attention_tile_kernel, (programs,),
+               q, k_cache, v_cache, cu_seqlens_q, seq_lens, out, lse, blocks, union, ks, vs,
+               sm_scale, seq_lens.shape[0], items, *q.stride(), *k_cache.stride(),
+               *v_cache.stride(), *out.stride(), *lse.stride(), NUM_KV_HEADS=num_kv_heads,
+               G=group, GP=group_pad, QT=tile_qt, D=head_dim, BLOCK=block_size, KP=kp,
+               SUB=min(block_size, TUNING["tile_sub_fp8" if fp8 else "tile_sub"]),
+               HAS_SCALE=has_scale, IEEE=ieee, F16_COMPUTE=f16_compute,
+               LAZY_MASK=TUNING["tile_lazy_mask"], PERSISTENT=persistent,
+               num_warps=TUNING["tile_warps"],
+               num_stages=TUNING["tile_stages_fp8" if fp8 else "tile_stages"])
     else:
         tile_qt, blocks = 0, lse
-    _sparse_attention_kernel[(num_tokens, num_kv_heads, splits)](
-        q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, out, lse, part_out,
-        part_lse, counters, blocks, ks, vs, sm_scale, seq_lens.shape[0], *q.stride(),
-        *k_cache.stride(), *v_cache.stride(), *indices.stride(), *block_table.stride(),
-        *out.stride(), *lse.stride(), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
-        NUM_INDEX_HEADS=indices.shape[1], G=group, M=max(16, _next_pow2(group)), D=head_dim,
-        BLOCK=block_size, TOPK=topk, KP=_next_pow2(topk), SUB=sub, STEPS=steps_per_split,
-        SPLITS=splits, HAS_SCALE=has_scale, IEEE=ieee, F16_COMPUTE=f16_compute,
-        FUSED_MERGE=fused, TILE_QT=tile_qt, V_PAIRS=v_pairs, PTX=device.type == "cuda",
-        GUESS=TUNING["request_guess"], SP=_next_pow2(splits),
-        PDL=pdl, num_warps=warps, num_stages=stages)
+    launch(_sparse_attention_kernel, (num_tokens, num_kv_heads, splits),
+           q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, out, lse, part_out,
+           part_lse, counters, blocks, ks, vs, sm_scale, seq_lens.shape[0], *q.stride(),
+           *k_cache.stride(), *v_cache.stride(), *indices.stride(), *block_table.stride(),
+           *out.stride(), *lse.stride(), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
+           NUM_INDEX_HEADS=indices.shape[1], G=group, M=max(16, _next_pow2(group)), D=head_dim,
+           BLOCK=block_size, TOPK=topk, KP=_next_pow2(topk), SUB=sub, STEPS=steps_per_split,
+           SPLITS=splits, HAS_SCALE=has_scale, IEEE=ieee, F16_COMPUTE=f16_compute,
+           FUSED_MERGE=fused, TILE_QT=tile_qt, V_PAIRS=v_pairs, PTX=device.type == "cuda",
+           GUESS=TUNING["request_guess"], SP=_next_pow2(splits),
+           PDL=pdl, num_warps=warps, num_stages=stages)
     if splits > 1 and not fused:
-        _merge_splits_kernel[(num_tokens, num_heads)](
-            part_out, part_lse, out, lse, *out.stride(), *lse.stride(), NUM_HEADS=num_heads,
-            D=head_dim, SPLITS=splits, SP=_next_pow2(splits), PDL=pdl, num_warps=4,
-            launch_pdl=pdl)
+        launch(_merge_splits_kernel, (num_tokens, num_heads),
+               part_out, part_lse, out, lse, *out.stride(), *lse.stride(), NUM_HEADS=num_heads,
+               D=head_dim, SPLITS=splits, SP=_next_pow2(splits), PDL=pdl, num_warps=4,
+               launch_pdl=pdl)
     return (out, lse) if return_lse else out
 
 
@@ -328,9 +331,9 @@ def sparse_page_table(indices, cu_seqlens_q, seq_lens, block_table, *, num_kv_he
                         device=indices.device)
     lens = torch.empty(num_tokens * num_kv_heads, dtype=torch.int32, device=indices.device)
     if num_tokens:
-        _sparse_page_table_kernel[(num_tokens, num_kv_heads)](
-            indices, cu_seqlens_q, seq_lens, block_table, pages, lens, seq_lens.shape[0],
-            *indices.stride(), *block_table.stride(), *pages.stride(),
-            NUM_KV_HEADS=num_kv_heads, NUM_INDEX_HEADS=num_index_heads, TOPK=topk,
-            KP=_next_pow2(topk), BLOCK=block_size, SUB=sub_page_size, num_warps=1)
+        launch(_sparse_page_table_kernel, (num_tokens, num_kv_heads),
+               indices, cu_seqlens_q, seq_lens, block_table, pages, lens, seq_lens.shape[0],
+               *indices.stride(), *block_table.stride(), *pages.stride(),
+               NUM_KV_HEADS=num_kv_heads, NUM_INDEX_HEADS=num_index_heads, TOPK=topk,
+               KP=_next_pow2(topk), BLOCK=block_size, SUB=sub_page_size, num_warps=1)
     return pages, lens

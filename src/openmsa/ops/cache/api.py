@@ -11,6 +11,7 @@ import torch
 from ..._checks import FP8
 from ..._dispatch import next_pow2 as _next_pow2
 from ..._dispatch import scale_args, use_kernels
+from ..common.launch import launch
 from . import reference
 from .checks import check_index_write, check_kv_write
 
@@ -31,10 +32,10 @@ def write_index_cache(index_k, index_cache, slot_mapping) -> None:
     num_tokens, dim = index_k.shape
     if num_tokens == 0:
         return None
-    _write_index_cache_kernel[(num_tokens,)](
-        index_k, index_cache, slot_mapping, *index_k.stride(), *index_cache.stride(),
-        BLOCK=index_cache.shape[1], DI=dim, DIP=_next_pow2(dim),
-        SATURATE=index_cache.dtype == FP8)
+    launch(_write_index_cache_kernel, (num_tokens,),
+           index_k, index_cache, slot_mapping, *index_k.stride(), *index_cache.stride(),
+           BLOCK=index_cache.shape[1], DI=dim, DIP=_next_pow2(dim),
+           SATURATE=index_cache.dtype == FP8)
     return None
 
 
@@ -56,11 +57,11 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scal
     if num_tokens == 0:
         return None
     has_scale, ks, vs = scale_args(k_scale, v_scale, k.device, k)
-    _write_kv_cache_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping, ks, vs, *k.stride(), *v.stride(),
-        *k_cache.stride(), *v_cache.stride(), BLOCK=k_cache.shape[1], HKV=num_kv_heads,
-        HKVP=_next_pow2(num_kv_heads), D=head_dim, DP=_next_pow2(head_dim),
-        SATURATE=k_cache.dtype == FP8, HAS_SCALE=has_scale)
+    launch(_write_kv_cache_kernel, (num_tokens,),
+           k, v, k_cache, v_cache, slot_mapping, ks, vs, *k.stride(), *v.stride(),
+           *k_cache.stride(), *v_cache.stride(), BLOCK=k_cache.shape[1], HKV=num_kv_heads,
+           HKVP=_next_pow2(num_kv_heads), D=head_dim, DP=_next_pow2(head_dim),
+           SATURATE=k_cache.dtype == FP8, HAS_SCALE=has_scale)
     return None
 
 
@@ -127,14 +128,14 @@ def fused_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_
     ht = min(PREPARE_HEAD_TILE, _next_pow2(max(hq, hkv, h)))
     tiles = -(-hq // ht) + -(-hkv // ht) + -(-h // ht) + 1
     has_scale, ks, vs = scale_args(k_scale, v_scale, qkv.device, qkv)
-    _fused_prepare_kernel[(num_tokens, tiles)](
-        qkv, positions, q_norm_weight, k_norm_weight, index_q_norm_weight, index_k_norm_weight,
-        table, k_cache, v_cache, slot_mapping, index_cache, index_slot_mapping, ks, vs, q_out,
-        index_q_out, float(config.rms_norm_eps), *qkv.stride(), *k_cache.stride(),
-        *v_cache.stride(), *index_cache.stride(), *q_out.stride(), *index_q_out.stride(),
-        HQ=hq, HKV=hkv, H=h, D=d, DI=di, DP=_next_pow2(d), DIP=_next_pow2(di),
-        ROT=config.rotary_dim, NCOARSE=ROPE_MAX_POSITION // 1024, BLOCK=k_cache.shape[1],
-        IBLOCK=index_cache.shape[1], HT=ht, KV_SATURATE=k_cache.dtype == FP8,
-        INDEX_SATURATE=index_cache.dtype == FP8, IQ_SATURATE=index_q_out.dtype == FP8,
-        HAS_SCALE=has_scale, num_warps=4)
+    launch(_fused_prepare_kernel, (num_tokens, tiles),
+           qkv, positions, q_norm_weight, k_norm_weight, index_q_norm_weight, index_k_norm_weight,
+           table, k_cache, v_cache, slot_mapping, index_cache, index_slot_mapping, ks, vs, q_out,
+           index_q_out, float(config.rms_norm_eps), *qkv.stride(), *k_cache.stride(),
+           *v_cache.stride(), *index_cache.stride(), *q_out.stride(), *index_q_out.stride(),
+           HQ=hq, HKV=hkv, H=h, D=d, DI=di, DP=_next_pow2(d), DIP=_next_pow2(di),
+           ROT=config.rotary_dim, NCOARSE=ROPE_MAX_POSITION // 1024, BLOCK=k_cache.shape[1],
+           IBLOCK=index_cache.shape[1], HT=ht, KV_SATURATE=k_cache.dtype == FP8,
+           INDEX_SATURATE=index_cache.dtype == FP8, IQ_SATURATE=index_q_out.dtype == FP8,
+           HAS_SCALE=has_scale, num_warps=4)
     return q_out, index_q_out

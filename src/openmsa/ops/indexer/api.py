@@ -10,6 +10,7 @@ from ..._checks import FP8, HALF
 from ..._dispatch import next_pow2 as _next_pow2
 from ..._dispatch import num_sms, use_kernels
 from ...support import indexer_unsupported_reason
+from ..common.launch import launch
 from . import reference
 from .checks import check_indexer_args, check_select_args
 
@@ -136,12 +137,12 @@ def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_tabl
     # skipped by the hint alone, the tile launch's requests go to the request launch, which then
     # takes any q_len (ANY_Q); with T <= SMALL_Q no request can be longer, and the bound stays
     any_q = only_requests and num_tokens > SMALL_Q
-    _block_scores_kernel[grid](*args, BPS=bps, TILE_MODE=False, ROWS_T=rows_t, **common,
-                               SMALL_Q=ANY_Q if any_q else SMALL_Q,
-                               KEYS_AS_ROWS=keys_as_rows, num_warps=TUNING["decode_warps"],
-                               num_stages=TUNING["decode_stages"], table_width=max_blocks,
-                               PAGES_EARLY=TUNING["decode_pages_early"],
-                               ONE_LOOP=TUNING["decode_one_loop"], SPLIT_MAJOR=split_major)
+    launch(_block_scores_kernel, grid, *args, BPS=bps, TILE_MODE=False, ROWS_T=rows_t, **common,
+           SMALL_Q=ANY_Q if any_q else SMALL_Q,
+           KEYS_AS_ROWS=keys_as_rows, num_warps=TUNING["decode_warps"],
+           num_stages=TUNING["decode_stages"], table_width=max_blocks,
+           PAGES_EARLY=TUNING["decode_pages_early"],
+           ONE_LOOP=TUNING["decode_one_loop"], SPLIT_MAJOR=split_major)
     # prefill chunks: tiles of packed tokens; with T <= SMALL_Q no request can be long
     if only_requests:
         return
@@ -153,15 +154,15 @@ def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_tabl
     if split_major:
         grid = grid[::-1]
     overlap = TUNING["tile_overlap"] and common["PDL"]
-    _block_scores_kernel[grid](*args, BPS=bps, TILE_MODE=True, ROWS_T=rows_t, **common,
-                               SPLIT_MAJOR=split_major,
-                               REVERSE_TILES=TUNING["prefill_reverse_tiles"],
-                               REVERSE_SPLITS=TUNING["prefill_reverse_splits"],
-                               SMALL_Q=SMALL_Q, KEYS_AS_ROWS=False,
-                               QUICK_EXIT=TUNING["tile_quick_exit"],
-                               WAIT_AT_END=overlap, launch_pdl=overlap,
-                               num_warps=TUNING["prefill_warps_fp8" if fp8 else "prefill_warps"],
-                               num_stages=TUNING["prefill_stages_fp8" if fp8 else "prefill_stages"])
+    launch(_block_scores_kernel, grid, *args, BPS=bps, TILE_MODE=True, ROWS_T=rows_t, **common,
+           SPLIT_MAJOR=split_major,
+           REVERSE_TILES=TUNING["prefill_reverse_tiles"],
+           REVERSE_SPLITS=TUNING["prefill_reverse_splits"],
+           SMALL_Q=SMALL_Q, KEYS_AS_ROWS=False,
+           QUICK_EXIT=TUNING["tile_quick_exit"],
+           WAIT_AT_END=overlap, launch_pdl=overlap,
+           num_warps=TUNING["prefill_warps_fp8" if fp8 else "prefill_warps"],
+           num_stages=TUNING["prefill_stages_fp8" if fp8 else "prefill_stages"])
 
 
 def _pdl(device: torch.device) -> bool:
@@ -230,17 +231,17 @@ def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, loc
         chunk = 0
     scratch = torch.empty((num_tokens, num_heads, num_segments, cap) if cap else (1,),
                           dtype=torch.int64, device=scores.device)
-    _segment_topk_kernel[(num_tokens, num_heads, num_segments)](
-        scores, cu_seqlens_q, seq_lens, out, cand, scratch, seq_lens.shape[0], num_segments,
-        *scores.stride(), *out.stride(), TOPK=topk, KP=kp, INIT=init_blocks, LOCAL=local_blocks,
-        BLOCK=block_size, SEG=seg, SINGLE=single, BY_SORT=by_sort, CAP=cap, NG=groups,
-        PDL=pdl, CH=chunk, num_warps=warps, launch_pdl=pdl)
+    launch(_segment_topk_kernel, (num_tokens, num_heads, num_segments),
+           scores, cu_seqlens_q, seq_lens, out, cand, scratch, seq_lens.shape[0], num_segments,
+           *scores.stride(), *out.stride(), TOPK=topk, KP=kp, INIT=init_blocks, LOCAL=local_blocks,
+           BLOCK=block_size, SEG=seg, SINGLE=single, BY_SORT=by_sort, CAP=cap, NG=groups,
+           PDL=pdl, CH=chunk, num_warps=warps, launch_pdl=pdl)
     if not single:
-        _merge_topk_kernel[(num_tokens, num_heads)](
-            cand, cu_seqlens_q, seq_lens, out, seq_lens.shape[0], num_segments, *out.stride(),
-            TOPK=topk, KP=kp, BLOCK=block_size, SEG=seg,
-            CANDP=_next_pow2(num_segments * kp), BY_SORT=by_sort, PDL=pdl, num_warps=warps,
-            launch_pdl=pdl)
+        launch(_merge_topk_kernel, (num_tokens, num_heads),
+               cand, cu_seqlens_q, seq_lens, out, seq_lens.shape[0], num_segments, *out.stride(),
+               TOPK=topk, KP=kp, BLOCK=block_size, SEG=seg,
+               CANDP=_next_pow2(num_segments * kp), BY_SORT=by_sort, PDL=pdl, num_warps=warps,
+               launch_pdl=pdl)
 
 
 def block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, block_size=128,
