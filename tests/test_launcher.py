@@ -1,0 +1,115 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tier 0 (CPU): the cached launch path of ops/common/launch.py with Triton's compile-and-launch
+replaced by a recorder, so its key and argument list are checked without a GPU (test_gpu.py runs
+the real thing: test_launcher_cache_keys_on_what_triton_specialises)."""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+import triton.runtime.jit as tjit
+
+from openmsa.ops.common import launch as launch_mod
+
+
+@triton.jit
+def _probe_kernel(x_ptr, y_ptr, n, stride, scale, N_DNS, A: tl.constexpr, B: tl.constexpr = 7):
+    pass
+
+
+_probe_kernel_dns = triton.jit(_probe_kernel.fn, do_not_specialize=["N_DNS"])
+
+
+class _Compiled:
+    """Stands for a CompiledKernel: records what the cached path hands its launcher."""
+
+    function = "function"
+    packed_metadata = "metadata"
+
+    def __init__(self, spec):
+        self.spec = spec
+        self.launches = []
+
+    def run(self, *args):
+        self.launches.append(args)
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    """JITFunction.run (kernel[grid]'s path) replaced: each call 'compiles' a new kernel."""
+    made = []
+
+    def fake_run(self, *args, grid, warmup, **kwargs):
+        made.append(_Compiled((args, kwargs)))
+        return made[-1]
+
+    monkeypatch.setattr(tjit.JITFunction, "run", fake_run)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234,
+                        raising=False)
+    return made
+
+
+def test_cached_path_passes_addresses_then_constexprs_in_signature_order(compiled):
+    launcher = launch_mod.Launcher(_probe_kernel)
+    x, y = torch.zeros(64), torch.zeros(64)
+    launcher((3, 2), x, y, 5, 32, 0.5, 9, A=4, num_warps=2)  # compiles
+    assert len(compiled) == 1 and not compiled[0].launches
+    launcher((3, 2), x, y, 5, 32, 0.25, 9, A=4, num_warps=2)  # cached (a float is not keyed)
+    assert len(compiled) == 1
+    (args,) = compiled[0].launches
+    assert args[:9] == (3, 2, 1, 1234, "function", "metadata", None, None, None)
+    assert args[9:] == (x.data_ptr(), y.data_ptr(), 5, 32, 0.25, 9, 4, 7)
+
+
+@pytest.mark.parametrize("change", ["misaligned", "dtype", "int value", "one", "constexpr",
+                                    "option"])
+def test_what_triton_specialises_misses_the_cache(compiled, change):
+    launcher = launch_mod.Launcher(_probe_kernel)
+    x, y = torch.zeros(64), torch.zeros(64)
+    base = dict(args=[x, y, 5, 32, 0.5, 9], kwargs=dict(A=4, num_warps=2))
+    launcher((1,), *base["args"], **base["kwargs"])
+    args, kwargs = list(base["args"]), dict(base["kwargs"])
+    if change == "misaligned":
+        args[0] = x[1:]  # 4 bytes off a 16-byte boundary
+    elif change == "dtype":
+        args[1] = y.half()
+    elif change == "int value":
+        args[3] = 48
+    elif change == "one":
+        args[2] = 1
+    elif change == "constexpr":
+        kwargs["A"] = 8
+    else:
+        kwargs["num_warps"] = 4
+    launcher((1,), *args, **kwargs)
+    assert len(compiled) == 2  # a miss: through kernel[grid], never the first kernel
+    assert not compiled[0].launches
+
+
+def test_do_not_specialize_ints_key_on_their_width_only(compiled):
+    launcher = launch_mod.Launcher(_probe_kernel_dns)
+    x, y = torch.zeros(64), torch.zeros(64)
+    for n in (9, 1, 16, 2 ** 20):
+        launcher((1,), x, y, 5, 32, 0.5, n, A=4)
+    assert len(compiled) == 1 and len(compiled[0].launches) == 3
+    launcher((1,), x, y, 5, 32, 0.5, 2 ** 40, A=4)  # an i64 argument: another kernel
+    assert len(compiled) == 2
+
+
+def test_installed_launch_hook_takes_tritons_path(compiled, monkeypatch):
+    launcher = launch_mod.Launcher(_probe_kernel)
+    x, y = torch.zeros(64), torch.zeros(64)
+    launcher((1,), x, y, 5, 32, 0.5, 9, A=4)
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda *a: None)
+    launcher((1,), x, y, 5, 32, 0.5, 9, A=4)
+    assert len(compiled) == 2 and not compiled[0].launches
+
+
+def test_key_count_is_bounded(compiled, monkeypatch):
+    monkeypatch.setattr(launch_mod, "MAX_KEYS", 4)
+    launcher = launch_mod.Launcher(_probe_kernel)
+    x, y = torch.zeros(64), torch.zeros(64)
+    for n in range(10):
+        launcher((1,), x, y, n + 2, 32, 0.5, 9, A=4)
+    assert len(launcher._kernels) <= 4
