@@ -13,7 +13,8 @@ from openmsa.ops.common import launch as launch_mod
 
 
 @triton.jit
-def _probe_kernel(x_ptr, y_ptr, n, stride, scale, N_DNS, A: tl.constexpr, B: tl.constexpr = 7):
+def _probe_kernel(x_ptr, y_ptr, n, stride, scale, N_DNS, A: tl.constexpr, B: tl.constexpr = 7,
+                  width=3):
     pass
 
 
@@ -50,16 +51,22 @@ def compiled(monkeypatch):
     return made
 
 
-def test_cached_path_passes_addresses_then_constexprs_in_signature_order(compiled):
+def test_cached_path_passes_addresses_then_the_signature_in_order(compiled):
+    """Tensors as addresses, every parameter in signature order: the constexprs (which the
+    compiled launcher skips) as None, a keyword or default non-constexpr with its value."""
     launcher = launch_mod.Launcher(_probe_kernel)
     x, y = torch.zeros(64), torch.zeros(64)
     launcher((3, 2), x, y, 5, 32, 0.5, 9, A=4, num_warps=2)  # compiles
     assert len(compiled) == 1 and not compiled[0].launches
     launcher((3, 2), x, y, 5, 32, 0.25, 9, A=4, num_warps=2)  # cached (a float is not keyed)
-    assert len(compiled) == 1
+    launcher((3, 2), x, y, 5, 32, 0.25, 9, A=4, num_warps=2, width=11)  # a new key
+    launcher((3, 2), x, y, 5, 32, 0.25, 9, A=4, num_warps=2, width=11)
+    assert len(compiled) == 2
     (args,) = compiled[0].launches
     assert args[:9] == (3, 2, 1, 1234, "function", "metadata", None, None, None)
-    assert args[9:] == (x.data_ptr(), y.data_ptr(), 5, 32, 0.25, 9, 4, 7)
+    assert args[9:] == (x.data_ptr(), y.data_ptr(), 5, 32, 0.25, 9, None, None, 3)
+    assert compiled[1].launches[0][9:] == (x.data_ptr(), y.data_ptr(), 5, 32, 0.25, 9, None,
+                                           None, 11)
 
 
 @pytest.mark.parametrize("change", ["misaligned", "dtype", "int value", "one", "constexpr",

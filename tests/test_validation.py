@@ -14,6 +14,7 @@ from openmsa.testing import make_step
 pytestmark = pytest.mark.reference
 
 B = 16
+D = 64
 FP8 = torch.float8_e4m3fn
 
 
@@ -42,9 +43,13 @@ def _indexer_args():
     (dict(seq_lens=_i32([[40, 20]])), ValueError, "seq_lens must be 1-D"),
     (dict(block_table=_i32([[0, 1, 2]])), ValueError, "block_table must have a row per"),
     (dict(block_size=12), ValueError, "block_size must be a positive power of two"),
+    (dict(seq_lens=_i32([[40, 0], [20, 0]])[:, 0]), ValueError, "seq_lens must be contiguous"),
+    (dict(cu_seqlens_q=_i32([[0, 0], [1, 0], [3, 0]])[:, 0]), ValueError,
+     "cu_seqlens_q must be contiguous"),
 ])
 def test_indexer_bad_inputs(fn, change, exc, match):
     args, change = _indexer_args(), dict(change)
+    fn(*args.values(), block_size=B)  # a good call first (see test_attention_bad_inputs)
     block_size = change.pop("block_size", B)
     args.update(change)
     with pytest.raises(exc, match=match):
@@ -78,29 +83,34 @@ def test_block_scores_bad_out():
 
 
 def _attention_args():
+    # (a head dim the kernels take: the interpreter tier runs a good call first)
     step = make_step([1, 2], [40, 20], block_size=B)
-    return dict(q=torch.randn(3, 8, 32).half(),
-                k_cache=torch.randn(step.num_pages, B, 2, 32).half(),
-                v_cache=torch.randn(step.num_pages, B, 2, 32).half(),
+    return dict(q=torch.randn(3, 8, D).half(),
+                k_cache=torch.randn(step.num_pages, B, 2, D).half(),
+                v_cache=torch.randn(step.num_pages, B, 2, D).half(),
                 indices=torch.zeros(3, 2, 4, dtype=torch.int32), cu_seqlens_q=step.cu_seqlens_q,
                 seq_lens=step.seq_lens, block_table=step.block_table)
 
 
 @pytest.mark.parametrize("change, exc, match", [
-    (dict(q=torch.randn(3, 8, 32).long()), TypeError, "q must have dtype"),
-    (dict(q=torch.randn(3, 7, 32).half()), ValueError, "multiple of the caches' KV heads"),
+    (dict(q=torch.randn(3, 8, D).long()), TypeError, "q must have dtype"),
+    (dict(q=torch.randn(3, 7, D).half()), ValueError, "multiple of the caches' KV heads"),
     (dict(k_cache=torch.randn(5, B, 2, 16).half()), ValueError, "k_cache and v_cache must have"),
-    (dict(v_cache=torch.randn(5, B, 2, 32).float()), ValueError, "k_cache and v_cache must have"),
+    (dict(v_cache=torch.randn(5, B, 2, D).float()), ValueError, "k_cache and v_cache must have"),
     (dict(indices=torch.zeros(3, 2, 4)), TypeError, "indices must have dtype int32"),
     (dict(indices=torch.zeros(2, 2, 4, dtype=torch.int32)), ValueError, "indices must have a row"),
     (dict(indices=torch.zeros(3, 3, 4, dtype=torch.int32)), ValueError, "index heads"),
     (dict(scale=-1.0), ValueError, "scale must be a positive"),
     (dict(k_scale="x"), TypeError, "k_scale"),
-    (dict(out=torch.zeros(3, 8, 32)), TypeError, "out must have dtype"),
+    (dict(out=torch.zeros(3, 8, D)), TypeError, "out must have dtype"),
+    (dict(seq_lens=_i32([[40, 0], [20, 0]])[:, 0]), ValueError, "seq_lens must be contiguous"),
 ])
 def test_attention_bad_inputs(change, exc, match):
     args, change = _attention_args(), dict(change)
     kw = {k: change.pop(k) for k in ("scale", "k_scale", "out") if k in change}
+    # a good call of the same shapes first: its cached launch plan must not let the bad one
+    # past the checks
+    openmsa.sparse_attention(*args.values(), block_size=B)
     args.update(change)
     with pytest.raises(exc, match=match):
         openmsa.sparse_attention(*args.values(), block_size=B, **kw)

@@ -48,6 +48,10 @@ def check_step(cu_seqlens_q, seq_lens, block_table, device: torch.device) -> int
     check_int_tensor("seq_lens", seq_lens, ndim=1, device=device)
     check_int_tensor("block_table", block_table, ndim=2, device=device)
     num_requests = seq_lens.shape[0]
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens)):
+        # the kernels read them as plain arrays (a strided view would be read wrongly)
+        if t.shape[0] > 1 and t.stride(0) != 1:
+            raise ValueError(f"{name} must be contiguous (stride 1), got stride {t.stride(0)}")
     if cu_seqlens_q.shape[0] != num_requests + 1:
         raise ValueError(f"cu_seqlens_q must have len(seq_lens) + 1 = {num_requests + 1} entries, "
                          f"got {cu_seqlens_q.shape[0]}")

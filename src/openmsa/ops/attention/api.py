@@ -10,7 +10,7 @@ from ..._checks import FP8
 from ..._dispatch import next_pow2 as _next_pow2
 from ..._dispatch import num_sms, scale_args, use_kernels
 from ...support import attention_unsupported_reason
-from ..common.launch import launch
+from ..common.launch import PlanCache, call_key, launch
 from . import reference
 from .checks import check_attention_args, check_page_table_args
 
@@ -181,9 +181,84 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
     from .decode import _merge_splits_kernel, _sparse_attention_kernel
     from .prefill import _sparse_attention_tile_kernel, _tile_plan_kernel
 
-    check_attention_args(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table,
-                         scale=scale, block_size=block_size, out=out, k_scale=k_scale,
-                         v_scale=v_scale)
+    key = call_key((q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table,
+                    q if out is None else out),
+                   (out is None, v_cache.data_ptr() & 1 if isinstance(v_cache, torch.Tensor)
+                    else None, scale, block_size, _scale_key(k_scale), _scale_key(v_scale),
+                    tuple(TUNING.values()), _num_splits, num_sms))
+    plan = _PLANS.get(key)
+    if plan is None:
+        check_attention_args(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table,
+                             scale=scale, block_size=block_size, out=out, k_scale=k_scale,
+                             v_scale=v_scale)
+        plan = _plan(q, k_cache, v_cache, indices, scale, block_size)
+        _PLANS.put(key, plan)
+    p = plan
+    num_tokens, num_heads, head_dim = q.shape
+    device = q.device
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=device)
+    if num_tokens == 0:
+        return (out, lse) if return_lse else out
+    num_kv_heads = k_cache.shape[2]
+    splits = p.splits
+    if splits > 1:
+        part_out = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32,
+                               device=device)
+        part_lse = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32,
+                               device=device)
+        counters = _arrival_counters(device, num_tokens * num_kv_heads) if p.fused else lse
+    else:
+        part_out = part_lse = counters = lse
+    has_scale, ks, vs = scale_args(k_scale, v_scale, device, lse)
+    tile_qt = p.tile_qt
+    if tile_qt > 1:
+        num_tiles = -(-num_tokens // tile_qt)
+        blocks = torch.empty((num_tiles, num_kv_heads), dtype=torch.int32, device=device)
+        # per (tile, KV head): the union's page ids, block ids and token bits (prefill.py)
+        union = torch.empty((num_tiles * num_kv_heads, 3, tile_qt * p.kp), dtype=torch.int32,
+                            device=device)
+        launch(_tile_plan_kernel, (num_tiles, num_kv_heads),
+               indices, cu_seqlens_q, seq_lens, block_table, blocks, union,
+               float(TUNING["tile_waste"]), seq_lens.shape[0], *indices.stride(),
+               *block_table.stride(), **p.plan_kwargs)
+        launch(_sparse_attention_tile_kernel, (p.tile_programs,),
+               q, k_cache, v_cache, cu_seqlens_q, seq_lens, out, lse, blocks, union, ks, vs,
+               p.sm_scale, seq_lens.shape[0], p.tile_items, *q.stride(), *k_cache.stride(),
+               *v_cache.stride(), *out.stride(), *lse.stride(), HAS_SCALE=has_scale,
+               **p.tile_kwargs)
+    else:
+        blocks = lse
+    launch(_sparse_attention_kernel, (num_tokens, num_kv_heads, splits),
+           q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, out, lse, part_out,
+           part_lse, counters, blocks, ks, vs, p.sm_scale, seq_lens.shape[0], *q.stride(),
+           *k_cache.stride(), *v_cache.stride(), *indices.stride(), *block_table.stride(),
+           *out.stride(), *lse.stride(), HAS_SCALE=has_scale, **p.kwargs)
+    if splits > 1 and not p.fused:
+        launch(_merge_splits_kernel, (num_tokens, num_heads),
+               part_out, part_lse, out, lse, *out.stride(), *lse.stride(), **p.merge_kwargs)
+    return (out, lse) if return_lse else out
+
+
+# launch plans by call key: the tensors' shapes, strides, dtypes and devices, the other
+# arguments, V's address parity (the paired fp8 reads), the launch knobs and the functions that
+# choose with them (so that tune.py's and tests' changes take effect)
+_PLANS = PlanCache()
+
+
+def _scale_key(s):
+    return (s.shape, s.dtype, s.device) if isinstance(s, torch.Tensor) else s
+
+
+class _Plan:
+    """A step shape's launch choices (a function of the call key only)."""
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+
+def _plan(q, k_cache, v_cache, indices, scale, block_size) -> _Plan:
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -194,11 +269,6 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
     if reason is not None:
         raise ValueError(reason)
     device = q.device
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=device)
-    if num_tokens == 0:
-        return (out, lse) if return_lse else out
     topk = indices.shape[2]
     prefill = num_tokens >= TUNING["prefill_min_tokens"]
     small = num_tokens * num_kv_heads <= TUNING["small_pairs"]
@@ -232,15 +302,6 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
     steps_per_split = -(-steps // splits)
     splits = -(-steps // steps_per_split)
     fused = TUNING["fused_merge"] and splits <= TUNING["fused_max_splits"]
-    if splits > 1:
-        part_out = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32,
-                               device=device)
-        part_lse = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32,
-                               device=device)
-        counters = _arrival_counters(device, num_tokens * num_kv_heads) if fused else lse
-    else:
-        part_out = part_lse = counters = lse
-    has_scale, ks, vs = scale_args(k_scale, v_scale, device, lse)
     # the merge launch, if any, starts early (the decode launch triggers it)
     pdl = TUNING["pdl"] and device.type == "cuda" and splits > 1 and not fused
     warps = TUNING["prefill_warps" if prefill else "small_warps" if small else "warps"]
@@ -249,55 +310,37 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
             and num_tokens * num_kv_heads * splits > TUNING["resident_16"] * num_sms(device)):
         # 16-bit K/V, more than one round of programs: fewer stages (see TUNING)
         stages = TUNING["rounds_stages_16"]
-    sm_scale = head_dim ** -0.5 if scale is None else float(scale)
+    plan = _Plan(splits=splits, fused=fused, tile_qt=tile_qt if tile_qt > 1 else 0,
+                 sm_scale=head_dim ** -0.5 if scale is None else float(scale),
+                 kp=_next_pow2(topk))
     if tile_qt > 1:
         fp8 = k_cache.dtype == FP8
-        num_tiles = -(-num_tokens // tile_qt)
-        kp = _next_pow2(topk)
-        blocks = torch.empty((num_tiles, num_kv_heads), dtype=torch.int32, device=device)
-        # per (tile, KV head): the union's page ids, block ids and token bits (prefill.py)
-        union = torch.empty((num_tiles * num_kv_heads, 3, tile_qt * kp), dtype=torch.int32,
-                            device=device)
-        launch(_tile_plan_kernel, (num_tiles, num_kv_heads),
-               indices, cu_seqlens_q, seq_lens, block_table, blocks, union,
-               float(TUNING["tile_waste"]), seq_lens.shape[0], *indices.stride(),
-               *block_table.stride(), NUM_KV_HEADS=num_kv_heads, NUM_INDEX_HEADS=indices.shape[1],
-               QT=tile_qt, BLOCK=block_size, TOPK=topk, KP=kp,
-               num_warps=TUNING["tile_plan_warps"])
-        items = num_tiles * num_kv_heads
+        items = -(-num_tokens // tile_qt) * num_kv_heads
         persistent = TUNING["tile_persistent_fp8" if fp8 else "tile_persistent"]
         # (persistent under the interpreter: 3 programs, each walking several items)
-        programs = items if not persistent else min(
+        plan.tile_items = items
+        plan.tile_programs = items if not persistent else min(
             items, TUNING["tile_resident"] * num_sms(device) if device.type == "cuda" else 3)
-        launch(_sparse_attention_tile_kernel, (programs,),
-               q, k_cache, v_cache, cu_seqlens_q, seq_lens, out, lse, blocks, union, ks, vs,
-               sm_scale, seq_lens.shape[0], items, *q.stride(), *k_cache.stride(),
-               *v_cache.stride(), *out.stride(), *lse.stride(), NUM_KV_HEADS=num_kv_heads,
-               G=group, GP=group_pad, QT=tile_qt, D=head_dim, BLOCK=block_size, KP=kp,
-               SUB=min(block_size, TUNING["tile_sub_fp8" if fp8 else "tile_sub"]),
-               HAS_SCALE=has_scale, IEEE=ieee, F16_COMPUTE=f16_compute,
-               LAZY_MASK=TUNING["tile_lazy_mask"], PERSISTENT=persistent,
-               num_warps=TUNING["tile_warps"],
-               num_stages=TUNING["tile_stages_fp8" if fp8 else "tile_stages"])
-    else:
-        tile_qt, blocks = 0, lse
-    launch(_sparse_attention_kernel, (num_tokens, num_kv_heads, splits),
-           q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, out, lse, part_out,
-           part_lse, counters, blocks, ks, vs, sm_scale, seq_lens.shape[0], *q.stride(),
-           *k_cache.stride(), *v_cache.stride(), *indices.stride(), *block_table.stride(),
-           *out.stride(), *lse.stride(), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
-           NUM_INDEX_HEADS=indices.shape[1], G=group, M=max(16, _next_pow2(group)), D=head_dim,
-           BLOCK=block_size, TOPK=topk, KP=_next_pow2(topk), SUB=sub, STEPS=steps_per_split,
-           SPLITS=splits, HAS_SCALE=has_scale, IEEE=ieee, F16_COMPUTE=f16_compute,
-           FUSED_MERGE=fused, TILE_QT=tile_qt, V_PAIRS=v_pairs, PTX=device.type == "cuda",
-           GUESS=TUNING["request_guess"], SP=_next_pow2(splits),
-           PDL=pdl, num_warps=warps, num_stages=stages)
-    if splits > 1 and not fused:
-        launch(_merge_splits_kernel, (num_tokens, num_heads),
-               part_out, part_lse, out, lse, *out.stride(), *lse.stride(), NUM_HEADS=num_heads,
-               D=head_dim, SPLITS=splits, SP=_next_pow2(splits), PDL=pdl, num_warps=4,
-               launch_pdl=pdl)
-    return (out, lse) if return_lse else out
+        plan.plan_kwargs = dict(NUM_KV_HEADS=num_kv_heads, NUM_INDEX_HEADS=indices.shape[1],
+                                QT=tile_qt, BLOCK=block_size, TOPK=topk, KP=plan.kp,
+                                num_warps=TUNING["tile_plan_warps"])
+        plan.tile_kwargs = dict(
+            NUM_KV_HEADS=num_kv_heads, G=group, GP=group_pad, QT=tile_qt, D=head_dim,
+            BLOCK=block_size, KP=plan.kp,
+            SUB=min(block_size, TUNING["tile_sub_fp8" if fp8 else "tile_sub"]),
+            IEEE=ieee, F16_COMPUTE=f16_compute, LAZY_MASK=TUNING["tile_lazy_mask"],
+            PERSISTENT=persistent, num_warps=TUNING["tile_warps"],
+            num_stages=TUNING["tile_stages_fp8" if fp8 else "tile_stages"])
+    plan.kwargs = dict(
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, NUM_INDEX_HEADS=indices.shape[1],
+        G=group, M=max(16, _next_pow2(group)), D=head_dim, BLOCK=block_size, TOPK=topk,
+        KP=plan.kp, SUB=sub, STEPS=steps_per_split, SPLITS=splits, IEEE=ieee,
+        F16_COMPUTE=f16_compute, FUSED_MERGE=fused, TILE_QT=plan.tile_qt, V_PAIRS=v_pairs,
+        PTX=device.type == "cuda", GUESS=TUNING["request_guess"], SP=_next_pow2(splits),
+        PDL=pdl, num_warps=warps, num_stages=stages)
+    plan.merge_kwargs = dict(NUM_HEADS=num_heads, D=head_dim, SPLITS=splits,
+                             SP=_next_pow2(splits), PDL=pdl, num_warps=4, launch_pdl=pdl)
+    return plan
 
 
 def sparse_page_table(indices, cu_seqlens_q, seq_lens, block_table, *, num_kv_heads,

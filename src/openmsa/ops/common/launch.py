@@ -23,6 +23,7 @@ device.
 from __future__ import annotations
 
 import inspect
+import operator
 
 import torch
 import triton
@@ -31,6 +32,20 @@ from triton import knobs
 from ..._dispatch import INTERPRET
 
 _I32 = range(-(2 ** 31), 2 ** 31)
+_MISALIGNED = 15
+_DATA_PTR = torch.Tensor.data_ptr
+_DTYPE = operator.attrgetter("dtype")
+
+
+def _getter(positions):
+    """A function returning the tuple of args at `positions` (itemgetter returns a bare item
+    for one position and fails for none)."""
+    if not positions:
+        return lambda args: ()
+    if len(positions) == 1:
+        i = positions[0]
+        return lambda args: (args[i],)
+    return operator.itemgetter(*positions)
 
 
 # a key per distinct value of every int argument: a long-running engine whose prefill chunks
@@ -59,41 +74,50 @@ def _hooked(hook) -> bool:
 
 class Launcher:
     """`Launcher(fn)(grid, *args, **kwargs)` launches like `fn[grid](*args, **kwargs)`: the
-    kernel's non-constexpr parameters positionally (a tensor passed by keyword would be keyed
-    by identity and never hit), its constexprs and the launch options (num_warps, ...) by
-    keyword."""
+    kernel's tensors positionally (a tensor passed by keyword would be keyed by identity and
+    never hit), anything else positionally or by keyword."""
 
     def __init__(self, fn: triton.JITFunction):
         self.fn = fn
         self._kernels: dict = {}
+        self._layouts: dict = {}
+        self._tensor_pos: dict = {}
         params = list(inspect.signature(fn.fn).parameters.values())
-        self._names = [p.name for p in params]
-        self._defaults = {p.name: p.default for p in params
-                          if p.default is not inspect.Parameter.empty}
+        self._params = [(p.name, p.default, kp.is_constexpr) for p, kp in zip(params, fn.params)]
         self._dns = [kp.do_not_specialize for kp in fn.params]
+
+    def _layout(self, types: tuple):
+        """For one tuple of positional argument types: the positions of tensors, of
+        do_not_specialize ints and of the other keyed values, and the parameters after them
+        (the compiled launcher skips constexprs, which get None; a non-constexpr parameter
+        given by keyword or left at its default gets its value)."""
+        tensors = [i for i, t in enumerate(types) if issubclass(t, torch.Tensor)]
+        dns = [i for i, t in enumerate(types) if t is int and self._dns[i]]
+        keyed = [i for i, t in enumerate(types)
+                 if i not in tensors and i not in dns and t is not float]
+        rest = [(name, default, const) for name, default, const in self._params[len(types):]]
+        self._tensor_pos[types] = tensors
+        layout = (_getter(tensors), _getter(dns), _getter(keyed), rest)
+        self._layouts[types] = layout
+        return layout
 
     def __call__(self, grid, *args, **kwargs):
         fn = self.fn
         if _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
             return fn[grid](*args, **kwargs)
-        vals = []
-        key = [tuple(kwargs.items())]
-        for a, dns in zip(args, self._dns):
-            if isinstance(a, torch.Tensor):
-                p = a.data_ptr()
-                vals.append(p)
-                key.append((a.dtype, not p & 15))
-            else:
-                vals.append(a)
-                if isinstance(a, float):
-                    key.append(float)
-                elif dns and type(a) is int:
-                    key.append(a in _I32)
-                else:
-                    key.append(a)
+        types = tuple(map(type, args))
+        layout = self._layouts.get(types) or self._layout(types)
+        tensors, dns, keyed, rest = layout
+        # (C-level maps: a Python loop over ~15 tensors and ~30 ints cost more than the rest)
+        objs = tensors(args)
+        ptrs = list(map(_DATA_PTR, objs))
+        vals = list(args)
+        for i, p in zip(self._tensor_pos[types], ptrs):
+            vals[i] = p
         device = torch.cuda.current_device()
-        key.append(device)
-        key = tuple(key)
+        key = (types, tuple(map(_DTYPE, objs)), tuple(map(_MISALIGNED.__and__, ptrs)),
+               keyed(args), tuple(map(_I32.__contains__, dns(args))), tuple(kwargs.items()),
+               device)
         kernel = self._kernels.get(key)
         if kernel is None:
             kernel = fn[grid](*args, **kwargs)
@@ -103,10 +127,47 @@ class Launcher:
                 self._kernels.clear()
             self._kernels[key] = kernel
             return kernel
-        for name in self._names[len(args):]:
-            vals.append(kwargs[name] if name in kwargs else self._defaults[name])
+        for name, default, const in rest:
+            vals.append(None if const else kwargs.get(name, default))
         n = len(grid)
         kernel.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
                    torch._C._cuda_getCurrentRawStream(device), kernel.function,
                    kernel.packed_metadata, None, None, None, *vals)
         return kernel
+
+
+# ---------------------------------------------------------------------------------- launch plans
+def tensor_key(t) -> tuple:
+    return (t.shape, t.stride(), t.dtype, t.device)
+
+
+def call_key(tensors, values) -> tuple | None:
+    """A hashable key of everything an op's argument checks and launch choices read: the
+    tensors' shapes, strides, dtypes and devices, and other values with their types (True and 1
+    differ), or None when an argument is not a tensor or a value is unhashable (the op's checks
+    then run and say why)."""
+    try:
+        key = (tuple(map(tensor_key, tensors)), tuple(map(type, values)), tuple(values))
+        hash(key)
+        return key
+    except (AttributeError, TypeError):
+        return None
+
+
+class PlanCache:
+    """Launch plans by call key: a repeated step shape (every decode step of an engine) skips
+    the argument checks and the launch choices, which cost more host time than the launch
+    itself (benchmarks/host_cost.py; docs/performance.md). Bounded like Launcher's keys."""
+
+    def __init__(self):
+        self._plans: dict = {}
+
+    def get(self, key):
+        return None if key is None else self._plans.get(key)
+
+    def put(self, key, plan) -> None:
+        if key is None:
+            return
+        if len(self._plans) >= MAX_KEYS:
+            self._plans.clear()
+        self._plans[key] = plan

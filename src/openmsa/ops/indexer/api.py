@@ -10,7 +10,7 @@ from ..._checks import FP8, HALF
 from ..._dispatch import next_pow2 as _next_pow2
 from ..._dispatch import num_sms, use_kernels
 from ...support import indexer_unsupported_reason
-from ..common.launch import launch
+from ..common.launch import PlanCache, call_key, launch
 from . import reference
 from .checks import check_indexer_args, check_select_args
 
@@ -94,20 +94,35 @@ def _raise_if_unsupported(index_q, index_cache, block_size, topk) -> None:
 
 
 def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores,
-                        block_size: int, max_q_len: int | None = None) -> None:
+                        block_size: int, max_q_len: int | None = None, plan=None) -> None:
     """Write scores[t, h, b] for every block b < ceil(seq_len / B) of each token's request
     (entries past the token's own causal blocks get -inf; nothing else is written).
 
     max_q_len <= SMALL_Q (the caller's bound on every q_len): the request launch takes every
     request, whatever its q_len, and the tile launch is not made. A bound that is wrong leaves
-    the scores exact: a long request then goes through the request launch's token loop, slowly."""
+    the scores exact: a long request then goes through the request launch's token loop, slowly.
+    plan: _scores_plan's result for these shapes (computed here when None)."""
     from .scores import _block_scores_kernel
 
-    num_tokens, num_heads, head_dim = index_q.shape
-    num_requests = seq_lens.shape[0]
-    max_blocks = block_table.shape[1]
-    if num_tokens == 0 or num_requests == 0 or max_blocks == 0:
+    if plan is None:
+        plan = _scores_plan(index_q, index_cache, seq_lens.shape[0], block_table.shape[1],
+                            block_size, max_q_len)
+    if not plan:
         return
+    args = (index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores, seq_lens.shape[0],
+            index_q.shape[0], *index_q.stride(), *index_cache.stride(), *block_table.stride(),
+            *scores.stride())
+    for grid, kwargs in plan:
+        launch(_block_scores_kernel, grid, *args, **kwargs)
+
+
+def _scores_plan(index_q, index_cache, num_requests: int, max_blocks: int, block_size: int,
+                 max_q_len: int | None) -> list:
+    """The scoring launches (grid, keyword arguments) for these shapes: the request launch and,
+    unless every request is known to be short, the tile launch."""
+    num_tokens, num_heads, head_dim = index_q.shape
+    if num_tokens == 0 or num_requests == 0 or max_blocks == 0:
+        return []
     # a decode/verify step: one launch (the tile launch of a step of > SMALL_Q tokens costs a
     # launch even when its programs find no long request)
     hinted = TUNING["use_max_q_len"] and max_q_len is not None and max_q_len <= SMALL_Q
@@ -120,9 +135,6 @@ def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_tabl
     common = dict(H=num_heads, HP=hp, DI=head_dim, DIP=dip, BLOCK=block_size,
                   CAST_K=cast_k, IEEE=ieee, MAX_SKIPS_NAN=index_q.is_cuda,
                   PDL=_pdl(index_q.device))
-    args = (index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores, num_requests,
-            num_tokens, *index_q.stride(), *index_cache.stride(), *block_table.stride(),
-            *scores.stride())
     # decode/verify: enough splits of each request's blocks to fill the GPU
     splits_wanted = -(-_programs_wanted(index_q.device) // num_requests)
     bps = min(TUNING["decode_max_bps"],
@@ -137,15 +149,15 @@ def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_tabl
     # skipped by the hint alone, the tile launch's requests go to the request launch, which then
     # takes any q_len (ANY_Q); with T <= SMALL_Q no request can be longer, and the bound stays
     any_q = only_requests and num_tokens > SMALL_Q
-    launch(_block_scores_kernel, grid, *args, BPS=bps, TILE_MODE=False, ROWS_T=rows_t, **common,
-           SMALL_Q=ANY_Q if any_q else SMALL_Q,
-           KEYS_AS_ROWS=keys_as_rows, num_warps=TUNING["decode_warps"],
-           num_stages=TUNING["decode_stages"], table_width=max_blocks,
-           PAGES_EARLY=TUNING["decode_pages_early"],
-           ONE_LOOP=TUNING["decode_one_loop"], SPLIT_MAJOR=split_major)
+    launches = [(grid, dict(BPS=bps, TILE_MODE=False, ROWS_T=rows_t, **common,
+                            SMALL_Q=ANY_Q if any_q else SMALL_Q, KEYS_AS_ROWS=keys_as_rows,
+                            num_warps=TUNING["decode_warps"],
+                            num_stages=TUNING["decode_stages"], table_width=max_blocks,
+                            PAGES_EARLY=TUNING["decode_pages_early"],
+                            ONE_LOOP=TUNING["decode_one_loop"], SPLIT_MAJOR=split_major))]
     # prefill chunks: tiles of packed tokens; with T <= SMALL_Q no request can be long
     if only_requests:
-        return
+        return launches
     rows_t = max(1, TUNING["prefill_rows"] // hp)
     fp8 = index_cache.dtype == FP8
     bps = TUNING["prefill_bps"]
@@ -154,15 +166,14 @@ def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_tabl
     if split_major:
         grid = grid[::-1]
     overlap = TUNING["tile_overlap"] and common["PDL"]
-    launch(_block_scores_kernel, grid, *args, BPS=bps, TILE_MODE=True, ROWS_T=rows_t, **common,
-           SPLIT_MAJOR=split_major,
-           REVERSE_TILES=TUNING["prefill_reverse_tiles"],
-           REVERSE_SPLITS=TUNING["prefill_reverse_splits"],
-           SMALL_Q=SMALL_Q, KEYS_AS_ROWS=False,
-           QUICK_EXIT=TUNING["tile_quick_exit"],
-           WAIT_AT_END=overlap, launch_pdl=overlap,
-           num_warps=TUNING["prefill_warps_fp8" if fp8 else "prefill_warps"],
-           num_stages=TUNING["prefill_stages_fp8" if fp8 else "prefill_stages"])
+    launches.append((grid, dict(
+        BPS=bps, TILE_MODE=True, ROWS_T=rows_t, **common, SPLIT_MAJOR=split_major,
+        REVERSE_TILES=TUNING["prefill_reverse_tiles"],
+        REVERSE_SPLITS=TUNING["prefill_reverse_splits"], SMALL_Q=SMALL_Q, KEYS_AS_ROWS=False,
+        QUICK_EXIT=TUNING["tile_quick_exit"], WAIT_AT_END=overlap, launch_pdl=overlap,
+        num_warps=TUNING["prefill_warps_fp8" if fp8 else "prefill_warps"],
+        num_stages=TUNING["prefill_stages_fp8" if fp8 else "prefill_stages"])))
+    return launches
 
 
 def _pdl(device: torch.device) -> bool:
@@ -195,28 +206,47 @@ def _selection_layout(rows: int, max_blocks: int, kp: int, per_wave: int) -> tup
 
 
 def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, local_blocks,
-                  block_size) -> None:
+                  block_size, plan=None) -> None:
     """Top-k per (token, head) row of `scores` into `out`; rows are cut into segments of
     TUNING["select_segment"] blocks (one program each), merged by a second launch when there
-    are several."""
+    are several. plan: _select_plan's result for these shapes (computed here when None)."""
     from .select import _merge_topk_kernel, _segment_topk_kernel
 
     num_tokens, num_heads, max_blocks = scores.shape
     if num_tokens == 0:
         return
+    if plan is None:
+        plan = _select_plan(num_tokens, num_heads, max_blocks, topk, init_blocks, local_blocks,
+                            block_size, scores.device)
+    segments, cap, kp, kwargs, merge_kwargs = plan
+    cand = out if segments == 1 else torch.empty((num_tokens, num_heads, segments, kp),
+                                                 dtype=torch.int64, device=scores.device)
+    scratch = torch.empty((num_tokens, num_heads, segments, cap) if cap else (1,),
+                          dtype=torch.int64, device=scores.device)
+    launch(_segment_topk_kernel, (num_tokens, num_heads, segments),
+           scores, cu_seqlens_q, seq_lens, out, cand, scratch, seq_lens.shape[0], segments,
+           *scores.stride(), *out.stride(), **kwargs)
+    if segments > 1:
+        launch(_merge_topk_kernel, (num_tokens, num_heads),
+               cand, cu_seqlens_q, seq_lens, out, seq_lens.shape[0], segments, *out.stride(),
+               **merge_kwargs)
+
+
+def _select_plan(num_tokens, num_heads, max_blocks, topk, init_blocks, local_blocks, block_size,
+                 device) -> tuple:
+    """(segments per row, scratch slots, KP, the selection launch's and the merge launch's
+    keyword arguments) for these shapes."""
     kp = _next_pow2(topk)
     seg, by_sort = _selection_layout(num_tokens * num_heads, max_blocks, kp,
-                                     _programs_per_wave(scores.device))
+                                     _programs_per_wave(device))
     warps = TUNING["select_warps"] if by_sort else 1
     # programmatic dependent launch only for the few programs of the sort path: it hides a
     # launch latency there (small decode steps), while a many-program selection launched early
     # cost a prefill chunk more than it hid (8K chunk, no context: fp8 74 -> 93 µs, bf16 108 ->
     # 127; the selection kernel 22 -> 41 µs; tune.py and profile_case.py --breakdown, one call)
-    pdl = _pdl(scores.device) and by_sort
+    pdl = _pdl(device) and by_sort
     num_segments = -(-max(max_blocks, 1) // seg)
     single = num_segments == 1
-    cand = out if single else torch.empty((num_tokens, num_heads, num_segments, kp),
-                                          dtype=torch.int64, device=scores.device)
     # the threshold path on long segments first packs the keys that can be picked into a scratch
     # row of cap slots (select.py); cap = 0 turns that off
     cap = _next_pow2(max(TUNING["select_scratch"], 4 * kp)) if TUNING["select_scratch"] else 0
@@ -229,19 +259,13 @@ def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, loc
     if chunk and (seg % chunk or chunk % (seg // groups) or seg // chunk > groups
                   or chunk >= seg):
         chunk = 0
-    scratch = torch.empty((num_tokens, num_heads, num_segments, cap) if cap else (1,),
-                          dtype=torch.int64, device=scores.device)
-    launch(_segment_topk_kernel, (num_tokens, num_heads, num_segments),
-           scores, cu_seqlens_q, seq_lens, out, cand, scratch, seq_lens.shape[0], num_segments,
-           *scores.stride(), *out.stride(), TOPK=topk, KP=kp, INIT=init_blocks, LOCAL=local_blocks,
-           BLOCK=block_size, SEG=seg, SINGLE=single, BY_SORT=by_sort, CAP=cap, NG=groups,
-           PDL=pdl, CH=chunk, num_warps=warps, launch_pdl=pdl)
-    if not single:
-        launch(_merge_topk_kernel, (num_tokens, num_heads),
-               cand, cu_seqlens_q, seq_lens, out, seq_lens.shape[0], num_segments, *out.stride(),
-               TOPK=topk, KP=kp, BLOCK=block_size, SEG=seg,
-               CANDP=_next_pow2(num_segments * kp), BY_SORT=by_sort, PDL=pdl, num_warps=warps,
-               launch_pdl=pdl)
+    kwargs = dict(TOPK=topk, KP=kp, INIT=init_blocks, LOCAL=local_blocks, BLOCK=block_size,
+                  SEG=seg, SINGLE=single, BY_SORT=by_sort, CAP=cap, NG=groups, PDL=pdl, CH=chunk,
+                  num_warps=warps, launch_pdl=pdl)
+    merge_kwargs = dict(TOPK=topk, KP=kp, BLOCK=block_size, SEG=seg,
+                        CANDP=_next_pow2(num_segments * kp), BY_SORT=by_sort, PDL=pdl,
+                        num_warps=warps, launch_pdl=pdl)
+    return num_segments, cap, kp, kwargs, merge_kwargs
 
 
 def block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, block_size=128,
@@ -265,16 +289,23 @@ def block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, b
     if not use_kernels(index_q):
         return reference.block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
                                       block_size=block_size, out=out, max_q_len=max_q_len)
-    check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
-                       block_size=block_size, out=out, out_width=None, out_dtype=torch.float32,
-                       max_q_len=max_q_len)
-    shape = (*index_q.shape[:2], block_table.shape[1])
-    _raise_if_unsupported(index_q, index_cache, block_size, None)
+    key = _call_key("scores", index_q, index_cache, cu_seqlens_q, seq_lens, block_table, out,
+                    block_size, max_q_len)
+    plan = _PLANS.get(key)
+    if plan is None:
+        check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
+                           block_size=block_size, out=out, out_width=None,
+                           out_dtype=torch.float32, max_q_len=max_q_len)
+        _raise_if_unsupported(index_q, index_cache, block_size, None)
+        plan = _scores_plan(index_q, index_cache, seq_lens.shape[0], block_table.shape[1],
+                            block_size, max_q_len)
+        _PLANS.put(key, plan)
     if out is None:
-        out = torch.empty(shape, dtype=torch.float32, device=index_q.device)
+        out = torch.empty((*index_q.shape[:2], block_table.shape[1]), dtype=torch.float32,
+                          device=index_q.device)
     out.fill_(float("-inf"))
     launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, out,
-                        block_size, max_q_len)
+                        block_size, max_q_len, plan)
     return out
 
 
@@ -301,12 +332,22 @@ def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, 
                                        topk=topk, init_blocks=init_blocks,
                                        local_blocks=local_blocks, block_size=block_size, out=out,
                                        max_q_len=max_q_len)
-    check_select_args(topk, init_blocks, local_blocks)
-    check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
-                       block_size=block_size, out=out, out_width=topk, out_dtype=torch.int32,
-                       max_q_len=max_q_len)
+    key = _call_key("select", index_q, index_cache, cu_seqlens_q, seq_lens, block_table, out,
+                    block_size, max_q_len, topk, init_blocks, local_blocks)
+    plan = _PLANS.get(key)
+    if plan is None:
+        check_select_args(topk, init_blocks, local_blocks)
+        check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
+                           block_size=block_size, out=out, out_width=topk,
+                           out_dtype=torch.int32, max_q_len=max_q_len)
+        _raise_if_unsupported(index_q, index_cache, block_size, topk)
+        num_tokens, num_heads, _ = index_q.shape
+        plan = (_scores_plan(index_q, index_cache, seq_lens.shape[0], block_table.shape[1],
+                             block_size, max_q_len),
+                _select_plan(num_tokens, num_heads, block_table.shape[1], topk, init_blocks,
+                             local_blocks, block_size, index_q.device) if num_tokens else None)
+        _PLANS.put(key, plan)
     num_tokens, num_heads, _ = index_q.shape
-    _raise_if_unsupported(index_q, index_cache, block_size, topk)
     if out is None:
         out = torch.empty((num_tokens, num_heads, topk), dtype=torch.int32,
                           device=index_q.device)
@@ -314,8 +355,22 @@ def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, 
     scores = torch.empty((num_tokens, num_heads, block_table.shape[1]), dtype=torch.float32,
                          device=index_q.device)
     launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores,
-                        block_size, max_q_len)
+                        block_size, max_q_len, plan[0])
     launch_select(scores, cu_seqlens_q, seq_lens, out, topk=topk, init_blocks=init_blocks,
-                  local_blocks=local_blocks, block_size=block_size)
+                  local_blocks=local_blocks, block_size=block_size, plan=plan[1])
     return out
+
+
+# launch plans by call key (_call_key)
+_PLANS = PlanCache()
+
+
+def _call_key(op, index_q, index_cache, cu_seqlens_q, seq_lens, block_table, out, *values):
+    """Everything the checks and the launch plans read: the tensors' shapes, strides, dtypes
+    and devices, the other arguments, the launch knobs and the functions that choose with them
+    (so that tune.py's and tests' changes take effect)."""
+    return call_key((index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
+                     index_q if out is None else out),
+                    (op, out is None, *values, tuple(TUNING.values()), _selection_layout,
+                     num_sms))
 
