@@ -120,3 +120,41 @@ def test_key_count_is_bounded(compiled, monkeypatch):
     for n in range(10):
         launcher((1,), x, y, n + 2, 32, 0.5, 9, A=4)
     assert len(launcher._kernels) <= 4
+
+
+class _CudaLauncherLike:
+    """Stands for Triton 3.6's CudaLauncher: a native launch and the scratch sizes."""
+
+    launch_cooperative_grid = False
+    launch_pdl = True
+
+    def __init__(self, scratch):
+        self.global_scratch_size = scratch
+        self.profile_scratch_size = 0
+        self.native, self.wrapped = [], []
+
+    def launch(self, *args):
+        self.native.append(args)
+
+    def __call__(self, *args):
+        self.wrapped.append(args)
+
+
+@pytest.mark.parametrize("scratch", [0, 256])
+def test_native_launch_without_scratch(compiled, monkeypatch, scratch):
+    """With no scratch buffer the native launch is called directly (grid, stream, function,
+    the launch flags, no scratch, metadata, no hooks, the arguments); with one, the launcher's
+    own wrapper allocates it."""
+    launcher = launch_mod.Launcher(_probe_kernel)
+    x, y = torch.zeros(64), torch.zeros(64)
+    monkeypatch.setattr(_Compiled, "run", _CudaLauncherLike(scratch))
+    launcher((4,), x, y, 5, 32, 0.5, 9, A=4)
+    launcher((4,), x, y, 5, 32, 0.5, 9, A=4)
+    run = _Compiled.run
+    tail = (x.data_ptr(), y.data_ptr(), 5, 32, 0.5, 9, None, None, 3)
+    if scratch:
+        assert not run.native and run.wrapped == [(4, 1, 1, 1234, "function", "metadata", None,
+                                                   None, None, *tail)]
+    else:
+        assert not run.wrapped and run.native == [(4, 1, 1, 1234, "function", False, True, None,
+                                                   None, "metadata", None, None, None, *tail)]

@@ -125,15 +125,34 @@ class Launcher:
                 kernel = kernel.result()
             if len(self._kernels) >= MAX_KEYS:
                 self._kernels.clear()
-            self._kernels[key] = kernel
-            return kernel
+            self._kernels[key] = _runner(kernel)
+            return
         for name, default, const in rest:
             vals.append(None if const else kwargs.get(name, default))
         n = len(grid)
-        kernel.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
-                   torch._C._cuda_getCurrentRawStream(device), kernel.function,
-                   kernel.packed_metadata, None, None, None, *vals)
-        return kernel
+        kernel(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
+               torch._C._cuda_getCurrentRawStream(device), vals)
+
+
+def _runner(kernel):
+    """A function (grid x, y, z, stream, argument list) launching a compiled kernel. Triton
+    3.6's CudaLauncher wraps its native launch in Python that allocates scratch buffers (most
+    kernels need none) and passes the hooks; with no scratch the native launch is called
+    directly. Anything else goes through the launcher as JITFunction.run calls it."""
+    run = kernel.run
+    native = getattr(run, "launch", None)
+    if (native is None or getattr(run, "global_scratch_size", 1) != 0
+            or getattr(run, "profile_scratch_size", 1) != 0
+            or not hasattr(run, "launch_cooperative_grid") or not hasattr(run, "launch_pdl")):
+        def launch_through_launcher(x, y, z, stream, vals):
+            run(x, y, z, stream, kernel.function, kernel.packed_metadata, None, None, None, *vals)
+        return launch_through_launcher
+    function, metadata = kernel.function, kernel.packed_metadata
+    coop, pdl = run.launch_cooperative_grid, run.launch_pdl
+
+    def launch_native(x, y, z, stream, vals):
+        native(x, y, z, stream, function, coop, pdl, None, None, metadata, None, None, None, *vals)
+    return launch_native
 
 
 # ---------------------------------------------------------------------------------- launch plans
