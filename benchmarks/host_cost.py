@@ -28,7 +28,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import profile_case  # noqa: E402
 import run  # noqa: E402
 
-from openmsa.ops.common.launch import Launcher  # noqa: E402
+try:  # (absent before 4a7a14e: host_cost.py also measures older trees, PYTHONPATH=old/src)
+    from openmsa.ops.common.launch import Launcher  # noqa: E402
+except ImportError:
+    Launcher = None
 
 
 def host_us(fn, n: int = 300) -> float:
@@ -48,8 +51,9 @@ def launcher_us(fn, n: int = 300) -> tuple[float, float]:
     """(µs per call inside the launches, launches per call): openmsa's `Launcher.__call__` (the
     compiled launcher included) and, for calls that go around it, Triton's JITFunction.run."""
     acc = [0.0, 0]
-    origs = [(Launcher, "__call__", Launcher.__call__),
-             (tjit.JITFunction, "run", tjit.JITFunction.run)]
+    origs = [(tjit.JITFunction, "run", tjit.JITFunction.run)]
+    if Launcher is not None:
+        origs.append((Launcher, "__call__", Launcher.__call__))
     depth = [0]
 
     def wrap(orig):
@@ -134,7 +138,8 @@ def micro() -> None:
 def main() -> None:
     names = sys.argv[1:] or ["attn-fp8-tp1-b8-out", "attn-fp8-tp1-b1", "idx-fp8-b32-32k",
                              "idx-fp8-b1-32k"]
-    micro()
+    if Launcher is not None:
+        micro()
     for name in names:
         fn = profile_case.CASES[name]()
         call = run.eager_call_us(fn, 20)

@@ -95,9 +95,14 @@ class Launcher:
         dns = [i for i, t in enumerate(types) if t is int and self._dns[i]]
         keyed = [i for i, t in enumerate(types)
                  if i not in tensors and i not in dns and t is not float]
-        rest = [(name, default, const) for name, default, const in self._params[len(types):]]
+        rest = self._params[len(types):]
+        # the parameters after the positional ones: None for each constexpr, and the positions
+        # of the others, whose values come from the keywords or their defaults
+        pad = [None] * len(rest)
+        given = [(j, name, default) for j, (name, default, const) in enumerate(rest)
+                 if not const]
         self._tensor_pos[types] = tensors
-        layout = (_getter(tensors), _getter(dns), _getter(keyed), rest)
+        layout = (_getter(tensors), _getter(dns), _getter(keyed), (pad, given))
         self._layouts[types] = layout
         return layout
 
@@ -127,8 +132,12 @@ class Launcher:
                 self._kernels.clear()
             self._kernels[key] = _runner(kernel)
             return
-        for name, default, const in rest:
-            vals.append(None if const else kwargs.get(name, default))
+        pad, given = rest
+        if given:
+            pad = list(pad)
+            for j, name, default in given:
+                pad[j] = kwargs.get(name, default)
+        vals += pad
         n = len(grid)
         kernel(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
                torch._C._cuda_getCurrentRawStream(device), vals)
