@@ -221,9 +221,8 @@ def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, loc
     segments, cap, kp, kwargs, merge_kwargs = plan
     cand = out if segments == 1 else torch.empty((num_tokens, num_heads, segments, kp),
                                                  dtype=torch.int64, device=scores.device)
-    # (without the scratch path the kernel never touches it: any tensor stands in, no allocation)
-    scratch = torch.empty((num_tokens, num_heads, segments, cap), dtype=torch.int64,
-                          device=scores.device) if cap else scores
+    scratch = torch.empty((num_tokens, num_heads, segments, cap) if cap else (1,),
+                          dtype=torch.int64, device=scores.device)
     launch(_segment_topk_kernel, (num_tokens, num_heads, segments),
            scores, cu_seqlens_q, seq_lens, out, cand, scratch, seq_lens.shape[0], segments,
            *scores.stride(), *out.stride(), **kwargs)
