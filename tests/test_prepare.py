@@ -156,6 +156,10 @@ def test_fused_prepare_rejects_bad_arguments():
     call(9, slots[:3], "slot_mapping")
     call(10, ic[..., :32], "index_cache")
     call(11, islots.float(), "index_slot_mapping", TypeError)
+    # 1-D inputs the kernel reads as plain arrays: a strided view is refused, not misread
+    call(1, torch.stack([pos, pos], 1)[:, 0], "positions must be contiguous")
+    call(9, torch.stack([slots, slots], 1)[:, 0], "slot_mapping must be contiguous")
+    call(4, torch.stack([w[1], w[1]], 1)[:, 0], "k_norm_weight must be contiguous")
     with pytest.raises(ValueError, match="q_out"):
         openmsa.fused_prepare(*args, q_out=torch.empty(3, 8, 64, dtype=torch.bfloat16))
     with pytest.raises(TypeError, match="index_q"):

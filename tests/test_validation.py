@@ -124,6 +124,9 @@ def test_cache_write_bad_inputs():
         openmsa.write_index_cache(torch.randn(3, 8), cache, torch.zeros(3))
     with pytest.raises(ValueError, match="index_cache's last dim"):
         openmsa.write_index_cache(torch.randn(3, 4), cache, torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="slot_mapping must be contiguous"):
+        openmsa.write_index_cache(torch.randn(3, 8), cache,
+                                  torch.zeros(3, 2, dtype=torch.int64)[:, 0])
     kc = torch.zeros(2, B, 2, 8)
     with pytest.raises(ValueError, match="k_cache must be"):
         openmsa.write_kv_cache(torch.randn(3, 1, 8), torch.randn(3, 1, 8), kc, kc,

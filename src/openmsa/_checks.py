@@ -36,6 +36,12 @@ def check_int_tensor(name: str, t, *, ndim: int, device: torch.device | None = N
     check_tensor(name, t, ndim=ndim, dtypes=INT_TYPES, device=device)
 
 
+def check_unit_stride(name: str, t: torch.Tensor) -> None:
+    """A 1-D tensor the kernels read as a plain array (a strided view would be read wrongly)."""
+    if t.shape[0] > 1 and t.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous (stride 1), got stride {t.stride(0)}")
+
+
 def check_block_size(block_size) -> None:
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0 \
             or block_size & (block_size - 1):
@@ -48,10 +54,8 @@ def check_step(cu_seqlens_q, seq_lens, block_table, device: torch.device) -> int
     check_int_tensor("seq_lens", seq_lens, ndim=1, device=device)
     check_int_tensor("block_table", block_table, ndim=2, device=device)
     num_requests = seq_lens.shape[0]
-    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens)):
-        # the kernels read them as plain arrays (a strided view would be read wrongly)
-        if t.shape[0] > 1 and t.stride(0) != 1:
-            raise ValueError(f"{name} must be contiguous (stride 1), got stride {t.stride(0)}")
+    check_unit_stride("cu_seqlens_q", cu_seqlens_q)
+    check_unit_stride("seq_lens", seq_lens)
     if cu_seqlens_q.shape[0] != num_requests + 1:
         raise ValueError(f"cu_seqlens_q must have len(seq_lens) + 1 = {num_requests + 1} entries, "
                          f"got {cu_seqlens_q.shape[0]}")

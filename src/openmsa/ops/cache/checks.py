@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..._checks import FP8, HALF, check_tensor
+from ..._checks import FP8, HALF, check_tensor, check_unit_stride
 
 CACHE_DTYPES = (*HALF, FP8, torch.float32)
 SOURCE_DTYPES = (*HALF, torch.float32)
@@ -17,6 +17,7 @@ def check_index_write(index_k, index_cache, slot_mapping) -> None:
     device = index_k.device
     check_tensor("index_cache", index_cache, ndim=3, dtypes=CACHE_DTYPES, device=device)
     check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=SLOT_DTYPES, device=device)
+    check_unit_stride("slot_mapping", slot_mapping)
     if index_cache.shape[2] != index_k.shape[1]:
         raise ValueError(f"index_cache's last dim ({index_cache.shape[2]}) must equal index_k's "
                          f"({index_k.shape[1]})")
@@ -40,6 +41,7 @@ def check_kv_write(k, v, k_cache, v_cache, slot_mapping) -> None:
         raise ValueError(f"k_cache must be [pages, block, {k.shape[1]}, {k.shape[2]}] to hold k "
                          f"{tuple(k.shape)}, got {tuple(k_cache.shape)}")
     check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=SLOT_DTYPES, device=device)
+    check_unit_stride("slot_mapping", slot_mapping)
     if slot_mapping.shape[0] != k.shape[0]:
         raise ValueError(f"slot_mapping must have a slot per token ({k.shape[0]}), got "
                          f"{slot_mapping.shape[0]}")
@@ -65,6 +67,7 @@ def check_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_
                          f"index_q {h}x{di} | index_k {di}] for this config, got "
                          f"{tuple(qkv.shape)}")
     check_tensor("positions", positions, ndim=1, dtypes=SLOT_DTYPES, device=device)
+    check_unit_stride("positions", positions)
     if positions.shape[0] != num_tokens:
         raise ValueError(f"positions must have one entry per token ({num_tokens}), got "
                          f"{positions.shape[0]}")
@@ -72,6 +75,7 @@ def check_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_
                        ("index_q_norm_weight", index_q_norm_weight, di),
                        ("index_k_norm_weight", index_k_norm_weight, di)):
         check_tensor(name, w, ndim=1, dtypes=SOURCE_DTYPES, device=device)
+        check_unit_stride(name, w)
         if w.shape[0] != n:
             raise ValueError(f"{name} must be [{n}], got {tuple(w.shape)}")
     check_tensor("k_cache", k_cache, ndim=4, dtypes=CACHE_DTYPES, device=device)
@@ -89,6 +93,7 @@ def check_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_
                              f"tokens, got {c.shape[1]}")
     for name, s in (("slot_mapping", slot_mapping), ("index_slot_mapping", index_slot_mapping)):
         check_tensor(name, s, ndim=1, dtypes=SLOT_DTYPES, device=device)
+        check_unit_stride(name, s)
         if s.shape[0] != num_tokens:
             raise ValueError(f"{name} must have a slot per token ({num_tokens}), got "
                              f"{s.shape[0]}")
