@@ -97,6 +97,14 @@ def _indexer(dname, batch, context, q_len, heads):
     return lambda: openmsa.select_blocks(q, cache, cu, seq, table, max_q_len=q_len)
 
 
+def _layer(model_name, dname, batch, context):
+    """One decode step of the sparse layer's attention part as an engine calls it: fused_prepare,
+    select_blocks and sparse_attention (run.py's layer-decode rows)."""
+    model = shapes.MODELS[model_name]
+    case = run._layer_case(model, batch, context, 1, dname)
+    return run._layer_fns(model, *case, batch, context, 1)[0]
+
+
 CASES = {
     "attn-fp8-tp4-b128": lambda: _attention("m3-tp4", "fp8", 128, 65536, 1),
     "attn-bf16-tp4-b128": lambda: _attention("m3-tp4", "bf16", 128, 65536, 1),
@@ -119,6 +127,8 @@ CASES = {
     "idx-fp8-b32-128k": lambda: _indexer("fp8", 32, 131072, 1, 4),
     "idx-fp8-b1-32k": lambda: _indexer("fp8", 1, 32768, 1, 4),
     "idx-fp8-b32-32k": lambda: _indexer("fp8", 32, 32768, 1, 4),
+    "layer-fp8-tp1-b8-32k": lambda: _layer("m3-tp1", "fp8", 8, 32768),
+    "layer-fp8-tp4-b64-32k": lambda: _layer("m3-tp4", "fp8", 64, 32768),
     # with b32-32k and b32-128k: time against blocks per program (B = 32 launches 256 programs
     # at every L, so the per-program block count is L / 1K: 8 / 16 / 32 / 128); b8-128k and
     # b1-1m launch the same 256 x 32 blocks as b32-32k over 8 requests and one

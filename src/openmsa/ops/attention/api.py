@@ -10,7 +10,7 @@ from ..._checks import FP8
 from ..._dispatch import next_pow2 as _next_pow2
 from ..._dispatch import num_sms, scale_args, use_kernels
 from ...support import attention_unsupported_reason
-from ..common.launch import PlanCache, call_key, launch
+from ..common.launch import PlanCache, call_key, launch, scale_key
 from . import reference
 from .checks import check_attention_args, check_page_table_args
 
@@ -184,7 +184,7 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
     key = call_key((q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table,
                     q if out is None else out),
                    (out is None, v_cache.data_ptr() & 1 if isinstance(v_cache, torch.Tensor)
-                    else None, scale, block_size, _scale_key(k_scale), _scale_key(v_scale),
+                    else None, scale, block_size, scale_key(k_scale), scale_key(v_scale),
                     tuple(TUNING.values()), _num_splits, num_sms))
     plan = _PLANS.get(key)
     if plan is None:
@@ -245,10 +245,6 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
 # arguments, V's address parity (the paired fp8 reads), the launch knobs and the functions that
 # choose with them (so that tune.py's and tests' changes take effect)
 _PLANS = PlanCache()
-
-
-def _scale_key(s):
-    return (s.shape, s.dtype, s.device) if isinstance(s, torch.Tensor) else s
 
 
 class _Plan:

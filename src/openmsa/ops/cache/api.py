@@ -11,7 +11,7 @@ import torch
 from ..._checks import FP8
 from ..._dispatch import next_pow2 as _next_pow2
 from ..._dispatch import scale_args, use_kernels
-from ..common.launch import launch
+from ..common.launch import PlanCache, call_key, launch, scale_key
 from . import reference
 from .checks import check_index_write, check_kv_write
 
@@ -110,11 +110,21 @@ def fused_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_
     from .checks import check_prepare
     from .prepare import _fused_prepare_kernel
 
-    check_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_norm_weight,
-                  index_k_norm_weight, k_cache, v_cache, slot_mapping, index_cache,
-                  index_slot_mapping, q_out, index_q_out)
-    check_scale_arg("k_scale", k_scale, qkv.device)
-    check_scale_arg("v_scale", v_scale, qkv.device)
+    key = call_key((qkv, positions, q_norm_weight, k_norm_weight, index_q_norm_weight,
+                    index_k_norm_weight, k_cache, v_cache, slot_mapping, index_cache,
+                    index_slot_mapping, qkv if q_out is None else q_out,
+                    qkv if index_q_out is None else index_q_out),
+                   (config, q_out is None, index_q_out is None, scale_key(k_scale),
+                    scale_key(v_scale)))
+    plan = _PREPARE_PLANS.get(key)
+    if plan is None:
+        check_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_norm_weight,
+                      index_k_norm_weight, k_cache, v_cache, slot_mapping, index_cache,
+                      index_slot_mapping, q_out, index_q_out)
+        check_scale_arg("k_scale", k_scale, qkv.device)
+        check_scale_arg("v_scale", v_scale, qkv.device)
+        plan = _prepare_plan(qkv, config, k_cache, index_cache, index_q_out)
+        _PREPARE_PLANS.put(key, plan)
     num_tokens = qkv.shape[0]
     hq, hkv, h = config.num_heads, config.num_kv_heads, config.num_index_heads
     d, di = config.head_dim, config.index_head_dim
@@ -124,18 +134,33 @@ def fused_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_
         index_q_out = torch.empty(num_tokens, h, di, dtype=index_cache.dtype, device=qkv.device)
     if num_tokens == 0:
         return q_out, index_q_out
-    table = rope_table(config.rotary_dim, float(config.rope_theta), str(qkv.device))
-    ht = min(PREPARE_HEAD_TILE, _next_pow2(max(hq, hkv, h)))
-    tiles = -(-hq // ht) + -(-hkv // ht) + -(-h // ht) + 1
+    table, tiles, kwargs = plan
     has_scale, ks, vs = scale_args(k_scale, v_scale, qkv.device, qkv)
     launch(_fused_prepare_kernel, (num_tokens, tiles),
            qkv, positions, q_norm_weight, k_norm_weight, index_q_norm_weight, index_k_norm_weight,
            table, k_cache, v_cache, slot_mapping, index_cache, index_slot_mapping, ks, vs, q_out,
            index_q_out, float(config.rms_norm_eps), *qkv.stride(), *k_cache.stride(),
            *v_cache.stride(), *index_cache.stride(), *q_out.stride(), *index_q_out.stride(),
-           HQ=hq, HKV=hkv, H=h, D=d, DI=di, DP=_next_pow2(d), DIP=_next_pow2(di),
-           ROT=config.rotary_dim, NCOARSE=ROPE_MAX_POSITION // 1024, BLOCK=k_cache.shape[1],
-           IBLOCK=index_cache.shape[1], HT=ht, KV_SATURATE=k_cache.dtype == FP8,
-           INDEX_SATURATE=index_cache.dtype == FP8, IQ_SATURATE=index_q_out.dtype == FP8,
-           HAS_SCALE=has_scale, num_warps=4)
+           HAS_SCALE=has_scale, **kwargs)
     return q_out, index_q_out
+
+
+# launch plans by call key (as the attention and indexer ops: a repeated step shape skips the
+# checks and the launch choices)
+_PREPARE_PLANS = PlanCache()
+
+
+def _prepare_plan(qkv, config, k_cache, index_cache, index_q_out) -> tuple:
+    """(RoPE table, head tiles per token, the launch's keyword arguments but HAS_SCALE)."""
+    hq, hkv, h = config.num_heads, config.num_kv_heads, config.num_index_heads
+    d, di = config.head_dim, config.index_head_dim
+    table = rope_table(config.rotary_dim, float(config.rope_theta), str(qkv.device))
+    ht = min(PREPARE_HEAD_TILE, _next_pow2(max(hq, hkv, h)))
+    tiles = -(-hq // ht) + -(-hkv // ht) + -(-h // ht) + 1
+    iq_dtype = index_cache.dtype if index_q_out is None else index_q_out.dtype
+    kwargs = dict(HQ=hq, HKV=hkv, H=h, D=d, DI=di, DP=_next_pow2(d), DIP=_next_pow2(di),
+                  ROT=config.rotary_dim, NCOARSE=ROPE_MAX_POSITION // 1024,
+                  BLOCK=k_cache.shape[1], IBLOCK=index_cache.shape[1], HT=ht,
+                  KV_SATURATE=k_cache.dtype == FP8, INDEX_SATURATE=index_cache.dtype == FP8,
+                  IQ_SATURATE=iq_dtype == FP8, num_warps=4)
+    return table, tiles, kwargs

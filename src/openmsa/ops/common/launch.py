@@ -169,6 +169,12 @@ def tensor_key(t) -> tuple:
     return (t.shape, t.stride(), t.dtype, t.device)
 
 
+def scale_key(s):
+    """A dequantisation scale argument as a key: a tensor by shape, dtype and device (its value
+    is read on the device), anything else as itself."""
+    return (s.shape, s.dtype, s.device) if isinstance(s, torch.Tensor) else s
+
+
 def call_key(tensors, values) -> tuple | None:
     """A hashable key of everything an op's argument checks and launch choices read: the
     tensors' shapes, strides, dtypes and devices, and other values with their types (True and 1
