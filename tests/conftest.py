@@ -7,8 +7,12 @@ The `kernel_device` fixture gives the device on which the public ops run the Tri
 
 import os
 
-import pytest
-import torch
+# every planned launch checked against Triton's own key (ops/common/launch.py); set before
+# openmsa is imported
+os.environ.setdefault("OPENMSA_VERIFY_PLAN_KEYS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 HAS_CUDA = torch.cuda.is_available()

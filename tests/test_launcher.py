@@ -158,3 +158,38 @@ def test_native_launch_without_scratch(compiled, monkeypatch, scratch):
     else:
         assert not run.wrapped and run.native == [(4, 1, 1, 1234, "function", False, True, None,
                                                    None, "metadata", None, None, None, *tail)]
+
+
+def test_planned_launch_looks_only_at_addresses(compiled, monkeypatch):
+    """A plan key's first call takes the full path; later calls launch the same kernel without
+    it, until a tensor's alignment changes (a new key: the full path again)."""
+    monkeypatch.setattr(launch_mod, "VERIFY_PLAN_KEYS", False)
+    launcher = launch_mod.Launcher(_probe_kernel)
+    full = []
+    orig = launcher._launch_full
+    monkeypatch.setattr(launcher, "_launch_full", lambda *a: full.append(1) or orig(*a))
+    x, y = torch.zeros(64), torch.zeros(64)
+    for _ in range(3):  # miss (compiles), full-path hit (remembered), planned hit
+        launcher.planned(("plan", 0), (2,), (x, y, 5, 32, 0.5, 9), dict(A=4))
+    assert len(compiled) == 1 and len(full) == 2 and len(compiled[0].launches) == 2
+    assert compiled[0].launches[-1][9:] == (x.data_ptr(), y.data_ptr(), 5, 32, 0.5, 9, None,
+                                            None, 3)
+    launcher.planned(("plan", 0), (2,), (x[1:], y, 5, 32, 0.5, 9), dict(A=4))  # misaligned
+    assert len(full) == 3 and len(compiled) == 2
+
+
+def test_verify_mode_catches_a_plan_key_that_does_not_fix_an_int(compiled, monkeypatch):
+    """With VERIFY_PLAN_KEYS (set for the whole test suite) a plan key reused for arguments
+    that Triton specialises differently raises instead of running the wrong binary."""
+    monkeypatch.setattr(launch_mod, "VERIFY_PLAN_KEYS", True)
+    launcher = launch_mod.Launcher(_probe_kernel)
+    x, y = torch.zeros(64), torch.zeros(64)
+    for _ in range(2):
+        launcher.planned(("plan", 1), (2,), (x, y, 5, 32, 0.5, 9), dict(A=4))
+    launcher.planned(("plan", 1), (2,), (x, y, 5, 1, 0.5, 9), dict(A=4))  # stride 1: compiles
+    with pytest.raises(AssertionError, match="plan key"):
+        launcher.planned(("plan", 1), (2,), (x, y, 5, 1, 0.5, 9), dict(A=4))
+
+
+def test_suite_runs_with_plan_key_verification():
+    assert launch_mod.VERIFY_PLAN_KEYS  # tests/conftest.py sets it before openmsa is imported

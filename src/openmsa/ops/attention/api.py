@@ -10,7 +10,8 @@ from ..._checks import FP8
 from ..._dispatch import next_pow2 as _next_pow2
 from ..._dispatch import num_sms, scale_args, use_kernels
 from ...support import attention_unsupported_reason
-from ..common.launch import PlanCache, call_key, launch, scale_key
+from ..common.launch import (PlanCache, call_key, launch, launch_planned, plan_serials,
+                             scale_key)
 from . import reference
 from .checks import check_attention_args, check_page_table_args
 
@@ -219,25 +220,29 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
         # per (tile, KV head): the union's page ids, block ids and token bits (prefill.py)
         union = torch.empty((num_tiles * num_kv_heads, 3, tile_qt * p.kp), dtype=torch.int32,
                             device=device)
-        launch(_tile_plan_kernel, (num_tiles, num_kv_heads),
-               indices, cu_seqlens_q, seq_lens, block_table, blocks, union,
-               float(TUNING["tile_waste"]), seq_lens.shape[0], *indices.stride(),
-               *block_table.stride(), **p.plan_kwargs)
-        launch(_sparse_attention_tile_kernel, (p.tile_programs,),
-               q, k_cache, v_cache, cu_seqlens_q, seq_lens, out, lse, blocks, union, ks, vs,
-               p.sm_scale, seq_lens.shape[0], p.tile_items, *q.stride(), *k_cache.stride(),
-               *v_cache.stride(), *out.stride(), *lse.stride(), HAS_SCALE=has_scale,
-               **p.tile_kwargs)
+        launch_planned(
+            _tile_plan_kernel, (p.serial, 0), (num_tiles, num_kv_heads),
+            indices, cu_seqlens_q, seq_lens, block_table, blocks, union,
+            float(TUNING["tile_waste"]), seq_lens.shape[0], *indices.stride(),
+            *block_table.stride(), **p.plan_kwargs)
+        launch_planned(
+            _sparse_attention_tile_kernel, (p.serial, 1), (p.tile_programs,),
+            q, k_cache, v_cache, cu_seqlens_q, seq_lens, out, lse, blocks, union, ks, vs,
+            p.sm_scale, seq_lens.shape[0], p.tile_items, *q.stride(), *k_cache.stride(),
+            *v_cache.stride(), *out.stride(), *lse.stride(), HAS_SCALE=has_scale,
+            **p.tile_kwargs)
     else:
         blocks = lse
-    launch(_sparse_attention_kernel, (num_tokens, num_kv_heads, splits),
-           q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, out, lse, part_out,
-           part_lse, counters, blocks, ks, vs, p.sm_scale, seq_lens.shape[0], *q.stride(),
-           *k_cache.stride(), *v_cache.stride(), *indices.stride(), *block_table.stride(),
-           *out.stride(), *lse.stride(), HAS_SCALE=has_scale, **p.kwargs)
+    launch_planned(
+        _sparse_attention_kernel, (p.serial, 2), (num_tokens, num_kv_heads, splits),
+        q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, out, lse, part_out,
+        part_lse, counters, blocks, ks, vs, p.sm_scale, seq_lens.shape[0], *q.stride(),
+        *k_cache.stride(), *v_cache.stride(), *indices.stride(), *block_table.stride(),
+        *out.stride(), *lse.stride(), HAS_SCALE=has_scale, **p.kwargs)
     if splits > 1 and not p.fused:
-        launch(_merge_splits_kernel, (num_tokens, num_heads),
-               part_out, part_lse, out, lse, *out.stride(), *lse.stride(), **p.merge_kwargs)
+        launch_planned(
+            _merge_splits_kernel, (p.serial, 3), (num_tokens, num_heads),
+            part_out, part_lse, out, lse, *out.stride(), *lse.stride(), **p.merge_kwargs)
     return (out, lse) if return_lse else out
 
 
@@ -306,7 +311,10 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size) -> _Plan:
             and num_tokens * num_kv_heads * splits > TUNING["resident_16"] * num_sms(device)):
         # 16-bit K/V, more than one round of programs: fewer stages (see TUNING)
         stages = TUNING["rounds_stages_16"]
-    plan = _Plan(splits=splits, fused=fused, tile_qt=tile_qt if tile_qt > 1 else 0,
+    # (serial: the plan's launches are keyed on it, ops/common/launch.py's launch_planned; the
+    # call key fixes every int and dtype those launches pass)
+    plan = _Plan(serial=next(plan_serials), splits=splits, fused=fused,
+                 tile_qt=tile_qt if tile_qt > 1 else 0,
                  sm_scale=head_dim ** -0.5 if scale is None else float(scale),
                  kp=_next_pow2(topk))
     if tile_qt > 1:

@@ -11,7 +11,8 @@ import torch
 from ..._checks import FP8
 from ..._dispatch import next_pow2 as _next_pow2
 from ..._dispatch import scale_args, use_kernels
-from ..common.launch import PlanCache, call_key, launch, scale_key
+from ..common.launch import (PlanCache, call_key, launch, launch_planned, plan_serials,
+                             scale_key)
 from . import reference
 from .checks import check_index_write, check_kv_write
 
@@ -134,14 +135,15 @@ def fused_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_
         index_q_out = torch.empty(num_tokens, h, di, dtype=index_cache.dtype, device=qkv.device)
     if num_tokens == 0:
         return q_out, index_q_out
-    table, tiles, kwargs = plan
+    serial, table, tiles, kwargs = plan
     has_scale, ks, vs = scale_args(k_scale, v_scale, qkv.device, qkv)
-    launch(_fused_prepare_kernel, (num_tokens, tiles),
-           qkv, positions, q_norm_weight, k_norm_weight, index_q_norm_weight, index_k_norm_weight,
-           table, k_cache, v_cache, slot_mapping, index_cache, index_slot_mapping, ks, vs, q_out,
-           index_q_out, float(config.rms_norm_eps), *qkv.stride(), *k_cache.stride(),
-           *v_cache.stride(), *index_cache.stride(), *q_out.stride(), *index_q_out.stride(),
-           HAS_SCALE=has_scale, **kwargs)
+    launch_planned(
+        _fused_prepare_kernel, serial, (num_tokens, tiles),
+        qkv, positions, q_norm_weight, k_norm_weight, index_q_norm_weight, index_k_norm_weight,
+        table, k_cache, v_cache, slot_mapping, index_cache, index_slot_mapping, ks, vs, q_out,
+        index_q_out, float(config.rms_norm_eps), *qkv.stride(), *k_cache.stride(),
+        *v_cache.stride(), *index_cache.stride(), *q_out.stride(), *index_q_out.stride(),
+        HAS_SCALE=has_scale, **kwargs)
     return q_out, index_q_out
 
 
@@ -151,7 +153,8 @@ _PREPARE_PLANS = PlanCache()
 
 
 def _prepare_plan(qkv, config, k_cache, index_cache, index_q_out) -> tuple:
-    """(RoPE table, head tiles per token, the launch's keyword arguments but HAS_SCALE)."""
+    """(serial number, RoPE table, head tiles per token, the launch's keyword arguments but
+    HAS_SCALE)."""
     hq, hkv, h = config.num_heads, config.num_kv_heads, config.num_index_heads
     d, di = config.head_dim, config.index_head_dim
     table = rope_table(config.rotary_dim, float(config.rope_theta), str(qkv.device))
@@ -163,4 +166,5 @@ def _prepare_plan(qkv, config, k_cache, index_cache, index_q_out) -> tuple:
                   BLOCK=k_cache.shape[1], IBLOCK=index_cache.shape[1], HT=ht,
                   KV_SATURATE=k_cache.dtype == FP8, INDEX_SATURATE=index_cache.dtype == FP8,
                   IQ_SATURATE=iq_dtype == FP8, num_warps=4)
-    return table, tiles, kwargs
+    # (the serial number keys its launch, launch_planned in ops/common/launch.py)
+    return next(plan_serials), table, tiles, kwargs

@@ -23,7 +23,9 @@ device.
 from __future__ import annotations
 
 import inspect
+import itertools
 import operator
+import os
 
 import torch
 import triton
@@ -72,6 +74,24 @@ def _hooked(hook) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+def launch_planned(fn, plan_key, grid, *args, **kwargs):
+    """`launch` for a call whose `plan_key` fixes everything but the tensors' addresses (see
+    Launcher.planned; ops key it on a launch plan's serial number)."""
+    launcher = getattr(fn, "_openmsa_launcher", None)
+    if launcher is None:
+        if INTERPRET or not isinstance(fn, triton.runtime.JITFunction):
+            return fn[grid](*args, **kwargs)
+        launcher = fn._openmsa_launcher = Launcher(fn)
+    return launcher.planned(plan_key, grid, args, kwargs)
+
+
+# tests set OPENMSA_VERIFY_PLAN_KEYS=1 (tests/conftest.py): every planned launch is checked
+# against Triton's own key
+VERIFY_PLAN_KEYS = os.environ.get("OPENMSA_VERIFY_PLAN_KEYS", "0") == "1"
+# serial numbers of launch plans (never reused, unlike id() of a dropped plan)
+plan_serials = itertools.count()
+
+
 class Launcher:
     """`Launcher(fn)(grid, *args, **kwargs)` launches like `fn[grid](*args, **kwargs)`: the
     kernel's tensors positionally (a tensor passed by keyword would be keyed by identity and
@@ -82,6 +102,8 @@ class Launcher:
         self._kernels: dict = {}
         self._layouts: dict = {}
         self._tensor_pos: dict = {}
+        self._plan_layouts: dict = {}
+        self._planned: dict = {}
         params = list(inspect.signature(fn.fn).parameters.values())
         self._params = [(p.name, p.default, kp.is_constexpr) for p, kp in zip(params, fn.params)]
         self._dns = [kp.do_not_specialize for kp in fn.params]
@@ -107,31 +129,41 @@ class Launcher:
         return layout
 
     def __call__(self, grid, *args, **kwargs):
-        fn = self.fn
         if _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
-            return fn[grid](*args, **kwargs)
+            self.fn[grid](*args, **kwargs)
+            return
+        self._launch_full(grid, args, kwargs)
+
+    def _launch_full(self, grid, args, kwargs):
+        """Launch through Triton's own key (computed here); returns the runner it used, or None
+        when this call went through kernel[grid] (a miss: compiled or found there)."""
         types = tuple(map(type, args))
         layout = self._layouts.get(types) or self._layout(types)
         tensors, dns, keyed, rest = layout
         # (C-level maps: a Python loop over ~15 tensors and ~30 ints cost more than the rest)
         objs = tensors(args)
         ptrs = list(map(_DATA_PTR, objs))
-        vals = list(args)
-        for i, p in zip(self._tensor_pos[types], ptrs):
-            vals[i] = p
         device = torch.cuda.current_device()
         key = (types, tuple(map(_DTYPE, objs)), tuple(map(_MISALIGNED.__and__, ptrs)),
                keyed(args), tuple(map(_I32.__contains__, dns(args))), tuple(kwargs.items()),
                device)
-        kernel = self._kernels.get(key)
-        if kernel is None:
-            kernel = fn[grid](*args, **kwargs)
+        runner = self._kernels.get(key)
+        if runner is None:
+            kernel = self.fn[grid](*args, **kwargs)
             if hasattr(kernel, "result"):
                 kernel = kernel.result()
             if len(self._kernels) >= MAX_KEYS:
                 self._kernels.clear()
             self._kernels[key] = _runner(kernel)
-            return
+            return None
+        self._run(runner, grid, args, kwargs, self._tensor_pos[types], ptrs, rest, device)
+        return runner
+
+    @staticmethod
+    def _run(runner, grid, args, kwargs, tensor_pos, ptrs, rest, device):
+        vals = list(args)
+        for i, p in zip(tensor_pos, ptrs):
+            vals[i] = p
         pad, given = rest
         if given:
             pad = list(pad)
@@ -139,8 +171,43 @@ class Launcher:
                 pad[j] = kwargs.get(name, default)
         vals += pad
         n = len(grid)
-        kernel(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
+        runner(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
                torch._C._cuda_getCurrentRawStream(device), vals)
+
+    def planned(self, plan_key, grid, args, kwargs):
+        """Launch for an op whose `plan_key` already fixes everything Triton specialises on but
+        the tensors' addresses: the argument types, every int (shapes, strides), the tensors'
+        dtypes, the constexprs and options. Per call only the addresses and their 16-byte
+        alignment are looked at. The first call of a (plan key, alignment) takes the full
+        path and remembers the runner it used; with VERIFY_PLAN_KEYS (the tests) every call
+        also computes Triton's full key and checks that it names the same runner."""
+        if _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+            self.fn[grid](*args, **kwargs)
+            return
+        layout = self._plan_layouts.get(plan_key)
+        if layout is None:
+            types = tuple(map(type, args))
+            layout = (self._layouts.get(types) or self._layout(types), self._tensor_pos[types])
+            if len(self._plan_layouts) >= MAX_KEYS:
+                self._plan_layouts.clear()
+            self._plan_layouts[plan_key] = layout
+        (tensors, _, _, rest), tensor_pos = layout
+        ptrs = list(map(_DATA_PTR, tensors(args)))
+        device = torch.cuda.current_device()
+        key = (plan_key, tuple(map(_MISALIGNED.__and__, ptrs)), device)
+        runner = self._planned.get(key)
+        if runner is None or VERIFY_PLAN_KEYS:
+            full = self._launch_full(grid, args, kwargs)
+            if full is None:
+                return  # a miss of Triton's key: next time the full path finds the runner
+            if runner is not None and runner.kernel is not full.kernel:
+                raise AssertionError(f"{self.fn.__name__}: plan key {plan_key} names another "
+                                     f"kernel than Triton's specialisation of these arguments")
+            if len(self._planned) >= MAX_KEYS:
+                self._planned.clear()
+            self._planned[key] = full
+            return
+        self._run(runner, grid, args, kwargs, tensor_pos, ptrs, rest, device)
 
 
 def _runner(kernel):
@@ -155,12 +222,14 @@ def _runner(kernel):
             or not hasattr(run, "launch_cooperative_grid") or not hasattr(run, "launch_pdl")):
         def launch_through_launcher(x, y, z, stream, vals):
             run(x, y, z, stream, kernel.function, kernel.packed_metadata, None, None, None, *vals)
+        launch_through_launcher.kernel = kernel
         return launch_through_launcher
     function, metadata = kernel.function, kernel.packed_metadata
     coop, pdl = run.launch_cooperative_grid, run.launch_pdl
 
     def launch_native(x, y, z, stream, vals):
         native(x, y, z, stream, function, coop, pdl, None, None, metadata, None, None, None, *vals)
+    launch_native.kernel = kernel
     return launch_native
 
 

@@ -10,7 +10,7 @@ from ..._checks import FP8, HALF
 from ..._dispatch import next_pow2 as _next_pow2
 from ..._dispatch import num_sms, use_kernels
 from ...support import indexer_unsupported_reason
-from ..common.launch import PlanCache, call_key, launch
+from ..common.launch import PlanCache, call_key, launch_planned, plan_serials
 from . import reference
 from .checks import check_indexer_args, check_select_args
 
@@ -112,14 +112,14 @@ def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_tabl
     args = (index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores, seq_lens.shape[0],
             index_q.shape[0], *index_q.stride(), *index_cache.stride(), *block_table.stride(),
             *scores.stride())
-    for grid, kwargs in plan:
-        launch(_block_scores_kernel, grid, *args, **kwargs)
+    for serial, grid, kwargs in plan:
+        launch_planned(_block_scores_kernel, serial, grid, *args, **kwargs)
 
 
 def _scores_plan(index_q, index_cache, num_requests: int, max_blocks: int, block_size: int,
                  max_q_len: int | None) -> list:
-    """The scoring launches (grid, keyword arguments) for these shapes: the request launch and,
-    unless every request is known to be short, the tile launch."""
+    """The scoring launches (serial, grid, keyword arguments) for these shapes: the request
+    launch and, unless every request is known to be short, the tile launch."""
     num_tokens, num_heads, head_dim = index_q.shape
     if num_tokens == 0 or num_requests == 0 or max_blocks == 0:
         return []
@@ -149,12 +149,14 @@ def _scores_plan(index_q, index_cache, num_requests: int, max_blocks: int, block
     # skipped by the hint alone, the tile launch's requests go to the request launch, which then
     # takes any q_len (ANY_Q); with T <= SMALL_Q no request can be longer, and the bound stays
     any_q = only_requests and num_tokens > SMALL_Q
-    launches = [(grid, dict(BPS=bps, TILE_MODE=False, ROWS_T=rows_t, **common,
-                            SMALL_Q=ANY_Q if any_q else SMALL_Q, KEYS_AS_ROWS=keys_as_rows,
-                            num_warps=TUNING["decode_warps"],
-                            num_stages=TUNING["decode_stages"], table_width=max_blocks,
-                            PAGES_EARLY=TUNING["decode_pages_early"],
-                            ONE_LOOP=TUNING["decode_one_loop"], SPLIT_MAJOR=split_major))]
+    # (each launch with a serial number: launch_planned's key, see ops/common/launch.py; the
+    # call key fixes every int and dtype the launches pass)
+    launches = [(next(plan_serials), grid, dict(
+        BPS=bps, TILE_MODE=False, ROWS_T=rows_t, **common, SMALL_Q=ANY_Q if any_q else SMALL_Q,
+        KEYS_AS_ROWS=keys_as_rows, num_warps=TUNING["decode_warps"],
+        num_stages=TUNING["decode_stages"], table_width=max_blocks,
+        PAGES_EARLY=TUNING["decode_pages_early"], ONE_LOOP=TUNING["decode_one_loop"],
+        SPLIT_MAJOR=split_major))]
     # prefill chunks: tiles of packed tokens; with T <= SMALL_Q no request can be long
     if only_requests:
         return launches
@@ -166,7 +168,7 @@ def _scores_plan(index_q, index_cache, num_requests: int, max_blocks: int, block
     if split_major:
         grid = grid[::-1]
     overlap = TUNING["tile_overlap"] and common["PDL"]
-    launches.append((grid, dict(
+    launches.append((next(plan_serials), grid, dict(
         BPS=bps, TILE_MODE=True, ROWS_T=rows_t, **common, SPLIT_MAJOR=split_major,
         REVERSE_TILES=TUNING["prefill_reverse_tiles"],
         REVERSE_SPLITS=TUNING["prefill_reverse_splits"], SMALL_Q=SMALL_Q, KEYS_AS_ROWS=False,
@@ -218,18 +220,18 @@ def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, loc
     if plan is None:
         plan = _select_plan(num_tokens, num_heads, max_blocks, topk, init_blocks, local_blocks,
                             block_size, scores.device)
-    segments, cap, kp, kwargs, merge_kwargs = plan
+    serial, segments, cap, kp, kwargs, merge_kwargs = plan
     cand = out if segments == 1 else torch.empty((num_tokens, num_heads, segments, kp),
                                                  dtype=torch.int64, device=scores.device)
     scratch = torch.empty((num_tokens, num_heads, segments, cap) if cap else (1,),
                           dtype=torch.int64, device=scores.device)
-    launch(_segment_topk_kernel, (num_tokens, num_heads, segments),
-           scores, cu_seqlens_q, seq_lens, out, cand, scratch, seq_lens.shape[0], segments,
-           *scores.stride(), *out.stride(), **kwargs)
+    launch_planned(_segment_topk_kernel, (serial, 0), (num_tokens, num_heads, segments),
+                   scores, cu_seqlens_q, seq_lens, out, cand, scratch, seq_lens.shape[0],
+                   segments, *scores.stride(), *out.stride(), **kwargs)
     if segments > 1:
-        launch(_merge_topk_kernel, (num_tokens, num_heads),
-               cand, cu_seqlens_q, seq_lens, out, seq_lens.shape[0], segments, *out.stride(),
-               **merge_kwargs)
+        launch_planned(_merge_topk_kernel, (serial, 1), (num_tokens, num_heads),
+                       cand, cu_seqlens_q, seq_lens, out, seq_lens.shape[0], segments,
+                       *out.stride(), **merge_kwargs)
 
 
 def _select_plan(num_tokens, num_heads, max_blocks, topk, init_blocks, local_blocks, block_size,
@@ -265,7 +267,7 @@ def _select_plan(num_tokens, num_heads, max_blocks, topk, init_blocks, local_blo
     merge_kwargs = dict(TOPK=topk, KP=kp, BLOCK=block_size, SEG=seg,
                         CANDP=_next_pow2(num_segments * kp), BY_SORT=by_sort, PDL=pdl,
                         num_warps=warps, launch_pdl=pdl)
-    return num_segments, cap, kp, kwargs, merge_kwargs
+    return next(plan_serials), num_segments, cap, kp, kwargs, merge_kwargs
 
 
 def block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, block_size=128,
