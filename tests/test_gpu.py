@@ -343,10 +343,14 @@ def test_launcher_cache_keys_on_what_triton_specialises(monkeypatch):
     assert first <= len(cases) and len(calls) == first  # the second round: cached launches only
 
 
-def test_attention_and_selection_repeated_with_misaligned_views():
+@pytest.mark.parametrize("verify", [True, False])
+def test_attention_and_selection_repeated_with_misaligned_views(verify, monkeypatch):
     """The ops through their launchers: the same shapes called again with q, out and the index
-    query at a 2-byte offset (not 16-byte aligned) and a different batch length, against the
-    reference each time."""
+    query at a 2-byte offset (not 16-byte aligned), against the reference each time; with the
+    planned launches checked against Triton's key (as the rest of the suite) and as engines run
+    them (unchecked)."""
+    from openmsa.ops.common import launch as launch_mod
+    monkeypatch.setattr(launch_mod, "VERIFY_PLAN_KEYS", verify)
     step = make_step([1, 1, 4], [3000, 700, 5000], block_size=B)
     g = torch.Generator().manual_seed(5)
     k = torch.randn(step.num_pages, B, 1, 128, generator=g).bfloat16()
