@@ -48,12 +48,15 @@ def host_us(fn, n: int = 300) -> float:
 
 
 def launcher_us(fn, n: int = 300) -> tuple[float, float]:
-    """(µs per call inside the launches, launches per call): openmsa's `Launcher.__call__` (the
-    compiled launcher included) and, for calls that go around it, Triton's JITFunction.run."""
+    """(µs per call inside the launches, launches per call): openmsa's `Launcher.__call__` and
+    `Launcher.planned` (the compiled launcher included) and, for calls that go around them,
+    Triton's JITFunction.run."""
     acc = [0.0, 0]
     origs = [(tjit.JITFunction, "run", tjit.JITFunction.run)]
     if Launcher is not None:
         origs.append((Launcher, "__call__", Launcher.__call__))
+        if hasattr(Launcher, "planned"):  # (the ops' launches since 9e7de02)
+            origs.append((Launcher, "planned", Launcher.planned))
     depth = [0]
 
     def wrap(orig):
