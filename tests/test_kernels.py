@@ -654,3 +654,50 @@ def test_find_request_with_any_guess(kernel_device):
             _find_request_kernel[(num_tokens,)](cu.to(kernel_device),
                                                 guess.int().to(kernel_device), out, r)
             assert torch.equal(out.cpu(), want), (q_lens, guess)
+
+
+def test_launch_plans_follow_knobs_and_layouts(kernel_device, monkeypatch):
+    """The ops' cached launch plans (ops/common/launch.py): a repeated call reuses its plan;
+    a changed knob, output layout or selection option makes a new one, and every call matches
+    the reference."""
+    from openmsa.ops.attention import api as attention_api
+    from openmsa.ops.common.launch import PlanCache
+    plans = []
+    for api, name in ((attention_api, "_plan"), (indexer_api, "_select_plan")):
+        monkeypatch.setattr(api, "_PLANS", PlanCache())
+        orig = getattr(api, name)
+        monkeypatch.setattr(api, name, lambda *a, _orig=orig, **k: plans.append(1) or _orig(*a,
+                                                                                          **k))
+    dtype = _attention_dtype(kernel_device)
+    step, dstep, q, k, v, idx = _attention_case(kernel_device, dtype, "vllm")
+    q = q.to(dtype)
+    want = ref.sparse_attention(q, k, v, idx, step.cu_seqlens_q, step.seq_lens, step.block_table,
+                                block_size=B)
+    dargs = (idx.to(kernel_device), dstep.cu_seqlens_q, dstep.seq_lens, dstep.block_table)
+    qd, kd, vd = q.to(kernel_device), to_device(k, kernel_device), to_device(v, kernel_device)
+
+    def attend(out=None):
+        assert_close(openmsa.sparse_attention(qd, kd, vd, *dargs, block_size=B, out=out), want)
+
+    attend()
+    attend()
+    assert len(plans) == 1
+    monkeypatch.setitem(attention_api.TUNING, "min_steps_per_split", 1)
+    attend()
+    assert len(plans) == 2
+    attend(out=torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=dtype,
+                           device=kernel_device).transpose(0, 1))
+    assert len(plans) == 3
+    attend()  # back to the first layout and knobs: its plan is still there
+    assert len(plans) == 3
+
+    iq, ic = random_index_inputs(step, num_heads=2, head_dim=16, block_size=B,
+                                 q_dtype=torch.float16, cache_dtype=torch.float16, integer=True)
+    iargs = (iq.to(kernel_device), ic.to(kernel_device), dstep.cu_seqlens_q, dstep.seq_lens,
+             dstep.block_table)
+    for topk, hint in ((4, None), (4, None), (3, None), (4, 32)):
+        got = openmsa.select_blocks(*iargs, topk=topk, block_size=B, max_q_len=hint)
+        assert torch.equal(got.cpu(), ref.select_blocks(
+            iq, ic, step.cu_seqlens_q, step.seq_lens, step.block_table, topk=topk,
+            block_size=B))
+    assert len(plans) == 6  # 3 attention plans, then topk 4, topk 3, the hint
