@@ -301,9 +301,7 @@ def test_fused_candidates_match_reference(kernel_device, fused, topk, init, loca
     init/local blocks, splits of exactly KP blocks and more, and the path checked to be the
     fused one (or, with fused off, not)."""
     from openmsa.ops.indexer import select as select_mod
-    # splits of exactly bps blocks (on a GPU the split count would otherwise fill its SMs)
     monkeypatch.setitem(indexer_api.TUNING, "decode_max_bps", bps)
-    monkeypatch.setitem(indexer_api.TUNING, "decode_min_bps", bps)
     monkeypatch.setitem(indexer_api.TUNING, "fused_candidates", 10**6 if fused else 0)
     seen = []
     monkeypatch.setattr(select_mod, "_merge_topk_kernel",
