@@ -57,24 +57,8 @@ def test_block_scores_kernel(tile_mode, q_type, c_type, early):
                   MAX_SKIPS_NAN=True, PDL=tile_mode, PAGES_EARLY=bool(early),
                   ONE_LOOP=bool(early), QUICK_EXIT=bool(early),
                   WAIT_AT_END=tile_mode and bool(early), SPLIT_MAJOR=tile_mode and bool(early),
-                  REVERSE_TILES=tile_mode, REVERSE_SPLITS=tile_mode, CANDIDATES=False, INIT=0,
-                  LOCAL=1, KP=16))
+                  REVERSE_TILES=tile_mode, REVERSE_SPLITS=tile_mode))
     assert ("griddepcontrol.wait" in k.asm["ptx"]) == (tile_mode and bool(early))
-
-
-@pytest.mark.parametrize("q_type, bps", [("*fp8e4nv", 64), ("*bf16", 16)])
-def test_block_scores_candidates(q_type, bps):
-    # the decode launch writing each split's best 16 per row (select_blocks' fused_candidates),
-    # and the merge launch that also writes the short rows
-    pointers = dict(q_ptr=q_type, cache_ptr=q_type, out_ptr=I64, **STEP)
-    _compile(_block_scores_kernel, pointers, {},
-             dict(H=4, HP=4, DI=128, DIP=128, BLOCK=128, BPS=bps, SMALL_Q=16, TILE_MODE=False,
-                  ROWS_T=4, CAST_K=False, IEEE=False, KEYS_AS_ROWS=True, MAX_SKIPS_NAN=True,
-                  PDL=True, PAGES_EARLY=True, ONE_LOOP=True, CANDIDATES=True, INIT=0, LOCAL=1,
-                  KP=16))
-    _compile(_merge_topk_kernel, dict(cand_ptr=I64, cu_ptr=I32, seq_lens_ptr=I32, out_ptr=I32),
-             {}, dict(TOPK=16, KP=16, BLOCK=128, SEG=bps, CANDP=256, BY_SORT=True, PDL=True,
-                      SHORT_ROWS=True))
 
 
 @pytest.mark.parametrize("by_sort", [False, True])
@@ -88,7 +72,7 @@ def test_selection_kernels(by_sort):
     merge = _compile(_merge_topk_kernel, dict(cand_ptr=I64, cu_ptr=I32, seq_lens_ptr=I32,
                                               out_ptr=I32), {},
                      dict(TOPK=16, KP=16, BLOCK=128, SEG=1024, CANDP=128, BY_SORT=by_sort,
-                          PDL=by_sort, SHORT_ROWS=False))
+                          PDL=by_sort))
     # a dependent launch waits for its predecessor before reading (and only then)
     assert ("griddepcontrol.wait" in merge.asm["ptx"]) == by_sort
 

@@ -283,54 +283,6 @@ def test_select_is_deterministic(kernel_device):
     assert torch.equal(a, b)
 
 
-# a decode + verify step (<= 16 tokens: the request launch alone): rows longer than a split,
-# rows of at most topk blocks, a q_len 0 request, a request whose last block is partial and
-# padding tokens
-FUSED_Q_LENS = [1, 4, 0, 3, 1, 2]
-FUSED_SEQ_LENS = [700, 333, 40, 51, 1, 260]
-
-
-@pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("topk, init, local, bps", [(4, 0, 1, 4), (16, 2, 3, 16), (5, 1, 1, 8)])
-@pytest.mark.parametrize("q_dtype, c_dtype", [(torch.float16, torch.float16), (FP8, FP8)])
-def test_fused_candidates_match_reference(kernel_device, fused, topk, init, local, bps, q_dtype,
-                                          c_dtype, monkeypatch):
-    """Decode steps where the scoring launch writes each split's best blocks per row
-    (fused_candidates) and one merge launch picks from them: the same exact selection as the
-    reference on integer inputs (ties everywhere, so the tie rule decides), with forced
-    init/local blocks, splits of exactly KP blocks and more, and the path checked to be the
-    fused one (or, with fused off, not)."""
-    from openmsa.ops.indexer import select as select_mod
-    monkeypatch.setitem(indexer_api.TUNING, "decode_max_bps", bps)
-    monkeypatch.setitem(indexer_api.TUNING, "fused_candidates", 10**6 if fused else 0)
-    seen = []
-    monkeypatch.setattr(select_mod, "_merge_topk_kernel",
-                        RecordingKernel(select_mod._merge_topk_kernel, seen, arg=0))
-
-    def step_on(device):
-        st = make_step(FUSED_Q_LENS, FUSED_SEQ_LENS, block_size=B, extra_columns=1,
-                       pad_tokens=2, generator=torch.Generator().manual_seed(31))
-        return _to(st, device) if device is not None else st
-    step = step_on(None)
-    q, c = random_index_inputs(step, num_heads=3, head_dim=32, block_size=B, q_dtype=q_dtype,
-                               cache_dtype=c_dtype, integer=True,
-                               generator=torch.Generator().manual_seed(32))
-    d = step_on(kernel_device)
-    assert step.num_tokens <= indexer_api.SMALL_Q
-    want = ref.select_blocks(q, c, step.cu_seqlens_q, step.seq_lens, step.block_table,
-                             topk=topk, init_blocks=init, local_blocks=local, block_size=B)
-    out = torch.full((3, step.num_tokens, topk), 7, dtype=torch.int32, device=kernel_device)
-    got = openmsa.select_blocks(q.to(kernel_device), c.to(kernel_device), d.cu_seqlens_q,
-                                d.seq_lens, d.block_table, topk=topk, init_blocks=init,
-                                local_blocks=local, block_size=B, out=out.transpose(0, 1))
-    assert torch.equal(got.cpu(), want)
-    splits = -(-step.block_table.shape[1] // bps)
-    # the merge read [T, H, splits, KP] candidates from the scoring launch
-    assert [tuple(x.shape) for x in seen] == ([(step.num_tokens, 3, splits,
-                                                triton.next_power_of_2(topk))]
-                                              if fused else [])
-
-
 def _attention_case(device, kv_dtype, layout, hq=8, hkv=2, h=2, d=64, seed=7, block=B):
     g = torch.Generator().manual_seed(seed)
     step = make_step(Q_LENS, SEQ_LENS, block_size=block, extra_columns=2, pad_tokens=2,

@@ -35,13 +35,7 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               decode_split_major=False, tile_quick_exit=True, tile_overlap=False,
               prefill_reverse_tiles=True, prefill_reverse_splits=False,
               prefill_split_major=False, select_chunk=128,
-              use_max_q_len=True, select_segment_fill=True, fused_candidates=256,
-              fused_merge_warps=4)
-# fused_candidates: a step scored by the request launch alone (decode and verify: T <= 16 or a
-# max_q_len hint) has that launch store each split's best KP blocks per row instead of the score
-# tile (scores.py, CANDIDATES), and one merge launch picks the best of splits x KP candidates
-# per row: no score tensor, no segment launch. Taken where splits x KP <= fused_candidates (0:
-# off) and a split holds at least KP blocks. fused_merge_warps: that merge launch's warps.
+              use_max_q_len=True, select_segment_fill=True)
 # decode_pages_early: the decode launch loads its split's page ids before (not after) cu_seqlens_q
 # and seq_lens, one memory latency less before the first key load; decode_one_loop: one
 # causal-masked loop over the split (the mask costs little on 16 rows) instead of an unmasked
@@ -350,21 +344,15 @@ def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, 
                            out_dtype=torch.int32, max_q_len=max_q_len)
         _raise_if_unsupported(index_q, index_cache, block_size, topk)
         num_tokens, num_heads, _ = index_q.shape
-        scores_plan = _scores_plan(index_q, index_cache, seq_lens.shape[0],
-                                   block_table.shape[1], block_size, max_q_len)
-        plan = (scores_plan,
+        plan = (_scores_plan(index_q, index_cache, seq_lens.shape[0], block_table.shape[1],
+                             block_size, max_q_len),
                 _select_plan(num_tokens, num_heads, block_table.shape[1], topk, init_blocks,
-                             local_blocks, block_size, index_q.device) if num_tokens else None,
-                _fused_plan(scores_plan, num_tokens, num_heads, topk, init_blocks,
-                            local_blocks, block_size, index_q.device))
+                             local_blocks, block_size, index_q.device) if num_tokens else None)
         _PLANS.put(key, plan)
     num_tokens, num_heads, _ = index_q.shape
     if out is None:
         out = torch.empty((num_tokens, num_heads, topk), dtype=torch.int32,
                           device=index_q.device)
-    if plan[2] is not None:
-        _launch_fused(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, out, plan[2])
-        return out
     # only blocks below each token's causal count are read back, so no -inf fill is needed
     scores = torch.empty((num_tokens, num_heads, block_table.shape[1]), dtype=torch.float32,
                          device=index_q.device)
@@ -373,49 +361,6 @@ def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, 
     launch_select(scores, cu_seqlens_q, seq_lens, out, topk=topk, init_blocks=init_blocks,
                   local_blocks=local_blocks, block_size=block_size, plan=plan[1])
     return out
-
-
-def _fused_plan(scores_plan, num_tokens, num_heads, topk, init_blocks, local_blocks,
-                block_size, device):
-    """The candidate-writing scoring launch and its merge launch (see fused_candidates), or None
-    where the step takes the score tensor and the selection launches."""
-    limit = TUNING["fused_candidates"]
-    if not limit or len(scores_plan) != 1 or num_tokens == 0:
-        return None
-    _, grid, kwargs = scores_plan[0]
-    kp = _next_pow2(topk)
-    bps = kwargs["BPS"]
-    splits = grid[0] if kwargs["SPLIT_MAJOR"] else grid[1]
-    if bps < kp or splits * kp > limit:
-        return None
-    # the merge starts early (programmatic dependent launch) only when its programs are few, as
-    # the sort path's selection (a many-program launch waiting on the SMs cost more than it hid)
-    pdl = (_pdl(device) and num_tokens * num_heads
-           < TUNING["select_sort_waves"] * _programs_per_wave(device))
-    score_kwargs = dict(kwargs, CANDIDATES=True, INIT=init_blocks, LOCAL=local_blocks, KP=kp)
-    merge_kwargs = dict(TOPK=topk, KP=kp, BLOCK=block_size, SEG=bps,
-                        CANDP=_next_pow2(splits * kp), BY_SORT=True, PDL=pdl, SHORT_ROWS=True,
-                        num_warps=TUNING["fused_merge_warps"], launch_pdl=pdl)
-    return next(plan_serials), grid, score_kwargs, splits, kp, merge_kwargs
-
-
-def _launch_fused(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, out, plan) -> None:
-    from .scores import _block_scores_kernel
-    from .select import _merge_topk_kernel
-
-    serial, grid, score_kwargs, splits, kp, merge_kwargs = plan
-    num_tokens, num_heads, _ = index_q.shape
-    # every (token, head, split) that the merge reads is written by the scoring launch (a
-    # token's causal blocks lie in splits its request's programs score)
-    cand = torch.empty((num_tokens, num_heads, splits, kp), dtype=torch.int64,
-                       device=index_q.device)
-    launch_planned(_block_scores_kernel, (serial, 0), grid, index_q, index_cache, cu_seqlens_q,
-                   seq_lens, block_table, cand, seq_lens.shape[0], num_tokens,
-                   *index_q.stride(), *index_cache.stride(), *block_table.stride(),
-                   0, 0, 0, **score_kwargs)
-    launch_planned(_merge_topk_kernel, (serial, 1), (num_tokens, num_heads), cand,
-                   cu_seqlens_q, seq_lens, out, seq_lens.shape[0], splits, *out.stride(),
-                   **merge_kwargs)
 
 
 # launch plans by call key (_call_key)

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..common.triton_utils import EMPTY_KEY, FORCED_SCORE_KEY, find_request, pack_key, score_key
+from ..common.triton_utils import find_request
 
 
 @triton.jit
@@ -82,16 +82,11 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
                        BLOCK: tl.constexpr, ROWS_T: tl.constexpr, BPS: tl.constexpr,
                        CAST_K: tl.constexpr, IEEE: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
                        MAX_SKIPS_NAN: tl.constexpr, split_pages_given=0,
-                       PAGES_GIVEN: tl.constexpr = False, ONE_LOOP: tl.constexpr = False,
-                       split=0, num_splits=1, CANDIDATES: tl.constexpr = False,
-                       INIT: tl.constexpr = 0, LOCAL: tl.constexpr = 1, KP: tl.constexpr = 16):
+                       PAGES_GIVEN: tl.constexpr = False, ONE_LOOP: tl.constexpr = False):
     """Score tokens [t_begin, t_end) (< ROWS_T of them, all of one request whose first token is
     t_req) against blocks [b_lo, b_hi) and store the tile; rows are (token, head) pairs.
     PAGES_GIVEN: the caller loaded the split's page ids (split_pages_given, [BPS]); ONE_LOOP: one
-    causal-masked loop over the split instead of an unmasked loop and a masked one.
-    CANDIDATES: instead of the tile, store each row's KP best blocks of the split as select.py's
-    sort path would (packed keys, descending, EMPTY_KEY where fewer exist) into
-    out_ptr[(token * H + head) * num_splits + split, 0:KP] (int64)."""
+    causal-masked loop over the split instead of an unmasked loop and a masked one."""
     M: tl.constexpr = ROWS_T * HP
     rows = tl.arange(0, M)
     tok = t_begin + rows // HP  # [M]
@@ -128,25 +123,9 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
                             stride_cd, d, DI, BLOCK, BPS, CAST_K, IEEE, True, KEYS_AS_ROWS,
                             MAX_SKIPS_NAN)
     blk = b_lo + cols
-    if CANDIDATES:
-        # the split's top KP per row while the tile is in registers: the selection tail after
-        # this launch then picks from num_splits * KP candidates per row instead of every block.
-        # Exact: the best K of a row are among the best K of each split (one total order:
-        # key, then the lower block). Keys as select.py's _segment_keys: forced init/local
-        # blocks the largest, blocks at or past the row's causal count n absent
-        n_row = pos // BLOCK + 1  # [M]
-        live = blk[None, :] < n_row[:, None]
-        forced = (blk[None, :] < INIT) | (blk[None, :] >= n_row[:, None] - LOCAL)
-        key = tl.where(forced, FORCED_SCORE_KEY, score_key(tile))
-        packed = tl.where(live, pack_key(key, blk[None, :]), EMPTY_KEY)  # [M, BPS]
-        best = tl.topk(packed, KP, dim=1)  # [M, KP], descending
-        kk = tl.arange(0, KP)
-        cand_row = (tok.to(tl.int64) * H + head) * num_splits + split  # [M]
-        tl.store(out_ptr + cand_row[:, None] * KP + kk[None, :], best, mask=row_ok[:, None])
-    else:
-        out = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh \
-            + blk.to(tl.int64)[None, :] * stride_ob
-        tl.store(out, tile, mask=row_ok[:, None] & (blk[None, :] < b_hi))
+    out = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh \
+        + blk.to(tl.int64)[None, :] * stride_ob
+    tl.store(out, tile, mask=row_ok[:, None] & (blk[None, :] < b_hi))
 
 
 @triton.jit
@@ -163,9 +142,7 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                          ONE_LOOP: tl.constexpr = False, SPLIT_MAJOR: tl.constexpr = False,
                          QUICK_EXIT: tl.constexpr = False, WAIT_AT_END: tl.constexpr = False,
                          REVERSE_TILES: tl.constexpr = False,
-                         REVERSE_SPLITS: tl.constexpr = False,
-                         CANDIDATES: tl.constexpr = False, INIT: tl.constexpr = 0,
-                         LOCAL: tl.constexpr = 1, KP: tl.constexpr = 16):
+                         REVERSE_SPLITS: tl.constexpr = False):
     if PDL:
         # the selection launch may start now (programmatic dependent launch): it takes effect
         # once every program of this launch has passed here, and the selection waits for this
@@ -176,11 +153,9 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
         # request or tile
         pid = tl.program_id(1)
         split = tl.program_id(0)
-        num_splits = tl.num_programs(0)
     else:
         pid = tl.program_id(0)
         split = tl.program_id(1)
-        num_splits = tl.num_programs(1)
     # (tile launch) the last tile and/or the last split first: in a causal chunk later tokens
     # see more blocks, so the longest programs start first and the short ones fill in behind
     # them, instead of the longest starting last and running alone at the end
@@ -266,8 +241,7 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                                    stride_qd, stride_cp, stride_cb, stride_cd, stride_btb,
                                    stride_ot, stride_oh, stride_ob, H, HP, DI, DIP, BLOCK,
                                    ROWS_T, BPS, CAST_K, IEEE, KEYS_AS_ROWS, MAX_SKIPS_NAN,
-                                   pages, PAGES_EARLY, ONE_LOOP, split, num_splits, CANDIDATES,
-                                   INIT, LOCAL, KP)
+                                   pages, PAGES_EARLY, ONE_LOOP)
     if WAIT_AT_END:
         # launched as a programmatic dependent of the request launch (the two write disjoint
         # rows, so nothing here waits for it), this launch ends only after that one has: a

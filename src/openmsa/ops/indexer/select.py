@@ -300,11 +300,7 @@ def _segment_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, cand_ptr, sc
 def _merge_topk_kernel(cand_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_requests, num_segments,
                        stride_ot, stride_oh, stride_ok, TOPK: tl.constexpr, KP: tl.constexpr,
                        BLOCK: tl.constexpr, SEG: tl.constexpr, CANDP: tl.constexpr,
-                       BY_SORT: tl.constexpr, PDL: tl.constexpr = False,
-                       SHORT_ROWS: tl.constexpr = False):
-    """The best TOPK of a row's segments' candidates. SHORT_ROWS: no segment launch ran (the
-    scoring launch wrote the candidates, scores.py's CANDIDATES), so rows of at most TOPK causal
-    blocks (and padding rows) are written here too."""
+                       BY_SORT: tl.constexpr, PDL: tl.constexpr = False):
     t = tl.program_id(0)
     h = tl.program_id(1)
     num_heads = tl.num_programs(1)
@@ -327,8 +323,3 @@ def _merge_topk_kernel(cand_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_requests, nu
             key = tl.where(packed == EMPTY_KEY, DEAD_KEY, (packed >> 32).to(tl.int32))
             picked = _threshold_select(key, TOPK, KP)
             _store_in_order(out_row, stride_ok, picked, unpack_block(packed), TOPK, KP)
-    elif SHORT_ROWS:
-        # every causal block, ascending, then -1 (as _segment_topk_kernel's first segment)
-        slots = tl.arange(0, KP)
-        tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + slots * stride_ok,
-                 tl.where(slots < n, slots, -1), mask=slots < TOPK)
