@@ -13,8 +13,8 @@ import triton.language as tl
 import openmsa
 from openmsa import reference as ref
 from openmsa.batch import token_layout
-from openmsa.testing import (RecordingKernel, assert_close, make_step,
-                             random_index_inputs)
+from openmsa.testing import (RecordingKernel, assert_close, make_step, random_index_inputs,
+                             random_kv_cache)
 
 pytestmark = pytest.mark.gpu
 
@@ -464,3 +464,61 @@ def test_four_layer_decode_step_captured_in_a_cuda_graph():
         n = sum(len(t) for _, t in batch)
         assert torch.isfinite(replayed[:n]).all()
         torch.testing.assert_close(replayed[:n], eager[:n], atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_ops_follow_their_tensors_to_another_gpu():
+    """A process driving two GPUs calls the ops on tensors of cuda:1 while cuda:0 is current.
+    Triton launches on the current device, so each op makes its first argument's device current
+    for the call (as torch's own ops do) and leaves cuda:0 current after: the indexer, the
+    attention and the page table against the reference, the cache writes exactly, and a
+    two-layer model's prefill and decode steps (fused preparation, planner) equal to the same
+    steps run with cuda:1 current."""
+    from test_layer import _run
+    dev = torch.device("cuda:1")
+    torch.cuda.set_device(0)
+    step = make_step([1, 4, 40], [3000, 700, 1500], block_size=B, extra_columns=1)
+    d = dataclasses.replace(step, **{name: getattr(step, name).to(dev) for name in (
+        "cu_seqlens_q", "seq_lens", "block_table", "slot_mapping")})
+    args, dargs = ((step.cu_seqlens_q, step.seq_lens, step.block_table),
+                   (d.cu_seqlens_q, d.seq_lens, d.block_table))
+    q, c = random_index_inputs(step, num_heads=4, head_dim=128, block_size=B, q_dtype=FP8,
+                               cache_dtype=FP8, integer=True)
+    idx = openmsa.select_blocks(q.to(dev), c.to(dev), *dargs, block_size=B)
+    assert idx.device == dev and torch.cuda.current_device() == 0
+    assert torch.equal(idx.cpu(), ref.select_blocks(q, c, *args, block_size=B))
+    scores = openmsa.block_scores(q.to(dev), c.to(dev), *dargs, block_size=B)
+    assert torch.equal(scores.cpu(), ref.block_scores(q, c, *args, block_size=B))
+    k, v = random_kv_cache(step.num_pages, B, 4, 128, dtype=FP8)
+    qa = torch.randn(step.num_tokens, 64, 128).bfloat16()
+    got, lse = openmsa.sparse_attention(qa.to(dev), k.to(dev), v.to(dev), idx, *dargs,
+                                        return_lse=True)
+    want, want_lse = ref.sparse_attention(qa, k, v, idx.cpu(), *args, return_lse=True)
+    assert_close(got, want)
+    assert_close(lse, want_lse, torch.bfloat16)
+    pages, lens = openmsa.sparse_page_table(idx, *dargs, num_kv_heads=4, block_size=B)
+    want_pages, want_lens = ref.sparse_page_table(idx.cpu(), *args, num_kv_heads=4,
+                                                  block_size=B)
+    assert torch.equal(pages.cpu(), want_pages) and torch.equal(lens.cpu(), want_lens)
+    slots = torch.tensor([5, -1, 300, 7000], dtype=torch.int64)
+    x = torch.randn(4, 4, 128).bfloat16()
+    kc, vc = (torch.zeros(60, B, 4, 128, dtype=torch.bfloat16) for _ in range(2))
+    dkc, dvc = kc.to(dev), vc.to(dev)
+    ref.write_kv_cache(x, -x, kc, vc, slots)
+    openmsa.write_kv_cache(x.to(dev), -x.to(dev), dkc, dvc, slots.to(dev))
+    assert torch.equal(dkc.cpu(), kc) and torch.equal(dvc.cpu(), vc)
+    ic = torch.zeros(60, B, 128, dtype=torch.bfloat16)
+    dic = ic.to(dev)
+    ref.write_index_cache(x[:, 0], ic, slots)
+    openmsa.write_index_cache(x[:, 0].to(dev), dic, slots.to(dev))
+    assert torch.equal(dic.cpu(), ic)
+    assert torch.cuda.current_device() == 0
+    steps = [[(0, list(range(100)) * 3)], [(0, [5])], [(0, [6, 7, 8])]]
+    kw = dict(dtype=torch.bfloat16, kv_dtype=FP8, index_dtype=FP8, steps=steps,
+              engine=dict(num_pages=16, max_tokens=512, max_blocks=8), hidden_size=256)
+    cfg = openmsa.MSAConfig().shard(4)
+    other = _run(cfg, "kernels", device=dev, **kw)
+    assert torch.cuda.current_device() == 0
+    with torch.cuda.device(1):
+        same = _run(cfg, "kernels", device=dev, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(other, same))

@@ -20,6 +20,25 @@ def use_kernels(t) -> bool:
     return t.is_cuda or (INTERPRET and t.device.type == "cpu")
 
 
+def on_tensor_device(op):
+    """Runs a public op with the CUDA device of its first argument current, as torch's own ops
+    do. Triton launches on the current device (its stream, its kernels), so without this a
+    process driving several GPUs that calls an op on tensors of another GPU than the current one
+    would launch where the data is not. The check is two C calls per op; the other arguments are
+    validated to be on the same device."""
+
+    @functools.wraps(op)
+    def guarded(first, *args, **kwargs):
+        if isinstance(first, torch.Tensor) and first.is_cuda:
+            index = first.get_device()
+            if index != torch.cuda.current_device():
+                with torch.cuda.device(index):
+                    return op(first, *args, **kwargs)
+        return op(first, *args, **kwargs)
+
+    return guarded
+
+
 def backend_name(device: torch.device | str) -> str:
     device = torch.device(device)
     if device.type == "cuda":

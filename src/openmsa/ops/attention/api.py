@@ -8,7 +8,7 @@ import torch
 
 from ..._checks import FP8
 from ..._dispatch import next_pow2 as _next_pow2
-from ..._dispatch import num_sms, scale_args, use_kernels
+from ..._dispatch import num_sms, on_tensor_device, scale_args, use_kernels
 from ...support import attention_unsupported_reason
 from ..common.launch import (PlanCache, call_key, launch, launch_planned, plan_serials,
                              scale_key)
@@ -152,6 +152,7 @@ def _reads_as_pairs(v_cache: torch.Tensor) -> bool:
             and all(s % 2 == 0 for s in v_cache.stride()[:3]) and v_cache.data_ptr() % 2 == 0)
 
 
+@on_tensor_device
 def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, *,
                      scale=None, block_size=128, out=None, return_lse=False, k_scale=None,
                      v_scale=None):
@@ -347,6 +348,7 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size) -> _Plan:
     return plan
 
 
+@on_tensor_device
 def sparse_page_table(indices, cu_seqlens_q, seq_lens, block_table, *, num_kv_heads,
                       block_size=128, sub_page_size=16):
     """A selection as a page table for any paged kernel that runs one query row per table row.

@@ -10,7 +10,7 @@ import torch
 
 from ..._checks import FP8
 from ..._dispatch import next_pow2 as _next_pow2
-from ..._dispatch import scale_args, use_kernels
+from ..._dispatch import on_tensor_device, scale_args, use_kernels
 from ..common.launch import (PlanCache, call_key, launch, launch_planned, plan_serials,
                              scale_key)
 from . import reference
@@ -19,6 +19,7 @@ from .checks import check_index_write, check_kv_write
 __all__ = ["write_index_cache", "write_kv_cache", "fused_prepare", "rope_table"]
 
 
+@on_tensor_device
 def write_index_cache(index_k, index_cache, slot_mapping) -> None:
     """index_k [T, Di] -> index_cache [P, B, Di] (any strides) at slot = page * B + offset.
 
@@ -40,6 +41,7 @@ def write_index_cache(index_k, index_cache, slot_mapping) -> None:
     return None
 
 
+@on_tensor_device
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None) -> None:
     """k, v [T, Hkv, D] -> k_cache, v_cache viewed [P, B, Hkv, D] with any strides.
 
@@ -83,6 +85,7 @@ def rope_table(rotary_dim: int, theta: float, device: str) -> torch.Tensor:
     return torch.cat([ang.cos(), ang.sin()], dim=1).float().to(device)
 
 
+@on_tensor_device
 def fused_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_norm_weight,
                   index_k_norm_weight, k_cache, v_cache, slot_mapping, index_cache,
                   index_slot_mapping, *, k_scale=None, v_scale=None, q_out=None,

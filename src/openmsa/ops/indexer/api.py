@@ -8,7 +8,7 @@ import torch
 
 from ..._checks import FP8, HALF
 from ..._dispatch import next_pow2 as _next_pow2
-from ..._dispatch import num_sms, use_kernels
+from ..._dispatch import num_sms, on_tensor_device, use_kernels
 from ...support import indexer_unsupported_reason
 from ..common.launch import PlanCache, call_key, launch_planned, plan_serials
 from . import reference
@@ -270,6 +270,7 @@ def _select_plan(num_tokens, num_heads, max_blocks, topk, init_blocks, local_blo
     return next(plan_serials), num_segments, cap, kp, kwargs, merge_kwargs
 
 
+@on_tensor_device
 def block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, block_size=128,
                  out=None, max_q_len=None):
     """S[t, h, b] = max over keys j <= p of block b of dot(index_q[t, h], key[j]), fp32.
@@ -311,6 +312,7 @@ def block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, b
     return out
 
 
+@on_tensor_device
 def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, topk=16,
                   init_blocks=0, local_blocks=1, block_size=128, out=None, max_q_len=None):
     """The `topk` best blocks per (token, index head), forced init/local blocks included.
