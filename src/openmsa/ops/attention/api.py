@@ -185,31 +185,37 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
 
     key = call_key((q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table,
                     q if out is None else out),
-                   (out is None, v_cache.data_ptr() & 1 if isinstance(v_cache, torch.Tensor)
-                    else None, scale, block_size, scale_key(k_scale), scale_key(v_scale),
-                    tuple(TUNING.values()), _num_splits, num_sms))
+                   (out is None, bool(return_lse), v_cache.data_ptr() & 1
+                    if isinstance(v_cache, torch.Tensor) else None, scale, block_size,
+                    scale_key(k_scale), scale_key(v_scale), tuple(TUNING.values()), _num_splits,
+                    num_sms))
     plan = _PLANS.get(key)
     if plan is None:
         check_attention_args(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table,
                              scale=scale, block_size=block_size, out=out, k_scale=k_scale,
                              v_scale=v_scale)
-        plan = _plan(q, k_cache, v_cache, indices, scale, block_size)
+        plan = _plan(q, k_cache, v_cache, indices, scale, block_size, bool(return_lse))
         _PLANS.put(key, plan)
     p = plan
     num_tokens, num_heads, head_dim = q.shape
     device = q.device
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=device)
+    # (each workspace allocation costs ~3 µs of host time per eager call: the LSE is made only
+    # when returned or when the prefill tiles write it, and the split partials share one)
+    if p.store_lse:
+        lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=device)
+    else:
+        lse = out  # never written (STORE_LSE off): any tensor stands in
     if num_tokens == 0:
         return (out, lse) if return_lse else out
     num_kv_heads = k_cache.shape[2]
     splits = p.splits
     if splits > 1:
-        part_out = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32,
-                               device=device)
-        part_lse = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32,
-                               device=device)
+        rows = num_tokens * num_heads * splits
+        part = torch.empty(rows * (head_dim + 1), dtype=torch.float32, device=device)
+        part_out = part[:rows * head_dim].view(num_tokens, num_heads, splits, head_dim)
+        part_lse = part[rows * head_dim:].view(num_tokens, num_heads, splits)
         counters = _arrival_counters(device, num_tokens * num_kv_heads) if p.fused else lse
     else:
         part_out = part_lse = counters = lse
@@ -234,16 +240,17 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
             **p.tile_kwargs)
     else:
         blocks = lse
+    lse_strides = lse.stride() if p.store_lse else (0, 0)
     launch_planned(
         _sparse_attention_kernel, (p.serial, 2), (num_tokens, num_kv_heads, splits),
         q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, out, lse, part_out,
         part_lse, counters, blocks, ks, vs, p.sm_scale, seq_lens.shape[0], *q.stride(),
         *k_cache.stride(), *v_cache.stride(), *indices.stride(), *block_table.stride(),
-        *out.stride(), *lse.stride(), HAS_SCALE=has_scale, **p.kwargs)
+        *out.stride(), *lse_strides, HAS_SCALE=has_scale, **p.kwargs)
     if splits > 1 and not p.fused:
         launch_planned(
             _merge_splits_kernel, (p.serial, 3), (num_tokens, num_heads),
-            part_out, part_lse, out, lse, *out.stride(), *lse.stride(), **p.merge_kwargs)
+            part_out, part_lse, out, lse, *out.stride(), *lse_strides, **p.merge_kwargs)
     return (out, lse) if return_lse else out
 
 
@@ -260,7 +267,7 @@ class _Plan:
         self.__dict__.update(fields)
 
 
-def _plan(q, k_cache, v_cache, indices, scale, block_size) -> _Plan:
+def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _Plan:
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -316,6 +323,8 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size) -> _Plan:
     # call key fixes every int and dtype those launches pass)
     plan = _Plan(serial=next(plan_serials), splits=splits, fused=fused,
                  tile_qt=tile_qt if tile_qt > 1 else 0,
+                 # the tile kernel always writes the LSE (the per-token kernel then too)
+                 store_lse=return_lse or tile_qt > 1,
                  sm_scale=head_dim ** -0.5 if scale is None else float(scale),
                  kp=_next_pow2(topk))
     if tile_qt > 1:
@@ -342,9 +351,10 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size) -> _Plan:
         KP=plan.kp, SUB=sub, STEPS=steps_per_split, SPLITS=splits, IEEE=ieee,
         F16_COMPUTE=f16_compute, FUSED_MERGE=fused, TILE_QT=plan.tile_qt, V_PAIRS=v_pairs,
         PTX=device.type == "cuda", GUESS=TUNING["request_guess"], SP=_next_pow2(splits),
-        PDL=pdl, num_warps=warps, num_stages=stages)
+        PDL=pdl, STORE_LSE=plan.store_lse, num_warps=warps, num_stages=stages)
     plan.merge_kwargs = dict(NUM_HEADS=num_heads, D=head_dim, SPLITS=splits,
-                             SP=_next_pow2(splits), PDL=pdl, num_warps=4, launch_pdl=pdl)
+                             SP=_next_pow2(splits), PDL=pdl, STORE_LSE=plan.store_lse,
+                             num_warps=4, launch_pdl=pdl)
     return plan
 
 

@@ -45,7 +45,7 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
                              F16_COMPUTE: tl.constexpr, FUSED_MERGE: tl.constexpr,
                              TILE_QT: tl.constexpr, V_PAIRS: tl.constexpr, PTX: tl.constexpr,
                              GUESS: tl.constexpr, SP: tl.constexpr = 1,
-                             PDL: tl.constexpr = False):
+                             PDL: tl.constexpr = False, STORE_LSE: tl.constexpr = True):
     if PDL:
         # the merge launch may start now (programmatic dependent launch); it waits for this
         # launch to finish before it reads a partial
@@ -177,7 +177,8 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
     out = out_ptr + t.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od
     if SPLITS == 1:
         tl.store(out, o.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
-        tl.store(lse_ptr + t.to(tl.int64) * stride_lt + head * stride_lh, lse, mask=head_ok)
+        if STORE_LSE:
+            tl.store(lse_ptr + t.to(tl.int64) * stride_lt + head * stride_lh, lse, mask=head_ok)
     else:
         # workspace [T, Hq, SPLITS, D] and [T, Hq, SPLITS], contiguous
         row = t.to(tl.int64) * NUM_HEADS + head  # [M]
@@ -215,8 +216,9 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
                 lse_all = tl.where(none, float("-inf"),
                                    shift_all + tl.log(tl.where(none, 1.0, total)))
                 tl.store(out, o_all.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
-                tl.store(lse_ptr + t.to(tl.int64) * stride_lt + head * stride_lh, lse_all,
-                         mask=head_ok)
+                if STORE_LSE:
+                    tl.store(lse_ptr + t.to(tl.int64) * stride_lt + head * stride_lh, lse_all,
+                             mask=head_ok)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
@@ -224,7 +226,7 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
 def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, stride_ot, stride_oh,
                          stride_od, stride_lt, stride_lh, NUM_HEADS: tl.constexpr,
                          D: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         PDL: tl.constexpr = False, STORE_LSE: tl.constexpr = True):
     """out = sum_s exp(lse_s - lse) * out_s with lse = logsumexp_s lse_s; all -inf gives 0."""
     if PDL:
         gdc_wait()  # launched before the split programs finished: wait for their partials
@@ -244,4 +246,5 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, stride_ot
     lse = tl.where(total == 0.0, float("-inf"), shift + tl.log(tl.where(total == 0.0, 1.0, total)))
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d * stride_od,
              o.to(out_ptr.dtype.element_ty))
-    tl.store(lse_ptr + t.to(tl.int64) * stride_lt + h * stride_lh, lse)
+    if STORE_LSE:
+        tl.store(lse_ptr + t.to(tl.int64) * stride_lt + h * stride_lh, lse)
