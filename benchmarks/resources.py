@@ -80,7 +80,7 @@ def attention_resources(kv: str, sub: int, stages: int, warps: int, splits: int 
     kv_type = KV_TYPES[kv]
     pointers = dict(q_ptr="*bf16", k_ptr=kv_type, v_ptr=kv_type, idx_ptr="*i32",
                     out_ptr="*bf16", lse_ptr="*fp32", part_out_ptr="*fp32",
-                    part_lse_ptr="*fp32", counter_ptr="*i32", tile_blocks_ptr="*i32",
+                    counter_ptr="*i32", tile_blocks_ptr="*i32",
                     blocks_ptr="*i32", union_ptr="*i32", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
                     cu_ptr="*i32", seq_lens_ptr="*i32", bt_ptr="*i32")
     shared = dict(NUM_KV_HEADS=4, NUM_INDEX_HEADS=4, G=16, D=128, BLOCK=128, TOPK=16, KP=16,

@@ -81,7 +81,7 @@ def test_selection_kernels(by_sort):
 def test_attention_kernels(kv_type, splits, sub):
     _compile(_sparse_attention_kernel,
              dict(q_ptr="*bf16", k_ptr=kv_type, v_ptr=kv_type, idx_ptr=I32, out_ptr="*bf16",
-                  lse_ptr=F32, part_out_ptr=F32, part_lse_ptr=F32, counter_ptr=I32,
+                  lse_ptr=F32, part_out_ptr=F32, counter_ptr=I32,
                   tile_blocks_ptr=I32, k_scale_ptr=F32, v_scale_ptr=F32, **STEP),
              dict(sm_scale="fp32"),
              dict(NUM_HEADS=64, NUM_KV_HEADS=4, NUM_INDEX_HEADS=4, G=16, M=16, D=128,
@@ -89,7 +89,8 @@ def test_attention_kernels(kv_type, splits, sub):
                   SPLITS=splits, HAS_SCALE=kv_type == "*fp8e4nv", IEEE=False,
                   F16_COMPUTE=kv_type == "*fp8e4nv", FUSED_MERGE=splits > 1,
                   TILE_QT=4 if splits == 1 else 0, V_PAIRS=kv_type == "*fp8e4nv", PTX=True,
-                  GUESS=True, SP=1 << (splits - 1).bit_length(), PDL=splits > 1))
+                  GUESS=True, SP=1 << (splits - 1).bit_length(), PDL=splits > 1,
+                  STORE_LSE=splits == 1))
     _compile(_tile_plan_kernel, dict(idx_ptr=I32, blocks_ptr=I32, union_ptr=I32, **STEP),
              dict(waste="fp32"), dict(NUM_KV_HEADS=4, NUM_INDEX_HEADS=4, QT=4, BLOCK=128,
                                       TOPK=16, KP=16))
@@ -101,9 +102,9 @@ def test_attention_kernels(kv_type, splits, sub):
                   HAS_SCALE=kv_type == "*fp8e4nv", IEEE=False,
                   F16_COMPUTE=kv_type == "*fp8e4nv", LAZY_MASK=kv_type == "*fp8e4nv",
                   PERSISTENT=kv_type == "*bf16"))
-    _compile(_merge_splits_kernel, dict(part_out_ptr=F32, part_lse_ptr=F32, out_ptr="*bf16",
+    _compile(_merge_splits_kernel, dict(part_out_ptr=F32, out_ptr="*bf16",
                                         lse_ptr=F32), {},
-             dict(NUM_HEADS=64, D=128, SPLITS=2, SP=2, PDL=True))
+             dict(NUM_HEADS=64, D=128, SPLITS=2, SP=2, PDL=True, STORE_LSE=False))
     _compile(_sparse_page_table_kernel, dict(idx_ptr=I32, pages_ptr=I32, lens_ptr=I32, **STEP),
              {}, dict(NUM_KV_HEADS=4, NUM_INDEX_HEADS=4, TOPK=16, KP=16, BLOCK=128, SUB=16))
 

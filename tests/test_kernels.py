@@ -332,6 +332,12 @@ def test_sparse_attention_matches_reference(kernel_device, kv_dtype, layout, blo
     assert got.data_ptr() == out.data_ptr()
     assert_close(got, want)
     assert_close(lse, want_lse, torch.float32 if dtype == torch.float16 else dtype)
+    # without the LSE (not stored at all, STORE_LSE off): the same output bits
+    alone = openmsa.sparse_attention(
+        q.to(kernel_device), k_dev, v_dev, idx.to(kernel_device), dstep.cu_seqlens_q,
+        dstep.seq_lens, dstep.block_table, block_size=block,
+        out=nan_poison(q.shape, dtype, kernel_device))
+    assert torch.equal(alone, got)
     _, pos = token_layout(step.cu_seqlens_q, step.seq_lens, step.num_tokens)
     assert (got.cpu()[pos < 0] == 0).all() and torch.isneginf(lse.cpu()[pos < 0]).all()
 
@@ -360,6 +366,12 @@ def test_sparse_attention_index_head_sharing_scales_and_noisy_rows(kernel_device
         v_scale=1.5, return_lse=True)
     assert_close(got, want)
     assert_close(lse, want_lse, torch.float32 if dtype == torch.float16 else dtype)
+    # without the LSE (not stored at all, STORE_LSE off): the same output bits
+    alone = openmsa.sparse_attention(
+        q.to(kernel_device), k.to(kernel_device), v.to(kernel_device), idx.to(kernel_device),
+        dstep.cu_seqlens_q, dstep.seq_lens, dstep.block_table, block_size=B, k_scale=ks,
+        v_scale=1.5, out=nan_poison(q.shape, dtype, kernel_device))
+    assert torch.equal(alone, got)
     if fused_merge and kernel_device == "cuda":
         # every merging program put its arrival counter back: the next launch starts at 0
         assert all(int(c.count_nonzero()) == 0 for c in attention_api._COUNTERS.values())

@@ -212,13 +212,13 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
     num_kv_heads = k_cache.shape[2]
     splits = p.splits
     if splits > 1:
-        rows = num_tokens * num_heads * splits
-        part = torch.empty(rows * (head_dim + 1), dtype=torch.float32, device=device)
-        part_out = part[:rows * head_dim].view(num_tokens, num_heads, splits, head_dim)
-        part_lse = part[rows * head_dim:].view(num_tokens, num_heads, splits)
+        # [T, Hq, splits, D] partial outputs, then [T, Hq, splits] partial LSEs, in one
+        # allocation (the kernels find the LSEs after the T * Hq * splits * D outputs)
+        part = torch.empty(num_tokens * num_heads * splits * (head_dim + 1),
+                           dtype=torch.float32, device=device)
         counters = _arrival_counters(device, num_tokens * num_kv_heads) if p.fused else lse
     else:
-        part_out = part_lse = counters = lse
+        part = counters = lse
     has_scale, ks, vs = scale_args(k_scale, v_scale, device, lse)
     tile_qt = p.tile_qt
     if tile_qt > 1:
@@ -243,14 +243,14 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
     lse_strides = lse.stride() if p.store_lse else (0, 0)
     launch_planned(
         _sparse_attention_kernel, (p.serial, 2), (num_tokens, num_kv_heads, splits),
-        q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, out, lse, part_out,
-        part_lse, counters, blocks, ks, vs, p.sm_scale, seq_lens.shape[0], *q.stride(),
+        q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, out, lse, part,
+        counters, blocks, ks, vs, p.sm_scale, seq_lens.shape[0], *q.stride(),
         *k_cache.stride(), *v_cache.stride(), *indices.stride(), *block_table.stride(),
         *out.stride(), *lse_strides, HAS_SCALE=has_scale, **p.kwargs)
     if splits > 1 and not p.fused:
         launch_planned(
             _merge_splits_kernel, (p.serial, 3), (num_tokens, num_heads),
-            part_out, part_lse, out, lse, *out.stride(), *lse_strides, **p.merge_kwargs)
+            part, out, lse, *out.stride(), *lse_strides, **p.merge_kwargs)
     return (out, lse) if return_lse else out
 
 

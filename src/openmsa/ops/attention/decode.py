@@ -30,7 +30,7 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 @triton.jit
 def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr,
-                             out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
+                             out_ptr, lse_ptr, part_out_ptr, counter_ptr,
                              tile_blocks_ptr, k_scale_ptr, v_scale_ptr, sm_scale, num_requests,
                              stride_qt, stride_qh, stride_qd,
                              stride_kp, stride_kb, stride_kh, stride_kd,
@@ -180,7 +180,8 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
         if STORE_LSE:
             tl.store(lse_ptr + t.to(tl.int64) * stride_lt + head * stride_lh, lse, mask=head_ok)
     else:
-        # workspace [T, Hq, SPLITS, D] and [T, Hq, SPLITS], contiguous
+        # workspace [T, Hq, SPLITS, D] then [T, Hq, SPLITS], contiguous, in one allocation
+        part_lse_ptr = part_out_ptr + tl.num_programs(0).to(tl.int64) * NUM_HEADS * SPLITS * D
         row = t.to(tl.int64) * NUM_HEADS + head  # [M]
         tl.store(part_out_ptr + (row * SPLITS + split)[:, None] * D + d[None, :], o,
                  mask=head_ok[:, None])
@@ -223,7 +224,7 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
 
 
 @triton.jit
-def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, stride_ot, stride_oh,
+def _merge_splits_kernel(part_out_ptr, out_ptr, lse_ptr, stride_ot, stride_oh,
                          stride_od, stride_lt, stride_lh, NUM_HEADS: tl.constexpr,
                          D: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr,
                          PDL: tl.constexpr = False, STORE_LSE: tl.constexpr = True):
@@ -232,6 +233,8 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, stride_ot
         gdc_wait()  # launched before the split programs finished: wait for their partials
     t = tl.program_id(0)
     h = tl.program_id(1)
+    # the partial LSEs follow the T * Hq * SPLITS * D partial outputs (one allocation)
+    part_lse_ptr = part_out_ptr + tl.num_programs(0).to(tl.int64) * NUM_HEADS * SPLITS * D
     s = tl.arange(0, SP)
     d = tl.arange(0, D)
     base = (t.to(tl.int64) * NUM_HEADS + h) * SPLITS

@@ -208,11 +208,10 @@ def _selection_layout(rows: int, max_blocks: int, kp: int, per_wave: int) -> tup
 
 
 def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, local_blocks,
-                  block_size, plan=None, workspace=None) -> None:
+                  block_size, plan=None) -> None:
     """Top-k per (token, head) row of `scores` into `out`; rows are cut into segments of
     TUNING["select_segment"] blocks (one program each), merged by a second launch when there
-    are several. plan: _select_plan's result for these shapes (computed here when None);
-    workspace: its (candidates, scratch) from _selection_workspace (made here when None)."""
+    are several. plan: _select_plan's result for these shapes (computed here when None)."""
     from .select import _merge_topk_kernel, _segment_topk_kernel
 
     num_tokens, num_heads, max_blocks = scores.shape
@@ -222,12 +221,12 @@ def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, loc
         plan = _select_plan(num_tokens, num_heads, max_blocks, topk, init_blocks, local_blocks,
                             block_size, scores.device)
     serial, segments, cap, kp, kwargs, merge_kwargs = plan
-    if workspace is None:
-        _, cand, scratch = _selection_workspace(num_tokens, num_heads, plan, 0, scores.device)
-    else:
-        cand, scratch = workspace
-    if cand is None:
-        cand = out  # one segment: the selection writes the answer, no candidates
+    cand = out if segments == 1 else torch.empty((num_tokens, num_heads, segments, kp),
+                                                 dtype=torch.int64, device=scores.device)
+    # (without scratch slots the kernel never touches the pointer: the candidates stand in, and
+    # the call saves an allocation, ~3 µs of host time)
+    scratch = cand if not cap else torch.empty((num_tokens, num_heads, segments, cap),
+                                               dtype=torch.int64, device=scores.device)
     launch_planned(_segment_topk_kernel, (serial, 0), (num_tokens, num_heads, segments),
                    scores, cu_seqlens_q, seq_lens, out, cand, scratch, seq_lens.shape[0],
                    segments, *scores.stride(), *out.stride(), **kwargs)
@@ -235,22 +234,6 @@ def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, loc
         launch_planned(_merge_topk_kernel, (serial, 1), (num_tokens, num_heads),
                        cand, cu_seqlens_q, seq_lens, out, seq_lens.shape[0], segments,
                        *out.stride(), **merge_kwargs)
-
-
-def _selection_workspace(num_tokens, num_heads, plan, num_scores, device):
-    """(fp32 scores [num_scores] or None, int64 candidates [T, H, segments, KP] or None, int64
-    scratch [T, H, segments, CAP] or a 1-element stand-in) carved from one allocation: each
-    torch.empty costs ~3 µs of host time per eager call. Every part starts 16-byte aligned."""
-    _, segments, cap, kp, _, _ = plan
-    rows = num_tokens * num_heads * segments
-    n_cand = rows * kp if segments > 1 else 0
-    words = [-(-num_scores // 4) * 2, -(-n_cand // 2) * 2, rows * cap if cap else 2]
-    buf = torch.empty(sum(words), dtype=torch.int64, device=device)
-    scores_part, cand_part, scratch_part = torch.split(buf, words)
-    scores = scores_part.view(torch.float32)[:num_scores] if num_scores else None
-    cand = cand_part[:n_cand].view(num_tokens, num_heads, segments, kp) if n_cand else None
-    scratch = scratch_part.view(num_tokens, num_heads, segments, cap) if cap else scratch_part
-    return scores, cand, scratch
 
 
 def _select_plan(num_tokens, num_heads, max_blocks, topk, init_blocks, local_blocks, block_size,
@@ -374,18 +357,13 @@ def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, 
     if out is None:
         out = torch.empty((num_tokens, num_heads, topk), dtype=torch.int32,
                           device=index_q.device)
-    if num_tokens == 0:
-        return out
     # only blocks below each token's causal count are read back, so no -inf fill is needed
-    width = block_table.shape[1]
-    flat, cand, scratch = _selection_workspace(num_tokens, num_heads, plan[1],
-                                               num_tokens * num_heads * width, index_q.device)
-    scores = flat.view(num_tokens, num_heads, width)
+    scores = torch.empty((num_tokens, num_heads, block_table.shape[1]), dtype=torch.float32,
+                         device=index_q.device)
     launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores,
                         block_size, max_q_len, plan[0])
     launch_select(scores, cu_seqlens_q, seq_lens, out, topk=topk, init_blocks=init_blocks,
-                  local_blocks=local_blocks, block_size=block_size, plan=plan[1],
-                  workspace=(cand, scratch))
+                  local_blocks=local_blocks, block_size=block_size, plan=plan[1])
     return out
 
 
