@@ -156,8 +156,7 @@ def test_attention_m3_shapes(kv_dtype, heads, wide, monkeypatch):
     """M3's heads at 64K; with wide = 256, loop steps of two selected blocks (decode.py)."""
     from openmsa.ops.attention import api as attention_api
     monkeypatch.setitem(attention_api.TUNING, "wide_sub", wide)
-    if wide:
-        monkeypatch.setitem(attention_api.TUNING, "small_pairs", 0)  # TP4's 6 pairs too
+    monkeypatch.setitem(attention_api.TUNING, "small_pairs", 0)
     step, q, k, v, idx = _m3_attention_case(kv_dtype, *heads)
     want, want_lse = ref.sparse_attention(q, k, v, idx, step.cu_seqlens_q, step.seq_lens,
                                           step.block_table, return_lse=True)
