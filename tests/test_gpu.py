@@ -151,12 +151,7 @@ def _m3_attention_case(kv_dtype, num_heads=64, num_kv_heads=4, context=65536, q_
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8])
 @pytest.mark.parametrize("heads", [(64, 4), (16, 1)])
-@pytest.mark.parametrize("wide", [0, 256])
-def test_attention_m3_shapes(kv_dtype, heads, wide, monkeypatch):
-    """M3's heads at 64K; with wide = 256, loop steps of two selected blocks (decode.py)."""
-    from openmsa.ops.attention import api as attention_api
-    monkeypatch.setitem(attention_api.TUNING, "wide_sub", wide)
-    monkeypatch.setitem(attention_api.TUNING, "small_pairs", 0)
+def test_attention_m3_shapes(kv_dtype, heads):
     step, q, k, v, idx = _m3_attention_case(kv_dtype, *heads)
     want, want_lse = ref.sparse_attention(q, k, v, idx, step.cu_seqlens_q, step.seq_lens,
                                           step.block_table, return_lse=True)

@@ -307,19 +307,14 @@ def _attention_dtype(device):
 
 @pytest.mark.parametrize("kv_dtype, layout", [("q", "flash"), ("q", "vllm"), (FP8, "vllm"),
                                               (FP8, "odd")])
-@pytest.mark.parametrize("block, sub, wide", [(B, B, 0), (32, 16, 0), (B, B, 2 * B),
-                                             (B, B, 4 * B)])
-def test_sparse_attention_matches_reference(kernel_device, kv_dtype, layout, block, sub, wide,
+@pytest.mark.parametrize("block, sub", [(B, B), (32, 16)])
+def test_sparse_attention_matches_reference(kernel_device, kv_dtype, layout, block, sub,
                                             monkeypatch):
-    """Whole blocks per loop step, two 16-key steps per 32-token block (a block's causal cut
-    then falls in either step), and wide steps of 2 or 4 selected blocks (each tile row with its
-    own page; with 4 of topk 4 a step takes the whole row, with 2 the rows' -1, out-of-range and
-    own blocks fall in either half). fp8 V in the packed layout is read in byte pairs (V_PAIRS);
-    at odd strides and an odd offset, byte by byte."""
+    """Whole blocks per loop step, and two 16-key steps per 32-token block (a block's causal cut
+    then falls in either step). fp8 V in the packed layout is read in byte pairs (V_PAIRS); at
+    odd strides and an odd offset, byte by byte."""
     from openmsa.ops.attention import api as attention_api
     monkeypatch.setitem(attention_api.TUNING, "sub", sub)
-    monkeypatch.setitem(attention_api.TUNING, "wide_sub", wide)
-    monkeypatch.setitem(attention_api.TUNING, "wide_pairs", 10**6)
     dtype = _attention_dtype(kernel_device)
     kv_dtype = dtype if kv_dtype == "q" else kv_dtype
     step, dstep, q, k, v, idx = _attention_case(kernel_device, kv_dtype, layout, block=block)

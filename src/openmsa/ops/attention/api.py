@@ -67,10 +67,7 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
               tile=True, tile_rows=64, tile_waste=2.0, tile_sub=64, tile_stages=2,
               tile_sub_fp8=128, tile_stages_fp8=2, tile_warps=4, tile_lazy_mask=True,
               tile_persistent=False, tile_persistent_fp8=True, tile_resident=2,
-              tile_plan_warps=1, wide_sub=0, wide_pairs=64, wide_warps=8, wide_stages=2)
-# wide_*: decode steps of at most wide_pairs (token, KV head) pairs (above small_pairs) take
-# wide_sub keys per loop step (a multiple of the block size: several selected blocks per step,
-# decode.py) on wide_warps warps and wide_stages stages; 0 turns it off
+              tile_plan_warps=1)
 # tile*: prefill steps first launch prefill.py's kernel over tiles of tile_rows // G tokens (the
 # union of their selections, taken on the device when union blocks x tokens <= tile_waste x the
 # tokens' selected blocks); the per-token kernel then does the tiles it left. Measured on 8K
@@ -291,14 +288,7 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
     else:
         sub = TUNING["small_sub" if small else "sub"]
     sub = min(block_size, sub)
-    # wide steps (decode.py: several selected blocks per step, SUB > BLOCK) on steps of few
-    # (token, KV head) pairs, where one program per SM runs a long serial chain of steps
-    wide = (not prefill and not small and TUNING["wide_sub"] > block_size
-            and TUNING["wide_sub"] % block_size == 0
-            and num_tokens * num_kv_heads <= TUNING["wide_pairs"])
-    if wide:
-        sub = TUNING["wide_sub"]
-    steps = topk * (block_size // sub) if sub <= block_size else -(-topk // (sub // block_size))
+    steps = topk * (block_size // sub)
     group_pad = max(1, _next_pow2(group))
     # (at most 16 tokens per tile: the plan keeps a bit per token beside 8 flag bits in an int32)
     tile_qt = min(TUNING["tile_rows"] // group_pad, 16) if prefill and TUNING["tile"] else 0
@@ -310,7 +300,7 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
     splits = 1 if tile_qt > 1 else _num_splits(
         num_tokens, num_kv_heads, steps, device,
         TUNING["resident" if k_cache.dtype == FP8 else "resident_16"], sub)
-    if (v_pairs and not prefill and not small and not wide and device.type == "cuda"
+    if (v_pairs and not prefill and not small and device.type == "cuda"
             and num_tokens * num_kv_heads * splits > TUNING["resident"] * num_sms(device)):
         # more than one round of programs: 64-key steps, packed for 4 programs per SM (107
         # registers, 38 KB), a finer grain that leaves a shorter last round
@@ -323,9 +313,8 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
     fused = TUNING["fused_merge"] and splits <= TUNING["fused_max_splits"]
     # the merge launch, if any, starts early (the decode launch triggers it)
     pdl = TUNING["pdl"] and device.type == "cuda" and splits > 1 and not fused
-    warps = TUNING["prefill_warps" if prefill else "small_warps" if small else
-                   "wide_warps" if wide else "warps"]
-    stages = TUNING["prefill_stages" if prefill else "wide_stages" if wide else "stages"]
+    warps = TUNING["prefill_warps" if prefill else "small_warps" if small else "warps"]
+    stages = TUNING["prefill_stages" if prefill else "stages"]
     if (not prefill and k_cache.dtype != FP8 and device.type == "cuda"
             and num_tokens * num_kv_heads * splits > TUNING["resident_16"] * num_sms(device)):
         # 16-bit K/V, more than one round of programs: fewer stages (see TUNING)

@@ -63,11 +63,7 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
     head = g * G + rows
     d = tl.arange(0, D)
     offs = tl.arange(0, SUB)
-    # SUB <= BLOCK: PARTS steps per selected block; SUB > BLOCK (wide steps): one step covers NB
-    # consecutive entries of the selection, each row of the K/V tile with its own page
-    PARTS: tl.constexpr = BLOCK // SUB if SUB <= BLOCK else 1
-    NB: tl.constexpr = SUB // BLOCK if SUB > BLOCK else 1
-    TOTAL_STEPS: tl.constexpr = TOPK * PARTS if NB == 1 else (TOPK + NB - 1) // NB
+    PARTS: tl.constexpr = BLOCK // SUB
 
     # the loads that need only t first (the selection row, q): they are in flight while the
     # request is looked up, so the prologue's dependent chain is cu_seqlens -> seq_lens ->
@@ -128,49 +124,27 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
     else:
         acc = tl.zeros([M, D], tl.float32)
     s_lo = split * STEPS
-    s_hi = tl.minimum(s_lo + STEPS, TOTAL_STEPS)
+    s_hi = tl.minimum(s_lo + STEPS, TOPK * PARTS)
     for step in range(s_lo, s_hi):
-        if NB == 1:
-            pick = kk == step // PARTS
-            blk = tl.sum(tl.where(pick, row_ids, 0), axis=0)
-            page = tl.sum(tl.where(pick, row_pages, 0), axis=0).to(tl.int64)
-            ok = tl.sum(tl.where(pick, row_ok.to(tl.int32), 0), axis=0) > 0
-            key_off = (step % PARTS) * SUB + offs  # [SUB], inside the block
-            key_pos = blk * BLOCK + key_off
-            # keys after the token (its own block's tail, possibly never written) are masked,
-            # and their V rows zeroed so an unwritten NaN cannot reach the sum
-            vis = ok & (key_pos <= pos)  # [SUB]
-            k_rows = page * stride_kp + key_off[:, None] * stride_kb  # [SUB, 1]
-            v_rows = page * stride_vp + key_off[:, None] * stride_vb
-        else:
-            # NB entries per step: each tile row takes its entry's page, block id and validity
-            # (scalars picked as above, then spread over that entry's BLOCK rows)
-            key_off = offs % BLOCK
-            part = offs // BLOCK  # [SUB]: which of the step's entries
-            blk_r = tl.zeros([SUB], tl.int32)
-            page_r = tl.zeros([SUB], tl.int64)
-            ok_r = tl.zeros([SUB], tl.int1)
-            for j in tl.static_range(NB):
-                pick = kk == step * NB + j
-                blk_r = tl.where(part == j, tl.sum(tl.where(pick, row_ids, 0), axis=0), blk_r)
-                page_r = tl.where(part == j,
-                                  tl.sum(tl.where(pick, row_pages, 0), axis=0).to(tl.int64),
-                                  page_r)
-                ok_r = tl.where(part == j,
-                                tl.sum(tl.where(pick, row_ok.to(tl.int32), 0), axis=0) > 0,
-                                ok_r)
-            vis = ok_r & (blk_r * BLOCK + key_off <= pos)  # [SUB]
-            k_rows = (page_r * stride_kp + key_off * stride_kb)[:, None]  # [SUB, 1]
-            v_rows = (page_r * stride_vp + key_off * stride_vb)[:, None]
-        k = tl.load(k_ptr + k_rows + g * stride_kh + d[None, :] * stride_kd, mask=vis[:, None],
-                    other=0.0)  # [SUB, D]
+        pick = kk == step // PARTS
+        blk = tl.sum(tl.where(pick, row_ids, 0), axis=0)
+        page = tl.sum(tl.where(pick, row_pages, 0), axis=0).to(tl.int64)
+        ok = tl.sum(tl.where(pick, row_ok.to(tl.int32), 0), axis=0) > 0
+        key_off = (step % PARTS) * SUB + offs  # [SUB], inside the block
+        key_pos = blk * BLOCK + key_off
+        # keys after the token (its own block's tail, possibly never written) are masked, and
+        # their V rows zeroed so an unwritten NaN cannot reach the sum
+        vis = ok & (key_pos <= pos)  # [SUB]
+        k = tl.load(k_ptr + page * stride_kp + key_off[:, None] * stride_kb + g * stride_kh
+                    + d[None, :] * stride_kd, mask=vis[:, None], other=0.0)  # [SUB, D]
         if V_PAIRS:
-            v2 = tl.load(v16_ptr + (v_rows + g * stride_vh) // 2 + dh[None, :],
+            v2 = tl.load(v16_ptr + (page * stride_vp + key_off[:, None] * stride_vb
+                                    + g * stride_vh) // 2 + dh[None, :],
                          mask=vis[:, None], other=0)  # [SUB, D/2]: bytes d = 2j, 2j+1
             v_e, v_o = split_e4m3_pairs(v2, PTX)  # [SUB, D/2] each: V[:, 0::2], V[:, 1::2]
         else:
-            v = tl.load(v_ptr + v_rows + g * stride_vh + d[None, :] * stride_vd,
-                        mask=vis[:, None], other=0.0)  # [SUB, D]
+            v = tl.load(v_ptr + page * stride_vp + key_off[:, None] * stride_vb + g * stride_vh
+                        + d[None, :] * stride_vd, mask=vis[:, None], other=0.0)  # [SUB, D]
         if IEEE:
             s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
         else:
