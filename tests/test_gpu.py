@@ -250,31 +250,6 @@ def test_attention_cache_over_2_31_elements_and_graph_replay(kv_dtype):
     assert torch.equal(out, eager)
 
 
-def test_attention_fused_merge_of_8_splits_on_a_sparse_grid():
-    """16 (token, KV head) pairs (M3 TP1, one request verifying 4 tokens) take 8 splits, one
-    program per SM at most: the last program of each pair merges all 8 (no merge launch).
-    Against the reference, repeated bit for bit, and the counters back at 0."""
-    from openmsa.ops.attention import api as attention_api
-    step = make_step([4], [65536], block_size=B)
-    g = torch.Generator().manual_seed(5)
-    k = torch.randn(step.num_pages, B, 4, 128, generator=g).to(FP8)
-    v = torch.randn(step.num_pages, B, 4, 128, generator=g).to(FP8)
-    idx = torch.stack([torch.randperm(511, generator=g)[:15] for _ in range(16)]).view(4, 4, 15)
-    idx = torch.cat([idx.int(), torch.full((4, 4, 1), 511, dtype=torch.int32)], -1).sort(-1)[0]
-    q = torch.randn(4, 64, 128, generator=g).bfloat16()
-    plan = attention_api._plan(q.cuda(), k.cuda(), v.cuda(), idx.cuda(), None, B)
-    assert plan.splits == 8 and plan.fused  # the path under test
-    want, want_lse = ref.sparse_attention(q, k, v, idx, step.cu_seqlens_q, step.seq_lens,
-                                          step.block_table, return_lse=True)
-    d = _cuda(step)
-    args = (q.cuda(), k.cuda(), v.cuda(), idx.cuda(), d.cu_seqlens_q, d.seq_lens, d.block_table)
-    got, lse = openmsa.sparse_attention(*args, return_lse=True)
-    assert_close(got, want)
-    assert_close(lse, want_lse, torch.bfloat16)
-    assert torch.equal(openmsa.sparse_attention(*args), got)
-    assert all(int(c.count_nonzero()) == 0 for c in attention_api._COUNTERS.values())
-
-
 def test_attention_fused_merge_graph_replay_and_two_streams():
     """A step whose splits the last program merges (arrival counters): eager against the
     reference, a captured graph replayed with new queries and lengths, and two launches running

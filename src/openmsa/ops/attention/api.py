@@ -56,15 +56,11 @@ __all__ = ["sparse_attention", "sparse_page_table"]
 # instead of 8 and a merge launch: TP1 fp8 q_len 1 13.1 -> 12.4 µs, TP4 q_len 4 13.1 -> 12.4
 # (graph call 15.0 -> 13.2). The fused merge loads every split's LSE at once (one [M, SP]
 # load); measured alone it did not move the 8/16-split choice (fused_max_splits 8 or 16).
-# fused_sparse_max_splits: a grid of at most one program per SM (16 pairs x 8 splits: TP1 B = 1
-# q_len 4) merges up to that many splits in its last program instead of a merge launch: 11.4 ->
-# 10.5 µs (tune.py, fused_max_splits 8, which also slowed B = 8's 4 fused splits to 8: 12.4 ->
-# 13.9, hence only where the grid is that sparse).
 TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident=4,
               rounds_stages_16=2,
               min_steps_per_split=2, warps=4, stages=3, small_pairs=8, small_sub=64,
               small_warps=8, fused_merge=True, fused_max_splits=4, merge_launch_keys=384,
-              merge_launch_min_fill=0.75, fused_sparse_max_splits=8,
+              merge_launch_min_fill=0.75,
               prefill_min_tokens=2048, prefill_sub=64, prefill_sub_fp8=128, prefill_warps=4,
               prefill_stages=2, fp8_f16_compute=True, fp8_v_pairs=True, request_guess=True,
               pdl=True,
@@ -314,11 +310,7 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
                              sub)
     steps_per_split = -(-steps // splits)
     splits = -(-steps // steps_per_split)
-    # a grid of at most one program per SM merges in its last program up to
-    # fused_sparse_max_splits splits: nothing waits behind the merging program there
-    fused = TUNING["fused_merge"] and (splits <= TUNING["fused_max_splits"] or (
-        splits <= TUNING["fused_sparse_max_splits"] and device.type == "cuda"
-        and num_tokens * num_kv_heads * splits <= num_sms(device)))
+    fused = TUNING["fused_merge"] and splits <= TUNING["fused_max_splits"]
     # the merge launch, if any, starts early (the decode launch triggers it)
     pdl = TUNING["pdl"] and device.type == "cuda" and splits > 1 and not fused
     warps = TUNING["prefill_warps" if prefill else "small_warps" if small else "warps"]
