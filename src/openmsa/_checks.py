@@ -4,6 +4,7 @@ so nothing here synchronises with the GPU (value checks live in `openmsa.validat
 
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import torch
@@ -92,3 +93,21 @@ def check_index_dtypes(index_q: torch.Tensor, index_cache: torch.Tensor) -> None
 def check_positive_int(name: str, v, *, minimum: int = 1) -> None:
     if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")
+
+
+def check_scale_arg(name, value, device) -> None:
+    """A dequantisation scale: None, a positive finite number (checked here: a NaN, infinite, zero
+    or negative scale would make every output NaN or wrong, silently), or a one-element fp32
+    tensor on the device (its value is the caller's: reading it would synchronise)."""
+    if value is None:
+        return
+    if isinstance(value, float) or (isinstance(value, int) and not isinstance(value, bool)):
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+        return
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a float, a one-element fp32 tensor or None, got "
+                        f"{type(value).__name__}")
+    if value.numel() != 1 or value.dtype != torch.float32 or value.device != device:
+        raise ValueError(f"{name} must be a one-element float32 tensor on {device}, got "
+                         f"{tuple(value.shape)} {value.dtype} on {value.device}")

@@ -169,8 +169,8 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
         scale: softmax scale (D ** -0.5 when None).
         out: optional [T, Hq, D] in q's dtype, any strides, written in place.
         return_lse: also return the fp32 [T, Hq] natural-log LSE.
-        k_scale, v_scale: per-tensor dequantisation scales of fp8 caches (float or a
-            one-element fp32 device tensor, so a graph can change them).
+        k_scale, v_scale: per-tensor dequantisation scales of fp8 caches (a positive finite
+            float, or a one-element fp32 device tensor, so a graph can change them).
 
     Returns:
         out, or (out, lse). An empty row gives 0 output and -inf LSE.

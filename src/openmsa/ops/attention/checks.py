@@ -5,22 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from ..._checks import (FP8, HALF, check_block_size, check_int_tensor, check_out, check_step,
-                        check_tensor)
+from ..._checks import (FP8, HALF, check_block_size, check_int_tensor, check_out,
+                        check_scale_arg, check_step, check_tensor)
 
 KV_DTYPES = (*HALF, FP8, torch.float32)
-
-
-def check_scale_arg(name, value, device) -> None:
-    if value is None or isinstance(value, float) or (isinstance(value, int)
-                                                     and not isinstance(value, bool)):
-        return
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a float, a one-element fp32 tensor or None, got "
-                        f"{type(value).__name__}")
-    if value.numel() != 1 or value.dtype != torch.float32 or value.device != device:
-        raise ValueError(f"{name} must be a one-element float32 tensor on {device}, got "
-                         f"{tuple(value.shape)} {value.dtype} on {value.device}")
 
 
 def check_attention_args(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, *,

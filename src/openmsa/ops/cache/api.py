@@ -8,7 +8,7 @@ import functools
 
 import torch
 
-from ..._checks import FP8
+from ..._checks import FP8, check_scale_arg
 from ..._dispatch import next_pow2 as _next_pow2
 from ..._dispatch import on_tensor_device, scale_args, use_kernels
 from ..common.launch import (PlanCache, call_key, launch, launch_planned, plan_serials,
@@ -50,7 +50,6 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scal
     if not use_kernels(k):
         return reference.write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale=k_scale,
                                         v_scale=v_scale)
-    from ..attention.checks import check_scale_arg
     from .write import _write_kv_cache_kernel
 
     check_kv_write(k, v, k_cache, v_cache, slot_mapping)
@@ -110,7 +109,6 @@ def fused_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_
             qkv, positions, config, q_norm_weight, k_norm_weight, index_q_norm_weight,
             index_k_norm_weight, k_cache, v_cache, slot_mapping, index_cache, index_slot_mapping,
             k_scale=k_scale, v_scale=v_scale, q_out=q_out, index_q_out=index_q_out)
-    from ..attention.checks import check_scale_arg
     from .checks import check_prepare
     from .prepare import _fused_prepare_kernel
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..._checks import FP8
+from ..._checks import FP8, check_scale_arg
 from .checks import check_index_write, check_kv_write
 
 __all__ = ["write_index_cache", "write_kv_cache", "to_cache_dtype", "rms_norm", "apply_rope",
@@ -43,6 +43,8 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scal
     For fp8 caches with a per-tensor scale the stored value is x / scale, saturated.
     """
     check_kv_write(k, v, k_cache, v_cache, slot_mapping)
+    check_scale_arg("k_scale", k_scale, k.device)
+    check_scale_arg("v_scale", v_scale, k.device)
     for x, cache, s in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
         x = x.float() if s is None else x.float() / (s if not isinstance(s, torch.Tensor)
                                                       else s.float().reshape(()))
@@ -131,6 +133,8 @@ def fused_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_
     check_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_norm_weight,
                   index_k_norm_weight, k_cache, v_cache, slot_mapping, index_cache,
                   index_slot_mapping, q_out, index_q_out)
+    check_scale_arg("k_scale", k_scale, qkv.device)
+    check_scale_arg("v_scale", v_scale, qkv.device)
     q, k, v, iq, ik = split_projection(qkv, config)
     pos = positions.long().clamp(min=0)
     kw = dict(rotary_dim=config.rotary_dim, rope_theta=config.rope_theta, eps=config.rms_norm_eps)
