@@ -96,14 +96,16 @@ def check_positive_int(name: str, v, *, minimum: int = 1) -> None:
 
 
 def check_scale_arg(name, value, device) -> None:
-    """A dequantisation scale: None, a positive finite number (checked here: a NaN, infinite, zero
-    or negative scale would make every output NaN or wrong, silently), or a one-element fp32
-    tensor on the device (its value is the caller's: reading it would synchronise)."""
+    """A dequantisation scale: None, a finite nonzero number (checked here: a NaN or infinite
+    scale turns every output into NaN, and the cache writes divide by it, silently), or a
+    one-element fp32 tensor on the device (its value is the caller's: reading it would
+    synchronise). A negative scale is consistent math (stored x / s, read back x * s) and the
+    tests use one to catch a scale applied in the wrong place."""
     if value is None:
         return
     if isinstance(value, float) or (isinstance(value, int) and not isinstance(value, bool)):
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+        if not (math.isfinite(value) and value != 0):
+            raise ValueError(f"{name} must be a finite nonzero number, got {value!r}")
         return
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a float, a one-element fp32 tensor or None, got "

@@ -169,7 +169,7 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
         scale: softmax scale (D ** -0.5 when None).
         out: optional [T, Hq, D] in q's dtype, any strides, written in place.
         return_lse: also return the fp32 [T, Hq] natural-log LSE.
-        k_scale, v_scale: per-tensor dequantisation scales of fp8 caches (a positive finite
+        k_scale, v_scale: per-tensor dequantisation scales of fp8 caches (a finite nonzero
             float, or a one-element fp32 device tensor, so a graph can change them).
 
     Returns:
