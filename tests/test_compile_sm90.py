@@ -57,11 +57,8 @@ def test_block_scores_kernel(tile_mode, q_type, c_type, early):
                   MAX_SKIPS_NAN=True, PDL=tile_mode, PAGES_EARLY=bool(early),
                   ONE_LOOP=bool(early), QUICK_EXIT=bool(early),
                   WAIT_AT_END=tile_mode and bool(early), SPLIT_MAJOR=tile_mode and bool(early),
-                  REVERSE_TILES=tile_mode, REVERSE_SPLITS=tile_mode,
-                  SCORE_EVICT="evict_last" if early and not tile_mode else ""))
+                  REVERSE_TILES=tile_mode, REVERSE_SPLITS=tile_mode))
     assert ("griddepcontrol.wait" in k.asm["ptx"]) == (tile_mode and bool(early))
-    # TUNING decode_keep_scores reaches the score stores as an L2 policy
-    assert ("L2::evict_last" in k.asm["ptx"]) == (bool(early) and not tile_mode)
 
 
 @pytest.mark.parametrize("by_sort", [False, True])
@@ -93,7 +90,7 @@ def test_attention_kernels(kv_type, splits, sub):
                   F16_COMPUTE=kv_type == "*fp8e4nv", FUSED_MERGE=splits > 1,
                   TILE_QT=4 if splits == 1 else 0, V_PAIRS=kv_type == "*fp8e4nv", PTX=True,
                   GUESS=True, SP=1 << (splits - 1).bit_length(), PDL=splits > 1,
-                  STORE_LSE=splits == 1, PART_EVICT="evict_last" if splits > 1 else ""))
+                  STORE_LSE=splits == 1))
     _compile(_tile_plan_kernel, dict(idx_ptr=I32, blocks_ptr=I32, union_ptr=I32, **STEP),
              dict(waste="fp32"), dict(NUM_KV_HEADS=4, NUM_INDEX_HEADS=4, QT=4, BLOCK=128,
                                       TOPK=16, KP=16))

@@ -67,7 +67,7 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
               tile=True, tile_rows=64, tile_waste=2.0, tile_sub=64, tile_stages=2,
               tile_sub_fp8=128, tile_stages_fp8=2, tile_warps=4, tile_lazy_mask=True,
               tile_persistent=False, tile_persistent_fp8=True, tile_resident=2,
-              tile_plan_warps=1, keep_partials=False)
+              tile_plan_warps=1)
 # tile*: prefill steps first launch prefill.py's kernel over tiles of tile_rows // G tokens (the
 # union of their selections, taken on the device when union blocks x tokens <= tile_waste x the
 # tokens' selected blocks); the per-token kernel then does the tiles it left. Measured on 8K
@@ -351,9 +351,7 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
         KP=plan.kp, SUB=sub, STEPS=steps_per_split, SPLITS=splits, IEEE=ieee,
         F16_COMPUTE=f16_compute, FUSED_MERGE=fused, TILE_QT=plan.tile_qt, V_PAIRS=v_pairs,
         PTX=device.type == "cuda", GUESS=TUNING["request_guess"], SP=_next_pow2(splits),
-        PDL=pdl, STORE_LSE=plan.store_lse,
-        PART_EVICT="evict_last" if TUNING["keep_partials"] else "", num_warps=warps,
-        num_stages=stages)
+        PDL=pdl, STORE_LSE=plan.store_lse, num_warps=warps, num_stages=stages)
     plan.merge_kwargs = dict(NUM_HEADS=num_heads, D=head_dim, SPLITS=splits,
                              SP=_next_pow2(splits), PDL=pdl, STORE_LSE=plan.store_lse,
                              num_warps=4, launch_pdl=pdl)

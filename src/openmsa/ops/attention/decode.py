@@ -45,8 +45,7 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
                              F16_COMPUTE: tl.constexpr, FUSED_MERGE: tl.constexpr,
                              TILE_QT: tl.constexpr, V_PAIRS: tl.constexpr, PTX: tl.constexpr,
                              GUESS: tl.constexpr, SP: tl.constexpr = 1,
-                             PDL: tl.constexpr = False, STORE_LSE: tl.constexpr = True,
-                             PART_EVICT: tl.constexpr = ""):
+                             PDL: tl.constexpr = False, STORE_LSE: tl.constexpr = True):
     if PDL:
         # the merge launch may start now (programmatic dependent launch); it waits for this
         # launch to finish before it reads a partial
@@ -185,9 +184,8 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
         part_lse_ptr = part_out_ptr + tl.num_programs(0).to(tl.int64) * NUM_HEADS * SPLITS * D
         row = t.to(tl.int64) * NUM_HEADS + head  # [M]
         tl.store(part_out_ptr + (row * SPLITS + split)[:, None] * D + d[None, :], o,
-                 mask=head_ok[:, None], eviction_policy=PART_EVICT)
-        tl.store(part_lse_ptr + row * SPLITS + split, lse, mask=head_ok,
-                 eviction_policy=PART_EVICT)
+                 mask=head_ok[:, None])
+        tl.store(part_lse_ptr + row * SPLITS + split, lse, mask=head_ok)
         if FUSED_MERGE:
             # the last of the SPLITS programs of (t, g) to arrive merges (no second launch).
             # The barrier orders every thread's partial stores before the counter's release;

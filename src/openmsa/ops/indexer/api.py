@@ -35,7 +35,7 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               decode_split_major=False, tile_quick_exit=True, tile_overlap=False,
               prefill_reverse_tiles=True, prefill_reverse_splits=False,
               prefill_split_major=False, select_chunk=128,
-              use_max_q_len=True, select_segment_fill=True, decode_keep_scores=False)
+              use_max_q_len=True, select_segment_fill=True)
 # decode_pages_early: the decode launch loads its split's page ids before (not after) cu_seqlens_q
 # and seq_lens, one memory latency less before the first key load; decode_one_loop: one
 # causal-masked loop over the split (the mask costs little on 16 rows) instead of an unmasked
@@ -156,8 +156,7 @@ def _scores_plan(index_q, index_cache, num_requests: int, max_blocks: int, block
         KEYS_AS_ROWS=keys_as_rows, num_warps=TUNING["decode_warps"],
         num_stages=TUNING["decode_stages"], table_width=max_blocks,
         PAGES_EARLY=TUNING["decode_pages_early"], ONE_LOOP=TUNING["decode_one_loop"],
-        SPLIT_MAJOR=split_major,
-        SCORE_EVICT="evict_last" if TUNING["decode_keep_scores"] else ""))]
+        SPLIT_MAJOR=split_major))]
     # prefill chunks: tiles of packed tokens; with T <= SMALL_Q no request can be long
     if only_requests:
         return launches

@@ -82,13 +82,11 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
                        BLOCK: tl.constexpr, ROWS_T: tl.constexpr, BPS: tl.constexpr,
                        CAST_K: tl.constexpr, IEEE: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
                        MAX_SKIPS_NAN: tl.constexpr, split_pages_given=0,
-                       PAGES_GIVEN: tl.constexpr = False, ONE_LOOP: tl.constexpr = False,
-                       STORE_EVICT: tl.constexpr = ""):
+                       PAGES_GIVEN: tl.constexpr = False, ONE_LOOP: tl.constexpr = False):
     """Score tokens [t_begin, t_end) (< ROWS_T of them, all of one request whose first token is
     t_req) against blocks [b_lo, b_hi) and store the tile; rows are (token, head) pairs.
     PAGES_GIVEN: the caller loaded the split's page ids (split_pages_given, [BPS]); ONE_LOOP: one
-    causal-masked loop over the split instead of an unmasked loop and a masked one. STORE_EVICT:
-    the score stores' L2 eviction policy."""
+    causal-masked loop over the split instead of an unmasked loop and a masked one."""
     M: tl.constexpr = ROWS_T * HP
     rows = tl.arange(0, M)
     tok = t_begin + rows // HP  # [M]
@@ -127,7 +125,7 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
     blk = b_lo + cols
     out = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh \
         + blk.to(tl.int64)[None, :] * stride_ob
-    tl.store(out, tile, mask=row_ok[:, None] & (blk[None, :] < b_hi), eviction_policy=STORE_EVICT)
+    tl.store(out, tile, mask=row_ok[:, None] & (blk[None, :] < b_hi))
 
 
 @triton.jit
@@ -144,7 +142,7 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                          ONE_LOOP: tl.constexpr = False, SPLIT_MAJOR: tl.constexpr = False,
                          QUICK_EXIT: tl.constexpr = False, WAIT_AT_END: tl.constexpr = False,
                          REVERSE_TILES: tl.constexpr = False,
-                         REVERSE_SPLITS: tl.constexpr = False, SCORE_EVICT: tl.constexpr = ""):
+                         REVERSE_SPLITS: tl.constexpr = False):
     if PDL:
         # the selection launch may start now (programmatic dependent launch): it takes effect
         # once every program of this launch has passed here, and the selection waits for this
@@ -217,7 +215,7 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                                            stride_cp, stride_cb, stride_cd, stride_btb,
                                            stride_ot, stride_oh, stride_ob, H, HP, DI, DIP,
                                            BLOCK, ROWS_T, BPS, CAST_K, IEEE, KEYS_AS_ROWS,
-                                           MAX_SKIPS_NAN, STORE_EVICT="")
+                                           MAX_SKIPS_NAN)
                 r += 1
     else:
         r = pid
@@ -243,7 +241,7 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                                    stride_qd, stride_cp, stride_cb, stride_cd, stride_btb,
                                    stride_ot, stride_oh, stride_ob, H, HP, DI, DIP, BLOCK,
                                    ROWS_T, BPS, CAST_K, IEEE, KEYS_AS_ROWS, MAX_SKIPS_NAN,
-                                   pages, PAGES_EARLY, ONE_LOOP, SCORE_EVICT)
+                                   pages, PAGES_EARLY, ONE_LOOP)
     if WAIT_AT_END:
         # launched as a programmatic dependent of the request launch (the two write disjoint
         # rows, so nothing here waits for it), this launch ends only after that one has: a
