@@ -26,6 +26,16 @@ def geomean(xs):
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
+def _ratio_summary(rows):
+    """Per model: geomean, worst and best of ours/FlashInfer, and how many shapes are <= 1."""
+    for m in dict.fromkeys(r["model"] for r in rows):
+        sub = [r["ratio"] for r in rows if r["model"] == m and r.get("ratio")]
+        if sub:
+            print(f"\ngeomean ours/FlashInfer device time, {m}: {geomean(sub):.3f} over "
+                  f"{len(sub)} shapes; worst {max(sub):.2f}, best {min(sub):.2f}; "
+                  f"<= 1.00 on {sum(x <= 1.0 for x in sub)}")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("bench")
@@ -49,11 +59,7 @@ def main():
                   f"{_f(r['us'])} | {_f(r['call_us'])} | {_f(r['tbs'], 2)} | {_f(pct, 0)} | "
                   f"{_f(r.get('fi_us'))} | {_f(r.get('fi_call_us'), 0)} | "
                   f"{_f(r.get('ratio'), 2)} | {_f(r.get('same_rows'), 3)} |")
-        for m in ("m3-tp1", "m3-tp4"):
-            sub = [r.get("ratio") for r in dec if r["model"] == m and r.get("ratio")]
-            if sub:
-                print(f"\ngeomean ours/FlashInfer device time, {m}: {geomean(sub):.3f} over "
-                      f"{len(sub)} shapes; worst {max(sub):.2f}, best {min(sub):.2f}")
+        _ratio_summary(dec)
         print()
     pre = [r for r in rows if r["section"] == "indexer-prefill"]
     if pre:
@@ -79,6 +85,7 @@ def main():
                   f"{_f(r['call_us'])} | {_f(r['tbs'], 2)} | {_f(pct, 0)} | "
                   f"{_f(r.get('fi_us'))} | {_f(r.get('fi_call_us'), 0)} | "
                   f"{_f(r.get('ratio'), 2)} | {_f(r.get('dense_us'), 0)} |")
+        _ratio_summary(att)
         print()
     ap = [r for r in rows if r["section"] == "attention-prefill"]
     if ap:

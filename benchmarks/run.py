@@ -400,10 +400,15 @@ def _attention_step(model, batch, context, q_len, dname, seed=0, shared=1, jitte
     return q, packed, idx, cu, seq, table
 
 
+def _models(grid):
+    """(name, config) of the models a section's grid names."""
+    return [(name, shapes.MODELS[name]) for name in grid["models"]]
+
+
 def attention_decode(args, fi):
     grid = shapes.ATTENTION_DECODE
     context = grid["context"]
-    for model_name, model in shapes.MODELS.items():
+    for model_name, model in _models(grid):
         for dname in grid["dtypes"]:
             for batch in grid["batches"]:
                 for q_len in grid["q_lens"]:
@@ -473,7 +478,7 @@ def attention_prefill(args, fi):
     from openmsa.ops.attention import api as attention_api
     grid = shapes.ATTENTION_PREFILL
     chunk = grid["chunk"]
-    for model_name, model in shapes.MODELS.items():
+    for model_name, model in _models(grid):
         for dname in grid["dtypes"]:
             for context, (label, shared, jitter) in itertools.product(grid["contexts"],
                                                                        PREFILL_SELECTIONS):
@@ -668,7 +673,7 @@ def _layer_row(section, model_name, model, dname, batch, context, q_len, args, d
 def layer_decode(args, fi):
     grid = shapes.LAYER_DECODE
     dense_cache: dict = {}
-    for model_name, model in shapes.MODELS.items():
+    for model_name, model in _models(grid):
         for context, batch in itertools.product(grid["contexts"], grid["batches"]):
             for dname in grid["dtypes"]:  # bf16 first: its dense time serves the fp8 row
                 _layer_row("layer-decode", model_name, model, dname, batch, context, 1, args,
@@ -678,7 +683,7 @@ def layer_decode(args, fi):
 def layer_prefill(args, fi):
     grid = shapes.LAYER_PREFILL
     dense_cache: dict = {}
-    for model_name, model in shapes.MODELS.items():
+    for model_name, model in _models(grid):
         for context in grid["contexts"]:
             for dname in grid["dtypes"]:
                 _layer_row("layer-prefill", model_name, model, dname, 1, context + grid["chunk"],

@@ -2,12 +2,17 @@
 """Named benchmark shapes, taken from MiniMax-M3's configuration (MSA-SPEC.md) and the issues'
 grids. Scripts read these; nothing else hard-codes a shape."""
 
+from dataclasses import replace
+
 from openmsa import MSAConfig
 
 M3 = MSAConfig()
 MODELS = {
     "m3-tp1": M3,           # 64 q / 4 kv / 4 index heads per rank
     "m3-tp4": M3.shard(4),  # 16 q / 1 kv / 1 index head per rank
+    # 8 ranks share 4 KV heads: each rank holds 8 q heads and a copy of its group's KV head and
+    # index head (the usual replication beyond TP = KV heads); shard(8) refuses that on purpose
+    "m3-tp8": replace(M3, num_heads=8, num_kv_heads=1, num_index_heads=1),
 }
 
 K = 1024
@@ -16,9 +21,12 @@ INDEXER_DECODE = dict(batches=(1, 8, 32, 64, 128), contexts=(32 * K, 128 * K, 10
 # prefill chunks of 8192 tokens after 0, 120K and ~1M (1M - 8K, so the request ends at 1M)
 INDEXER_PREFILL = dict(chunk=8192, contexts=(0, 120 * K, 1024 * K - 8192), dtypes=("fp8", "bf16"))
 ATTENTION_DECODE = dict(batches=(1, 8, 64, 128), context=64 * K, q_lens=(1, 4),
-                        dtypes=("bf16", "fp8"))
-ATTENTION_PREFILL = dict(chunk=8192, contexts=(8 * K, 128 * K), dtypes=("bf16", "fp8"))
+                        dtypes=("bf16", "fp8"), models=("m3-tp1", "m3-tp4", "m3-tp8"))
+ATTENTION_PREFILL = dict(chunk=8192, contexts=(8 * K, 128 * K), dtypes=("bf16", "fp8"),
+                         models=("m3-tp1", "m3-tp4"))
 # the attention part of one sparse layer (fused preparation + indexer + sparse attention) against
 # the same layer with dense attention; prefill: one chunk of 8192 tokens after the context
-LAYER_DECODE = dict(batches=(1, 32), contexts=(128 * K, 1024 * K), dtypes=("bf16", "fp8"))
-LAYER_PREFILL = dict(chunk=8192, contexts=(120 * K, 1024 * K - 8192), dtypes=("bf16", "fp8"))
+LAYER_DECODE = dict(batches=(1, 32), contexts=(128 * K, 1024 * K), dtypes=("bf16", "fp8"),
+                    models=("m3-tp1", "m3-tp4"))
+LAYER_PREFILL = dict(chunk=8192, contexts=(120 * K, 1024 * K - 8192), dtypes=("bf16", "fp8"),
+                     models=("m3-tp1", "m3-tp4"))

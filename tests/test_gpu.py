@@ -150,7 +150,8 @@ def _m3_attention_case(kv_dtype, num_heads=64, num_kv_heads=4, context=65536, q_
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8])
-@pytest.mark.parametrize("heads", [(64, 4), (16, 1)])
+# (q heads, KV heads) of an M3 rank at TP1, TP4 and TP8 (a KV head replicated on 2 ranks)
+@pytest.mark.parametrize("heads", [(64, 4), (16, 1), (8, 1)])
 def test_attention_m3_shapes(kv_dtype, heads):
     step, q, k, v, idx = _m3_attention_case(kv_dtype, *heads)
     want, want_lse = ref.sparse_attention(q, k, v, idx, step.cu_seqlens_q, step.seq_lens,
@@ -166,7 +167,7 @@ def test_attention_m3_shapes(kv_dtype, heads):
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8])
-@pytest.mark.parametrize("heads", [(64, 4), (16, 1)])
+@pytest.mark.parametrize("heads", [(64, 4), (16, 1), (8, 1)])
 def test_attention_prefill_tiles_m3(kv_dtype, heads, monkeypatch):
     """A 2100-token chunk next to decode rows: every other run of 4 tokens shares one selection
     (tiles the union kernel takes), the others keep their own (left to the per-token kernel)."""
