@@ -169,12 +169,14 @@ def test_attention_m3_shapes(kv_dtype, heads):
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8])
 @pytest.mark.parametrize("heads", [(64, 4), (16, 1), (8, 1)])
 def test_attention_prefill_tiles_m3(kv_dtype, heads, monkeypatch):
-    """A 2100-token chunk next to decode rows: every other run of 4 tokens shares one selection
-    (tiles the union kernel takes), the others keep their own (left to the per-token kernel)."""
-    from openmsa.ops.attention import prefill
+    """A 2100-token chunk next to decode rows: every other run of a tile's length shares one
+    selection (tiles the union kernel takes), the others keep their own (left to the per-token
+    kernel). A tile holds tile_rows // G tokens: 4 at G = 16, 8 at G = 8."""
+    from openmsa.ops.attention import api, prefill
     step, q, k, v, idx = _m3_attention_case(kv_dtype, *heads, context=11_000,
                                             q_lens=(3, 2100, 1))
-    shared = idx[3:3 + 2096].view(-1, 4, *idx.shape[1:])
+    run = api.TUNING["tile_rows"] // (heads[0] // heads[1])
+    shared = idx[3:3 + 2096].view(-1, run, *idx.shape[1:])
     shared[::2] = shared[::2, :1].clone()
     flags = []
     monkeypatch.setattr(prefill, "_tile_plan_kernel",
