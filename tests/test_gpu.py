@@ -176,7 +176,10 @@ def test_attention_prefill_tiles_m3(kv_dtype, heads, monkeypatch):
     step, q, k, v, idx = _m3_attention_case(kv_dtype, *heads, context=11_000,
                                             q_lens=(3, 2100, 1))
     run = api.TUNING["tile_rows"] // (heads[0] // heads[1])
-    shared = idx[3:3 + 2096].view(-1, run, *idx.shape[1:])
+    # runs aligned with the tiles (packed tokens [i * run, (i + 1) * run)); the chunk's tokens
+    # are 3 .. 2102
+    first = -(-3 // run) * run
+    shared = idx[first:first + (2103 - first) // run * run].view(-1, run, *idx.shape[1:])
     shared[::2] = shared[::2, :1].clone()
     flags = []
     monkeypatch.setattr(prefill, "_tile_plan_kernel",
