@@ -196,7 +196,8 @@ def _indexer(args, only):
             ("fp8", 8, 131072, 1, 4), ("bf16", 8, 131072, 4, 4), ("bf16", 1, 1 << 20, 1, 4),
             # rows on the selection's search path (>= 2 waves of selection programs)
             ("fp8", 64, 131072, 4, 4), ("fp8", 8, 1 << 20, 4, 4), ("fp8", 128, 131072, 1, 4),
-            ("bf16", 32, 131072, 4, 4)):
+            ("bf16", 32, 131072, 4, 4), ("fp8", 32, 1 << 20, 4, 4), ("fp8", 128, 1 << 20, 1, 4),
+            ("fp8", 64, 1 << 20, 4, 4), ("fp8", 128, 1 << 20, 4, 4)):
         q, cache, cu, seq, table = run._index_step(batch, ctx, q_len, heads, run.DTYPES[dname])
         cases.append((f"dec {dname} B{batch} L{ctx // 1024}K q{q_len} H{heads}",
                       (lambda q=q, cache=cache, cu=cu, seq=seq, table=table, q_len=q_len:

@@ -124,6 +124,7 @@ def test_selection_scratch_path(kernel_device, topk, init, chunk, segment, monke
     (TUNING select_chunk), the overflow's search included."""
     monkeypatch.setitem(indexer_api.TUNING, "select_sort_waves", 0)
     monkeypatch.setitem(indexer_api.TUNING, "select_chunk", chunk)
+    monkeypatch.setitem(indexer_api.TUNING, "select_chunk_min_waves", 0)  # a small launch
     if segment is not None:
         monkeypatch.setitem(indexer_api.TUNING, "select_segment", segment)
     g = torch.Generator().manual_seed(topk)

@@ -35,7 +35,7 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               decode_split_major=False, tile_quick_exit=True, tile_overlap=False,
               prefill_reverse_tiles=True, prefill_reverse_splits=False,
               prefill_split_major=False, select_chunk=128,
-              use_max_q_len=True, select_segment_fill=True)
+              use_max_q_len=True, select_segment_fill=True, select_chunk_min_waves=16)
 # decode_pages_early: the decode launch loads its split's page ids before (not after) cu_seqlens_q
 # and seq_lens, one memory latency less before the first key load; decode_one_loop: one
 # causal-masked loop over the split (the mask costs little on 16 rows) instead of an unmasked
@@ -60,7 +60,11 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
 # offline 157 -> 56 registers at 1024 blocks per one-warp program (12 -> 32 programs per SM);
 # tune.py (4b1998d, 1feac0c): selection of an 8K chunk after 120K 184 -> 169 µs and
 # 189 -> 172, after 1M 1520 -> 1442 and 1452 -> 1343 (less than the occupancy promised: the
-# selection is not bound by the number of programs per SM alone)
+# selection is not bound by the number of programs per SM alone). select_chunk_min_waves: only
+# launches of at least this many programs per SM chunk; a decode step's 1024-2048 programs
+# fit at once unchunked, and there the chunks' serial loads cost (tune.py, 41c760d: TP1 fp8
+# B = 64 128K q_len 4 263.2 -> 259.2 µs without chunks, 1M B = 8 q_len 4 268.1 -> 264.9, bf16
+# B = 32 128K q_len 4 259.1 -> 255.1, B = 128 32K q_len 4 135.2 -> 133.5)
 # select_segment: blocks of a score row per selection program (a 1M-token row of 8192 blocks
 # takes 8, merged by a second launch). select_segment_fill: on the sort path, 256- or 512-block
 # segments while the program count stays under the sort path's limit (few long rows: TP4
@@ -259,7 +263,9 @@ def _select_plan(num_tokens, num_heads, max_blocks, topk, init_blocks, local_blo
     groups = max(64, 2 * kp)
     # the scratch path read in chunks of select_chunk blocks (0: the whole segment at once);
     # a chunk must hold whole groups, and at least a group per chunk of the NG
-    chunk = TUNING["select_chunk"] if cap else 0
+    programs = num_tokens * num_heads * num_segments
+    wide = programs >= TUNING["select_chunk_min_waves"] * _programs_per_wave(device)
+    chunk = TUNING["select_chunk"] if cap and wide else 0
     if chunk and (seg % chunk or chunk % (seg // groups) or seg // chunk > groups
                   or chunk >= seg):
         chunk = 0
