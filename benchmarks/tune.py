@@ -137,7 +137,7 @@ def _attention_fp8(args):
                            dict(fp8_f16_compute=False)])
     print("attention fp8 variants:", variants)
     cases = []
-    for model_name in ("m3-tp1", "m3-tp4"):
+    for model_name in ("m3-tp1", "m3-tp4", "m3-tp8"):
         m = shapes.MODELS[model_name]
         for dname, batch, q_len, ctx in (
                 ("fp8", 1, 1, 65536), ("fp8", 8, 1, 65536), ("fp8", 1, 4, 65536),

@@ -90,7 +90,7 @@ def test_attention_kernels(kv_type, splits, sub):
                   F16_COMPUTE=kv_type == "*fp8e4nv", FUSED_MERGE=splits > 1,
                   TILE_QT=4 if splits == 1 else 0, V_PAIRS=kv_type == "*fp8e4nv", PTX=True,
                   GUESS=True, SP=1 << (splits - 1).bit_length(), PDL=splits > 1,
-                  STORE_LSE=splits == 1))
+                  STORE_LSE=splits == 1, LAZY_SUM=splits > 1))
     _compile(_tile_plan_kernel, dict(idx_ptr=I32, blocks_ptr=I32, union_ptr=I32, **STEP),
              dict(waste="fp32"), dict(NUM_KV_HEADS=4, NUM_INDEX_HEADS=4, QT=4, BLOCK=128,
                                       TOPK=16, KP=16))

@@ -56,6 +56,15 @@ __all__ = ["sparse_attention", "sparse_page_table"]
 # instead of 8 and a merge launch: TP1 fp8 q_len 1 13.1 -> 12.4 µs, TP4 q_len 4 13.1 -> 12.4
 # (graph call 15.0 -> 13.2). The fused merge loads every split's LSE at once (one [M, SP]
 # load); measured alone it did not move the 8/16-split choice (fused_max_splits 8 or 16).
+# lazy_row_sum: fp8 K/V sum the softmax denominator elementwise over a [M, SUB] tile and reduce
+# it once after the loop (decode.py, LAZY_SUM): a step's keys lie across the warps, so each
+# step's row sum was a shared-memory round trip with barriers (8 -> 5 barriers and 753 -> 723
+# instructions per warp per 128-key step, `resources.py --sass`). lazy_sum_maxnreg: the
+# register cap that keeps prefill steps' 128-key programs at 3 per SM (see _plan). Measured
+# (tune.py --only attention-fp8, one call, lazy sum off -> on without the cap): TP1 B = 8
+# 12.2 -> 11.6 µs, B = 128 q_len 4 257.0 -> 253.3, TP4 B = 8 q_len 4 12.3 -> 11.8, TP8 B = 64
+# 15.9 -> 15.2; an 8K chunk on the per-token kernel (independent selections) 3474 -> 3418,
+# and 3033 with the cap.
 TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident=4,
               rounds_stages_16=2,
               min_steps_per_split=2, warps=4, stages=3, small_pairs=8, small_sub=64,
@@ -63,7 +72,7 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
               merge_launch_min_fill=0.75,
               prefill_min_tokens=2048, prefill_sub=64, prefill_sub_fp8=128, prefill_warps=4,
               prefill_stages=2, fp8_f16_compute=True, fp8_v_pairs=True, request_guess=True,
-              pdl=True,
+              pdl=True, lazy_row_sum=True, lazy_sum_maxnreg=168,
               tile=True, tile_rows=64, tile_waste=2.0, tile_sub=64, tile_stages=2,
               tile_sub_fp8=128, tile_stages_fp8=2, tile_warps=4, tile_lazy_mask=True,
               tile_persistent=False, tile_persistent_fp8=True, tile_resident=2,
@@ -295,6 +304,8 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
     ieee = q.dtype == torch.float32
     f16_compute = k_cache.dtype == FP8 and not ieee and TUNING["fp8_f16_compute"]
     v_pairs = f16_compute and TUNING["fp8_v_pairs"] and _reads_as_pairs(v_cache)
+    # (fp8 only: on 16-bit K/V it measured 0.2-0.7 µs slower at TP4/TP8 B = 64-128)
+    lazy_sum = f16_compute and TUNING["lazy_row_sum"]
     # a prefill step's grid fills the GPU without splits; with tiles it takes none (a token the
     # tile kernel did is skipped by every split program, so nothing would merge its partials)
     splits = 1 if tile_qt > 1 else _num_splits(
@@ -351,7 +362,17 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
         KP=plan.kp, SUB=sub, STEPS=steps_per_split, SPLITS=splits, IEEE=ieee,
         F16_COMPUTE=f16_compute, FUSED_MERGE=fused, TILE_QT=plan.tile_qt, V_PAIRS=v_pairs,
         PTX=device.type == "cuda", GUESS=TUNING["request_guess"], SP=_next_pow2(splits),
-        PDL=pdl, STORE_LSE=plan.store_lse, num_warps=warps, num_stages=stages)
+        PDL=pdl, STORE_LSE=plan.store_lse, LAZY_SUM=lazy_sum, num_warps=warps,
+        num_stages=stages)
+    if (lazy_sum and prefill and TUNING["lazy_sum_maxnreg"] and device.type == "cuda"
+            and v_pairs and group_pad <= 16 and sub == 128 and warps == 4):
+        # the elementwise sum's [16, SUB] tile took fp8's 128-key, 4-warp program from 168 to
+        # 178 registers (3 -> 2 programs per SM); under a cap of 168 ptxas fits it without
+        # spills, which a prefill step's many rounds of programs need. Not on decode steps
+        # (one round, packed for 2 per SM: the cap cost B = 8 0.5-0.8 µs), nor on 64-key
+        # steps, where the cap makes ptxas take more (107 -> 128 registers on 4 warps, 75 ->
+        # 118 on 8: 3 -> 2 programs per SM; `resources.py` with MAXNREG)
+        plan.kwargs["maxnreg"] = TUNING["lazy_sum_maxnreg"]
     plan.merge_kwargs = dict(NUM_HEADS=num_heads, D=head_dim, SPLITS=splits,
                              SP=_next_pow2(splits), PDL=pdl, STORE_LSE=plan.store_lse,
                              num_warps=4, launch_pdl=pdl)

@@ -45,7 +45,8 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
                              F16_COMPUTE: tl.constexpr, FUSED_MERGE: tl.constexpr,
                              TILE_QT: tl.constexpr, V_PAIRS: tl.constexpr, PTX: tl.constexpr,
                              GUESS: tl.constexpr, SP: tl.constexpr = 1,
-                             PDL: tl.constexpr = False, STORE_LSE: tl.constexpr = True):
+                             PDL: tl.constexpr = False, STORE_LSE: tl.constexpr = True,
+                             LAZY_SUM: tl.constexpr = False):
     if PDL:
         # the merge launch may start now (programmatic dependent launch); it waits for this
         # launch to finish before it reads a partial
@@ -109,6 +110,11 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
         qk_scale = qk_scale * tl.load(k_scale_ptr)
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
+    if LAZY_SUM:
+        # the softmax denominator summed elementwise, reduced over the keys once after the
+        # loop: a step's keys are spread over the warps, so a per-step row sum is a round
+        # trip through shared memory with two barriers (the row max still needs one)
+        l_acc = tl.zeros([M, SUB], tl.float32)
     # fp8 V is the second operand of P @ V with keys as the reduction axis: the matrix unit
     # wants two consecutive keys of one column per register, Hopper's ldmatrix only transposes
     # 16-bit elements, so a plain fp8 tile is gathered byte by byte (128 one-byte shared loads
@@ -155,7 +161,10 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - shift[:, None])
         alpha = tl.exp2(m_i - shift)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if LAZY_SUM:
+            l_acc = l_acc * alpha[:, None] + p
+        else:
+            l_i = l_i * alpha + tl.sum(p, axis=1)
         if V_PAIRS:
             p16 = p.to(tl.float16)
             acc_e = acc_e * alpha[:, None] + tl.dot(p16, v_e)
@@ -167,6 +176,8 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
                 pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
             acc = acc * alpha[:, None] + pv
         m_i = m_new
+    if LAZY_SUM:
+        l_i = tl.sum(l_acc, axis=1)
     if V_PAIRS:
         acc = tl.join(acc_e, acc_o).reshape(M, D)
     if HAS_SCALE:
