@@ -108,6 +108,10 @@ def _attention_args():
     (dict(k_scale=float("-inf")), ValueError, "k_scale must be a finite nonzero"),
     (dict(out=torch.zeros(3, 8, D)), TypeError, "out must have dtype"),
     (dict(seq_lens=_i32([[40, 0], [20, 0]])[:, 0]), ValueError, "seq_lens must be contiguous"),
+    # a view whose keys lie 2^28 elements apart (no storage: no pages)
+    (dict(k_cache=torch.empty(0).half().as_strided((0, B, 2, D), (1, 2 ** 28, D, 1)),
+          v_cache=torch.empty(0).half().as_strided((0, B, 2, D), (1, 2 ** 28, D, 1))),
+     ValueError, "k_cache's block and head_dim strides must span fewer than 2"),
 ])
 def test_attention_bad_inputs(change, exc, match):
     args, change = _attention_args(), dict(change)

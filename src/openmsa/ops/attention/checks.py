@@ -27,6 +27,11 @@ def check_attention_args(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, b
     if bs != block_size or d != head_dim:
         raise ValueError(f"k_cache/v_cache must be [pages, block_size={block_size}, kv_heads, "
                          f"head_dim={head_dim}], got {tuple(k_cache.shape)}")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        # the kernels add a page's key and column offsets in 32 bits to the page's address
+        if (bs - 1) * cache.stride(1) + (d - 1) * cache.stride(3) >= 2 ** 31:
+            raise ValueError(f"{name}'s block and head_dim strides must span fewer than 2^31 "
+                             f"elements within a page, got strides {tuple(cache.stride())}")
     if num_kv_heads < 1 or num_heads % num_kv_heads:
         raise ValueError(f"q's heads ({num_heads}) must be a multiple of the caches' KV heads "
                          f"({num_kv_heads})")

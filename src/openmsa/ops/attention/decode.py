@@ -141,16 +141,21 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
         # keys after the token (its own block's tail, possibly never written) are masked, and
         # their V rows zeroed so an unwritten NaN cannot reach the sum
         vis = ok & (key_pos <= pos)  # [SUB]
-        k = tl.load(k_ptr + page * stride_kp + key_off[:, None] * stride_kb + g * stride_kh
-                    + d[None, :] * stride_kd, mask=vis[:, None], other=0.0)  # [SUB, D]
+        # the page's address as one scalar, then 32-bit offsets inside it: one 64-bit add per
+        # address instead of 64-bit products and sums per term (checks.py bounds the offsets)
+        k = tl.load(k_ptr + (page * stride_kp + g * stride_kh)
+                    + (key_off[:, None] * stride_kb + d[None, :] * stride_kd),
+                    mask=vis[:, None], other=0.0)  # [SUB, D]
         if V_PAIRS:
-            v2 = tl.load(v16_ptr + (page * stride_vp + key_off[:, None] * stride_vb
-                                    + g * stride_vh) // 2 + dh[None, :],
+            # (every stride even: api.py's _reads_as_pairs)
+            v2 = tl.load(v16_ptr + (page * stride_vp + g * stride_vh) // 2
+                         + (key_off[:, None] * (stride_vb // 2) + dh[None, :]),
                          mask=vis[:, None], other=0)  # [SUB, D/2]: bytes d = 2j, 2j+1
             v_e, v_o = split_e4m3_pairs(v2, PTX)  # [SUB, D/2] each: V[:, 0::2], V[:, 1::2]
         else:
-            v = tl.load(v_ptr + page * stride_vp + key_off[:, None] * stride_vb + g * stride_vh
-                        + d[None, :] * stride_vd, mask=vis[:, None], other=0.0)  # [SUB, D]
+            v = tl.load(v_ptr + (page * stride_vp + g * stride_vh)
+                        + (key_off[:, None] * stride_vb + d[None, :] * stride_vd),
+                        mask=vis[:, None], other=0.0)  # [SUB, D]
         if IEEE:
             s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
         else:

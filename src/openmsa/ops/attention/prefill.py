@@ -219,10 +219,15 @@ def _attend_tile(q_ptr, k_ptr, v_ptr, cu_ptr, seq_lens_ptr, out_ptr, lse_ptr, un
         # keys past every row's cut are not read
         loaded = key_off <= max_cut
         p64 = page.to(tl.int64)
-        k = tl.load(k_ptr + p64 * stride_kp + key_off[:, None] * stride_kb + g * stride_kh
-                    + d[None, :] * stride_kd, mask=loaded[:, None], other=0.0)  # [SUB, D]
-        v = tl.load(v_ptr + p64 * stride_vp + key_off[:, None] * stride_vb + g * stride_vh
-                    + d[None, :] * stride_vd, mask=loaded[:, None], other=0.0)  # [SUB, D]
+        # the page's address as one scalar, then 32-bit offsets inside it: one 64-bit add per
+        # address instead of 64-bit products and sums per term (604 -> 538 instructions per
+        # warp per bf16 step, 190 -> 172 registers; checks.py bounds the offsets)
+        k = tl.load(k_ptr + (p64 * stride_kp + g * stride_kh)
+                    + (key_off[:, None] * stride_kb + d[None, :] * stride_kd),
+                    mask=loaded[:, None], other=0.0)  # [SUB, D]
+        v = tl.load(v_ptr + (p64 * stride_vp + g * stride_vh)
+                    + (key_off[:, None] * stride_vb + d[None, :] * stride_vd),
+                    mask=loaded[:, None], other=0.0)  # [SUB, D]
         if IEEE:
             s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
         else:
