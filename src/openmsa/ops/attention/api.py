@@ -369,11 +369,12 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
             and v_pairs and group_pad <= 16 and sub == 128 and warps == 4):
         # the elementwise sum's [16, SUB] tile took fp8's 128-key, 4-warp program from 168 to
         # 178 registers (3 -> 2 programs per SM); under a cap of 168 ptxas fits it without
-        # spills, which a prefill step's many rounds of programs need (180 uncapped at 07bb7bb,
-        # 168 and no spills under the cap: resources.py with LAZY_SUM=1 and MAXNREG=168). Not on decode steps
-        # (one round, packed for 2 per SM: the cap cost B = 8 0.5-0.8 µs), nor on 64-key
-        # steps, where the cap makes ptxas take more (107 -> 128 registers on 4 warps, 75 ->
-        # 118 on 8: 3 -> 2 programs per SM; `resources.py` with MAXNREG)
+        # spills, which a prefill step's many rounds of programs need (180 uncapped at
+        # 07bb7bb, 168 and no spills under the cap: resources.py with LAZY_SUM=1 and
+        # MAXNREG=168). Not on decode steps (one round, packed for 2 per SM: with the cap
+        # B = 8 measured 1.2-1.4 µs slower), nor on 64-key steps, where the cap makes ptxas
+        # take more (107 -> 128 registers on 4 warps, 75 -> 118 on 8: 3 -> 2 programs per SM;
+        # `resources.py` with MAXNREG)
         plan.kwargs["maxnreg"] = TUNING["lazy_sum_maxnreg"]
     plan.merge_kwargs = dict(NUM_HEADS=num_heads, D=head_dim, SPLITS=splits,
                              SP=_next_pow2(splits), PDL=pdl, STORE_LSE=plan.store_lse,
