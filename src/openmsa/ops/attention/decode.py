@@ -53,6 +53,8 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
         gdc_launch_dependents()
     t = tl.program_id(0)
     g = tl.program_id(1)
+    # (64-bit: a head-major cache view can put the head offset past 2^31 elements)
+    g64 = g.to(tl.int64)
     split = tl.program_id(2)
     if TILE_QT > 0:
         # prefill.py's plan gave this token's tile to the tile kernel (a union size >= 0, not
@@ -147,17 +149,17 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
         vis = ok & (key_pos <= pos)  # [SUB]
         # the page's address as one scalar, then 32-bit offsets inside it: one 64-bit add per
         # address instead of 64-bit products and sums per term (checks.py bounds the offsets)
-        k = tl.load(k_ptr + (page * stride_kp + g * stride_kh)
+        k = tl.load(k_ptr + (page * stride_kp + g64 * stride_kh)
                     + (key_off[:, None] * stride_kb + d[None, :] * stride_kd),
                     mask=vis[:, None], other=0.0)  # [SUB, D]
         if V_PAIRS:
             # (every stride even: api.py's _reads_as_pairs)
-            v2 = tl.load(v16_ptr + (page * stride_vp + g * stride_vh) // 2
+            v2 = tl.load(v16_ptr + (page * stride_vp + g64 * stride_vh) // 2
                          + (key_off[:, None] * (stride_vb // 2) + dh[None, :]),
                          mask=vis[:, None], other=0)  # [SUB, D/2]: bytes d = 2j, 2j+1
             v_e, v_o = split_e4m3_pairs(v2, PTX)  # [SUB, D/2] each: V[:, 0::2], V[:, 1::2]
         else:
-            v = tl.load(v_ptr + (page * stride_vp + g * stride_vh)
+            v = tl.load(v_ptr + (page * stride_vp + g64 * stride_vh)
                         + (key_off[:, None] * stride_vb + d[None, :] * stride_vd),
                         mask=vis[:, None], other=0.0)  # [SUB, D]
         if IEEE:

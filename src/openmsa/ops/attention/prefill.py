@@ -167,6 +167,8 @@ def _attend_tile(q_ptr, k_ptr, v_ptr, cu_ptr, seq_lens_ptr, out_ptr, lse_ptr, un
                  N: tl.constexpr, PARTS: tl.constexpr):
     tile = item // NUM_KV_HEADS
     g = item % NUM_KV_HEADS
+    # (64-bit: a head-major cache view can put the head offset past 2^31 elements)
+    g64 = g.to(tl.int64)
     t0 = tile * QT
     _, first_pos, _ = _tile_first_position(cu_ptr, seq_lens_ptr, num_requests, t0, QT)
     union_row = union_ptr + tl.cast(item, tl.int64) * (3 * N)
@@ -222,10 +224,10 @@ def _attend_tile(q_ptr, k_ptr, v_ptr, cu_ptr, seq_lens_ptr, out_ptr, lse_ptr, un
         # the page's address as one scalar, then 32-bit offsets inside it: one 64-bit add per
         # address instead of 64-bit products and sums per term (604 -> 538 instructions per
         # warp per bf16 step, 190 -> 172 registers; checks.py bounds the offsets)
-        k = tl.load(k_ptr + (p64 * stride_kp + g * stride_kh)
+        k = tl.load(k_ptr + (p64 * stride_kp + g64 * stride_kh)
                     + (key_off[:, None] * stride_kb + d[None, :] * stride_kd),
                     mask=loaded[:, None], other=0.0)  # [SUB, D]
-        v = tl.load(v_ptr + (p64 * stride_vp + g * stride_vh)
+        v = tl.load(v_ptr + (p64 * stride_vp + g64 * stride_vh)
                     + (key_off[:, None] * stride_vb + d[None, :] * stride_vd),
                     mask=loaded[:, None], other=0.0)  # [SUB, D]
         if IEEE:
