@@ -35,8 +35,7 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               decode_split_major=False, tile_quick_exit=True, tile_overlap=False,
               prefill_reverse_tiles=True, prefill_reverse_splits=False,
               prefill_split_major=False, select_chunk=128,
-              use_max_q_len=True, select_segment_fill=True, select_chunk_min_waves=16,
-              prefill_maxnreg_fp8=0)
+              use_max_q_len=True, select_segment_fill=True, select_chunk_min_waves=16)
 # decode_pages_early: the decode launch loads its split's page ids before (not after) cu_seqlens_q
 # and seq_lens, one memory latency less before the first key load; decode_one_loop: one
 # causal-masked loop over the split (the mask costs little on 16 rows) instead of an unmasked
@@ -73,10 +72,6 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
 # q_len 4 71.6 -> 69.2, fp8 1M B = 1 40.1 -> 39.6; TP4 B = 32 128K 127.9 -> 128.8, the rest
 # within 0.6 µs. (Launching the search path early after a decode step's one-wave scoring
 # launch, tried beside it, cost B = 128 32K q_len 4 131.8 -> 135.2 and was removed.)
-# prefill_maxnreg_fp8: a register cap (ptxas maxnreg) for the fp8 tile launch, 0 for none; at
-# 168 with 16 blocks per split a 128-row tile holds 3 programs per SM instead of 2
-# (`resources.py --sass index:fp8,128,16,3,4`, MAXNREG=168: 68 bytes of spills, none in the
-# unmasked loop)
 # pdl: the selection and merge launches are programmatic dependent launches (CUDA only): each
 # starts while its predecessor runs and waits (griddepcontrol.wait) before reading its output,
 # which hides a launch's latency on the small decode steps: graph-replayed call time at B = 1
@@ -184,8 +179,6 @@ def _scores_plan(index_q, index_cache, num_requests: int, max_blocks: int, block
         QUICK_EXIT=TUNING["tile_quick_exit"], WAIT_AT_END=overlap, launch_pdl=overlap,
         num_warps=TUNING["prefill_warps_fp8" if fp8 else "prefill_warps"],
         num_stages=TUNING["prefill_stages_fp8" if fp8 else "prefill_stages"])))
-    if fp8 and TUNING["prefill_maxnreg_fp8"] and index_q.device.type == "cuda":
-        launches[-1][2]["maxnreg"] = TUNING["prefill_maxnreg_fp8"]
     return launches
 
 
