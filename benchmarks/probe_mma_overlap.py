@@ -136,6 +136,76 @@ def _gluon_block_max(q_desc, k_desc, out_ptr, num_blocks, BPS: gl.constexpr,
     mbarrier.invalidate(q_bar)
 
 
+@gluon.jit
+def _ws_consumer(q_smem, k_smem, ready, empty, out_ptr, part, row0, b_lo, n, num_rows,
+                 STAGES: gl.constexpr):
+    WR: gl.constexpr = q_smem.shape[1]
+    KB: gl.constexpr = k_smem.shape[1]
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, KB, 32])
+    q_i = q_smem.index(part)
+    zero = gl.zeros([WR, KB], gl.float32, layout=mma)
+    rows = row0 + part * WR + gl.arange(0, WR, layout=gl.SliceLayout(1, mma))
+    # scores block-major: [blocks, rows], one coalesced row of WR floats per block
+    out = out_ptr + rows
+    for j in range(n):
+        s = j % STAGES
+        mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+        acc = warpgroup_mma(q_i, k_smem.index(s).permute((1, 0)), zero, use_acc=False,
+                            is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(empty.index(s), count=1)
+        gl.store(out + (b_lo + j).to(gl.int64) * num_rows, gl.max(acc, axis=1))
+
+
+@gluon.jit
+def _ws_producer(k_desc, k_smem, ready, empty, b_lo, n, STAGES: gl.constexpr):
+    KB: gl.constexpr = k_desc.block_type.shape[0]
+    for j in range(n):
+        s = j % STAGES
+        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1, pred=j >= STAGES)
+        mbarrier.expect(ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [(b_lo + j) * KB, 0], ready.index(s),
+                                        k_smem.index(s))
+
+
+@gluon.jit
+def _ws_block_max(q_desc, k_desc, out_ptr, num_blocks, num_rows, BPS: gl.constexpr,
+                  STAGES: gl.constexpr, NPART: gl.constexpr, CONS_REGS: gl.constexpr,
+                  num_warps: gl.constexpr):
+    WR: gl.constexpr = q_desc.block_type.shape[0]
+    KB: gl.constexpr = k_desc.block_type.shape[0]
+    D: gl.constexpr = k_desc.block_type.shape[1]
+    pid_m = gl.program_id(0)
+    b_lo = gl.program_id(1) * BPS
+    n = gl.minimum(b_lo + BPS, num_blocks) - b_lo
+    row0 = pid_m * (WR * NPART)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [NPART, WR, D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, KB, D], k_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=NPART)
+    mbarrier.init(q_bar, count=1)
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes * NPART)
+    for p in gl.static_range(NPART):
+        tma.async_copy_global_to_shared(q_desc, [row0 + p * WR, 0], q_bar, q_smem.index(p))
+    mbarrier.wait(q_bar, 0)
+    gl.warp_specialize([
+        (_ws_consumer, (q_smem, k_smem, ready, empty, out_ptr, 0, row0, b_lo, n, num_rows,
+                        STAGES)),
+        (_ws_consumer, (q_smem, k_smem, ready, empty, out_ptr, 1, row0, b_lo, n, num_rows,
+                        STAGES)),
+        (_ws_consumer, (q_smem, k_smem, ready, empty, out_ptr, 2, row0, b_lo, n, num_rows,
+                        STAGES)),
+        (_ws_consumer, (q_smem, k_smem, ready, empty, out_ptr, 3, row0, b_lo, n, num_rows,
+                        STAGES)),
+        (_ws_producer, (k_desc, k_smem, ready, empty, b_lo, n, STAGES)),
+    ], [4, 4, 4, 1], [CONS_REGS, CONS_REGS, CONS_REGS, 24])
+
+
 def run_triton(q, k, out):
     grid = (ROWS // 128, BLOCKS // BPS)
     _triton_block_max[grid](q, k, out, BLOCKS, M=128, KB=KB, D=D, BPS=BPS, num_warps=4,
@@ -155,6 +225,20 @@ def run_gluon(q, k, out, stages, warps=8, rows=128):
                            num_warps=warps)
 
 
+def run_gluon_ws(q, k, out_t, stages, regs=112):
+    """FlashInfer's fp32 production shape (its planner's `wg4st` form): 256 rows per program as
+    four 64-row consumer warpgroups, each waiting for, multiplying and reducing its own keys with
+    no barrier across warpgroups, one TMA producer warp; out_t is [blocks, rows]."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    q_layout = gl.NVMMASharedLayout.get_default_for([64, D], gl.float8e4nv)
+    k_layout = gl.NVMMASharedLayout.get_default_for([KB, D], gl.float8e4nv)
+    q_desc = TensorDescriptor(q, list(q.shape), list(q.stride()), [64, D], q_layout)
+    k_desc = TensorDescriptor(k, list(k.shape), list(k.stride()), [KB, D], k_layout)
+    grid = (ROWS // 256, BLOCKS // BPS)
+    _ws_block_max[grid](q_desc, k_desc, out_t, BLOCKS, ROWS, BPS=BPS, STAGES=stages, NPART=4,
+                        CONS_REGS=regs, num_warps=4)
+
+
 def main_gpu(stage_list):
     import statistics
 
@@ -169,15 +253,19 @@ def main_gpu(stage_list):
     runs += [(f"gluon stages={s}", lambda out, s=s: run_gluon(q, k, out, s)) for s in stage_list]
     runs += [(f"gluon 64 rows s={s}", lambda out, s=s: run_gluon(q, k, out, s, 4, 64))
              for s in stage_list]
-    for name, fn in runs:
-        out = torch.full((ROWS, BLOCKS), float("nan"), device="cuda")
+    runs += [(f"gluon ws s={s}", lambda out, s=s: run_gluon_ws(q, k, out, s), True)
+             for s in stage_list]
+    for name, fn, *transposed in runs:
+        shape = (BLOCKS, ROWS) if transposed else (ROWS, BLOCKS)
+        out = torch.full(shape, float("nan"), device="cuda")
         try:
             fn(out)
             torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001
             print(f"{name:18s} failed: {type(e).__name__}: {e}", flush=True)
             continue
-        err = float((out[:check] - want).abs().max())
+        got = out.T if transposed else out
+        err = float((got[:check] - want).abs().max())
         times = []
         for _ in range(10):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
