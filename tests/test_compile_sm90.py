@@ -61,6 +61,32 @@ def test_block_scores_kernel(tile_mode, q_type, c_type, early):
     assert ("griddepcontrol.wait" in k.asm["ptx"]) == (tile_mode and bool(early))
 
 
+@pytest.mark.parametrize("dtype, heads", [("fp8e4nv", 4), ("fp8e4nv", 1), ("bf16", 4)])
+def test_block_scores_ws_kernel(dtype, heads):
+    # the Gluon tile launch (scores_ws.py) with the knobs api.py passes: warp specialisation,
+    # TMA and wgmma lower for sm_90, and its shared memory fits one program per SM
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from openmsa.ops.indexer.api import TUNING
+    from openmsa.ops.indexer.scores_ws import _block_scores_ws_kernel as fn
+    gdt = gl.float8e4nv if dtype == "fp8e4nv" else gl.bfloat16
+
+    def desc(rows):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, 128], gdt)
+        return f"tensordesc<{dtype}[{rows}, 128],{layout!r}>"
+    constexprs = dict(H=heads, BPS=TUNING["ws_bps"], SMALL_Q=16,
+                      STAGES=TUNING["ws_stages" if dtype == "fp8e4nv" else "ws_stages_16"],
+                      CONSUMER_REGS=TUNING["ws_consumer_regs"], REVERSE_TILES=True, num_warps=4)
+    signature = {n: "constexpr" if n in constexprs else "i32" for n in fn.arg_names}
+    signature.update(q_desc=desc(64), k_desc=desc(128), out_ptr=F32, **STEP)
+    src = GluonASTSource(fn, signature,
+                         {(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    assert "wgmma.mma_async" in k.asm["ptx"] and "setmaxnreg" in k.asm["ptx"]
+    assert k.metadata.shared <= 227 * 1024
+
+
 @pytest.mark.parametrize("by_sort", [False, True])
 def test_selection_kernels(by_sort):
     for single in (False, True):

@@ -100,6 +100,53 @@ def test_prefill_random_floats_threshold(c_dtype):
     assert ok.all()
 
 
+@pytest.mark.parametrize("dtype, heads", [(FP8, 4), (FP8, 1), (FP8, 2),
+                                          (torch.bfloat16, 4)])
+def test_prefill_gluon_tile_launch_exact(dtype, heads, monkeypatch):
+    """The warp-specialised tile launch (scores_ws.py) against the reference and the Triton
+    tile launch, exactly (integer inputs): tiles spanning several requests (long and short),
+    chunks with and without context and partial last blocks, NaN keys (part of a block, a whole
+    page), an unfilled page id, padding tokens, a strided out=, and the Triton fallback for a
+    base address TMA cannot take."""
+    from openmsa.ops.indexer import api
+    monkeypatch.setitem(api.TUNING, "prefill_ws_16", True)
+    calls = []
+    real = api._launch_ws
+    monkeypatch.setattr(api, "_launch_ws", lambda *a: calls.append(1) or real(*a))
+    q_lens = [1, 70, 3, 300, 0, 20, 517, 1, 40]
+    seq_lens = [900, 70, 45, 300 + 1000, 9, 20 + 128 * 3, 517 + 4000, 5, 40 + 127]
+    step = make_step(q_lens, seq_lens, block_size=B, extra_columns=3, pad_tokens=2)
+    q, c = random_index_inputs(step, num_heads=heads, head_dim=128, block_size=B,
+                               q_dtype=dtype, cache_dtype=dtype, integer=True)
+    c[int(step.block_table[3, 1]), 5:40] = float("nan")
+    c[int(step.block_table[3, 4])] = float("nan")
+    c[int(step.block_table[6, 7]), 120:] = float("nan")
+    step.block_table[6, 3] = -1
+    args = (step.cu_seqlens_q, step.seq_lens, step.block_table)
+    d = _cuda(step)
+    dargs = (d.cu_seqlens_q, d.seq_lens, d.block_table)
+    want = ref.block_scores(q, c, *args, block_size=B)
+    qd, cd = q.cuda(), c.cuda()
+    got = openmsa.block_scores(qd, cd, *dargs, block_size=B)
+    assert calls and not want.isnan().any() and torch.equal(got.cpu(), want)
+    out = torch.full((heads, want.shape[0], want.shape[2]), 7.0, device="cuda")
+    openmsa.block_scores(qd, cd, *dargs, block_size=B, out=out.transpose(0, 1))
+    assert torch.equal(out.transpose(0, 1).cpu(), want)
+    sel = ref.select_blocks(q, c, *args, block_size=B)
+    assert torch.equal(openmsa.select_blocks(qd, cd, *dargs, block_size=B).cpu(), sel)
+    monkeypatch.setitem(api.TUNING, "prefill_ws", False)
+    monkeypatch.setitem(api.TUNING, "prefill_ws_16", False)
+    assert torch.equal(openmsa.block_scores(qd, cd, *dargs, block_size=B), got)
+    # a base one element past a 16-byte boundary: the Triton tile launch takes it
+    monkeypatch.setitem(api.TUNING, "prefill_ws", True)
+    monkeypatch.setitem(api.TUNING, "prefill_ws_16", True)
+    calls.clear()
+    shifted = torch.empty(qd.numel() + 1, dtype=qd.dtype, device="cuda")[1:].view(qd.shape)
+    shifted.copy_(qd)
+    assert torch.equal(openmsa.block_scores(shifted, cd, *dargs, block_size=B), got)
+    assert not calls
+
+
 @pytest.mark.parametrize("hint", [None, 4])
 def test_select_deterministic_and_graph_replay(hint):
     """A fixed-shape decode step is captured once and replayed with new lengths and queries;

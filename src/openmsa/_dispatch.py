@@ -57,6 +57,16 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """Compute capability of a CUDA device (cached)."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def num_sms(device: torch.device) -> int:
     """Multiprocessors of a CUDA device (cached: no query per call)."""
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())

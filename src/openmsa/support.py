@@ -8,12 +8,11 @@ slow reference silently.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
 from ._checks import FP8, HALF
-from ._dispatch import INTERPRET
+from ._dispatch import INTERPRET, capability
 from .config import MSAConfig
 
 __all__ = ["unsupported_reason", "indexer_unsupported_reason", "attention_unsupported_reason"]
@@ -25,11 +24,6 @@ INDEX_DIM_RANGE = (16, 256)
 HEAD_DIMS = (64, 128, 256)
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def _device_reason(device, needs_fp8: bool) -> str | None:
     if device is None:
         return None
@@ -39,8 +33,7 @@ def _device_reason(device, needs_fp8: bool) -> str | None:
     if device.type != "cuda":
         return f"openmsa's kernels run on CUDA GPUs (or the CPU through Triton's interpreter), " \
                f"not on {device.type}"
-    major, minor = _capability(device.index if device.index is not None
-                               else torch.cuda.current_device())
+    major, minor = capability(device)
     if (major, minor) < (8, 0):
         return f"openmsa's kernels need compute capability 8.0 or newer, this GPU has " \
                f"{major}.{minor}"

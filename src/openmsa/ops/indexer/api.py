@@ -8,7 +8,7 @@ import torch
 
 from ..._checks import FP8, HALF
 from ..._dispatch import next_pow2 as _next_pow2
-from ..._dispatch import num_sms, on_tensor_device, use_kernels
+from ..._dispatch import capability, num_sms, on_tensor_device, use_kernels
 from ...support import indexer_unsupported_reason
 from ..common.launch import PlanCache, call_key, launch_planned, plan_serials
 from . import reference
@@ -35,7 +35,12 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               decode_split_major=False, tile_quick_exit=True, tile_overlap=False,
               prefill_reverse_tiles=True, prefill_reverse_splits=False,
               prefill_split_major=False, select_chunk=128,
-              use_max_q_len=True, select_segment_fill=True, select_chunk_min_waves=16)
+              use_max_q_len=True, select_segment_fill=True, select_chunk_min_waves=16,
+              prefill_ws=True, prefill_ws_16=False, ws_bps=32, ws_stages=6, ws_stages_16=3,
+              ws_consumer_regs=112)
+# prefill_ws, prefill_ws_16: on Hopper, the tile launch of an fp8 (16-bit) cache is scores_ws.py's
+# warp-specialised Gluon kernel where the layouts allow TMA (_ws_eligible); ws_bps blocks per
+# split, ws_stages key buffers, ws_consumer_regs registers per consumer thread (setmaxnreg)
 # decode_pages_early: the decode launch loads its split's page ids before (not after) cu_seqlens_q
 # and seq_lens, one memory latency less before the first key load; decode_one_loop: one
 # causal-masked loop over the split (the mask costs little on 16 rows) instead of an unmasked
@@ -117,6 +122,12 @@ def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_tabl
             index_q.shape[0], *index_q.stride(), *index_cache.stride(), *block_table.stride(),
             *scores.stride())
     for serial, grid, kwargs in plan:
+        if "GLUON" in kwargs:
+            if index_q.data_ptr() % 16 == 0 and index_cache.data_ptr() % 16 == 0:
+                _launch_ws(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores,
+                           grid, kwargs["GLUON"])
+                continue
+            serial, grid, kwargs = kwargs["FALLBACK"]  # TMA needs 16-byte aligned bases
         launch_planned(_block_scores_kernel, serial, grid, *args, **kwargs)
 
 
@@ -179,7 +190,65 @@ def _scores_plan(index_q, index_cache, num_requests: int, max_blocks: int, block
         QUICK_EXIT=TUNING["tile_quick_exit"], WAIT_AT_END=overlap, launch_pdl=overlap,
         num_warps=TUNING["prefill_warps_fp8" if fp8 else "prefill_warps"],
         num_stages=TUNING["prefill_stages_fp8" if fp8 else "prefill_stages"])))
+    if _ws_eligible(index_q, index_cache, block_size):
+        # the Gluon kernel instead, the Triton launch kept for a base address TMA cannot take
+        from .scores_ws import CONSUMERS, WG_ROWS
+        rows_t = CONSUMERS * WG_ROWS // num_heads
+        bps = TUNING["ws_bps"]
+        gluon = dict(H=num_heads, BPS=bps, SMALL_Q=SMALL_Q,
+                     STAGES=TUNING["ws_stages" if fp8 else "ws_stages_16"],
+                     CONSUMER_REGS=TUNING["ws_consumer_regs"],
+                     REVERSE_TILES=TUNING["prefill_reverse_tiles"], num_warps=4)
+        launches.append((None, (-(-num_tokens // rows_t), -(-max_blocks // bps)),
+                         dict(GLUON=gluon, FALLBACK=launches.pop())))
     return launches
+
+
+def _ws_eligible(index_q, index_cache, block_size: int) -> bool:
+    """Whether the tile launch can be scores_ws.py's Gluon kernel (a shape and stride question,
+    answered once per plan; base addresses are checked at launch): Hopper, q and cache of one
+    dtype (fp8, or 16-bit with prefill_ws_16), 128-key blocks, index head dim 128, a power-of-two
+    number of heads, q rows [T * H, DI] and cache rows [pages * BLOCK, DI] each one strided
+    2-D array (what a TMA descriptor describes)."""
+    if index_q.device.type != "cuda" or index_q.dtype != index_cache.dtype:
+        return False
+    if not TUNING["prefill_ws" if index_q.dtype == FP8 else "prefill_ws_16"]:
+        return False
+    if index_q.dtype not in (FP8, torch.bfloat16, torch.float16):
+        return False
+    if capability(index_q.device) != (9, 0):
+        return False
+    num_tokens, num_heads, head_dim = index_q.shape
+    pages = index_cache.shape[0]
+    return (block_size == 128 and head_dim == 128 and num_heads & (num_heads - 1) == 0
+            and index_q.stride(2) == 1 and index_q.stride(1) == head_dim
+            and index_q.stride(0) == num_heads * head_dim
+            and index_cache.stride(2) == 1 and index_cache.stride(1) == head_dim
+            and index_cache.stride(0) == block_size * head_dim
+            and pages * block_size < 2 ** 31 and num_tokens * num_heads < 2 ** 31)
+
+
+def _launch_ws(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores, grid, kw):
+    """The Gluon tile launch (scores_ws.py) with its TMA descriptors: q as [T * H, DI] rows in
+    64-row boxes, the cache as [pages * BLOCK, DI] rows in one-block boxes."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .scores_ws import WG_ROWS, _block_scores_ws_kernel
+    num_tokens, num_heads, head_dim = index_q.shape
+    gdt = {FP8: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[
+        index_q.dtype]
+    rows_q, rows_k = num_tokens * num_heads, index_cache.shape[0] * index_cache.shape[1]
+    q_desc = TensorDescriptor(index_q, [rows_q, head_dim], [head_dim, 1],
+                              [WG_ROWS, head_dim],
+                              gl.NVMMASharedLayout.get_default_for([WG_ROWS, head_dim], gdt))
+    k_desc = TensorDescriptor(index_cache, [rows_k, head_dim], [head_dim, 1],
+                              [index_cache.shape[1], head_dim],
+                              gl.NVMMASharedLayout.get_default_for(
+                                  [index_cache.shape[1], head_dim], gdt))
+    _block_scores_ws_kernel[grid](q_desc, k_desc, cu_seqlens_q, seq_lens, block_table, scores,
+                                  seq_lens.shape[0], num_tokens, *block_table.stride(),
+                                  *scores.stride(), **kw)
 
 
 def _pdl(device: torch.device) -> bool:

@@ -1,0 +1,237 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Gluon kernel of the prefill tile launch on Hopper, warp-specialised (fp8 and 16-bit caches).
+
+The same scores as scores.py's tile launch (S[t, h, b] = max over block b's causal keys of
+q[t, h] . key), for the tiles of packed tokens of long requests, in the shape FlashInfer's fp32
+prefill kernel uses: a program owns 256 (token, head) rows and one split of BPS blocks, as four
+64-row consumer warpgroups and one producer warp.
+
+* The producer warp copies each block's keys (one [BLOCK, DI] tile of a page) into a ring of
+  STAGES shared-memory buffers with TMA, ahead of the consumers.
+* Each consumer warpgroup waits for a buffer, multiplies its 64 query rows by it (`wgmma`), hands
+  the buffer back, and takes its rows' maxima. Nothing synchronises the four warpgroups, so
+  while one takes maxima the others keep the tensor cores busy. Triton's loop cannot do this:
+  its 4-warp programs wait for their own MMA, then reduce, and its 16-warp programs keep the
+  warpgroups in step (two CTA barriers per block); measured on the same loop
+  (`benchmarks/probe_mma_overlap.py`), 837 µs against Triton's 1058.
+* A consumer keeps its maxima in shared memory ([BPS, 64] per warpgroup) and stores the [64, BPS]
+  tile once per request at the end, coalesced along the blocks as scores.py does.
+
+Used when the index query and cache allow TMA (api.py, `_ws_eligible`): CUDA sm_90, a
+power-of-two number of heads, q rows [T * H, DI] and cache rows [pages * BLOCK, DI] both unit
+stride along DI with 16-byte aligned rows, BLOCK = 128. Everything else, and the interpreter,
+keeps scores.py. Keys of a page id < 0 are not read (TMA fills an out-of-range box with zeros)
+and score -inf, as in scores.py.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+# rows per consumer warpgroup (Hopper's MMA M) and consumers per program
+WG_ROWS = gl.constexpr(64)
+CONSUMERS = gl.constexpr(4)
+
+
+@gluon.jit
+def _find_request(cu_ptr, num_requests, token):
+    """The smallest r with cu[r + 1] > token (R if none): scores.py's find_request."""
+    lo = 0
+    hi = num_requests
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if gl.load(cu_ptr + mid + 1) > token:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+@gluon.jit
+def _request_blocks(cu_ptr, seq_lens_ptr, r, tile_begin, tile_end, b_first, BPS: gl.constexpr,
+                    BLOCK: gl.constexpr, SMALL_Q: gl.constexpr):
+    """Request r's part of this tile: (first request token, its tokens' first position, the
+    tile's token range in it, the blocks [b_first, b_first + n) to score); n = 0 when r is
+    short (the request launch's), padding, or has no block in this split."""
+    t_req = gl.load(cu_ptr + r)
+    t_next = gl.load(cu_ptr + r + 1)
+    q_len = t_next - t_req
+    seq_len = gl.load(seq_lens_ptr + r)
+    t_begin = gl.maximum(t_req, tile_begin)
+    t_end = gl.minimum(t_next, tile_end)
+    first_pos = seq_len - q_len
+    # causal: the tile's last token of r sees blocks < its position // BLOCK + 1
+    b_hi = gl.minimum(b_first + BPS, (first_pos + (t_end - 1 - t_req)) // BLOCK + 1)
+    n = gl.where((q_len > SMALL_Q) & (seq_len >= q_len) & (t_begin < t_end),
+                 gl.maximum(b_hi - b_first, 0), 0)
+    return t_req, first_pos, t_begin, t_end, n
+
+
+@gluon.jit
+def _producer(k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr, stride_btr,
+              stride_btb, num_requests, tile_begin, tile_end, b_first, r_first,
+              BPS: gl.constexpr, BLOCK: gl.constexpr, SMALL_Q: gl.constexpr,
+              STAGES: gl.constexpr):
+    """One warp: every block this program scores, in the consumers' order, into the ring."""
+    j = 0  # blocks issued so far (the ring's position and phase)
+    r = r_first
+    while r < num_requests:
+        t_req, first_pos, t_begin, t_end, n = _request_blocks(
+            cu_ptr, seq_lens_ptr, r, tile_begin, tile_end, b_first, BPS, BLOCK, SMALL_Q)
+        row = bt_ptr + r.to(gl.int64) * stride_btr
+        for i in range(n):
+            page = gl.load(row + (b_first + i) * stride_btb)
+            s = j % STAGES
+            # the buffer's previous block released by all consumers
+            mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1, pred=j >= STAGES)
+            mbarrier.expect(ready.index(s), k_desc.block_type.nbytes)
+            # a page id < 0 lands outside the descriptor: TMA writes zeros and reads nothing
+            tma.async_copy_global_to_shared(k_desc, [page * BLOCK, 0], ready.index(s),
+                                            k_smem.index(s))
+            j += 1
+        r = gl.where(t_req >= tile_end, num_requests, r + 1)
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr,
+              stride_btr, stride_btb, stride_ot, stride_oh, stride_ob, num_requests,
+              tile_begin, tile_end, b_first, r_first, part, H: gl.constexpr,
+              BPS: gl.constexpr, BLOCK: gl.constexpr, SMALL_Q: gl.constexpr,
+              STAGES: gl.constexpr):
+    """One warpgroup: rows [part * 64, part * 64 + 64) of the program's (token, head) rows;
+    `mine`: its [BPS, 64] maxima in shared memory."""
+    # one MMA instruction: 64 rows x BLOCK keys x 32 bytes of head dim
+    KW: gl.constexpr = 256 // q_smem.dtype.primitive_bitwidth
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK, KW])
+    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
+    keys_l: gl.constexpr = gl.SliceLayout(0, mma)
+    # the final store: 32 consecutive blocks of one row per warp instruction
+    out_l: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, 4], [0, 1])
+    q_i = q_smem.index(part)
+    zero = gl.zeros([WG_ROWS, BLOCK], gl.float32, layout=mma)
+    local = part * WG_ROWS + gl.arange(0, WG_ROWS, layout=rows_l)
+    tok = tile_begin + local // H
+    keys = gl.arange(0, BLOCK, layout=keys_l)
+    local_o = part * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(0, out_l))
+    tok_o = tile_begin + local_o // H
+    head_o = local_o % H
+    cols_o = gl.arange(0, BPS, layout=gl.SliceLayout(1, out_l))
+    j = 0
+    r = r_first
+    while r < num_requests:
+        t_req, first_pos, t_begin, t_end, n = _request_blocks(
+            cu_ptr, seq_lens_ptr, r, tile_begin, tile_end, b_first, BPS, BLOCK, SMALL_Q)
+        row = bt_ptr + r.to(gl.int64) * stride_btr
+        pos = first_pos + (tok - t_req)  # [64]
+        # blocks wholly at or before this warpgroup's earliest token need no causal mask
+        wg_first = gl.maximum(t_begin, tile_begin + (part * WG_ROWS) // H)
+        b_full = (first_pos + (wg_first - t_req) + 1) // BLOCK
+        for i in range(n):
+            b = b_first + i
+            page = gl.load(row + b * stride_btb)
+            s = j % STAGES
+            mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+            acc = warpgroup_mma(q_i, k_smem.index(s).permute((1, 0)), zero, use_acc=False,
+                                is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(empty.index(s), count=1)
+            if b >= b_full:
+                acc = gl.where((b * BLOCK + keys)[None, :] <= pos[:, None], acc, float("-inf"))
+            # the max skips NaN (PTX max.f32), so only an all-NaN row is left to clean; a
+            # skipped page (id < 0) scores -inf
+            best = gl.max(acc, axis=1)
+            best = gl.where((best == best) & (page >= 0), best, float("-inf"))
+            mine.index(i).store(best)
+            j += 1
+        if n > 0:
+            gl.thread_barrier()  # this warpgroup's maxima written before they are read
+            # the same bytes as one [BPS, 64] row-major tile (stored one block row at a time)
+            tile = mine._reinterpret(gl.float32, [BPS, WG_ROWS], gl.SwizzledSharedLayout(
+                vec=1, per_phase=1, max_phase=1, order=[1, 0])).load(out_l)
+            ok = ((tok_o >= t_begin) & (tok_o < t_end))[None, :] & (cols_o < n)[:, None]
+            dst = (out_ptr + tok_o.to(gl.int64)[None, :] * stride_ot
+                   + head_o.to(gl.int64)[None, :] * stride_oh
+                   + (b_first + cols_o).to(gl.int64)[:, None] * stride_ob)
+            gl.store(dst, tile, mask=ok)
+            gl.thread_barrier()  # read before a later request overwrites them
+        r = gl.where(t_req >= tile_end, num_requests, r + 1)
+
+
+@gluon.jit
+def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr,
+                            num_requests, num_tokens, stride_btr, stride_btb, stride_ot,
+                            stride_oh, stride_ob, H: gl.constexpr, BPS: gl.constexpr,
+                            SMALL_Q: gl.constexpr, STAGES: gl.constexpr,
+                            CONSUMER_REGS: gl.constexpr, REVERSE_TILES: gl.constexpr,
+                            num_warps: gl.constexpr):
+    BLOCK: gl.constexpr = k_desc.block_type.shape[0]
+    DI: gl.constexpr = k_desc.block_type.shape[1]
+    ROWS: gl.constexpr = WG_ROWS * CONSUMERS
+    ROWS_T: gl.constexpr = ROWS // H
+    pid = gl.program_id(0)
+    if REVERSE_TILES:
+        # later tokens see more blocks: the longest programs first (scores.py)
+        pid = gl.num_programs(0) - 1 - pid
+    b_first = gl.program_id(1) * BPS
+    tile_begin = pid * ROWS_T
+    tile_end = gl.minimum(tile_begin + ROWS_T, num_tokens)
+    r_first = _find_request(cu_ptr, num_requests, tile_begin)
+    # one look at the requests overlapping the tile (at most ROWS_T hold a token, plus any
+    # empty ones between): a tile of decode tokens ends here without loading its queries
+    win_l: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    rr = r_first + gl.arange(0, 2 * ROWS_T, layout=win_l)
+    in_range = rr < num_requests
+    t0 = gl.load(cu_ptr + rr, mask=in_range, other=0)
+    t1 = gl.load(cu_ptr + rr + 1, mask=in_range, other=0)
+    before = in_range & (t0 < tile_end)
+    n_long = gl.sum((before & (t1 - t0 > SMALL_Q)).to(gl.int32), axis=0)
+    # cu is nondecreasing: if the window's last request also starts before tile_end, there
+    # may be more, so the tile is walked in full
+    n_seen = gl.sum(before.to(gl.int32), axis=0)
+    if (n_long > 0) | (n_seen >= 2 * ROWS_T):
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS, WG_ROWS, DI],
+                                           q_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK, DI], k_desc.layout)
+        # each consumer's maxima, [BPS, 64] (a block's 64 maxima are one contiguous row)
+        flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        maxima0 = gl.allocate_shared_memory(gl.float32, [BPS, WG_ROWS], flat)
+        maxima1 = gl.allocate_shared_memory(gl.float32, [BPS, WG_ROWS], flat)
+        maxima2 = gl.allocate_shared_memory(gl.float32, [BPS, WG_ROWS], flat)
+        maxima3 = gl.allocate_shared_memory(gl.float32, [BPS, WG_ROWS], flat)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=CONSUMERS)
+        mbarrier.init(q_bar, count=1)
+        # the tile's query rows, (token, head) major to minor; rows past T * H read as zeros
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes * CONSUMERS)
+        for p in gl.static_range(CONSUMERS):
+            tma.async_copy_global_to_shared(q_desc, [tile_begin * H + p * WG_ROWS, 0], q_bar,
+                                            q_smem.index(p))
+        mbarrier.wait(q_bar, 0)
+        # (written out per consumer: adding tuples here turns their constexprs into ints)
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_smem, ready, empty, maxima0, cu_ptr, seq_lens_ptr, bt_ptr,
+                         out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
+                         num_requests, tile_begin, tile_end, b_first, r_first, 0, H, BPS, BLOCK,
+                         SMALL_Q, STAGES)),
+            (_consumer, (q_smem, k_smem, ready, empty, maxima1, cu_ptr, seq_lens_ptr, bt_ptr,
+                         out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
+                         num_requests, tile_begin, tile_end, b_first, r_first, 1, H, BPS, BLOCK,
+                         SMALL_Q, STAGES)),
+            (_consumer, (q_smem, k_smem, ready, empty, maxima2, cu_ptr, seq_lens_ptr, bt_ptr,
+                         out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
+                         num_requests, tile_begin, tile_end, b_first, r_first, 2, H, BPS, BLOCK,
+                         SMALL_Q, STAGES)),
+            (_consumer, (q_smem, k_smem, ready, empty, maxima3, cu_ptr, seq_lens_ptr, bt_ptr,
+                         out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
+                         num_requests, tile_begin, tile_end, b_first, r_first, 3, H, BPS, BLOCK,
+                         SMALL_Q, STAGES)),
+            (_producer, (k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr,
+                         stride_btr, stride_btb, num_requests, tile_begin, tile_end, b_first,
+                         r_first, BPS, BLOCK, SMALL_Q, STAGES)),
+        ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, 24])
