@@ -193,7 +193,7 @@ def _scores_plan(index_q, index_cache, num_requests: int, max_blocks: int, block
     if _ws_eligible(index_q, index_cache, block_size):
         # the Gluon kernel instead, the Triton launch kept for a base address TMA cannot take
         from .scores_ws import CONSUMERS, WG_ROWS
-        rows_t = CONSUMERS * WG_ROWS // num_heads
+        rows_t = CONSUMERS.value * WG_ROWS.value // num_heads
         bps = TUNING["ws_bps"]
         gluon = dict(H=num_heads, BPS=bps, SMALL_Q=SMALL_Q,
                      STAGES=TUNING["ws_stages" if fp8 else "ws_stages_16"],
@@ -236,12 +236,13 @@ def _launch_ws(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores
 
     from .scores_ws import WG_ROWS, _block_scores_ws_kernel
     num_tokens, num_heads, head_dim = index_q.shape
+    rows = WG_ROWS.value
     gdt = {FP8: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[
         index_q.dtype]
     rows_q, rows_k = num_tokens * num_heads, index_cache.shape[0] * index_cache.shape[1]
     q_desc = TensorDescriptor(index_q, [rows_q, head_dim], [head_dim, 1],
-                              [WG_ROWS, head_dim],
-                              gl.NVMMASharedLayout.get_default_for([WG_ROWS, head_dim], gdt))
+                              [rows, head_dim],
+                              gl.NVMMASharedLayout.get_default_for([rows, head_dim], gdt))
     k_desc = TensorDescriptor(index_cache, [rows_k, head_dim], [head_dim, 1],
                               [index_cache.shape[1], head_dim],
                               gl.NVMMASharedLayout.get_default_for(
