@@ -74,14 +74,18 @@ def _producer(k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr, stride
               BPS: gl.constexpr, BLOCK: gl.constexpr, SMALL_Q: gl.constexpr,
               STAGES: gl.constexpr):
     """One warp: every block this program scores, in the consumers' order, into the ring."""
+    lanes: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    cols = gl.arange(0, BPS, layout=lanes)
     j = 0  # blocks issued so far (the ring's position and phase)
     r = r_first
     while r < num_requests:
         t_req, first_pos, t_begin, t_end, n = _request_blocks(
             cu_ptr, seq_lens_ptr, r, tile_begin, tile_end, b_first, BPS, BLOCK, SMALL_Q)
-        row = bt_ptr + r.to(gl.int64) * stride_btr
+        # the split's page ids at once: the loop then waits on no global load before a copy
+        pages = gl.load(bt_ptr + r.to(gl.int64) * stride_btr + (b_first + cols) * stride_btb,
+                        mask=cols < n, other=-1)
         for i in range(n):
-            page = gl.load(row + (b_first + i) * stride_btb)
+            page = gl.sum(gl.where(cols == i, pages, 0), axis=0)
             s = j % STAGES
             # the buffer's previous block released by all consumers
             mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1, pred=j >= STAGES)
@@ -123,14 +127,12 @@ def _consumer(q_smem, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_ptr, 
     while r < num_requests:
         t_req, first_pos, t_begin, t_end, n = _request_blocks(
             cu_ptr, seq_lens_ptr, r, tile_begin, tile_end, b_first, BPS, BLOCK, SMALL_Q)
-        row = bt_ptr + r.to(gl.int64) * stride_btr
         pos = first_pos + (tok - t_req)  # [64]
         # blocks wholly at or before this warpgroup's earliest token need no causal mask
         wg_first = gl.maximum(t_begin, tile_begin + (part * WG_ROWS) // H)
         b_full = (first_pos + (wg_first - t_req) + 1) // BLOCK
         for i in range(n):
             b = b_first + i
-            page = gl.load(row + b * stride_btb)
             s = j % STAGES
             mbarrier.wait(ready.index(s), (j // STAGES) & 1)
             acc = warpgroup_mma(q_i, k_smem.index(s).permute((1, 0)), zero, use_acc=False,
@@ -139,10 +141,9 @@ def _consumer(q_smem, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_ptr, 
             mbarrier.arrive(empty.index(s), count=1)
             if b >= b_full:
                 acc = gl.where((b * BLOCK + keys)[None, :] <= pos[:, None], acc, float("-inf"))
-            # the max skips NaN (PTX max.f32), so only an all-NaN row is left to clean; a
-            # skipped page (id < 0) scores -inf
+            # the max skips NaN (PTX max.f32), so only an all-NaN row is left to clean
             best = gl.max(acc, axis=1)
-            best = gl.where((best == best) & (page >= 0), best, float("-inf"))
+            best = gl.where(best == best, best, float("-inf"))
             mine.index(i).store(best)
             j += 1
         if n > 0:
@@ -150,6 +151,10 @@ def _consumer(q_smem, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_ptr, 
             # the same bytes as one [BPS, 64] row-major tile (stored one block row at a time)
             tile = mine._reinterpret(gl.float32, [BPS, WG_ROWS], gl.SwizzledSharedLayout(
                 vec=1, per_phase=1, max_phase=1, order=[1, 0])).load(out_l)
+            # a skipped page (id < 0, zeros in the buffer) scores -inf
+            pages = gl.load(bt_ptr + r.to(gl.int64) * stride_btr
+                            + (b_first + cols_o) * stride_btb, mask=cols_o < n, other=-1)
+            tile = gl.where((pages >= 0)[:, None], tile, float("-inf"))
             ok = ((tok_o >= t_begin) & (tok_o < t_end))[None, :] & (cols_o < n)[:, None]
             dst = (out_ptr + tok_o.to(gl.int64)[None, :] * stride_ot
                    + head_o.to(gl.int64)[None, :] * stride_oh
