@@ -100,9 +100,13 @@ def test_prefill_random_floats_threshold(c_dtype):
     assert ok.all()
 
 
-@pytest.mark.parametrize("dtype, heads", [(FP8, 4), (FP8, 1), (FP8, 2),
-                                          (torch.bfloat16, 4)])
-def test_prefill_gluon_tile_launch_exact(dtype, heads, monkeypatch):
+WS_FORMS = [{}, dict(ws_consumers=3, ws_q_in_regs=True, ws_consumer_regs=160)]
+
+
+@pytest.mark.parametrize("dtype, heads, form", [(FP8, 4, 0), (FP8, 1, 0), (FP8, 2, 0),
+                                                (torch.bfloat16, 4, 0), (FP8, 4, 1),
+                                                (FP8, 1, 1), (torch.bfloat16, 2, 1)])
+def test_prefill_gluon_tile_launch_exact(dtype, heads, form, monkeypatch):
     """The warp-specialised tile launch (scores_ws.py) against the reference and the Triton
     tile launch, exactly (integer inputs): tiles spanning several requests (long and short),
     chunks with and without context and partial last blocks, NaN keys (part of a block, a whole
@@ -110,6 +114,8 @@ def test_prefill_gluon_tile_launch_exact(dtype, heads, monkeypatch):
     base address TMA cannot take."""
     from openmsa.ops.indexer import api
     monkeypatch.setitem(api.TUNING, "prefill_ws_16", True)
+    for name, value in WS_FORMS[form].items():  # the program's forms (api.py, ws_*)
+        monkeypatch.setitem(api.TUNING, name, value)
     calls = []
     real = api._launch_ws
     monkeypatch.setattr(api, "_launch_ws", lambda *a: calls.append(1) or real(*a))

@@ -37,7 +37,7 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               prefill_split_major=False, select_chunk=128,
               use_max_q_len=True, select_segment_fill=True, select_chunk_min_waves=16,
               prefill_ws=True, prefill_ws_16=False, ws_bps=32, ws_stages=6, ws_stages_16=3,
-              ws_consumer_regs=112)
+              ws_consumer_regs=112, ws_consumers=4, ws_q_in_regs=False)
 # prefill_ws, prefill_ws_16: on Hopper, the tile launch of an fp8 (16-bit) cache is scores_ws.py's
 # warp-specialised Gluon kernel where the layouts allow TMA (_ws_eligible); ws_bps blocks per
 # split, ws_stages key buffers, ws_consumer_regs registers per consumer thread (setmaxnreg)
@@ -192,12 +192,13 @@ def _scores_plan(index_q, index_cache, num_requests: int, max_blocks: int, block
         num_stages=TUNING["prefill_stages_fp8" if fp8 else "prefill_stages"])))
     if _ws_eligible(index_q, index_cache, block_size):
         # the Gluon kernel instead, the Triton launch kept for a base address TMA cannot take
-        from .scores_ws import CONSUMERS, WG_ROWS
-        rows_t = CONSUMERS.value * WG_ROWS.value // num_heads
+        from .scores_ws import WG_ROWS
+        rows_t = TUNING["ws_consumers"] * WG_ROWS.value // num_heads
         bps = TUNING["ws_bps"]
         gluon = dict(H=num_heads, BPS=bps, SMALL_Q=SMALL_Q,
                      STAGES=TUNING["ws_stages" if fp8 else "ws_stages_16"],
                      CONSUMER_REGS=TUNING["ws_consumer_regs"],
+                     CONSUMERS=TUNING["ws_consumers"], Q_IN_REGS=TUNING["ws_q_in_regs"],
                      REVERSE_TILES=TUNING["prefill_reverse_tiles"], num_warps=4)
         launches.append((None, (-(-num_tokens // rows_t), -(-max_blocks // bps)),
                          dict(GLUON=gluon, FALLBACK=launches.pop())))

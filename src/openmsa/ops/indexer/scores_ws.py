@@ -29,9 +29,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-# rows per consumer warpgroup (Hopper's MMA M) and consumers per program
+# rows per consumer warpgroup (Hopper's MMA M)
 WG_ROWS = gl.constexpr(64)
-CONSUMERS = gl.constexpr(4)
 
 
 @gluon.jit
@@ -102,7 +101,7 @@ def _consumer(q_smem, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_ptr, 
               stride_btr, stride_btb, stride_ot, stride_oh, stride_ob, num_requests,
               tile_begin, tile_end, b_first, r_first, part, H: gl.constexpr,
               BPS: gl.constexpr, BLOCK: gl.constexpr, SMALL_Q: gl.constexpr,
-              STAGES: gl.constexpr):
+              STAGES: gl.constexpr, Q_IN_REGS: gl.constexpr):
     """One warpgroup: rows [part * 64, part * 64 + 64) of the program's (token, head) rows;
     `mine`: its [BPS, 64] maxima in shared memory."""
     # one MMA instruction: 64 rows x BLOCK keys x 32 bytes of head dim
@@ -113,7 +112,13 @@ def _consumer(q_smem, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_ptr, 
     keys_l: gl.constexpr = gl.SliceLayout(0, mma)
     # the final store: 32 consecutive blocks of one row per warp instruction
     out_l: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, 4], [0, 1])
-    q_i = q_smem.index(part)
+    if Q_IN_REGS:
+        # the query rows in registers (the MMA's A operand), read once: each MMA then reads
+        # only its key tile from shared memory (16 registers a thread for fp8)
+        q_i = q_smem.index(part).load(gl.DotOperandLayout(
+            operand_index=0, parent=mma, k_width=32 // q_smem.dtype.primitive_bitwidth))
+    else:
+        q_i = q_smem.index(part)
     zero = gl.zeros([WG_ROWS, BLOCK], gl.float32, layout=mma)
     local = part * WG_ROWS + gl.arange(0, WG_ROWS, layout=rows_l)
     tok = tile_begin + local // H
@@ -170,11 +175,11 @@ def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
                             stride_oh, stride_ob, H: gl.constexpr, BPS: gl.constexpr,
                             SMALL_Q: gl.constexpr, STAGES: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, REVERSE_TILES: gl.constexpr,
+                            CONSUMERS: gl.constexpr, Q_IN_REGS: gl.constexpr,
                             num_warps: gl.constexpr):
     BLOCK: gl.constexpr = k_desc.block_type.shape[0]
     DI: gl.constexpr = k_desc.block_type.shape[1]
-    ROWS: gl.constexpr = WG_ROWS * CONSUMERS
-    ROWS_T: gl.constexpr = ROWS // H
+    ROWS_T: gl.constexpr = WG_ROWS * CONSUMERS // H
     pid = gl.program_id(0)
     if REVERSE_TILES:
         # later tokens see more blocks: the longest programs first (scores.py)
@@ -186,7 +191,8 @@ def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
     # one look at the requests overlapping the tile (at most ROWS_T hold a token, plus any
     # empty ones between): a tile of decode tokens ends here without loading its queries
     win_l: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-    rr = r_first + gl.arange(0, 2 * ROWS_T, layout=win_l)
+    WIN: gl.constexpr = 2 * 4 * WG_ROWS // H  # a power of two >= 2 * ROWS_T
+    rr = r_first + gl.arange(0, WIN, layout=win_l)
     in_range = rr < num_requests
     t0 = gl.load(cu_ptr + rr, mask=in_range, other=0)
     t1 = gl.load(cu_ptr + rr + 1, mask=in_range, other=0)
@@ -195,7 +201,7 @@ def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
     # cu is nondecreasing: if the window's last request also starts before tile_end, there
     # may be more, so the tile is walked in full
     n_seen = gl.sum(before.to(gl.int32), axis=0)
-    if (n_long > 0) | (n_seen >= 2 * ROWS_T):
+    if (n_long > 0) | (n_seen >= WIN):
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS, WG_ROWS, DI],
                                            q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK, DI], k_desc.layout)
@@ -204,7 +210,7 @@ def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
         maxima0 = gl.allocate_shared_memory(gl.float32, [BPS, WG_ROWS], flat)
         maxima1 = gl.allocate_shared_memory(gl.float32, [BPS, WG_ROWS], flat)
         maxima2 = gl.allocate_shared_memory(gl.float32, [BPS, WG_ROWS], flat)
-        maxima3 = gl.allocate_shared_memory(gl.float32, [BPS, WG_ROWS], flat)
+        maxima3 = gl.allocate_shared_memory(gl.float32, [BPS, WG_ROWS], flat)  # (4 consumers)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -219,24 +225,43 @@ def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
                                             q_smem.index(p))
         mbarrier.wait(q_bar, 0)
         # (written out per consumer: adding tuples here turns their constexprs into ints)
-        gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, ready, empty, maxima0, cu_ptr, seq_lens_ptr, bt_ptr,
-                         out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
-                         num_requests, tile_begin, tile_end, b_first, r_first, 0, H, BPS, BLOCK,
-                         SMALL_Q, STAGES)),
-            (_consumer, (q_smem, k_smem, ready, empty, maxima1, cu_ptr, seq_lens_ptr, bt_ptr,
-                         out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
-                         num_requests, tile_begin, tile_end, b_first, r_first, 1, H, BPS, BLOCK,
-                         SMALL_Q, STAGES)),
-            (_consumer, (q_smem, k_smem, ready, empty, maxima2, cu_ptr, seq_lens_ptr, bt_ptr,
-                         out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
-                         num_requests, tile_begin, tile_end, b_first, r_first, 2, H, BPS, BLOCK,
-                         SMALL_Q, STAGES)),
-            (_consumer, (q_smem, k_smem, ready, empty, maxima3, cu_ptr, seq_lens_ptr, bt_ptr,
-                         out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
-                         num_requests, tile_begin, tile_end, b_first, r_first, 3, H, BPS, BLOCK,
-                         SMALL_Q, STAGES)),
-            (_producer, (k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr,
-                         stride_btr, stride_btb, num_requests, tile_begin, tile_end, b_first,
-                         r_first, BPS, BLOCK, SMALL_Q, STAGES)),
-        ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, 24])
+        if CONSUMERS == 4:
+            gl.warp_specialize([
+                (_consumer, (q_smem, k_smem, ready, empty, maxima0, cu_ptr, seq_lens_ptr, bt_ptr,
+                             out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
+                             num_requests, tile_begin, tile_end, b_first, r_first, 0, H, BPS, BLOCK,
+                             SMALL_Q, STAGES, Q_IN_REGS)),
+                (_consumer, (q_smem, k_smem, ready, empty, maxima1, cu_ptr, seq_lens_ptr, bt_ptr,
+                             out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
+                             num_requests, tile_begin, tile_end, b_first, r_first, 1, H, BPS, BLOCK,
+                             SMALL_Q, STAGES, Q_IN_REGS)),
+                (_consumer, (q_smem, k_smem, ready, empty, maxima2, cu_ptr, seq_lens_ptr, bt_ptr,
+                             out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
+                             num_requests, tile_begin, tile_end, b_first, r_first, 2, H, BPS, BLOCK,
+                             SMALL_Q, STAGES, Q_IN_REGS)),
+                (_consumer, (q_smem, k_smem, ready, empty, maxima3, cu_ptr, seq_lens_ptr, bt_ptr,
+                             out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
+                             num_requests, tile_begin, tile_end, b_first, r_first, 3, H, BPS, BLOCK,
+                             SMALL_Q, STAGES, Q_IN_REGS)),
+                (_producer, (k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr,
+                             stride_btr, stride_btb, num_requests, tile_begin, tile_end, b_first,
+                             r_first, BPS, BLOCK, SMALL_Q, STAGES)),
+            ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, 24])
+        else:
+            gl.warp_specialize([
+                (_consumer, (q_smem, k_smem, ready, empty, maxima0, cu_ptr, seq_lens_ptr, bt_ptr,
+                             out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
+                             num_requests, tile_begin, tile_end, b_first, r_first, 0, H, BPS, BLOCK,
+                             SMALL_Q, STAGES, Q_IN_REGS)),
+                (_consumer, (q_smem, k_smem, ready, empty, maxima1, cu_ptr, seq_lens_ptr, bt_ptr,
+                             out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
+                             num_requests, tile_begin, tile_end, b_first, r_first, 1, H, BPS, BLOCK,
+                             SMALL_Q, STAGES, Q_IN_REGS)),
+                (_consumer, (q_smem, k_smem, ready, empty, maxima2, cu_ptr, seq_lens_ptr, bt_ptr,
+                             out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
+                             num_requests, tile_begin, tile_end, b_first, r_first, 2, H, BPS, BLOCK,
+                             SMALL_Q, STAGES, Q_IN_REGS)),
+                (_producer, (k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr,
+                             stride_btr, stride_btb, num_requests, tile_begin, tile_end, b_first,
+                             r_first, BPS, BLOCK, SMALL_Q, STAGES)),
+            ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
