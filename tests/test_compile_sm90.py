@@ -75,7 +75,7 @@ def test_block_scores_ws_kernel(dtype, heads):
     def desc(rows):
         layout = gl.NVMMASharedLayout.get_default_for([rows, 128], gdt)
         return f"tensordesc<{dtype}[{rows}, 128],{layout!r}>"
-    constexprs = dict(H=heads, BPS=TUNING["ws_bps"], SMALL_Q=16,
+    constexprs = dict(H=heads, SMALL_Q=16,
                       STAGES=TUNING["ws_stages" if dtype == "fp8e4nv" else "ws_stages_16"],
                       CONSUMER_REGS=TUNING["ws_consumer_regs"], REVERSE_TILES=True,
                       CONSUMERS=TUNING["ws_consumers"], Q_IN_REGS=TUNING["ws_q_in_regs"],

@@ -100,12 +100,16 @@ def test_prefill_random_floats_threshold(c_dtype):
     assert ok.all()
 
 
-WS_FORMS = [{}, dict(ws_consumers=3, ws_q_in_regs=True, ws_consumer_regs=160)]
+# the Gluon program's forms (api.py, ws_*): splits of 96 blocks store their maxima in three
+# chunks, the last one partial
+WS_FORMS = [{}, dict(ws_consumers=3, ws_q_in_regs=True, ws_consumer_regs=160, ws_bps=64),
+            dict(ws_bps=96)]
 
 
 @pytest.mark.parametrize("dtype, heads, form", [(FP8, 4, 0), (FP8, 1, 0), (FP8, 2, 0),
                                                 (torch.bfloat16, 4, 0), (FP8, 4, 1),
-                                                (FP8, 1, 1), (torch.bfloat16, 2, 1)])
+                                                (FP8, 1, 1), (torch.bfloat16, 2, 1), (FP8, 4, 2),
+                                                (FP8, 1, 2)])
 def test_prefill_gluon_tile_launch_exact(dtype, heads, form, monkeypatch):
     """The warp-specialised tile launch (scores_ws.py) against the reference and the Triton
     tile launch, exactly (integer inputs): tiles spanning several requests (long and short),
@@ -114,7 +118,7 @@ def test_prefill_gluon_tile_launch_exact(dtype, heads, form, monkeypatch):
     base address TMA cannot take."""
     from openmsa.ops.indexer import api
     monkeypatch.setitem(api.TUNING, "prefill_ws_16", True)
-    for name, value in WS_FORMS[form].items():  # the program's forms (api.py, ws_*)
+    for name, value in WS_FORMS[form].items():
         monkeypatch.setitem(api.TUNING, name, value)
     calls = []
     real = api._launch_ws

@@ -36,11 +36,12 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               prefill_reverse_tiles=True, prefill_reverse_splits=False,
               prefill_split_major=False, select_chunk=128,
               use_max_q_len=True, select_segment_fill=True, select_chunk_min_waves=16,
-              prefill_ws=True, prefill_ws_16=False, ws_bps=32, ws_stages=6, ws_stages_16=3,
-              ws_consumer_regs=112, ws_consumers=4, ws_q_in_regs=False)
+              prefill_ws=True, prefill_ws_16=False, ws_bps=0, ws_waves=4, ws_stages=6,
+              ws_stages_16=3, ws_consumer_regs=112, ws_consumers=4, ws_q_in_regs=False)
 # prefill_ws, prefill_ws_16: on Hopper, the tile launch of an fp8 (16-bit) cache is scores_ws.py's
-# warp-specialised Gluon kernel where the layouts allow TMA (_ws_eligible); ws_bps blocks per
-# split, ws_stages key buffers, ws_consumer_regs registers per consumer thread (setmaxnreg)
+# warp-specialised Gluon kernel where the layouts allow TMA (_ws_eligible); ws_waves programs
+# per SM in the grid (each split as long as that allows), or ws_bps blocks per split if set;
+# ws_stages key buffers; ws_consumer_regs registers per consumer thread (setmaxnreg)
 # decode_pages_early: the decode launch loads its split's page ids before (not after) cu_seqlens_q
 # and seq_lens, one memory latency less before the first key load; decode_one_loop: one
 # causal-masked loop over the split (the mask costs little on 16 rows) instead of an unmasked
@@ -192,15 +193,18 @@ def _scores_plan(index_q, index_cache, num_requests: int, max_blocks: int, block
         num_stages=TUNING["prefill_stages_fp8" if fp8 else "prefill_stages"])))
     if _ws_eligible(index_q, index_cache, block_size):
         # the Gluon kernel instead, the Triton launch kept for a base address TMA cannot take
-        from .scores_ws import WG_ROWS
+        from .scores_ws import CH, WG_ROWS
         rows_t = TUNING["ws_consumers"] * WG_ROWS.value // num_heads
-        bps = TUNING["ws_bps"]
-        gluon = dict(H=num_heads, BPS=bps, SMALL_Q=SMALL_Q,
+        tiles = -(-num_tokens // rows_t)
+        # splits for ws_waves programs per SM (one program fits on an SM), whole chunks of CH
+        splits = max(1, round(TUNING["ws_waves"] * num_sms(index_q.device) / tiles))
+        bps = TUNING["ws_bps"] or -(-max(1, -(-max_blocks // splits)) // CH.value) * CH.value
+        gluon = dict(bps=bps, H=num_heads, SMALL_Q=SMALL_Q,
                      STAGES=TUNING["ws_stages" if fp8 else "ws_stages_16"],
                      CONSUMER_REGS=TUNING["ws_consumer_regs"],
                      CONSUMERS=TUNING["ws_consumers"], Q_IN_REGS=TUNING["ws_q_in_regs"],
                      REVERSE_TILES=TUNING["prefill_reverse_tiles"], num_warps=4)
-        launches.append((None, (-(-num_tokens // rows_t), -(-max_blocks // bps)),
+        launches.append((None, (tiles, -(-max_blocks // bps)),
                          dict(GLUON=gluon, FALLBACK=launches.pop())))
     return launches
 
@@ -250,7 +254,8 @@ def _launch_ws(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores
                                   [index_cache.shape[1], head_dim], gdt))
     _block_scores_ws_kernel[grid](q_desc, k_desc, cu_seqlens_q, seq_lens, block_table, scores,
                                   seq_lens.shape[0], num_tokens, *block_table.stride(),
-                                  *scores.stride(), **kw)
+                                  *scores.stride(), kw["bps"],
+                                  **{k: v for k, v in kw.items() if k != "bps"})
 
 
 def _pdl(device: torch.device) -> bool:

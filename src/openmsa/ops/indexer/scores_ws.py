@@ -3,8 +3,8 @@
 
 The same scores as scores.py's tile launch (S[t, h, b] = max over block b's causal keys of
 q[t, h] . key), for the tiles of packed tokens of long requests, in the shape FlashInfer's fp32
-prefill kernel uses: a program owns 256 (token, head) rows and one split of BPS blocks, as four
-64-row consumer warpgroups and one producer warp.
+prefill kernel uses: a program owns 256 (token, head) rows and one split of `bps` blocks, as four
+64-row consumer warpgroups and one producer warp (or three, 192 rows: ws_consumers).
 
 * The producer warp copies each block's keys (one [BLOCK, DI] tile of a page) into a ring of
   STAGES shared-memory buffers with TMA, ahead of the consumers.
@@ -14,8 +14,11 @@ prefill kernel uses: a program owns 256 (token, head) rows and one split of BPS 
   its 4-warp programs wait for their own MMA, then reduce, and its 16-warp programs keep the
   warpgroups in step (two CTA barriers per block); measured on the same loop
   (`benchmarks/probe_mma_overlap.py`), 837 µs against Triton's 1058.
-* A consumer keeps its maxima in shared memory ([BPS, 64] per warpgroup) and stores the [64, BPS]
-  tile once per request at the end, coalesced along the blocks as scores.py does.
+* A consumer keeps its maxima in shared memory, [CH, 64] per warpgroup, and stores them as one
+  tile every CH blocks, coalesced along the blocks as scores.py's tile is. So a split can be
+  long: the grid is sized to a few programs per SM (api.py, ws_waves), because a program's
+  start (request lookup, queries, first keys: several dependent memory round trips) idles its
+  SM, one program per SM leaving nothing to hide it behind.
 
 Used when the index query and cache allow TMA (api.py, `_ws_eligible`): CUDA sm_90, a
 power-of-two number of heads, q rows [T * H, DI] and cache rows [pages * BLOCK, DI] both unit
@@ -29,8 +32,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-# rows per consumer warpgroup (Hopper's MMA M)
+# rows per consumer warpgroup (Hopper's MMA M); blocks per chunk of a consumer's maxima (each
+# chunk is stored as one [CH, 64] tile) and of the producer's page ids
 WG_ROWS = gl.constexpr(64)
+CH = gl.constexpr(32)
 
 
 @gluon.jit
@@ -48,7 +53,7 @@ def _find_request(cu_ptr, num_requests, token):
 
 
 @gluon.jit
-def _request_blocks(cu_ptr, seq_lens_ptr, r, tile_begin, tile_end, b_first, BPS: gl.constexpr,
+def _request_blocks(cu_ptr, seq_lens_ptr, r, tile_begin, tile_end, b_first, bps,
                     BLOCK: gl.constexpr, SMALL_Q: gl.constexpr):
     """Request r's part of this tile: (first request token, its tokens' first position, the
     tile's token range in it, the blocks [b_first, b_first + n) to score); n = 0 when r is
@@ -61,7 +66,7 @@ def _request_blocks(cu_ptr, seq_lens_ptr, r, tile_begin, tile_end, b_first, BPS:
     t_end = gl.minimum(t_next, tile_end)
     first_pos = seq_len - q_len
     # causal: the tile's last token of r sees blocks < its position // BLOCK + 1
-    b_hi = gl.minimum(b_first + BPS, (first_pos + (t_end - 1 - t_req)) // BLOCK + 1)
+    b_hi = gl.minimum(b_first + bps, (first_pos + (t_end - 1 - t_req)) // BLOCK + 1)
     n = gl.where((q_len > SMALL_Q) & (seq_len >= q_len) & (t_begin < t_end),
                  gl.maximum(b_hi - b_first, 0), 0)
     return t_req, first_pos, t_begin, t_end, n
@@ -69,22 +74,28 @@ def _request_blocks(cu_ptr, seq_lens_ptr, r, tile_begin, tile_end, b_first, BPS:
 
 @gluon.jit
 def _producer(k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr, stride_btr,
-              stride_btb, num_requests, tile_begin, tile_end, b_first, r_first,
-              BPS: gl.constexpr, BLOCK: gl.constexpr, SMALL_Q: gl.constexpr,
-              STAGES: gl.constexpr):
+              stride_btb, num_requests, tile_begin, tile_end, b_first, r_first, bps,
+              BLOCK: gl.constexpr, SMALL_Q: gl.constexpr, STAGES: gl.constexpr):
     """One warp: every block this program scores, in the consumers' order, into the ring."""
     lanes: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    cols = gl.arange(0, BPS, layout=lanes)
+    cols = gl.arange(0, CH, layout=lanes)
     j = 0  # blocks issued so far (the ring's position and phase)
     r = r_first
     while r < num_requests:
         t_req, first_pos, t_begin, t_end, n = _request_blocks(
-            cu_ptr, seq_lens_ptr, r, tile_begin, tile_end, b_first, BPS, BLOCK, SMALL_Q)
-        # the split's page ids at once: the loop then waits on no global load before a copy
-        pages = gl.load(bt_ptr + r.to(gl.int64) * stride_btr + (b_first + cols) * stride_btb,
-                        mask=cols < n, other=-1)
+            cu_ptr, seq_lens_ptr, r, tile_begin, tile_end, b_first, bps, BLOCK, SMALL_Q)
+        # page ids a chunk at a time, the next chunk's loaded while this one's are copied:
+        # no copy waits on a global load
+        row = bt_ptr + r.to(gl.int64) * stride_btr
+        nxt = gl.load(row + (b_first + cols) * stride_btb, mask=cols < n, other=-1)
+        cur = nxt
         for i in range(n):
-            page = gl.sum(gl.where(cols == i, pages, 0), axis=0)
+            c = i % CH
+            if c == 0:
+                cur = nxt
+                nxt = gl.load(row + (b_first + i + CH + cols) * stride_btb,
+                              mask=i + CH + cols < n, other=-1)
+            page = gl.sum(gl.where(cols == c, cur, 0), axis=0)
             s = j % STAGES
             # the buffer's previous block released by all consumers
             mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1, pred=j >= STAGES)
@@ -99,19 +110,20 @@ def _producer(k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr, stride
 @gluon.jit
 def _consumer(q_smem, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr,
               stride_btr, stride_btb, stride_ot, stride_oh, stride_ob, num_requests,
-              tile_begin, tile_end, b_first, r_first, part, H: gl.constexpr,
-              BPS: gl.constexpr, BLOCK: gl.constexpr, SMALL_Q: gl.constexpr,
-              STAGES: gl.constexpr, Q_IN_REGS: gl.constexpr):
+              tile_begin, tile_end, b_first, r_first, bps, part, H: gl.constexpr,
+              BLOCK: gl.constexpr, SMALL_Q: gl.constexpr, STAGES: gl.constexpr,
+              Q_IN_REGS: gl.constexpr):
     """One warpgroup: rows [part * 64, part * 64 + 64) of the program's (token, head) rows;
-    `mine`: its [BPS, 64] maxima in shared memory."""
+    `mine`: its maxima of the current chunk of CH blocks, [CH, 64] in shared memory."""
     # one MMA instruction: 64 rows x BLOCK keys x 32 bytes of head dim
     KW: gl.constexpr = 256 // q_smem.dtype.primitive_bitwidth
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK, KW])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     keys_l: gl.constexpr = gl.SliceLayout(0, mma)
-    # the final store: 32 consecutive blocks of one row per warp instruction
-    out_l: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, 4], [0, 1])
+    # a chunk's store: 8 consecutive blocks (a 32-byte sector) of 4 rows per warp instruction,
+    # so that each thread holds few of the rows' addresses (they live through the loop)
+    out_l: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [1, 4], [0, 1])
     if Q_IN_REGS:
         # the query rows in registers (the MMA's A operand), read once: each MMA then reads
         # only its key tile from shared memory (16 registers a thread for fp8)
@@ -126,18 +138,24 @@ def _consumer(q_smem, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_ptr, 
     local_o = part * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(0, out_l))
     tok_o = tile_begin + local_o // H
     head_o = local_o % H
-    cols_o = gl.arange(0, BPS, layout=gl.SliceLayout(1, out_l))
+    cols_o = gl.arange(0, CH, layout=gl.SliceLayout(1, out_l))
     j = 0
     r = r_first
     while r < num_requests:
         t_req, first_pos, t_begin, t_end, n = _request_blocks(
-            cu_ptr, seq_lens_ptr, r, tile_begin, tile_end, b_first, BPS, BLOCK, SMALL_Q)
+            cu_ptr, seq_lens_ptr, r, tile_begin, tile_end, b_first, bps, BLOCK, SMALL_Q)
         pos = first_pos + (tok - t_req)  # [64]
         # blocks wholly at or before this warpgroup's earliest token need no causal mask
         wg_first = gl.maximum(t_begin, tile_begin + (part * WG_ROWS) // H)
         b_full = (first_pos + (wg_first - t_req) + 1) // BLOCK
+        row = bt_ptr + r.to(gl.int64) * stride_btr
+        pages = gl.full([CH], -1, gl.int32, layout=gl.SliceLayout(1, out_l))
         for i in range(n):
             b = b_first + i
+            c = i % CH
+            if c == 0:  # the chunk's page ids, for its store (loaded well before it)
+                pages = gl.load(row + (b + cols_o) * stride_btb, mask=i + cols_o < n,
+                                other=-1)
             s = j % STAGES
             mbarrier.wait(ready.index(s), (j // STAGES) & 1)
             acc = warpgroup_mma(q_i, k_smem.index(s).permute((1, 0)), zero, use_acc=False,
@@ -149,31 +167,29 @@ def _consumer(q_smem, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_ptr, 
             # the max skips NaN (PTX max.f32), so only an all-NaN row is left to clean
             best = gl.max(acc, axis=1)
             best = gl.where(best == best, best, float("-inf"))
-            mine.index(i).store(best)
+            mine.index(c).store(best)
             j += 1
-        if n > 0:
-            gl.thread_barrier()  # this warpgroup's maxima written before they are read
-            # the same bytes as one [BPS, 64] row-major tile (stored one block row at a time)
-            tile = mine._reinterpret(gl.float32, [BPS, WG_ROWS], gl.SwizzledSharedLayout(
-                vec=1, per_phase=1, max_phase=1, order=[1, 0])).load(out_l)
-            # a skipped page (id < 0, zeros in the buffer) scores -inf
-            pages = gl.load(bt_ptr + r.to(gl.int64) * stride_btr
-                            + (b_first + cols_o) * stride_btb, mask=cols_o < n, other=-1)
-            tile = gl.where((pages >= 0)[:, None], tile, float("-inf"))
-            ok = ((tok_o >= t_begin) & (tok_o < t_end))[None, :] & (cols_o < n)[:, None]
-            dst = (out_ptr + tok_o.to(gl.int64)[None, :] * stride_ot
-                   + head_o.to(gl.int64)[None, :] * stride_oh
-                   + (b_first + cols_o).to(gl.int64)[:, None] * stride_ob)
-            gl.store(dst, tile, mask=ok)
-            gl.thread_barrier()  # read before a later request overwrites them
+            if (c == CH - 1) | (i == n - 1):
+                gl.thread_barrier()  # the chunk's maxima written before they are read
+                # the same bytes as one [CH, 64] row-major tile (stored a block row at a time)
+                tile = mine._reinterpret(gl.float32, [CH, WG_ROWS], gl.SwizzledSharedLayout(
+                    vec=1, per_phase=1, max_phase=1, order=[1, 0])).load(out_l)
+                # a skipped page (id < 0, zeros in the buffer) scores -inf
+                tile = gl.where((pages >= 0)[:, None], tile, float("-inf"))
+                ok = ((tok_o >= t_begin) & (tok_o < t_end))[None, :] & (cols_o <= c)[:, None]
+                dst = (out_ptr + tok_o.to(gl.int64)[None, :] * stride_ot
+                       + head_o.to(gl.int64)[None, :] * stride_oh
+                       + (b - c + cols_o).to(gl.int64)[:, None] * stride_ob)
+                gl.store(dst, tile, mask=ok)
+                gl.thread_barrier()  # read before the next chunk overwrites them
         r = gl.where(t_req >= tile_end, num_requests, r + 1)
 
 
 @gluon.jit
 def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr,
                             num_requests, num_tokens, stride_btr, stride_btb, stride_ot,
-                            stride_oh, stride_ob, H: gl.constexpr, BPS: gl.constexpr,
-                            SMALL_Q: gl.constexpr, STAGES: gl.constexpr,
+                            stride_oh, stride_ob, bps, H: gl.constexpr, SMALL_Q: gl.constexpr,
+                            STAGES: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, REVERSE_TILES: gl.constexpr,
                             CONSUMERS: gl.constexpr, Q_IN_REGS: gl.constexpr,
                             num_warps: gl.constexpr):
@@ -184,7 +200,7 @@ def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
     if REVERSE_TILES:
         # later tokens see more blocks: the longest programs first (scores.py)
         pid = gl.num_programs(0) - 1 - pid
-    b_first = gl.program_id(1) * BPS
+    b_first = gl.program_id(1) * bps
     tile_begin = pid * ROWS_T
     tile_end = gl.minimum(tile_begin + ROWS_T, num_tokens)
     r_first = _find_request(cu_ptr, num_requests, tile_begin)
@@ -205,12 +221,12 @@ def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS, WG_ROWS, DI],
                                            q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK, DI], k_desc.layout)
-        # each consumer's maxima, [BPS, 64] (a block's 64 maxima are one contiguous row)
+        # each consumer's maxima, [CH, 64] (a block's 64 maxima are one contiguous row)
         flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-        maxima0 = gl.allocate_shared_memory(gl.float32, [BPS, WG_ROWS], flat)
-        maxima1 = gl.allocate_shared_memory(gl.float32, [BPS, WG_ROWS], flat)
-        maxima2 = gl.allocate_shared_memory(gl.float32, [BPS, WG_ROWS], flat)
-        maxima3 = gl.allocate_shared_memory(gl.float32, [BPS, WG_ROWS], flat)  # (4 consumers)
+        maxima0 = gl.allocate_shared_memory(gl.float32, [CH, WG_ROWS], flat)
+        maxima1 = gl.allocate_shared_memory(gl.float32, [CH, WG_ROWS], flat)
+        maxima2 = gl.allocate_shared_memory(gl.float32, [CH, WG_ROWS], flat)
+        maxima3 = gl.allocate_shared_memory(gl.float32, [CH, WG_ROWS], flat)  # (4 consumers)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -229,39 +245,39 @@ def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
             gl.warp_specialize([
                 (_consumer, (q_smem, k_smem, ready, empty, maxima0, cu_ptr, seq_lens_ptr, bt_ptr,
                              out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
-                             num_requests, tile_begin, tile_end, b_first, r_first, 0, H, BPS, BLOCK,
-                             SMALL_Q, STAGES, Q_IN_REGS)),
+                             num_requests, tile_begin, tile_end, b_first, r_first, bps, 0, H,
+                             BLOCK, SMALL_Q, STAGES, Q_IN_REGS)),
                 (_consumer, (q_smem, k_smem, ready, empty, maxima1, cu_ptr, seq_lens_ptr, bt_ptr,
                              out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
-                             num_requests, tile_begin, tile_end, b_first, r_first, 1, H, BPS, BLOCK,
-                             SMALL_Q, STAGES, Q_IN_REGS)),
+                             num_requests, tile_begin, tile_end, b_first, r_first, bps, 1, H,
+                             BLOCK, SMALL_Q, STAGES, Q_IN_REGS)),
                 (_consumer, (q_smem, k_smem, ready, empty, maxima2, cu_ptr, seq_lens_ptr, bt_ptr,
                              out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
-                             num_requests, tile_begin, tile_end, b_first, r_first, 2, H, BPS, BLOCK,
-                             SMALL_Q, STAGES, Q_IN_REGS)),
+                             num_requests, tile_begin, tile_end, b_first, r_first, bps, 2, H,
+                             BLOCK, SMALL_Q, STAGES, Q_IN_REGS)),
                 (_consumer, (q_smem, k_smem, ready, empty, maxima3, cu_ptr, seq_lens_ptr, bt_ptr,
                              out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
-                             num_requests, tile_begin, tile_end, b_first, r_first, 3, H, BPS, BLOCK,
-                             SMALL_Q, STAGES, Q_IN_REGS)),
+                             num_requests, tile_begin, tile_end, b_first, r_first, bps, 3, H,
+                             BLOCK, SMALL_Q, STAGES, Q_IN_REGS)),
                 (_producer, (k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr,
                              stride_btr, stride_btb, num_requests, tile_begin, tile_end, b_first,
-                             r_first, BPS, BLOCK, SMALL_Q, STAGES)),
+                             r_first, bps, BLOCK, SMALL_Q, STAGES)),
             ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, 24])
         else:
             gl.warp_specialize([
                 (_consumer, (q_smem, k_smem, ready, empty, maxima0, cu_ptr, seq_lens_ptr, bt_ptr,
                              out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
-                             num_requests, tile_begin, tile_end, b_first, r_first, 0, H, BPS, BLOCK,
-                             SMALL_Q, STAGES, Q_IN_REGS)),
+                             num_requests, tile_begin, tile_end, b_first, r_first, bps, 0, H,
+                             BLOCK, SMALL_Q, STAGES, Q_IN_REGS)),
                 (_consumer, (q_smem, k_smem, ready, empty, maxima1, cu_ptr, seq_lens_ptr, bt_ptr,
                              out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
-                             num_requests, tile_begin, tile_end, b_first, r_first, 1, H, BPS, BLOCK,
-                             SMALL_Q, STAGES, Q_IN_REGS)),
+                             num_requests, tile_begin, tile_end, b_first, r_first, bps, 1, H,
+                             BLOCK, SMALL_Q, STAGES, Q_IN_REGS)),
                 (_consumer, (q_smem, k_smem, ready, empty, maxima2, cu_ptr, seq_lens_ptr, bt_ptr,
                              out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
-                             num_requests, tile_begin, tile_end, b_first, r_first, 2, H, BPS, BLOCK,
-                             SMALL_Q, STAGES, Q_IN_REGS)),
+                             num_requests, tile_begin, tile_end, b_first, r_first, bps, 2, H,
+                             BLOCK, SMALL_Q, STAGES, Q_IN_REGS)),
                 (_producer, (k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr,
                              stride_btr, stride_btb, num_requests, tile_begin, tile_end, b_first,
-                             r_first, BPS, BLOCK, SMALL_Q, STAGES)),
+                             r_first, bps, BLOCK, SMALL_Q, STAGES)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
