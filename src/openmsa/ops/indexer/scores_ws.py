@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
                                                               warpgroup_mma_wait)
 
 # rows per consumer warpgroup (Hopper's MMA M); blocks per chunk of a consumer's maxima (each
-# chunk is stored as one [CH, 64] tile) and of the producer's page ids
+# chunk is stored as one [CH, 64] tile)
 WG_ROWS = gl.constexpr(64)
 CH = gl.constexpr(32)
 
@@ -77,25 +77,16 @@ def _producer(k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr, stride
               stride_btb, num_requests, tile_begin, tile_end, b_first, r_first, bps,
               BLOCK: gl.constexpr, SMALL_Q: gl.constexpr, STAGES: gl.constexpr):
     """One warp: every block this program scores, in the consumers' order, into the ring."""
-    lanes: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    cols = gl.arange(0, CH, layout=lanes)
     j = 0  # blocks issued so far (the ring's position and phase)
     r = r_first
     while r < num_requests:
         t_req, first_pos, t_begin, t_end, n = _request_blocks(
             cu_ptr, seq_lens_ptr, r, tile_begin, tile_end, b_first, bps, BLOCK, SMALL_Q)
-        # page ids a chunk at a time, the next chunk's loaded while this one's are copied:
-        # no copy waits on a global load
-        row = bt_ptr + r.to(gl.int64) * stride_btr
-        nxt = gl.load(row + (b_first + cols) * stride_btb, mask=cols < n, other=-1)
-        cur = nxt
+        # each block's page id loaded one block ahead: no copy waits on a global load
+        row = bt_ptr + r.to(gl.int64) * stride_btr + b_first * stride_btb
+        page = gl.load(row, mask=n > 0, other=-1)
         for i in range(n):
-            c = i % CH
-            if c == 0:
-                cur = nxt
-                nxt = gl.load(row + (b_first + i + CH + cols) * stride_btb,
-                              mask=i + CH + cols < n, other=-1)
-            page = gl.sum(gl.where(cols == c, cur, 0), axis=0)
+            page_next = gl.load(row + (i + 1) * stride_btb, mask=i + 1 < n, other=-1)
             s = j % STAGES
             # the buffer's previous block released by all consumers
             mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1, pred=j >= STAGES)
@@ -103,6 +94,7 @@ def _producer(k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr, stride
             # a page id < 0 lands outside the descriptor: TMA writes zeros and reads nothing
             tma.async_copy_global_to_shared(k_desc, [page * BLOCK, 0], ready.index(s),
                                             k_smem.index(s))
+            page = page_next
             j += 1
         r = gl.where(t_req >= tile_end, num_requests, r + 1)
 
@@ -148,14 +140,13 @@ def _consumer(q_smem, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_ptr, 
         # blocks wholly at or before this warpgroup's earliest token need no causal mask
         wg_first = gl.maximum(t_begin, tile_begin + (part * WG_ROWS) // H)
         b_full = (first_pos + (wg_first - t_req) + 1) // BLOCK
-        row = bt_ptr + r.to(gl.int64) * stride_btr
-        pages = gl.full([CH], -1, gl.int32, layout=gl.SliceLayout(1, out_l))
+        # each block's page id loaded one block ahead (a page id < 0 scores -inf)
+        row = bt_ptr + r.to(gl.int64) * stride_btr + b_first * stride_btb
+        page = gl.load(row, mask=n > 0, other=-1)
         for i in range(n):
+            page_next = gl.load(row + (i + 1) * stride_btb, mask=i + 1 < n, other=-1)
             b = b_first + i
             c = i % CH
-            if c == 0:  # the chunk's page ids, for its store (loaded well before it)
-                pages = gl.load(row + (b + cols_o) * stride_btb, mask=i + cols_o < n,
-                                other=-1)
             s = j % STAGES
             mbarrier.wait(ready.index(s), (j // STAGES) & 1)
             acc = warpgroup_mma(q_i, k_smem.index(s).permute((1, 0)), zero, use_acc=False,
@@ -164,18 +155,18 @@ def _consumer(q_smem, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_ptr, 
             mbarrier.arrive(empty.index(s), count=1)
             if b >= b_full:
                 acc = gl.where((b * BLOCK + keys)[None, :] <= pos[:, None], acc, float("-inf"))
-            # the max skips NaN (PTX max.f32), so only an all-NaN row is left to clean
+            # the max skips NaN (PTX max.f32), so only an all-NaN row is left to clean; a
+            # skipped page's buffer holds zeros
             best = gl.max(acc, axis=1)
-            best = gl.where(best == best, best, float("-inf"))
+            best = gl.where((best == best) & (page >= 0), best, float("-inf"))
             mine.index(c).store(best)
+            page = page_next
             j += 1
             if (c == CH - 1) | (i == n - 1):
                 gl.thread_barrier()  # the chunk's maxima written before they are read
                 # the same bytes as one [CH, 64] row-major tile (stored a block row at a time)
                 tile = mine._reinterpret(gl.float32, [CH, WG_ROWS], gl.SwizzledSharedLayout(
                     vec=1, per_phase=1, max_phase=1, order=[1, 0])).load(out_l)
-                # a skipped page (id < 0, zeros in the buffer) scores -inf
-                tile = gl.where((pages >= 0)[:, None], tile, float("-inf"))
                 ok = ((tok_o >= t_begin) & (tok_o < t_end))[None, :] & (cols_o <= c)[:, None]
                 dst = (out_ptr + tok_o.to(gl.int64)[None, :] * stride_ot
                        + head_o.to(gl.int64)[None, :] * stride_oh
