@@ -36,7 +36,7 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               prefill_reverse_tiles=True, prefill_reverse_splits=False,
               prefill_split_major=False, select_chunk=128,
               use_max_q_len=True, select_segment_fill=True, select_chunk_min_waves=16,
-              prefill_ws=True, prefill_ws_16=False, ws_bps=0, ws_waves=4, ws_stages=6,
+              prefill_ws=True, prefill_ws_16=True, ws_bps=0, ws_waves=4, ws_stages=6,
               ws_stages_16=3, ws_consumer_regs=112, ws_consumers=4, ws_q_in_regs=False)
 # prefill_ws, prefill_ws_16: on Hopper, the tile launch of an fp8 (16-bit) cache is scores_ws.py's
 # warp-specialised Gluon kernel where the layouts allow TMA (_ws_eligible); ws_waves programs
