@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The host-side launch decisions that shape a kernel's grid, as plain functions of the step's
 shapes: the attention split count and the indexer's selection layout, on an H200's 132 SMs.
-The cases are the M3 shapes whose measured times chose the rules (docs/performance.md)."""
+The cases are the M3 shapes whose measured times chose the rules (docs/performance.md), and
+which prefill scoring kernel (Gluon or Triton) a layout gets."""
 
 import pytest
 import torch
@@ -74,3 +75,65 @@ def test_selection_chunks(monkeypatch, tokens, blocks, chunk):
     monkeypatch.setattr(indexer_api, "num_sms", lambda device: 132)
     kwargs = indexer_api._select_plan(tokens, 4, blocks, 16, 0, 1, 128, CUDA)[4]
     assert kwargs["BY_SORT"] is False and kwargs["CH"] == chunk
+
+
+class _OnCuda:
+    """What launch planning reads of a tensor (shape, strides, dtype) on a CUDA device, from a
+    meta tensor: planning needs no GPU."""
+
+    def __init__(self, t):
+        self.t, self.shape, self.dtype = t, t.shape, t.dtype
+        self.device, self.is_cuda = CUDA, True
+
+    def stride(self, *dim):
+        return self.t.stride(*dim)
+
+
+def _index_pair(tokens=8192, heads=4, dim=128, pages=1088, dtype=torch.float8_e4m3fn,
+                page_rows=128, q_view=None):
+    q = torch.empty(tokens, heads, dim, dtype=dtype, device="meta")
+    # page_rows > 128: each page padded (a page stride TMA rows cannot step over)
+    c = torch.empty(pages, page_rows, dim, dtype=dtype, device="meta")[:, :128]
+    return _OnCuda(q_view(q) if q_view else q), _OnCuda(c)
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    monkeypatch.setattr(indexer_api, "num_sms", lambda device: 132)
+    monkeypatch.setattr(indexer_api, "capability", lambda device: (9, 0))
+
+
+@pytest.mark.parametrize("heads, want_grid, want_bps", [
+    (4, (128, 4), 256),   # TP1 8K chunk after 120K: 128 tiles of 64 tokens, ~4 programs per SM
+    (1, (32, 16), 64),    # TP4: 256 tokens per tile
+])
+def test_prefill_tile_launch_is_the_gluon_kernel_on_hopper(hopper, heads, want_grid, want_bps):
+    q, c = _index_pair(heads=heads)
+    plan = indexer_api._scores_plan(q, c, 1, 1024, 128, None)
+    serial, grid, kwargs = plan[-1]
+    assert serial is None and grid == want_grid and kwargs["GLUON"]["bps"] == want_bps
+    assert "GLUON" not in kwargs["FALLBACK"][2]  # the Triton tile launch, for unaligned bases
+
+
+@pytest.mark.parametrize("case", ["heads3", "q_slice", "page_padding", "mixed", "dim64", "sm100",
+                                  "off"])
+def test_prefill_tile_launch_stays_triton(hopper, monkeypatch, case):
+    """Layouts a TMA descriptor of rows cannot describe, other GPUs, the knob off: the Triton
+    tile launch, same scores."""
+    if case == "q_slice":
+        q, c = _index_pair(heads=8, q_view=lambda q: q[:, :4])
+    elif case == "heads3":
+        q, c = _index_pair(heads=3)
+    elif case == "dim64":
+        q, c = _index_pair(dim=64)
+    elif case == "mixed":
+        q = _OnCuda(torch.empty(8192, 4, 128, dtype=torch.bfloat16, device="meta"))
+        c = _index_pair()[1]
+    else:
+        q, c = _index_pair(page_rows=130 if case == "page_padding" else 128)
+    if case == "sm100":
+        monkeypatch.setattr(indexer_api, "capability", lambda device: (10, 0))
+    if case == "off":
+        monkeypatch.setitem(indexer_api.TUNING, "prefill_ws", False)
+    plan = indexer_api._scores_plan(q, c, 1, 1024, 128, None)
+    assert plan[-1][0] is not None and "GLUON" not in plan[-1][2]
