@@ -109,7 +109,8 @@ WS_FORMS = [{}, dict(ws_consumers=3, ws_q_in_regs=True, ws_consumer_regs=160, ws
 @pytest.mark.parametrize("dtype, heads, form", [(FP8, 4, 0), (FP8, 1, 0), (FP8, 2, 0),
                                                 (torch.bfloat16, 4, 0), (FP8, 4, 1),
                                                 (FP8, 1, 1), (torch.bfloat16, 2, 1), (FP8, 4, 2),
-                                                (FP8, 1, 2)])
+                                                (FP8, 1, 2), (FP8, 8, 0), (FP8, 16, 2),
+                                                (torch.bfloat16, 16, 0)])
 def test_prefill_gluon_tile_launch_exact(dtype, heads, form, monkeypatch):
     """The warp-specialised tile launch (scores_ws.py) against the reference and the Triton
     tile launch, exactly (integer inputs): tiles spanning several requests (long and short),
