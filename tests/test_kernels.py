@@ -90,15 +90,17 @@ CRAFTED = [float("-inf"), float("inf"), float("nan"), -0.0, 0.0, 1e-45, -1e-45, 
            1.0, 1.0000001, -1.0, -1.0000001, 2.0, 2.0]
 
 
-@pytest.mark.parametrize("by_sort", [False, True])
+@pytest.mark.parametrize("by_sort, group_bound", [(False, True), (False, False), (True, False)])
 @pytest.mark.parametrize("topk, init, local, segment", [(4, 0, 1, None), (5, 1, 2, 8),
                                                         (16, 0, 1, None)])
 def test_selection_kernels_on_crafted_scores(kernel_device, topk, init, local, segment, by_sort,
-                                             monkeypatch):
+                                             group_bound, monkeypatch):
     """The selection launches alone on score rows drawn from CRAFTED (many exact ties, all-equal
     rows, all -inf rows, rows shorter and longer than topk, one segment or several), equal to
-    the reference selection from the same scores; both paths (threshold search, bitonic sort)."""
+    the reference selection from the same scores; every path (threshold search per segment, or
+    for rows of several segments the group-bound path, and the bitonic sort)."""
     monkeypatch.setitem(indexer_api.TUNING, "select_sort_waves", 10**9 if by_sort else 0)
+    monkeypatch.setitem(indexer_api.TUNING, "select_group_bound", group_bound)
     if segment is not None:
         monkeypatch.setitem(indexer_api.TUNING, "select_segment", segment)
     g = torch.Generator().manual_seed(topk)
