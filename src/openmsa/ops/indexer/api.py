@@ -38,10 +38,10 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               use_max_q_len=True, select_segment_fill=True, select_chunk_min_waves=16,
               prefill_ws=True, prefill_ws_16=True, ws_bps=0, ws_waves=4, ws_stages=6,
               ws_stages_16=3, ws_consumer_regs=112, ws_consumers=4, ws_q_in_regs=False,
-              select_group_bound=True)
-# select_group_bound: rows of several selection segments on the threshold path (prefill after
-# a long context) take select.py's group-bound path: a memory-bound launch of 16-block group
-# maxima, then one program per row reading only the groups that can hold a pick
+              select_group_bound=True, select_group_min_blocks=512)
+# select_group_bound: rows of at least select_group_min_blocks blocks on the threshold path
+# (prefill after a long context) take select.py's group-bound path: a memory-bound launch of
+# 16-block group maxima, then one program per row reading only the groups that can hold a pick
 # prefill_ws, prefill_ws_16: on Hopper, the tile launch of an fp8 (16-bit) cache is scores_ws.py's
 # warp-specialised Gluon kernel where the layouts allow TMA (_ws_eligible); ws_waves programs
 # per SM in the grid (each split as long as that allows), or ws_bps blocks per split if set;
@@ -370,7 +370,8 @@ def _select_plan(num_tokens, num_heads, max_blocks, topk, init_blocks, local_blo
                         CANDP=_next_pow2(num_segments * kp), BY_SORT=by_sort, PDL=pdl,
                         num_warps=warps, launch_pdl=pdl)
     group = None
-    if TUNING["select_group_bound"] and not by_sort and num_segments > 1 and kp <= 32:
+    if (TUNING["select_group_bound"] and not by_sort and kp <= 32
+            and max_blocks >= TUNING["select_group_min_blocks"]):
         # (select.py: 16-block groups, 64 per group-maxima program; at most 32 reaching groups
         # on the fast path, 512 candidate blocks)
         gs, groups = 16, -(-max_blocks // 16)
