@@ -213,11 +213,11 @@ def _indexer_prefill(args):
     """The prefill tile launch's knobs on 8K chunks (no context, 120K, ~1M): select_blocks, and
     for fp8 at 120K block_scores alone (the scoring launch plus the score tensor's -inf fill)
     and the selection launches alone."""
-    variants = pick(args, [{}, dict(prefill_warps=8, prefill_stages=3),
-                           dict(prefill_rows=256, prefill_warps=8, prefill_warps_fp8=8),
-                           dict(prefill_bps=16), dict(prefill_bps=64),
-                           dict(prefill_stages=3, prefill_stages_fp8=4),
-                           dict(prefill_stages_fp8=2), dict(prefill_rows=64)])
+    # the Gluon tile launch (Hopper) against the Triton one, then the Gluon launch's knobs; the
+    # Triton launch's own knobs (prefill_rows, _bps, _warps, _stages) apply with prefill_ws off
+    variants = pick(args, [{}, dict(prefill_ws=False, prefill_ws_16=False), dict(ws_waves=2),
+                           dict(ws_waves=8), dict(ws_stages=4, ws_stages_16=2),
+                           dict(ws_consumers=3, ws_consumer_regs=160, ws_q_in_regs=True)])
     print("indexer prefill variants:", variants)
     cases = []
     for dname, ctx in (("fp8", 0), ("fp8", 120 * 1024), ("fp8", 1016 * 1024), ("bf16", 0),

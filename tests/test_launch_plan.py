@@ -137,3 +137,33 @@ def test_prefill_tile_launch_stays_triton(hopper, monkeypatch, case):
         monkeypatch.setitem(indexer_api.TUNING, "prefill_ws", False)
     plan = indexer_api._scores_plan(q, c, 1, 1024, 128, None)
     assert plan[-1][0] is not None and "GLUON" not in plan[-1][2]
+
+
+@pytest.mark.parametrize("dtype, heads", [(torch.float8_e4m3fn, 4), (torch.bfloat16, 1)])
+def test_gluon_launch_descriptors(monkeypatch, dtype, heads):
+    """The Gluon launch's host side (no GPU: the kernel is replaced): q as [T * H, Di] rows in
+    64-row boxes, the cache as [P * B, Di] rows in one-block boxes, the split size passed as
+    an argument and the rest as the plan's keywords."""
+    from openmsa.ops.indexer import scores_ws
+    seen = {}
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                seen.update(grid=grid, args=args, kwargs=kwargs)
+            return run
+    monkeypatch.setattr(scores_ws, "_block_scores_ws_kernel", Kernel())
+    q = torch.zeros(100, heads, 128, dtype=dtype)
+    cache = torch.zeros(10, 128, 128, dtype=dtype)
+    table = torch.zeros(2, 7, dtype=torch.int32)
+    scores = torch.zeros(100, heads, 7)
+    indexer_api._launch_ws(q, cache, torch.zeros(3, dtype=torch.int32),
+                           torch.zeros(2, dtype=torch.int32), table, scores, (2, 1),
+                           dict(bps=32, H=heads, STAGES=6))
+    q_desc, k_desc = seen["args"][:2]
+    assert (list(q_desc.shape), list(q_desc.strides), list(q_desc.block_shape)) == \
+        ([100 * heads, 128], [128, 1], [64, 128])
+    assert (list(k_desc.shape), list(k_desc.strides), list(k_desc.block_shape)) == \
+        ([1280, 128], [128, 1], [128, 128])
+    assert seen["args"][-1] == 32 and seen["kwargs"] == dict(H=heads, STAGES=6)
+    assert seen["grid"] == (2, 1)

@@ -13,7 +13,8 @@ prefill kernel uses: a program owns 256 (token, head) rows and one split of `bps
   while one takes maxima the others keep the tensor cores busy. Triton's loop cannot do this:
   its 4-warp programs wait for their own MMA, then reduce, and its 16-warp programs keep the
   warpgroups in step (two CTA barriers per block); measured on the same loop
-  (`benchmarks/probe_mma_overlap.py`), 837 µs against Triton's 1058.
+  (`benchmarks/probe_mma_overlap.py`), 837 µs against Triton's 1058, and in the library an 8K
+  chunk after 120K scores in 814 µs against the Triton launch's 963 (docs/performance.md).
 * A consumer keeps its maxima in shared memory, [CH, 64] per warpgroup, and stores them as one
   tile every CH blocks, coalesced along the blocks as scores.py's tile is. So a split can be
   long: the grid is sized to a few programs per SM (api.py, ws_waves), because a program's
@@ -21,8 +22,8 @@ prefill kernel uses: a program owns 256 (token, head) rows and one split of `bps
   SM, one program per SM leaving nothing to hide it behind.
 
 Used when the index query and cache allow TMA (api.py, `_ws_eligible`): CUDA sm_90, a
-power-of-two number of heads, q rows [T * H, DI] and cache rows [pages * BLOCK, DI] both unit
-stride along DI with 16-byte aligned rows, BLOCK = 128. Everything else, and the interpreter,
+power-of-two number of heads, q rows [T * H, DI] and cache rows [pages * BLOCK, DI] each one
+strided 2-D array with 16-byte aligned bases, BLOCK = DI = 128. Everything else, and the interpreter,
 keeps scores.py. Keys of a page id < 0 are not read (TMA fills an out-of-range box with zeros)
 and score -inf, as in scores.py.
 """
@@ -82,7 +83,9 @@ def _producer(k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr, stride
     while r < num_requests:
         t_req, first_pos, t_begin, t_end, n = _request_blocks(
             cu_ptr, seq_lens_ptr, r, tile_begin, tile_end, b_first, bps, BLOCK, SMALL_Q)
-        # each block's page id loaded one block ahead: no copy waits on a global load
+        # each block's page id loaded one block ahead: no copy waits on a global load (as
+        # scalars: a tensor carried through this loop and reassigned under an `if` came out
+        # wrong on the GPU inside a warp-specialised partition, Triton 3.6)
         row = bt_ptr + r.to(gl.int64) * stride_btr + b_first * stride_btb
         page = gl.load(row, mask=n > 0, other=-1)
         for i in range(n):
