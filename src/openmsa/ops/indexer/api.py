@@ -38,7 +38,7 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               use_max_q_len=True, select_segment_fill=True, select_chunk_min_waves=16,
               prefill_ws=True, prefill_ws_16=True, ws_bps=0, ws_waves=4, ws_stages=6,
               ws_stages_16=3, ws_consumer_regs=112, ws_consumers=4, ws_q_in_regs=False,
-              select_group_bound=True, select_group_min_blocks=512)
+              select_group_bound=True, select_group_min_blocks=2048)
 # select_group_bound: rows of at least select_group_min_blocks blocks on the threshold path
 # (prefill after a long context) take select.py's group-bound path: a memory-bound launch of
 # 16-block group maxima, then one program per row reading only the groups that can hold a pick
