@@ -103,6 +103,14 @@ def test_selection_kernels(by_sort):
                           PDL=by_sort))
     # a dependent launch waits for its predecessor before reading (and only then)
     assert ("griddepcontrol.wait" in merge.asm["ptx"]) == by_sort
+    # the group-bound path (api.py, select_group_bound) at 1M tokens: 512 groups of 16 blocks
+    from openmsa.ops.indexer.select import _group_bound_select_kernel, _group_max_kernel
+    common = dict(TOPK=16, INIT=0, LOCAL=1, BLOCK=128, GS=16)
+    _compile(_group_max_kernel, dict(scores_ptr=F32, gmax_ptr=I32, cu_ptr=I32,
+                                     seq_lens_ptr=I32), {}, dict(**common, GB=64))
+    _compile(_group_bound_select_kernel, dict(scores_ptr=F32, gmax_ptr=I32, out_ptr=I32,
+                                              scratch_ptr=I64, cu_ptr=I32, seq_lens_ptr=I32), {},
+             dict(**common, KP=16, NGP=512, CG=32, CAP=64, CH=128))
 
 
 @pytest.mark.parametrize("kv_type, splits, sub", [("*fp8e4nv", 2, 64), ("*bf16", 1, 128)])

@@ -74,6 +74,31 @@ def test_index_cache_over_2_31_bytes():
     assert torch.equal(got.cpu(), want)
 
 
+@pytest.mark.parametrize("group_bound", [True, False])
+def test_selection_of_million_token_rows(group_bound, monkeypatch):
+    """The selection alone on rows of up to 8192 blocks (a chunk after 1M tokens, and one after
+    300K): the group-bound path (select.py) or the per-segment search, against the reference
+    selection from the same scores; random scores with a run of equal top scores, a row of one
+    value (the group-bound path's fallback) and a row whose best blocks share a few groups."""
+    from openmsa.ops.indexer import api
+    from openmsa.ops.indexer import reference as indexer_ref
+    monkeypatch.setitem(api.TUNING, "select_group_bound", group_bound)
+    step = make_step([48, 20], [(1 << 20) + 48, 300_000 + 20], block_size=B)
+    g = torch.Generator().manual_seed(5)
+    scores = torch.randn(step.num_tokens, 4, step.block_table.shape[1], generator=g)
+    scores[0, 0, 3000:3040] = 9.0
+    scores[1, 1] = 0.5
+    scores[2, 2, 100:140] = 20.0 + torch.arange(40.0)
+    _, pos = token_layout(step.cu_seqlens_q, step.seq_lens, step.num_tokens)
+    want = indexer_ref.select_from_scores(scores, pos, topk=16, init_blocks=1, local_blocks=2,
+                                          block_size=B)
+    d = _cuda(step)
+    out = torch.full((step.num_tokens, 4, 16), -7, dtype=torch.int32, device="cuda")
+    api.launch_select(scores.cuda(), d.cu_seqlens_q, d.seq_lens, out, topk=16, init_blocks=1,
+                      local_blocks=2, block_size=B)
+    assert torch.equal(out.cpu(), want)
+
+
 @pytest.mark.parametrize("c_dtype", [torch.bfloat16, FP8])
 def test_prefill_random_floats_threshold(c_dtype):
     step = make_step([2048, 1], [2048 + 6000, 9000], block_size=B)

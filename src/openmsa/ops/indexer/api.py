@@ -37,7 +37,11 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               prefill_split_major=False, select_chunk=128,
               use_max_q_len=True, select_segment_fill=True, select_chunk_min_waves=16,
               prefill_ws=True, prefill_ws_16=True, ws_bps=0, ws_waves=4, ws_stages=6,
-              ws_stages_16=3, ws_consumer_regs=112, ws_consumers=4, ws_q_in_regs=False)
+              ws_stages_16=3, ws_consumer_regs=112, ws_consumers=4, ws_q_in_regs=False,
+              select_group_bound=True, select_group_min_blocks=2048)
+# select_group_bound: rows of at least select_group_min_blocks blocks on the threshold path
+# (prefill after a long context) take select.py's group-bound path: a memory-bound launch of
+# 16-block group maxima, then one program per row reading only the groups that can hold a pick
 # prefill_ws, prefill_ws_16: on Hopper, the tile launch of an fp8 (16-bit) cache is scores_ws.py's
 # warp-specialised Gluon kernel where the layouts allow TMA (_ws_eligible); ws_waves programs
 # per SM in the grid (each split as long as that allows), or ws_bps blocks per split if set;
@@ -300,7 +304,21 @@ def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, loc
     if plan is None:
         plan = _select_plan(num_tokens, num_heads, max_blocks, topk, init_blocks, local_blocks,
                             block_size, scores.device)
-    serial, segments, cap, kp, kwargs, merge_kwargs = plan
+    serial, segments, cap, kp, kwargs, merge_kwargs, group = plan
+    if group is not None:
+        from .select import _group_bound_select_kernel, _group_max_kernel
+        gmax = torch.empty((num_tokens, num_heads, group["groups"]), dtype=torch.int32,
+                           device=scores.device)
+        scratch = torch.empty((num_tokens * num_heads, group["s"]["CAP"]), dtype=torch.int64,
+                              device=scores.device)
+        launch_planned(_group_max_kernel, (serial, 2),
+                       (num_tokens, num_heads, -(-group["groups"] // group["g"]["GB"])),
+                       scores, cu_seqlens_q, seq_lens, gmax, seq_lens.shape[0],
+                       *scores.stride(), *gmax.stride()[:2], **group["g"])
+        launch_planned(_group_bound_select_kernel, (serial, 3), (num_tokens, num_heads),
+                       scores, cu_seqlens_q, seq_lens, gmax, out, scratch, seq_lens.shape[0],
+                       *scores.stride(), *gmax.stride()[:2], *out.stride(), **group["s"])
+        return
     cand = out if segments == 1 else torch.empty((num_tokens, num_heads, segments, kp),
                                                  dtype=torch.int64, device=scores.device)
     # (without scratch slots the kernel never touches the pointer: the candidates stand in, and
@@ -351,7 +369,17 @@ def _select_plan(num_tokens, num_heads, max_blocks, topk, init_blocks, local_blo
     merge_kwargs = dict(TOPK=topk, KP=kp, BLOCK=block_size, SEG=seg,
                         CANDP=_next_pow2(num_segments * kp), BY_SORT=by_sort, PDL=pdl,
                         num_warps=warps, launch_pdl=pdl)
-    return next(plan_serials), num_segments, cap, kp, kwargs, merge_kwargs
+    group = None
+    if (TUNING["select_group_bound"] and not by_sort and kp <= 32
+            and max_blocks >= TUNING["select_group_min_blocks"]):
+        # (select.py: 16-block groups, 64 per group-maxima program; at most 32 reaching groups
+        # on the fast path, 512 candidate blocks)
+        gs, groups = 16, -(-max_blocks // 16)
+        common = dict(TOPK=topk, INIT=init_blocks, LOCAL=local_blocks, BLOCK=block_size, GS=gs)
+        group = dict(groups=groups, g=dict(**common, GB=64, num_warps=4),
+                     s=dict(**common, KP=kp, NGP=max(_next_pow2(groups), 2 * kp), CG=2 * kp,
+                            CAP=max(64, 2 * kp), CH=128, num_warps=1))
+    return next(plan_serials), num_segments, cap, kp, kwargs, merge_kwargs, group
 
 
 @on_tensor_device

@@ -323,3 +323,78 @@ def _merge_topk_kernel(cand_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_requests, nu
             key = tl.where(packed == EMPTY_KEY, DEAD_KEY, (packed >> 32).to(tl.int32))
             picked = _threshold_select(key, TOPK, KP)
             _store_in_order(out_row, stride_ok, picked, unpack_block(packed), TOPK, KP)
+
+
+# The group-bound path for long rows (TUNING select_group_bound): a row of n blocks is read once
+# by a wide, memory-bound launch that reduces it to ceil(n / GS) group maxima of keys, and one
+# program per row then needs two dependent reads instead of a chain per segment: the K-th largest
+# group maximum bounds the answer from below (K groups hold a key at least that large), so only
+# the groups reaching it (usually about K of them) can hold a picked block. Their blocks, in block
+# order, are the candidates of an exact threshold selection (tie rule included). More than CG
+# such groups (ties, -inf rows) fall back to the chunked search of the whole row.
+
+
+@triton.jit
+def _group_max_kernel(scores_ptr, cu_ptr, seq_lens_ptr, gmax_ptr, num_requests, stride_st,
+                      stride_sh, stride_sb, stride_gt, stride_gh, TOPK: tl.constexpr,
+                      INIT: tl.constexpr, LOCAL: tl.constexpr, BLOCK: tl.constexpr,
+                      GS: tl.constexpr, GB: tl.constexpr):
+    """gmax[t, h, g] = the largest key of blocks [g * GS, g * GS + GS) of score row (t, h) (forced
+    blocks the largest key, blocks past n DEAD_KEY), for the GB groups of program (t, h, i); rows
+    of at most TOPK blocks are skipped (every block is picked, nothing is read)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    n = _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, t, BLOCK)
+    g = tl.program_id(2) * GB + tl.arange(0, GB)
+    if (n > TOPK) & (tl.program_id(2) * GB * GS < n):
+        b = g[:, None] * GS + tl.arange(0, GS)[None, :]
+        row = scores_ptr + t.to(tl.int64) * stride_st + h * stride_sh
+        key, _ = _segment_keys(row, b, n, stride_sb, INIT, LOCAL)
+        tl.store(gmax_ptr + t.to(tl.int64) * stride_gt + h * stride_gh + g, tl.max(key, axis=1),
+                 mask=g * GS < n)
+
+
+@triton.jit
+def _group_bound_select_kernel(scores_ptr, cu_ptr, seq_lens_ptr, gmax_ptr, out_ptr, scratch_ptr,
+                               num_requests, stride_st, stride_sh, stride_sb, stride_gt,
+                               stride_gh, stride_ot, stride_oh, stride_ok, TOPK: tl.constexpr,
+                               KP: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
+                               BLOCK: tl.constexpr, GS: tl.constexpr, NGP: tl.constexpr,
+                               CG: tl.constexpr, CAP: tl.constexpr, CH: tl.constexpr):
+    """The top-K of row (t, h) from its NGP-padded group maxima (see above); scratch: CAP int64
+    slots for this row (candidate group ids here, or the fallback's packed keys)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    n = _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, t, BLOCK)
+    out_row = out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh
+    slots = tl.arange(0, KP)
+    if n <= TOPK:
+        tl.store(out_row + slots * stride_ok, tl.where(slots < n, slots, -1), mask=slots < TOPK)
+    else:
+        row = scores_ptr + t.to(tl.int64) * stride_st + h * stride_sh
+        scratch_row = scratch_ptr + (t.to(tl.int64) * num_heads + h) * CAP
+        g = tl.arange(0, NGP)
+        ng = (n + GS - 1) // GS
+        gm = tl.load(gmax_ptr + t.to(tl.int64) * stride_gt + h * stride_gh + g, mask=g < ng,
+                     other=DEAD_KEY)
+        reach = (gm >= _kth_key(gm, TOPK, KP)) & (g < ng)
+        n_groups = tl.sum(reach.to(tl.int32), axis=0)
+        if n_groups <= CG:
+            # the reaching groups' ids, ascending, through the scratch row
+            tl.store(scratch_row + tl.cumsum(reach.to(tl.int32), axis=0) - 1, g.to(tl.int64),
+                     mask=reach)
+            tl.debug_barrier()  # written by other threads than those reading them back
+            c = tl.arange(0, CG)
+            gid = tl.load(scratch_row + c, mask=c < n_groups, other=-1).to(tl.int32)
+            # their blocks in block order (groups ascending, blocks ascending in each)
+            used = tl.reshape((gid >= 0)[:, None] & (tl.arange(0, GS) >= 0)[None, :], [CG * GS])
+            # (an unused slot reads block 0, never picked: its key is DEAD_KEY below)
+            b = tl.where(used, tl.reshape(gid[:, None] * GS + tl.arange(0, GS)[None, :],
+                                          [CG * GS]), 0)
+            key, live = _segment_keys(row, b, n, stride_sb, INIT, LOCAL)
+            key = tl.where(used & live, key, DEAD_KEY)
+            _store_in_order(out_row, stride_ok, _threshold_select(key, TOPK, KP), b, TOPK, KP)
+        else:
+            _chunked_select(row, 0, n, stride_sb, out_row, stride_ok, scratch_row, scratch_row,
+                            TOPK, KP, INIT, LOCAL, NGP * GS, CH, CAP, NGP, True)
