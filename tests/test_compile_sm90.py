@@ -89,6 +89,55 @@ def test_block_scores_ws_kernel(dtype, heads):
     assert k.metadata.shared <= 227 * 1024
 
 
+@pytest.mark.parametrize("dtype, sub, stages, group", [("bf16", 64, 2, 16), ("fp16", 128, 1, 8),
+                                                       ("bf16", 64, 3, 16)])
+def test_sparse_attention_tile_ws_kernel(dtype, sub, stages, group):
+    # the Gluon prefill tiles (attention/prefill_ws.py) with the launch options api.py passes:
+    # warp specialisation, 4-D TMA boxes and both wgmma forms (P from registers) lower for
+    # sm_90; two programs fit on an SM (registers at launch, shared memory) and ptxas spills
+    # nothing
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from openmsa.ops.attention.api import TUNING
+    from openmsa.ops.attention.prefill_ws import _sparse_attention_tile_ws_kernel as fn
+    gdt = gl.bfloat16 if dtype == "bf16" else gl.float16
+    box = [1, sub, 1, 128]
+    layout = gl.NVMMASharedLayout.get_default_for(box, gdt)
+    desc = f"tensordesc<{dtype}[1, {sub}, 1, 128],{layout!r}>"
+    constexprs = dict(NUM_KV_HEADS=4, G=group, GP=group, QT=64 // group, KP=16, BLOCK=128,
+                      STAGES=stages, HAS_SCALE=stages == 1, LAZY_MASK=stages != 3,
+                      PRODUCER_REGS=TUNING["ws_producer_regs"], num_warps=4)
+    signature = {n: "constexpr" if n in constexprs else "i32" for n in fn.arg_names}
+    signature.update(q_ptr=f"*{dtype}", k_desc=desc, v_desc=desc, out_ptr=f"*{dtype}",
+                     lse_ptr=F32, blocks_ptr=I32, union_ptr=I32, k_scale_ptr=F32,
+                     v_scale_ptr=F32, sm_scale="fp32", **STEP)
+    del signature["bt_ptr"]
+    src = GluonASTSource(fn, signature,
+                         {(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=4, maxnreg=TUNING["ws_maxnreg"]))
+    ptx = k.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor.4d" in ptx
+    assert ".maxnreg 128" in ptx and ".reqntid 256" in ptx  # 2 x 256 x 128 = the SM's file
+    assert k.metadata.shared <= 227 * 1024 // 2 - 1024
+    _assert_no_spills(ptx)
+
+
+def _assert_no_spills(ptx):
+    import os
+    import subprocess
+    import tempfile
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, "k.ptx"), "w") as f:
+            f.write(ptx)
+        info = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o",
+                               os.path.join(d, "k.cubin")], capture_output=True, text=True,
+                              check=True).stderr
+    assert "0 bytes spill stores" in info, info
+
+
 @pytest.mark.parametrize("by_sort", [False, True])
 def test_selection_kernels(by_sort):
     for single in (False, True):

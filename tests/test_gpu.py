@@ -281,6 +281,72 @@ def test_attention_prefill_tiles_m3(kv_dtype, heads, monkeypatch):
     assert torch.equal(again, got)
 
 
+@pytest.mark.parametrize("heads, dtype, layout", [((64, 4), torch.bfloat16, "flash"),
+                                                   ((64, 4), torch.bfloat16, "packed"),
+                                                   ((8, 1), torch.float16, "packed"),
+                                                   ((16, 1), torch.bfloat16, "flash")])
+def test_attention_prefill_gluon_tiles(heads, dtype, layout, monkeypatch):
+    """The warp-specialised tile kernel (prefill_ws.py) against the reference and the Triton
+    tile kernel: chunks with and without context, partial own blocks whose unwritten tail is NaN
+    in K and V (copied by TMA, never reaching the output), tiles the plan takes and leaves,
+    the flash and vLLM packed layouts, per-tensor scales (one negative), a strided out=, and the
+    Triton fallback for a base address TMA cannot take."""
+    from openmsa.ops.attention import api
+    calls = []
+    real = api._launch_tile_ws
+    monkeypatch.setattr(api, "_launch_tile_ws", lambda *a: calls.append(1) or real(*a))
+    num_heads, num_kv = heads
+    q_lens, seq_lens = [3, 1030, 1, 1500], [5000, 1030 + 3000, 900, 1500 + 77]
+    step = make_step(q_lens, seq_lens, block_size=B, extra_columns=1)
+    g = torch.Generator().manual_seed(3)
+    shape = (step.num_pages, B, num_kv, 128)
+    k = torch.randn(shape, generator=g).to(dtype)
+    v = torch.randn(shape, generator=g).to(dtype)
+    for r, length in enumerate(seq_lens):  # the unwritten tail of each request's last page
+        if length % B:
+            k[int(step.block_table[r, (length - 1) // B]), length % B:] = float("nan")
+            v[int(step.block_table[r, (length - 1) // B]), length % B:] = float("nan")
+    qi, ci = random_index_inputs(step, num_heads=num_kv, head_dim=128, block_size=B,
+                                 q_dtype=torch.bfloat16, cache_dtype=torch.bfloat16)
+    idx = ref.select_blocks(qi, ci, step.cu_seqlens_q, step.seq_lens, step.block_table,
+                            block_size=B)
+    run = api.TUNING["tile_rows"] // (num_heads // num_kv)
+    # every other run of a tile's tokens shares one selection (the plan takes those tiles)
+    shared = idx[:idx.shape[0] // run * run].view(-1, run, *idx.shape[1:])
+    shared[::2] = shared[::2, :1].clone()
+    q = torch.randn(step.num_tokens, num_heads, 128, generator=g).to(dtype)
+    d = _cuda(step)
+    if layout == "packed":  # vLLM's [P, Hkv, B, 2 * D]
+        buf = torch.cat([k.cuda().transpose(1, 2), v.cuda().transpose(1, 2)], -1)
+        kd, vd = buf[..., :128].transpose(1, 2), buf[..., 128:].transpose(1, 2)
+    else:
+        kd, vd = k.cuda(), v.cuda()
+    args = (idx, step.cu_seqlens_q, step.seq_lens, step.block_table)
+    dargs = (idx.cuda(), d.cu_seqlens_q, d.seq_lens, d.block_table)
+    for scales in (dict(), dict(k_scale=-0.5, v_scale=2.0)):
+        calls.clear()
+        want, want_lse = ref.sparse_attention(q, k, v, *args, return_lse=True, **scales)
+        assert not want.isnan().any()
+        out = torch.full((num_heads, q.shape[0], 128), 7.0, device="cuda").to(dtype)
+        got, lse = openmsa.sparse_attention(q.cuda(), kd, vd, *dargs, return_lse=True,
+                                            out=out.transpose(0, 1), **scales)
+        assert calls
+        assert_close(got, want)
+        assert_close(lse, want_lse, torch.bfloat16)
+        monkeypatch.setitem(api.TUNING, "tile_ws", False)
+        triton_out = openmsa.sparse_attention(q.cuda(), kd, vd, *dargs, **scales)
+        monkeypatch.setitem(api.TUNING, "tile_ws", True)
+        assert_close(got, triton_out)
+    # K and V one element past a 16-byte boundary: the Triton tile kernel takes them
+    calls.clear()
+    kbuf = torch.empty(kd.numel() + 8, dtype=dtype, device="cuda")[1:1 + kd.numel()]
+    vbuf = torch.empty(vd.numel() + 8, dtype=dtype, device="cuda")[1:1 + vd.numel()]
+    ks, vs = kbuf.view(shape).copy_(kd), vbuf.view(shape).copy_(vd)
+    assert_close(openmsa.sparse_attention(q.cuda(), ks, vs, *dargs),
+                 ref.sparse_attention(q, k, v, *args))
+    assert not calls
+
+
 def test_attention_prefill_equals_dense_sdpa():
     """topk covering every block: sparse attention is dense causal attention."""
     ctx, chunk = 1500, 500

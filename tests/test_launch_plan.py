@@ -167,3 +167,71 @@ def test_gluon_launch_descriptors(monkeypatch, dtype, heads):
         ([1280, 128], [128, 1], [128, 128])
     assert seen["args"][-1] == 32 and seen["kwargs"] == dict(H=heads, STAGES=6)
     assert seen["grid"] == (2, 1)
+
+
+def _kv_pair(layout="flash", dtype=torch.bfloat16, pages=300, kv_heads=4, dim=128):
+    if layout == "flash":
+        k = v = torch.empty(pages, 128, kv_heads, dim, dtype=dtype, device="meta")
+    elif layout == "packed":  # vLLM's [P, Hkv, B, 2 * D], K first, V second
+        packed = torch.empty(pages, kv_heads, 128, 2 * dim, dtype=dtype, device="meta")
+        k = packed[..., :dim].permute(0, 2, 1, 3)
+        v = packed[..., dim:].permute(0, 2, 1, 3)
+    else:  # heads padded to an odd row length: strides that are not 16-byte multiples
+        k = v = torch.empty(pages, 128, kv_heads, dim + 3, dtype=dtype, device="meta")[..., :dim]
+    return _OnCuda(k), _OnCuda(v)
+
+
+@pytest.mark.parametrize("case, want", [("flash", True), ("packed", True), ("fp16", True),
+                                        ("dim64", True), ("fp8", False), ("rows32", False),
+                                        ("odd_strides", False), ("dim256", False),
+                                        ("sm100", False), ("off", False)])
+def test_attention_prefill_tiles_take_the_gluon_kernel_where_tma_can(monkeypatch, case, want):
+    """The attention prefill tiles run prefill_ws.py's kernel on Hopper for 16-bit K/V views a
+    TMA descriptor describes (the flash layout and vLLM's packed one), 64-row tiles."""
+    monkeypatch.setattr(attention_api, "capability", lambda device: (9, 0))
+    dtype = {"fp16": torch.float16, "fp8": torch.float8_e4m3fn}.get(case, torch.bfloat16)
+    dim = {"dim64": 64, "dim256": 256}.get(case, 128)
+    k, v = _kv_pair("packed" if case == "packed" else "odd" if case == "odd_strides" else "flash",
+                    dtype, dim=dim)
+    q = _OnCuda(torch.empty(8192, 64, dim, dtype=torch.float16 if case == "fp16"
+                            else torch.bfloat16, device="meta"))
+    if case == "sm100":
+        monkeypatch.setattr(attention_api, "capability", lambda device: (10, 0))
+    if case == "off":
+        monkeypatch.setitem(attention_api.TUNING, "tile_ws", False)
+    rows = 32 if case == "rows32" else 64
+    assert attention_api._ws_eligible(q, k, v, 128, rows) == want
+
+
+def test_attention_gluon_launch_descriptors(monkeypatch):
+    """The Gluon tile launch's host side (no GPU: the kernel is replaced): K and V described as
+    their own [P, B, Hkv, D] views (vLLM's packed layout here: V starts D elements in), one
+    [SUB, D] box of one page and KV head, one program per (tile, KV head) item."""
+    from types import SimpleNamespace
+
+    from openmsa.ops.attention import prefill_ws
+    seen = {}
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                seen.update(grid=grid, args=args, kwargs=kwargs)
+            return run
+    monkeypatch.setattr(prefill_ws, "_sparse_attention_tile_ws_kernel", Kernel())
+    packed = torch.zeros(10, 4, 128, 256, dtype=torch.bfloat16)
+    k, v = packed[..., :128].permute(0, 2, 1, 3), packed[..., 128:].permute(0, 2, 1, 3)
+    q = torch.zeros(64, 64, 128, dtype=torch.bfloat16)
+    out, lse = torch.zeros_like(q), torch.zeros(64, 64)
+    i32 = torch.zeros(3, dtype=torch.int32)
+    plan = SimpleNamespace(tile_items=64, sm_scale=0.125,
+                           tile_ws=dict(sub=64, kwargs=dict(QT=4, STAGES=2)))
+    attention_api._launch_tile_ws(q, k, v, i32, i32, out, lse, i32, i32, i32, i32, plan, False)
+    k_desc, v_desc = seen["args"][1:3]
+    for desc, tensor in ((k_desc, k), (v_desc, v)):
+        assert desc.base.data_ptr() == tensor.data_ptr()
+        assert list(desc.shape) == [10, 128, 4, 128]
+        assert list(desc.strides) == [4 * 128 * 256, 256, 128 * 256, 1]
+        assert list(desc.block_shape) == [1, 64, 1, 128]
+    assert v_desc.base.data_ptr() - k_desc.base.data_ptr() == 128 * 2
+    assert seen["grid"] == (64,) and seen["kwargs"] == dict(HAS_SCALE=False, QT=4, STAGES=2)
+    assert seen["args"][11] == 0.125

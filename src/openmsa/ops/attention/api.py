@@ -8,7 +8,7 @@ import torch
 
 from ..._checks import FP8
 from ..._dispatch import next_pow2 as _next_pow2
-from ..._dispatch import num_sms, on_tensor_device, scale_args, use_kernels
+from ..._dispatch import capability, num_sms, on_tensor_device, scale_args, use_kernels
 from ...support import attention_unsupported_reason
 from ..common.launch import (PlanCache, call_key, launch, launch_planned, plan_serials,
                              scale_key)
@@ -76,7 +76,12 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
               tile=True, tile_rows=64, tile_waste=2.0, tile_sub=64, tile_stages=2,
               tile_sub_fp8=128, tile_stages_fp8=2, tile_warps=4, tile_lazy_mask=True,
               tile_persistent=False, tile_persistent_fp8=True, tile_resident=2,
-              tile_plan_warps=1)
+              tile_plan_warps=1, tile_ws=True, ws_sub=64, ws_stages=2, ws_lazy_mask=True,
+              ws_maxnreg=128, ws_producer_regs=24)
+# tile_ws: on Hopper, 16-bit K/V tiles run prefill_ws.py's warp-specialised Gluon kernel where
+# the views allow TMA (_ws_eligible): ws_sub keys per step, ws_stages K/V buffers; ws_maxnreg
+# registers per thread at launch (128: two programs of 8 warps per SM), which the consumer
+# warpgroup raises and the producer warp lowers to ws_producer_regs (setmaxnreg)
 # tile*: prefill steps first launch prefill.py's kernel over tiles of tile_rows // G tokens (the
 # union of their selections, taken on the device when union blocks x tokens <= tile_waste x the
 # tokens' selected blocks); the per-token kernel then does the tiles it left. Measured on 8K
@@ -241,12 +246,16 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
             indices, cu_seqlens_q, seq_lens, block_table, blocks, union,
             float(TUNING["tile_waste"]), seq_lens.shape[0], *indices.stride(),
             *block_table.stride(), **p.plan_kwargs)
-        launch_planned(
-            _sparse_attention_tile_kernel, (p.serial, 1), (p.tile_programs,),
-            q, k_cache, v_cache, cu_seqlens_q, seq_lens, out, lse, blocks, union, ks, vs,
-            p.sm_scale, seq_lens.shape[0], p.tile_items, *q.stride(), *k_cache.stride(),
-            *v_cache.stride(), *out.stride(), *lse.stride(), HAS_SCALE=has_scale,
-            **p.tile_kwargs)
+        if p.tile_ws is not None and all(t.data_ptr() % 16 == 0 for t in (k_cache, v_cache)):
+            _launch_tile_ws(q, k_cache, v_cache, cu_seqlens_q, seq_lens, out, lse, blocks, union,
+                            ks, vs, p, has_scale)
+        else:  # (TMA needs 16-byte aligned bases)
+            launch_planned(
+                _sparse_attention_tile_kernel, (p.serial, 1), (p.tile_programs,),
+                q, k_cache, v_cache, cu_seqlens_q, seq_lens, out, lse, blocks, union, ks, vs,
+                p.sm_scale, seq_lens.shape[0], p.tile_items, *q.stride(), *k_cache.stride(),
+                *v_cache.stride(), *out.stride(), *lse.stride(), HAS_SCALE=has_scale,
+                **p.tile_kwargs)
     else:
         blocks = lse
     lse_strides = lse.stride() if p.store_lse else (0, 0)
@@ -261,6 +270,44 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
             _merge_splits_kernel, (p.serial, 3), (num_tokens, num_heads),
             part, out, lse, *out.stride(), *lse_strides, **p.merge_kwargs)
     return (out, lse) if return_lse else out
+
+
+def _ws_eligible(q, k_cache, v_cache, block_size: int, rows: int) -> bool:
+    """Whether the prefill tiles can run prefill_ws.py's Gluon kernel (a shape and stride
+    question, answered once per plan; base addresses are checked at launch): Hopper, q, K and V
+    of one 16-bit dtype, 64 rows per tile, head dim 64 or 128, and K/V views a TMA descriptor
+    describes ([pages, B, Hkv, D] with D contiguous and the other strides 16-byte multiples)."""
+    if not TUNING["tile_ws"] or q.device.type != "cuda" or rows != 64:
+        return False
+    if q.dtype not in (torch.bfloat16, torch.float16) or k_cache.dtype != q.dtype:
+        return False
+    if capability(q.device) != (9, 0) or q.shape[2] not in (64, 128):
+        return False
+    sub = min(block_size, TUNING["ws_sub"])
+    if block_size % sub or sub % 16:
+        return False
+    size = k_cache.dtype.itemsize
+    return all(c.stride(3) == 1 and all(st * size % 16 == 0 for st in c.stride()[:3])
+               for c in (k_cache, v_cache))
+
+
+def _launch_tile_ws(q, k_cache, v_cache, cu_seqlens_q, seq_lens, out, lse, blocks, union, ks,
+                    vs, plan, has_scale) -> None:
+    """The Gluon tile launch (prefill_ws.py) with its TMA descriptors: K and V as their own
+    [pages, B, Hkv, D] views, one [SUB, D] tile of one page and KV head per copy."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .prefill_ws import _sparse_attention_tile_ws_kernel
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[k_cache.dtype]
+    box = [1, plan.tile_ws["sub"], 1, k_cache.shape[3]]
+    layout = gl.NVMMASharedLayout.get_default_for(box, gdt)
+    k_desc, v_desc = (TensorDescriptor(c, list(c.shape), list(c.stride()), box, layout)
+                      for c in (k_cache, v_cache))
+    _sparse_attention_tile_ws_kernel[(plan.tile_items,)](
+        q, k_desc, v_desc, cu_seqlens_q, seq_lens, out, lse, blocks, union, ks, vs,
+        plan.sm_scale, seq_lens.shape[0], *q.stride(), *out.stride(), *lse.stride(),
+        HAS_SCALE=has_scale, **plan.tile_ws["kwargs"])
 
 
 # launch plans by call key: the tensors' shapes, strides, dtypes and devices, the other
@@ -357,6 +404,15 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
             IEEE=ieee, F16_COMPUTE=f16_compute, LAZY_MASK=TUNING["tile_lazy_mask"],
             PERSISTENT=persistent, num_warps=TUNING["tile_warps"],
             num_stages=TUNING["tile_stages_fp8" if fp8 else "tile_stages"])
+        plan.tile_ws = None
+        if _ws_eligible(q, k_cache, v_cache, block_size, tile_qt * group_pad):
+            plan.tile_ws = dict(
+                sub=min(block_size, TUNING["ws_sub"]),
+                kwargs=dict(NUM_KV_HEADS=num_kv_heads, G=group, GP=group_pad, QT=tile_qt,
+                            KP=plan.kp, BLOCK=block_size, STAGES=TUNING["ws_stages"],
+                            LAZY_MASK=TUNING["ws_lazy_mask"],
+                            PRODUCER_REGS=TUNING["ws_producer_regs"], num_warps=4,
+                            maxnreg=TUNING["ws_maxnreg"]))
     plan.kwargs = dict(
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, NUM_INDEX_HEADS=indices.shape[1],
         G=group, M=max(16, _next_pow2(group)), D=head_dim, BLOCK=block_size, TOPK=topk,

@@ -33,24 +33,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from ..common.gluon_utils import find_request
+
 # rows per consumer warpgroup (Hopper's MMA M); blocks per chunk of a consumer's maxima (each
 # chunk is stored as one [CH, 64] tile)
 WG_ROWS = gl.constexpr(64)
 CH = gl.constexpr(32)
-
-
-@gluon.jit
-def _find_request(cu_ptr, num_requests, token):
-    """The smallest r with cu[r + 1] > token (R if none): scores.py's find_request."""
-    lo = 0
-    hi = num_requests
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if gl.load(cu_ptr + mid + 1) > token:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
 
 
 @gluon.jit
@@ -197,7 +185,7 @@ def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
     b_first = gl.program_id(1) * bps
     tile_begin = pid * ROWS_T
     tile_end = gl.minimum(tile_begin + ROWS_T, num_tokens)
-    r_first = _find_request(cu_ptr, num_requests, tile_begin)
+    r_first = find_request(cu_ptr, num_requests, tile_begin)
     # one look at the requests overlapping the tile (at most ROWS_T hold a token, plus any
     # empty ones between): a tile of decode tokens ends here without loading its queries
     win_l: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])

@@ -1,0 +1,222 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Gluon kernel of the prefill tile launch on Hopper, warp-specialised (16-bit K/V).
+
+The same tiles as prefill.py's `_sparse_attention_tile_kernel` (the plan launch and its union of
+each tile's selections are shared; read that file first): one program per (tile, KV head) item,
+QT tokens x G heads = 64 rows against the union's blocks, online softmax, the causal cut at token
+granularity. What changes is who does what inside a program:
+
+* one producer warp copies each step's K and V tiles ([SUB, D] of a page, one KV head) into a
+  ring of STAGES shared-memory buffers with TMA, ahead of the consumer, reading the page ids
+  from the plan's union;
+* one consumer warpgroup runs S = Q K^T (`wgmma`, both operands in shared memory), the mask and
+  the online softmax in registers, and O += P V (`wgmma` with P as the register operand), then
+  hands the buffers back.
+
+Why: the Triton tile kernel's warps compute every K/V element's address and issue its loads
+themselves (~470 of a 64-key step's ~540 instructions per warp are not the softmax's, offline
+SASS), and its loads, MMAs and softmax run in series; here the copies cost the consumer nothing
+and two programs per SM (80 KB of shared memory each with 64-key steps on 2 stages) overlap one's
+softmax with the other's MMAs.
+
+Keys past every row's causal cut (the tail of the tile's own block, maybe never written) are
+copied by TMA like the rest, since a box has one size: their scores are masked to -inf, and on
+the (rare) steps that hold such keys the consumer zeroes their V rows in shared memory before
+P @ V, where 0 * NaN would otherwise give NaN. Page ids come from the plan (never < 0), so every
+copy lands inside the cache.
+
+Used when the K/V views allow TMA (api.py, `_ws_eligible`): CUDA sm_90, q, K and V of one 16-bit
+dtype, head dim 64-256, QT * GP = 64 rows, innermost stride 1 and 16-byte multiples elsewhere,
+16-byte aligned bases (checked at launch; the Triton kernel is the fallback).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+
+from ..common.gluon_utils import find_request
+
+LOG2E = gl.constexpr(1.4426950408889634)
+LN2 = gl.constexpr(0.6931471805599453)
+# rows of the program's tile (Hopper's MMA M for one warpgroup)
+ROWS = gl.constexpr(64)
+
+
+@gluon.jit
+def _producer(k_desc, v_desc, k_smem, v_smem, ready_k, ready_v, empty, union_row, num_steps, g,
+              PARTS: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: each step's K and V tiles into the ring, in the consumer's order."""
+    SUB: gl.constexpr = k_desc.block_type.shape[1]
+    for step in range(num_steps):
+        page = gl.load(union_row + step // PARTS)
+        s = step % STAGES
+        # the buffer's previous step released by the consumer
+        mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1, pred=step >= STAGES)
+        key0 = (step % PARTS) * SUB
+        mbarrier.expect(ready_k.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [page, key0, g, 0], ready_k.index(s),
+                                        k_smem.index(s))
+        mbarrier.expect(ready_v.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [page, key0, g, 0], ready_v.index(s),
+                                        v_smem.index(s))
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, ready_k, ready_v, empty, union_row, num_steps, first_pos,
+              qk_scale, v_scale_ptr, out_ptr, lse_ptr, t0, g, stride_ot, stride_oh, stride_od,
+              stride_lt, stride_lh, G: gl.constexpr, GP: gl.constexpr, QT: gl.constexpr,
+              N: gl.constexpr, BLOCK: gl.constexpr, PARTS: gl.constexpr, STAGES: gl.constexpr,
+              HAS_SCALE: gl.constexpr, LAZY_MASK: gl.constexpr):
+    """One warpgroup: the tile's 64 rows over every step, then their output and LSE."""
+    SUB: gl.constexpr = k_smem.shape[2]
+    D: gl.constexpr = k_smem.shape[4]
+    dtype: gl.constexpr = q_smem.dtype
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, SUB, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, D, 16])
+    p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    # V's zeroed tail: a step's [SUB, D] tile, 8 elements (16 bytes) per thread access
+    v_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D, D // 8], [4, 1], [1, 0])
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_l))
+    keys = gl.arange(0, SUB, layout=gl.SliceLayout(0, s_l))
+    keys_v = gl.arange(0, SUB, layout=gl.SliceLayout(1, v_l))
+    pos = first_pos + rows // GP
+    ALL_TOKENS: gl.constexpr = (1 << QT) - 1
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_l))
+    l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_l))
+    acc = gl.zeros([ROWS, D], gl.float32, layout=o_l)
+    zero = gl.zeros([ROWS, SUB], gl.float32, layout=s_l)
+    for step in range(num_steps):
+        # the plan's slot of this step's block: block id and which tokens selected it
+        j = step // PARTS
+        base = gl.load(union_row + N + j) * BLOCK
+        bits = gl.load(union_row + 2 * N + j)
+        key0 = (step % PARTS) * SUB
+        # last visible offset in the block per row (-1: its token did not select the block);
+        # tokens are consecutive positions, so the largest cut is the highest bit's token's
+        cut_row = gl.where(((bits >> (rows // GP)) & 1) != 0, pos - base, -1)
+        last = 0
+        for k in gl.static_range(1, QT):
+            last += (bits >= (1 << k)).to(gl.int32)
+        max_cut = first_pos + last - base
+        min_cut = gl.where(bits == ALL_TOKENS, first_pos - base, -1)
+        s = step % STAGES
+        phase = (step // STAGES) & 1
+        mbarrier.wait(ready_k.index(s), phase)
+        k_t = k_smem.index(s).reshape([SUB, D]).permute((1, 0))
+        sc = warpgroup_mma(q_smem, k_t, zero, use_acc=False, is_async=True)
+        sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
+        if LAZY_MASK:
+            # only a step some row does not see whole needs the mask (most of a shared
+            # selection's steps do not)
+            if min_cut < key0 + SUB - 1:
+                sc = gl.where((key0 + keys)[None, :] <= cut_row[:, None], sc, float("-inf"))
+        else:
+            sc = gl.where((key0 + keys)[None, :] <= cut_row[:, None], sc, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sc, axis=1) * qk_scale)
+        shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(sc * qk_scale - shift[:, None])
+        alpha = gl.exp2(m_i - shift)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+        p_op = gl.convert_layout(p.to(dtype), p_l)
+        mbarrier.wait(ready_v.index(s), phase)
+        v_t = v_smem.index(s).reshape([SUB, D])
+        if max_cut < key0 + SUB - 1:
+            # keys past every row's cut: their V rows (maybe never written) must not reach
+            # P @ V, where a zero p times a NaN gives NaN
+            tail = v_t.load(v_l)
+            v_t.store(gl.where((key0 + keys_v)[:, None] <= max_cut, tail, 0.0).to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+        acc = warpgroup_mma(p_op, v_t, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(empty.index(s), count=1)
+    if HAS_SCALE:
+        acc = acc * gl.load(v_scale_ptr)
+    empty_row = l_i == 0.0
+    lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(gl.where(empty_row, 1.0, l_i))) * LN2)
+    head_ok = rows % GP < G
+    tok = t0 + rows // GP
+    head = g * G + rows % GP
+    gl.store(lse_ptr + tok.to(gl.int64) * stride_lt + head * stride_lh, lse, mask=head_ok)
+    l_o = gl.convert_layout(gl.where(empty_row, 1.0, l_i), gl.SliceLayout(1, o_l))
+    o = (acc / l_o[:, None]).to(out_ptr.dtype.element_ty)
+    rows_o = gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_l))
+    d_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_l))
+    tok_o = t0 + rows_o // GP
+    head_o = g * G + rows_o % GP
+    gl.store(out_ptr + tok_o.to(gl.int64)[:, None] * stride_ot + head_o[:, None] * stride_oh
+             + d_o[None, :] * stride_od, o, mask=(rows_o % GP < G)[:, None])
+
+
+@gluon.jit
+def _sparse_attention_tile_ws_kernel(q_ptr, k_desc, v_desc, cu_ptr, seq_lens_ptr, out_ptr,
+                                     lse_ptr, blocks_ptr, union_ptr, k_scale_ptr, v_scale_ptr,
+                                     sm_scale, num_requests, stride_qt, stride_qh, stride_qd,
+                                     stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
+                                     NUM_KV_HEADS: gl.constexpr, G: gl.constexpr,
+                                     GP: gl.constexpr, QT: gl.constexpr, KP: gl.constexpr,
+                                     BLOCK: gl.constexpr, STAGES: gl.constexpr,
+                                     HAS_SCALE: gl.constexpr, LAZY_MASK: gl.constexpr,
+                                     PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    SUB: gl.constexpr = k_desc.block_type.shape[1]
+    D: gl.constexpr = k_desc.block_type.shape[3]
+    PARTS: gl.constexpr = BLOCK // SUB
+    N: gl.constexpr = QT * KP
+    item = gl.program_id(0)
+    num_blocks = gl.load(blocks_ptr + item)
+    # a tile the plan left (-1) is the per-token kernel's
+    if num_blocks >= 0:
+        tile = item // NUM_KV_HEADS
+        g = item % NUM_KV_HEADS
+        t0 = tile * QT
+        # the plan takes a tile only inside one request with valid positions
+        r = find_request(cu_ptr, num_requests, t0)
+        t_req = gl.load(cu_ptr + r)
+        first_pos = gl.load(seq_lens_ptr + r) - (gl.load(cu_ptr + r + 1) - t_req) + (t0 - t_req)
+        union_row = union_ptr + item.to(gl.int64) * (3 * N)
+        # the tile's query rows (token-major, GP head slots per token; the padding slots read
+        # zeros) into shared memory, where both MMAs of every step read them
+        q_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D, D // 8], [num_warps, 1],
+                                             [1, 0])
+        rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_l))
+        d = gl.arange(0, D, layout=gl.SliceLayout(0, q_l))
+        tok = t0 + rows // GP
+        head = g * G + rows % GP
+        q = gl.load(q_ptr + tok.to(gl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
+                    + d[None, :] * stride_qd, mask=(rows % GP < G)[:, None], other=0.0)
+        qk_scale = sm_scale * LOG2E
+        if HAS_SCALE:
+            qk_scale = qk_scale * gl.load(k_scale_ptr)
+        # the loop applies the scale inside the exponent after taking row maxima of the raw
+        # scores, which needs a positive scale: a negative one moves its sign onto q (exact)
+        q = gl.where(qk_scale < 0, -q, q)
+        qk_scale = gl.abs(qk_scale)
+        q_smem = gl.allocate_shared_memory(q.dtype, [ROWS, D],
+                                           gl.NVMMASharedLayout.get_default_for([ROWS, D],
+                                                                                q.dtype))
+        q_smem.store(q)
+        fence_async_shared()
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, 1, SUB, 1, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, SUB, 1, D], v_desc.layout)
+        ready_k = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ready_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready_k.index(i), count=1)
+            mbarrier.init(ready_v.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        gl.thread_barrier()  # q's tile and the barriers visible to every warp
+        num_steps = num_blocks * PARTS
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_smem, v_smem, ready_k, ready_v, empty, union_row, num_steps,
+                         first_pos, qk_scale, v_scale_ptr, out_ptr, lse_ptr, t0, g, stride_ot,
+                         stride_oh, stride_od, stride_lt, stride_lh, G, GP, QT, N, BLOCK, PARTS,
+                         STAGES, HAS_SCALE, LAZY_MASK)),
+            (_producer, (k_desc, v_desc, k_smem, v_smem, ready_k, ready_v, empty, union_row,
+                         num_steps, g, PARTS, STAGES)),
+        ], [1], [PRODUCER_REGS])
