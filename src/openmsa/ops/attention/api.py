@@ -76,12 +76,16 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
               tile=True, tile_rows=64, tile_waste=2.0, tile_sub=64, tile_stages=2,
               tile_sub_fp8=128, tile_stages_fp8=2, tile_warps=4, tile_lazy_mask=True,
               tile_persistent=False, tile_persistent_fp8=True, tile_resident=2,
-              tile_plan_warps=1, tile_ws=True, ws_sub=64, ws_stages=2, ws_lazy_mask=True,
+              tile_plan_warps=1, tile_ws=True, ws_sub=128, ws_stages=1, ws_lazy_mask=True,
               ws_maxnreg=128, ws_producer_regs=24)
 # tile_ws: on Hopper, 16-bit K/V tiles run prefill_ws.py's warp-specialised Gluon kernel where
 # the views allow TMA (_ws_eligible): ws_sub keys per step, ws_stages K/V buffers; ws_maxnreg
 # registers per thread at launch (128: two programs of 8 warps per SM), which the consumer
-# warpgroup raises and the producer warp lowers to ws_producer_regs (setmaxnreg)
+# warpgroup raises and the producer warp lowers to ws_producer_regs (setmaxnreg). Measured
+# (tune.py --only attention-prefill, 5ff8a96, one call, 8K chunks after 8K, Triton tiles ->
+# Gluon 64-key steps on 2 stages -> 128-key steps on 1): TP1 bf16 shared by 16 1619 -> 1269 ->
+# 1271 µs, with jitter 2175 -> 1736 -> 1681, TP4 395 -> 333 -> 323; 3 stages of 64 keys and
+# the mask on every step were slower
 # tile*: prefill steps first launch prefill.py's kernel over tiles of tile_rows // G tokens (the
 # union of their selections, taken on the device when union blocks x tokens <= tile_waste x the
 # tokens' selected blocks); the per-token kernel then does the tiles it left. Measured on 8K
