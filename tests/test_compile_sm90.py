@@ -90,26 +90,29 @@ def test_block_scores_ws_kernel(dtype, heads):
 
 
 @pytest.mark.parametrize("dtype, sub, stages, group", [("bf16", 64, 2, 16), ("fp16", 128, 1, 8),
-                                                       ("bf16", 64, 3, 16)])
+                                                       ("bf16", 64, 3, 16), ("fp8e4nv", 128, 1, 16),
+                                                       ("fp8e4nv", 128, 2, 8)])
 def test_sparse_attention_tile_ws_kernel(dtype, sub, stages, group):
     # the Gluon prefill tiles (attention/prefill_ws.py) with the launch options api.py passes:
     # warp specialisation, 4-D TMA boxes and both wgmma forms (P from registers) lower for
-    # sm_90; two programs fit on an SM (registers at launch, shared memory) and ptxas spills
-    # nothing
+    # sm_90, fp8 K/V through their fp16 copy; two programs fit on an SM (registers at launch,
+    # shared memory) and ptxas spills nothing
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from openmsa.ops.attention.api import TUNING
     from openmsa.ops.attention.prefill_ws import _sparse_attention_tile_ws_kernel as fn
-    gdt = gl.bfloat16 if dtype == "bf16" else gl.float16
+    gdt = dict(bf16=gl.bfloat16, fp16=gl.float16, fp8e4nv=gl.float8e4nv)[dtype]
+    q_type = "*bf16" if dtype == "fp8e4nv" else f"*{dtype}"
     box = [1, sub, 1, 128]
     layout = gl.NVMMASharedLayout.get_default_for(box, gdt)
     desc = f"tensordesc<{dtype}[1, {sub}, 1, 128],{layout!r}>"
     constexprs = dict(NUM_KV_HEADS=4, G=group, GP=group, QT=64 // group, KP=16, BLOCK=128,
                       STAGES=stages, HAS_SCALE=stages == 1, LAZY_MASK=stages != 3,
-                      PRODUCER_REGS=TUNING["ws_producer_regs"], num_warps=4)
+                      PRODUCER_REGS=TUNING["ws_producer_regs"], FP8=dtype == "fp8e4nv",
+                      num_warps=4)
     signature = {n: "constexpr" if n in constexprs else "i32" for n in fn.arg_names}
-    signature.update(q_ptr=f"*{dtype}", k_desc=desc, v_desc=desc, out_ptr=f"*{dtype}",
+    signature.update(q_ptr=q_type, k_desc=desc, v_desc=desc, out_ptr=q_type,
                      lse_ptr=F32, blocks_ptr=I32, union_ptr=I32, k_scale_ptr=F32,
                      v_scale_ptr=F32, sm_scale="fp32", **STEP)
     del signature["bt_ptr"]

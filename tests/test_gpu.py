@@ -284,7 +284,9 @@ def test_attention_prefill_tiles_m3(kv_dtype, heads, monkeypatch):
 @pytest.mark.parametrize("heads, dtype, layout", [((64, 4), torch.bfloat16, "flash"),
                                                    ((64, 4), torch.bfloat16, "packed"),
                                                    ((8, 1), torch.float16, "packed"),
-                                                   ((16, 1), torch.bfloat16, "flash")])
+                                                   ((16, 1), torch.bfloat16, "flash"),
+                                                   ((64, 4), FP8, "packed"),
+                                                   ((16, 1), FP8, "flash")])
 def test_attention_prefill_gluon_tiles(heads, dtype, layout, monkeypatch):
     """The warp-specialised tile kernel (prefill_ws.py) against the reference and the Triton
     tile kernel: chunks with and without context, partial own blocks whose unwritten tail is NaN
@@ -314,11 +316,14 @@ def test_attention_prefill_gluon_tiles(heads, dtype, layout, monkeypatch):
     # every other run of a tile's tokens shares one selection (the plan takes those tiles)
     shared = idx[:idx.shape[0] // run * run].view(-1, run, *idx.shape[1:])
     shared[::2] = shared[::2, :1].clone()
-    q = torch.randn(step.num_tokens, num_heads, 128, generator=g).to(dtype)
+    q_dtype = torch.bfloat16 if dtype == FP8 else dtype
+    q = torch.randn(step.num_tokens, num_heads, 128, generator=g).to(q_dtype)
     d = _cuda(step)
     if layout == "packed":  # vLLM's [P, Hkv, B, 2 * D]
-        buf = torch.cat([k.cuda().transpose(1, 2), v.cuda().transpose(1, 2)], -1)
+        buf = torch.empty(step.num_pages, num_kv, B, 256, dtype=dtype, device="cuda")
         kd, vd = buf[..., :128].transpose(1, 2), buf[..., 128:].transpose(1, 2)
+        kd.copy_(k)
+        vd.copy_(v)
     else:
         kd, vd = k.cuda(), v.cuda()
     args = (idx, step.cu_seqlens_q, step.seq_lens, step.block_table)
@@ -327,7 +332,7 @@ def test_attention_prefill_gluon_tiles(heads, dtype, layout, monkeypatch):
         calls.clear()
         want, want_lse = ref.sparse_attention(q, k, v, *args, return_lse=True, **scales)
         assert not want.isnan().any()
-        out = torch.full((num_heads, q.shape[0], 128), 7.0, device="cuda").to(dtype)
+        out = torch.full((num_heads, q.shape[0], 128), 7.0, device="cuda").to(q_dtype)
         got, lse = openmsa.sparse_attention(q.cuda(), kd, vd, *dargs, return_lse=True,
                                             out=out.transpose(0, 1), **scales)
         assert calls

@@ -182,14 +182,16 @@ def _kv_pair(layout="flash", dtype=torch.bfloat16, pages=300, kv_heads=4, dim=12
 
 
 @pytest.mark.parametrize("case, want", [("flash", True), ("packed", True), ("fp16", True),
-                                        ("dim64", True), ("fp8", False), ("rows32", False),
+                                        ("dim64", True), ("fp8", True), ("fp8_off", False),
+                                        ("rows32", False),
                                         ("odd_strides", False), ("dim256", False),
                                         ("sm100", False), ("off", False)])
 def test_attention_prefill_tiles_take_the_gluon_kernel_where_tma_can(monkeypatch, case, want):
-    """The attention prefill tiles run prefill_ws.py's kernel on Hopper for 16-bit K/V views a
-    TMA descriptor describes (the flash layout and vLLM's packed one), 64-row tiles."""
+    """The attention prefill tiles run prefill_ws.py's kernel on Hopper for 16-bit or fp8 K/V
+    views a TMA descriptor describes (the flash layout and vLLM's packed one), 64-row tiles."""
     monkeypatch.setattr(attention_api, "capability", lambda device: (9, 0))
-    dtype = {"fp16": torch.float16, "fp8": torch.float8_e4m3fn}.get(case, torch.bfloat16)
+    fp8 = torch.float8_e4m3fn
+    dtype = {"fp16": torch.float16, "fp8": fp8, "fp8_off": fp8}.get(case, torch.bfloat16)
     dim = {"dim64": 64, "dim256": 256}.get(case, 128)
     k, v = _kv_pair("packed" if case == "packed" else "odd" if case == "odd_strides" else "flash",
                     dtype, dim=dim)
@@ -199,6 +201,8 @@ def test_attention_prefill_tiles_take_the_gluon_kernel_where_tma_can(monkeypatch
         monkeypatch.setattr(attention_api, "capability", lambda device: (10, 0))
     if case == "off":
         monkeypatch.setitem(attention_api.TUNING, "tile_ws", False)
+    if case == "fp8_off":
+        monkeypatch.setitem(attention_api.TUNING, "tile_ws_fp8", False)
     rows = 32 if case == "rows32" else 64
     assert attention_api._ws_eligible(q, k, v, 128, rows) == want
 

@@ -77,7 +77,7 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
               tile_sub_fp8=128, tile_stages_fp8=2, tile_warps=4, tile_lazy_mask=True,
               tile_persistent=False, tile_persistent_fp8=True, tile_resident=2,
               tile_plan_warps=1, tile_ws=True, ws_sub=128, ws_stages=1, ws_lazy_mask=True,
-              ws_maxnreg=128, ws_producer_regs=24)
+              ws_maxnreg=128, ws_producer_regs=24, tile_ws_fp8=True)
 # tile_ws: on Hopper, 16-bit K/V tiles run prefill_ws.py's warp-specialised Gluon kernel where
 # the views allow TMA (_ws_eligible): ws_sub keys per step, ws_stages K/V buffers; ws_maxnreg
 # registers per thread at launch (128: two programs of 8 warps per SM), which the consumer
@@ -278,12 +278,15 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
 
 def _ws_eligible(q, k_cache, v_cache, block_size: int, rows: int) -> bool:
     """Whether the prefill tiles can run prefill_ws.py's Gluon kernel (a shape and stride
-    question, answered once per plan; base addresses are checked at launch): Hopper, q, K and V
-    of one 16-bit dtype, 64 rows per tile, head dim 64 or 128, and K/V views a TMA descriptor
+    question, answered once per plan; base addresses are checked at launch): Hopper, a 16-bit
+    q with K/V of its dtype or fp8 e4m3 (tile_ws_fp8), 64 rows per tile, head dim 64 or 128,
+    and K/V views a TMA descriptor
     describes ([pages, B, Hkv, D] with D contiguous and the other strides 16-byte multiples)."""
     if not TUNING["tile_ws"] or q.device.type != "cuda" or rows != 64:
         return False
-    if q.dtype not in (torch.bfloat16, torch.float16) or k_cache.dtype != q.dtype:
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if k_cache.dtype != q.dtype and not (k_cache.dtype == FP8 and TUNING["tile_ws_fp8"]):
         return False
     if capability(q.device) != (9, 0) or q.shape[2] not in (64, 128):
         return False
@@ -303,7 +306,8 @@ def _launch_tile_ws(q, k_cache, v_cache, cu_seqlens_q, seq_lens, out, lse, block
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from .prefill_ws import _sparse_attention_tile_ws_kernel
-    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[k_cache.dtype]
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, FP8: gl.float8e4nv}[
+        k_cache.dtype]
     box = [1, plan.tile_ws["sub"], 1, k_cache.shape[3]]
     layout = gl.NVMMASharedLayout.get_default_for(box, gdt)
     k_desc, v_desc = (TensorDescriptor(c, list(c.shape), list(c.stride()), box, layout)
@@ -414,7 +418,7 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
                 sub=min(block_size, TUNING["ws_sub"]),
                 kwargs=dict(NUM_KV_HEADS=num_kv_heads, G=group, GP=group_pad, QT=tile_qt,
                             KP=plan.kp, BLOCK=block_size, STAGES=TUNING["ws_stages"],
-                            LAZY_MASK=TUNING["ws_lazy_mask"],
+                            LAZY_MASK=TUNING["ws_lazy_mask"], FP8=fp8,
                             PRODUCER_REGS=TUNING["ws_producer_regs"], num_warps=4,
                             maxnreg=TUNING["ws_maxnreg"]))
     plan.kwargs = dict(

@@ -63,11 +63,34 @@ def _producer(k_desc, v_desc, k_smem, v_smem, ready_k, ready_v, empty, union_row
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, ready_k, ready_v, empty, union_row, num_steps, first_pos,
+def _to_f16(src, dst, key0, keep, FP8_ZERO_TAIL: gl.constexpr,
+            PIECES: gl.constexpr = 4):
+    """An fp8 [SUB, D] tile of the ring as fp16 in `dst` (exact), its keys past `keep` as 0
+    when FP8_ZERO_TAIL; the caller has made sure no MMA still reads `dst`."""
+    SUB: gl.constexpr = dst.shape[0]
+    D: gl.constexpr = dst.shape[1]
+    # 16 bytes of fp8 per thread access; in PIECES row slices, so that the converted tile
+    # takes fewer registers beside the accumulator and P (a whole one spilled)
+    c_l: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // D, D // 16], [4, 1], [1, 0])
+    R: gl.constexpr = SUB // PIECES
+    whole = src.reshape([SUB, D])
+    for i in gl.static_range(PIECES):
+        tile = whole.slice(i * R, R).load(c_l).to(gl.float16)
+        if FP8_ZERO_TAIL:
+            keys = i * R + gl.arange(0, R, layout=gl.SliceLayout(1, c_l))
+            tile = gl.where((key0 + keys)[:, None] <= keep, tile, 0.0)
+        dst.slice(i * R, R).store(tile)
+    fence_async_shared()
+    gl.thread_barrier()  # every warp's part written before the MMA reads the tile
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, kv16, ready_k, ready_v, empty, union_row, num_steps,
+              first_pos,
               qk_scale, v_scale_ptr, out_ptr, lse_ptr, t0, g, stride_ot, stride_oh, stride_od,
               stride_lt, stride_lh, G: gl.constexpr, GP: gl.constexpr, QT: gl.constexpr,
               N: gl.constexpr, BLOCK: gl.constexpr, PARTS: gl.constexpr, STAGES: gl.constexpr,
-              HAS_SCALE: gl.constexpr, LAZY_MASK: gl.constexpr):
+              HAS_SCALE: gl.constexpr, LAZY_MASK: gl.constexpr, FP8: gl.constexpr):
     """One warpgroup: the tile's 64 rows over every step, then their output and LSE."""
     SUB: gl.constexpr = k_smem.shape[2]
     D: gl.constexpr = k_smem.shape[4]
@@ -105,7 +128,14 @@ def _consumer(q_smem, k_smem, v_smem, ready_k, ready_v, empty, union_row, num_st
         s = step % STAGES
         phase = (step // STAGES) & 1
         mbarrier.wait(ready_k.index(s), phase)
-        k_t = k_smem.index(s).reshape([SUB, D]).permute((1, 0))
+        if FP8:
+            # fp8 K and V run the MMAs in fp16 (as prefill.py's F16_COMPUTE), converted
+            # through one fp16 tile: K's now, V's after S = Q K^T has read it
+            gl.thread_barrier()  # the last step's P @ V done in every warp
+            _to_f16(k_smem.index(s), kv16, key0, 0, False)
+            k_t = kv16.permute((1, 0))
+        else:
+            k_t = k_smem.index(s).reshape([SUB, D]).permute((1, 0))
         sc = warpgroup_mma(q_smem, k_t, zero, use_acc=False, is_async=True)
         sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
         if LAZY_MASK:
@@ -124,17 +154,27 @@ def _consumer(q_smem, k_smem, v_smem, ready_k, ready_v, empty, union_row, num_st
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
         p_op = gl.convert_layout(p.to(dtype), p_l)
         mbarrier.wait(ready_v.index(s), phase)
-        v_t = v_smem.index(s).reshape([SUB, D])
-        if max_cut < key0 + SUB - 1:
-            # keys past every row's cut: their V rows (maybe never written) must not reach
-            # P @ V, where a zero p times a NaN gives NaN
-            tail = v_t.load(v_l)
-            v_t.store(gl.where((key0 + keys_v)[:, None] <= max_cut, tail, 0.0).to(dtype))
-            fence_async_shared()
-            gl.thread_barrier()
+        if FP8:
+            gl.thread_barrier()  # S = Q K^T done in every warp
+            if max_cut < key0 + SUB - 1:
+                _to_f16(v_smem.index(s), kv16, key0, max_cut, True)
+            else:
+                _to_f16(v_smem.index(s), kv16, key0, max_cut, False)
+            mbarrier.arrive(empty.index(s), count=1)  # the fp8 stage is free once converted
+            v_t = kv16
+        else:
+            v_t = v_smem.index(s).reshape([SUB, D])
+            if max_cut < key0 + SUB - 1:
+                # keys past every row's cut: their V rows (maybe never written) must not
+                # reach P @ V, where a zero p times a NaN gives NaN
+                tail = v_t.load(v_l)
+                v_t.store(gl.where((key0 + keys_v)[:, None] <= max_cut, tail, 0.0).to(dtype))
+                fence_async_shared()
+                gl.thread_barrier()
         acc = warpgroup_mma(p_op, v_t, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.arrive(empty.index(s), count=1)
+        if not FP8:
+            mbarrier.arrive(empty.index(s), count=1)
     if HAS_SCALE:
         acc = acc * gl.load(v_scale_ptr)
     empty_row = l_i == 0.0
@@ -162,6 +202,7 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_desc, v_desc, cu_ptr, seq_lens_ptr
                                      GP: gl.constexpr, QT: gl.constexpr, KP: gl.constexpr,
                                      BLOCK: gl.constexpr, STAGES: gl.constexpr,
                                      HAS_SCALE: gl.constexpr, LAZY_MASK: gl.constexpr,
+                                     FP8: gl.constexpr,
                                      PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
     SUB: gl.constexpr = k_desc.block_type.shape[1]
     D: gl.constexpr = k_desc.block_type.shape[3]
@@ -189,7 +230,13 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_desc, v_desc, cu_ptr, seq_lens_ptr
         head = g * G + rows % GP
         q = gl.load(q_ptr + tok.to(gl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
                     + d[None, :] * stride_qd, mask=(rows % GP < G)[:, None], other=0.0)
-        qk_scale = sm_scale * LOG2E
+        if FP8:
+            # fp8 K/V: the MMAs in fp16 with the softmax scale folded into q (prefill.py's
+            # F16_COMPUTE, same rounding)
+            q = (q.to(gl.float32) * sm_scale).to(gl.float16)
+            qk_scale = LOG2E
+        else:
+            qk_scale = sm_scale * LOG2E
         if HAS_SCALE:
             qk_scale = qk_scale * gl.load(k_scale_ptr)
         # the loop applies the scale inside the exponent after taking row maxima of the raw
@@ -203,6 +250,13 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_desc, v_desc, cu_ptr, seq_lens_ptr
         fence_async_shared()
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, 1, SUB, 1, D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, SUB, 1, D], v_desc.layout)
+        if FP8:
+            # the fp16 copy of the step's K, then of its V, that the MMAs read
+            kv16 = gl.allocate_shared_memory(gl.float16, [SUB, D],
+                                             gl.NVMMASharedLayout.get_default_for([SUB, D],
+                                                                                  gl.float16))
+        else:
+            kv16 = q_smem  # (unused)
         ready_k = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ready_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -213,10 +267,10 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_desc, v_desc, cu_ptr, seq_lens_ptr
         gl.thread_barrier()  # q's tile and the barriers visible to every warp
         num_steps = num_blocks * PARTS
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, ready_k, ready_v, empty, union_row, num_steps,
-                         first_pos, qk_scale, v_scale_ptr, out_ptr, lse_ptr, t0, g, stride_ot,
+            (_consumer, (q_smem, k_smem, v_smem, kv16, ready_k, ready_v, empty, union_row,
+                         num_steps, first_pos, qk_scale, v_scale_ptr, out_ptr, lse_ptr, t0, g, stride_ot,
                          stride_oh, stride_od, stride_lt, stride_lh, G, GP, QT, N, BLOCK, PARTS,
-                         STAGES, HAS_SCALE, LAZY_MASK)),
+                         STAGES, HAS_SCALE, LAZY_MASK, FP8)),
             (_producer, (k_desc, v_desc, k_smem, v_smem, ready_k, ready_v, empty, union_row,
                          num_steps, g, PARTS, STAGES)),
         ], [1], [PRODUCER_REGS])
