@@ -77,7 +77,8 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
               tile_sub_fp8=128, tile_stages_fp8=2, tile_warps=4, tile_lazy_mask=True,
               tile_persistent=False, tile_persistent_fp8=True, tile_resident=2,
               tile_plan_warps=1, tile_ws=True, ws_sub=128, ws_stages=1, ws_lazy_mask=True,
-              ws_maxnreg=128, ws_producer_regs=24, tile_ws_fp8=True)
+              ws_maxnreg=128, ws_producer_regs=24, tile_ws_fp8=True,
+              ws_stages_fp8=1)
 # tile_ws: on Hopper, 16-bit K/V tiles run prefill_ws.py's warp-specialised Gluon kernel where
 # the views allow TMA (_ws_eligible): ws_sub keys per step, ws_stages K/V buffers; ws_maxnreg
 # registers per thread at launch (128: two programs of 8 warps per SM), which the consumer
@@ -417,7 +418,8 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
             plan.tile_ws = dict(
                 sub=min(block_size, TUNING["ws_sub"]),
                 kwargs=dict(NUM_KV_HEADS=num_kv_heads, G=group, GP=group_pad, QT=tile_qt,
-                            KP=plan.kp, BLOCK=block_size, STAGES=TUNING["ws_stages"],
+                            KP=plan.kp, BLOCK=block_size,
+                            STAGES=TUNING["ws_stages_fp8" if fp8 else "ws_stages"],
                             LAZY_MASK=TUNING["ws_lazy_mask"], FP8=fp8,
                             PRODUCER_REGS=TUNING["ws_producer_regs"], num_warps=4,
                             maxnreg=TUNING["ws_maxnreg"]))
