@@ -155,7 +155,8 @@ def _attention_fp8(args):
 def _attention_prefill(args):
     """The prefill knobs (chunks of >= prefill_min_tokens tokens) on 8K chunks after 8K, with
     selections shared by runs of 16 tokens, shared with per-token jitter, and independent."""
-    variants = pick(args, [dict(tile=False), {}, dict(tile_lazy_mask=False),
+    variants = pick(args, [dict(tile=False), {}, dict(tile_ws=False), dict(tile_ws_fp8=False),
+                           dict(ws_sub=64, ws_stages=2), dict(tile_lazy_mask=False),
                            dict(tile_persistent=True, tile_persistent_fp8=False),
                            dict(tile_sub=128, tile_stages=2), dict(tile_sub_fp8=64,
                                                                    tile_stages_fp8=3),
