@@ -1,13 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Gluon kernel of the prefill tile launch on Hopper, warp-specialised (16-bit K/V).
+"""Gluon kernel of the prefill tile launch on Hopper, warp-specialised (16-bit or fp8 K/V).
 
 The same tiles as prefill.py's `_sparse_attention_tile_kernel` (the plan launch and its union of
 each tile's selections are shared; read that file first): one program per (tile, KV head) item,
 QT tokens x G heads = 64 rows against the union's blocks, online softmax, the causal cut at token
 granularity. What changes is who does what inside a program:
 
-* one producer warp copies each step's K and V tiles ([SUB, D] of a page, one KV head) into a
-  ring of STAGES shared-memory buffers with TMA, ahead of the consumer, reading the page ids
+* one producer warp copies each step's K and V tiles ([SUB, D] of a page, one KV head, through
+  4-D descriptors over the caches' own [P, B, Hkv, D] views) into a ring of STAGES
+  shared-memory buffers with TMA, ahead of the consumer, reading the page ids
   from the plan's union;
 * one consumer warpgroup runs S = Q K^T (`wgmma`, both operands in shared memory), the mask and
   the online softmax in registers, and O += P V (`wgmma` with P as the register operand), then
@@ -16,8 +17,11 @@ granularity. What changes is who does what inside a program:
 Why: the Triton tile kernel's warps compute every K/V element's address and issue its loads
 themselves (~470 of a 64-key step's ~540 instructions per warp are not the softmax's, offline
 SASS), and its loads, MMAs and softmax run in series; here the copies cost the consumer nothing
-and two programs per SM (80 KB of shared memory each with 64-key steps on 2 stages) overlap one's
-softmax with the other's MMAs.
+and two programs per SM (80 KB of shared memory each with the default 128-key steps on one
+stage) overlap one's softmax with the other's MMAs: 1619 -> 1271 µs for an 8K chunk at TP1
+(docs/performance.md). fp8 K/V are copied as fp8 and converted by the consumer into one fp16
+tile before each MMA (the MMAs run in fp16 as prefill.py's F16_COMPUTE); that conversion is
+on the consumer's path, and fp8 tiles measured only 0-3% faster than Triton's.
 
 Keys past every row's causal cut (the tail of the tile's own block, maybe never written) are
 copied by TMA like the rest, since a box has one size: their scores are masked to -inf, and on
@@ -25,9 +29,10 @@ the (rare) steps that hold such keys the consumer zeroes their V rows in shared 
 P @ V, where 0 * NaN would otherwise give NaN. Page ids come from the plan (never < 0), so every
 copy lands inside the cache.
 
-Used when the K/V views allow TMA (api.py, `_ws_eligible`): CUDA sm_90, q, K and V of one 16-bit
-dtype, head dim 64-256, QT * GP = 64 rows, innermost stride 1 and 16-byte multiples elsewhere,
-16-byte aligned bases (checked at launch; the Triton kernel is the fallback).
+Used when the K/V views allow TMA (api.py, `_ws_eligible`): CUDA sm_90, a 16-bit q with K/V
+of its dtype or fp8 e4m3, head dim 64 or 128, QT * GP = 64 rows, innermost stride 1 and
+16-byte multiples elsewhere, 16-byte aligned bases (checked at launch; the Triton kernel is the
+fallback).
 """
 
 from triton.experimental import gluon
