@@ -28,10 +28,12 @@ import shapes  # noqa: E402
 import openmsa  # noqa: E402
 
 
-def _attention(model_name, dname, batch, context, q_len, out=False):
-    """out=True writes into one preallocated buffer, as run.py's attention tables do."""
+def _attention(model_name, dname, batch, context, q_len, out=False, **selections):
+    """out=True writes into one preallocated buffer, as run.py's attention tables do;
+    selections: run._attention_step's (shared=16 gives the prefill tiles' shared selections)."""
     m = shapes.MODELS[model_name]
-    q, packed, idx, cu, seq, table = run._attention_step(m, batch, context, q_len, dname)
+    q, packed, idx, cu, seq, table = run._attention_step(m, batch, context, q_len, dname,
+                                                         **selections)
     k, v = packed[..., :128].permute(0, 2, 1, 3), packed[..., 128:].permute(0, 2, 1, 3)
     o = torch.empty_like(q) if out else None
     return lambda: openmsa.sparse_attention(q, k, v, idx, cu, seq, table, out=o)
@@ -124,6 +126,12 @@ CASES = {
     "fi-attn-tp4-b8-q4": lambda: _fi_attention("m3-tp4", 8, 65536, 4),
     "fi-attn-tp4-b64": lambda: _fi_attention("m3-tp4", 64, 65536, 1),
     "attn-bf16-tp1-prefill": lambda: _attention("m3-tp1", "bf16", 1, 16384, 8192),
+    # an 8K chunk after 8K whose runs of 16 tokens share a selection: the tile launches
+    # (scripts/ncu_cases.sh: attn-bf16-tp1-prefill-shared:_sparse_attention_tile_ws:2)
+    "attn-bf16-tp1-prefill-shared": lambda: _attention("m3-tp1", "bf16", 1, 16384, 8192,
+                                                       shared=16),
+    "attn-fp8-tp1-prefill-shared": lambda: _attention("m3-tp1", "fp8", 1, 16384, 8192,
+                                                      shared=16),
     "idx-fp8-b32-128k": lambda: _indexer("fp8", 32, 131072, 1, 4),
     "idx-fp8-b1-32k": lambda: _indexer("fp8", 1, 32768, 1, 4),
     "idx-fp8-b32-32k": lambda: _indexer("fp8", 32, 32768, 1, 4),
