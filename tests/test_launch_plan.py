@@ -116,7 +116,7 @@ def test_prefill_tile_launch_is_the_gluon_kernel_on_hopper(hopper, heads, want_g
 
 
 @pytest.mark.parametrize("case", ["heads3", "q_slice", "page_padding", "mixed", "dim64", "sm100",
-                                  "off"])
+                                  "off", "no_gluon"])
 def test_prefill_tile_launch_stays_triton(hopper, monkeypatch, case):
     """Layouts a TMA descriptor of rows cannot describe, other GPUs, the knob off: the Triton
     tile launch, same scores."""
@@ -135,6 +135,8 @@ def test_prefill_tile_launch_stays_triton(hopper, monkeypatch, case):
         monkeypatch.setattr(indexer_api, "capability", lambda device: (10, 0))
     if case == "off":
         monkeypatch.setitem(indexer_api.TUNING, "prefill_ws", False)
+    if case == "no_gluon":  # a Triton whose Gluon the kernel was not written for
+        monkeypatch.setattr(indexer_api, "gluon_hopper_available", lambda: False)
     plan = indexer_api._scores_plan(q, c, 1, 1024, 128, None)
     assert plan[-1][0] is not None and "GLUON" not in plan[-1][2]
 
@@ -185,7 +187,7 @@ def _kv_pair(layout="flash", dtype=torch.bfloat16, pages=300, kv_heads=4, dim=12
                                         ("dim64", True), ("fp8", True), ("fp8_off", False),
                                         ("rows32", False),
                                         ("odd_strides", False), ("dim256", False),
-                                        ("sm100", False), ("off", False)])
+                                        ("sm100", False), ("off", False), ("no_gluon", False)])
 def test_attention_prefill_tiles_take_the_gluon_kernel_where_tma_can(monkeypatch, case, want):
     """The attention prefill tiles run prefill_ws.py's kernel on Hopper for 16-bit or fp8 K/V
     views a TMA descriptor describes (the flash layout and vLLM's packed one), 64-row tiles."""
@@ -203,6 +205,8 @@ def test_attention_prefill_tiles_take_the_gluon_kernel_where_tma_can(monkeypatch
         monkeypatch.setitem(attention_api.TUNING, "tile_ws", False)
     if case == "fp8_off":
         monkeypatch.setitem(attention_api.TUNING, "tile_ws_fp8", False)
+    if case == "no_gluon":
+        monkeypatch.setattr(attention_api, "gluon_hopper_available", lambda: False)
     rows = 32 if case == "rows32" else 64
     assert attention_api._ws_eligible(q, k, v, 128, rows) == want
 
@@ -239,3 +243,23 @@ def test_attention_gluon_launch_descriptors(monkeypatch):
     assert v_desc.base.data_ptr() - k_desc.base.data_ptr() == 128 * 2
     assert seen["grid"] == (64,) and seen["kwargs"] == dict(HAS_SCALE=False, QT=4, STAGES=2)
     assert seen["args"][11] == 0.125
+
+
+@pytest.mark.parametrize("version, setting, want", [
+    ("3.6.0", "", True), ("3.6.1", "", True), ("3.5.1", "", False), ("3.7.0", "", False),
+    ("3.7.0", "1", True), ("3.6.0", "0", False)])
+def test_gluon_kernels_only_on_the_triton_they_were_tested_on(monkeypatch, version, setting,
+                                                              want):
+    """Gluon's API moves between Triton minor versions: the Hopper Gluon kernels are chosen
+    on 3.6 (the tested one), on another only with OPENMSA_GLUON=1, never with =0."""
+    import triton
+
+    from openmsa import _dispatch
+    monkeypatch.setattr(triton, "__version__", version)
+    monkeypatch.setenv("OPENMSA_GLUON", setting)
+    _dispatch.gluon_hopper_available.cache_clear()
+    try:
+        assert _dispatch.gluon_hopper_available() == want
+    finally:
+        monkeypatch.undo()
+        _dispatch.gluon_hopper_available.cache_clear()

@@ -8,7 +8,8 @@ import torch
 
 from ..._checks import FP8
 from ..._dispatch import next_pow2 as _next_pow2
-from ..._dispatch import capability, num_sms, on_tensor_device, scale_args, use_kernels
+from ..._dispatch import (capability, gluon_hopper_available, num_sms, on_tensor_device,
+                           scale_args, use_kernels)
 from ...support import attention_unsupported_reason
 from ..common.launch import (PlanCache, call_key, launch, launch_planned, plan_serials,
                              scale_key)
@@ -290,6 +291,8 @@ def _ws_eligible(q, k_cache, v_cache, block_size: int, rows: int) -> bool:
     if k_cache.dtype != q.dtype and not (k_cache.dtype == FP8 and TUNING["tile_ws_fp8"]):
         return False
     if capability(q.device) != (9, 0) or q.shape[2] not in (64, 128):
+        return False
+    if not gluon_hopper_available():
         return False
     sub = min(block_size, TUNING["ws_sub"])
     if block_size % sub or sub % 16:

@@ -8,7 +8,8 @@ import torch
 
 from ..._checks import FP8, HALF
 from ..._dispatch import next_pow2 as _next_pow2
-from ..._dispatch import capability, num_sms, on_tensor_device, use_kernels
+from ..._dispatch import (capability, gluon_hopper_available, num_sms, on_tensor_device,
+                           use_kernels)
 from ...support import indexer_unsupported_reason
 from ..common.launch import PlanCache, call_key, launch_planned, plan_serials
 from . import reference
@@ -225,7 +226,7 @@ def _ws_eligible(index_q, index_cache, block_size: int) -> bool:
         return False
     if index_q.dtype not in (FP8, torch.bfloat16, torch.float16):
         return False
-    if capability(index_q.device) != (9, 0):
+    if capability(index_q.device) != (9, 0) or not gluon_hopper_available():
         return False
     num_tokens, num_heads, head_dim = index_q.shape
     pages = index_cache.shape[0]
