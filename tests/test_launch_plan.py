@@ -187,7 +187,8 @@ def _kv_pair(layout="flash", dtype=torch.bfloat16, pages=300, kv_heads=4, dim=12
                                         ("dim64", False), ("fp8", True), ("fp8_off", False),
                                         ("rows32", False),
                                         ("odd_strides", False), ("dim256", False),
-                                        ("sm100", False), ("off", False), ("no_gluon", False)])
+                                        ("sm100", False), ("off", False), ("no_gluon", False),
+                                        ("block64", False)])
 def test_attention_prefill_tiles_take_the_gluon_kernel_where_tma_can(monkeypatch, case, want):
     """The attention prefill tiles run prefill_ws.py's kernel on Hopper for 16-bit or fp8 K/V
     views a TMA descriptor describes (the flash layout and vLLM's packed one), 64-row tiles."""
@@ -208,7 +209,7 @@ def test_attention_prefill_tiles_take_the_gluon_kernel_where_tma_can(monkeypatch
     if case == "no_gluon":
         monkeypatch.setattr(attention_api, "gluon_hopper_available", lambda: False)
     rows = 32 if case == "rows32" else 64
-    assert attention_api._ws_eligible(q, k, v, 128, rows) == want
+    assert attention_api._ws_eligible(q, k, v, 64 if case == "block64" else 128, rows) == want
 
 
 def test_attention_gluon_launch_descriptors(monkeypatch):

@@ -281,8 +281,8 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
 def _ws_eligible(q, k_cache, v_cache, block_size: int, rows: int) -> bool:
     """Whether the prefill tiles can run prefill_ws.py's Gluon kernel (a shape and stride
     question, answered once per plan; base addresses are checked at launch): Hopper, a 16-bit
-    q with K/V of its dtype or fp8 e4m3 (tile_ws_fp8), 64 rows per tile, head dim 128 (the
-    only one the GPU tests cover), and K/V views a TMA descriptor describes ([pages, B, Hkv, D]
+    q with K/V of its dtype or fp8 e4m3 (tile_ws_fp8), 64 rows per tile, head dim and block
+    size 128 (the only ones the GPU tests cover), and K/V views a TMA descriptor describes ([pages, B, Hkv, D]
     with D contiguous and the other strides 16-byte multiples)."""
     if not TUNING["tile_ws"] or q.device.type != "cuda" or rows != 64:
         return False
@@ -290,7 +290,7 @@ def _ws_eligible(q, k_cache, v_cache, block_size: int, rows: int) -> bool:
         return False
     if k_cache.dtype != q.dtype and not (k_cache.dtype == FP8 and TUNING["tile_ws_fp8"]):
         return False
-    if capability(q.device) != (9, 0) or q.shape[2] != 128:
+    if capability(q.device) != (9, 0) or q.shape[2] != 128 or block_size != 128:
         return False
     if not gluon_hopper_available():
         return False

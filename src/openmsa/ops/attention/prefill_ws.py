@@ -30,7 +30,7 @@ P @ V, where 0 * NaN would otherwise give NaN. Page ids come from the plan (neve
 copy lands inside the cache.
 
 Used when the K/V views allow TMA (api.py, `_ws_eligible`): CUDA sm_90, a 16-bit q with K/V
-of its dtype or fp8 e4m3, head dim 128, QT * GP = 64 rows, innermost stride 1 and
+of its dtype or fp8 e4m3, head dim and block size 128, QT * GP = 64 rows, innermost stride 1 and
 16-byte multiples elsewhere, 16-byte aligned bases (checked at launch; the Triton kernel is the
 fallback).
 """
