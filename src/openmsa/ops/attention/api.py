@@ -282,8 +282,8 @@ def _ws_eligible(q, k_cache, v_cache, block_size: int, rows: int) -> bool:
     """Whether the prefill tiles can run prefill_ws.py's Gluon kernel (a shape and stride
     question, answered once per plan; base addresses are checked at launch): Hopper, a 16-bit
     q with K/V of its dtype or fp8 e4m3 (tile_ws_fp8), 64 rows per tile, head dim and block
-    size 128 (the only ones the GPU tests cover), and K/V views a TMA descriptor describes ([pages, B, Hkv, D]
-    with D contiguous and the other strides 16-byte multiples)."""
+    size 128 (the only ones the GPU tests cover), and K/V views a TMA descriptor describes
+    ([pages, B, Hkv, D] with D contiguous and the other strides 16-byte multiples)."""
     if not TUNING["tile_ws"] or q.device.type != "cuda" or rows != 64:
         return False
     if q.dtype not in (torch.bfloat16, torch.float16):

@@ -273,9 +273,9 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_desc, v_desc, cu_ptr, seq_lens_ptr
         num_steps = num_blocks * PARTS
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, kv16, ready_k, ready_v, empty, union_row,
-                         num_steps, first_pos, qk_scale, v_scale_ptr, out_ptr, lse_ptr, t0, g, stride_ot,
-                         stride_oh, stride_od, stride_lt, stride_lh, G, GP, QT, N, BLOCK, PARTS,
-                         STAGES, HAS_SCALE, LAZY_MASK, FP8)),
+                         num_steps, first_pos, qk_scale, v_scale_ptr, out_ptr, lse_ptr, t0, g,
+                         stride_ot, stride_oh, stride_od, stride_lt, stride_lh, G, GP, QT, N,
+                         BLOCK, PARTS, STAGES, HAS_SCALE, LAZY_MASK, FP8)),
             (_producer, (k_desc, v_desc, k_smem, v_smem, ready_k, ready_v, empty, union_row,
                          num_steps, g, PARTS, STAGES)),
         ], [1], [PRODUCER_REGS])
