@@ -93,6 +93,8 @@ def main():
                         'e.g. \'[{}, {"sub": 128}]\'')
     p.add_argument("--metric", choices=("device", "call", "both"), default="device",
                    help="device µs (profiler), graph-replayed call µs, or both")
+    p.add_argument("--context", type=int, default=8192,
+                   help="attention-prefill: tokens of context before the 8192-token chunk")
     args = p.parse_args()
     global METRIC
     METRIC = args.metric
@@ -153,9 +155,11 @@ def _attention_fp8(args):
 
 
 def _attention_prefill(args):
-    """The prefill knobs (chunks of >= prefill_min_tokens tokens) on 8K chunks after 8K, with
-    selections shared by runs of 16 tokens, shared with per-token jitter, and independent."""
+    """The prefill knobs (chunks of >= prefill_min_tokens tokens) on 8K chunks after --context
+    tokens (8K unless told), with selections shared by runs of 16 tokens, shared with per-token
+    jitter, and independent."""
     variants = pick(args, [dict(tile=False), {}, dict(tile_ws=False), dict(tile_ws_fp8=False),
+                           dict(ws_keys_early=False),
                            dict(ws_sub=64, ws_stages=2), dict(tile_lazy_mask=False),
                            dict(tile_persistent=True, tile_persistent_fp8=False),
                            dict(tile_sub=128, tile_stages=2), dict(tile_sub_fp8=64,
@@ -168,8 +172,8 @@ def _attention_prefill(args):
             ("m3-tp1", "fp8", 16, 0.0), ("m3-tp1", "fp8", 16, 0.2), ("m3-tp1", "fp8", 1, 0.0),
             ("m3-tp4", "bf16", 16, 0.0), ("m3-tp4", "fp8", 16, 0.2)):
         m = shapes.MODELS[model_name]
-        q, packed, idx, cu, seq, table = run._attention_step(m, 1, 8192 + 8192, 8192, dname,
-                                                             shared=shared, jitter=jitter)
+        q, packed, idx, cu, seq, table = run._attention_step(m, 1, args.context + 8192, 8192,
+                                                             dname, shared=shared, jitter=jitter)
         k, v = packed[..., :128].permute(0, 2, 1, 3), packed[..., 128:].permute(0, 2, 1, 3)
         cases.append((f"{model_name} {dname} s{shared} j{jitter} U{run._mean_union(idx, 4):.1f}",
                       (lambda q=q, k=k, v=v, idx=idx, cu=cu, seq=seq, table=table:

@@ -108,7 +108,7 @@ def test_sparse_attention_tile_ws_kernel(dtype, sub, stages, group):
     layout = gl.NVMMASharedLayout.get_default_for(box, gdt)
     desc = f"tensordesc<{dtype}[1, {sub}, 1, 128],{layout!r}>"
     constexprs = dict(NUM_KV_HEADS=4, G=group, GP=group, QT=64 // group, KP=16, BLOCK=128,
-                      STAGES=stages, HAS_SCALE=stages == 1, LAZY_MASK=stages != 3,
+                      STAGES_K=stages, STAGES_V=stages, KEYS_EARLY=stages != 2, HAS_SCALE=stages == 1, LAZY_MASK=stages != 3,
                       PRODUCER_REGS=TUNING["ws_producer_regs"], FP8=dtype == "fp8e4nv",
                       num_warps=4)
     signature = {n: "constexpr" if n in constexprs else "i32" for n in fn.arg_names}

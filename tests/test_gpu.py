@@ -281,19 +281,20 @@ def test_attention_prefill_tiles_m3(kv_dtype, heads, monkeypatch):
     assert torch.equal(again, got)
 
 
-@pytest.mark.parametrize("heads, dtype, layout", [((64, 4), torch.bfloat16, "flash"),
-                                                   ((64, 4), torch.bfloat16, "packed"),
-                                                   ((8, 1), torch.float16, "packed"),
-                                                   ((16, 1), torch.bfloat16, "flash"),
-                                                   ((64, 4), FP8, "packed"),
-                                                   ((16, 1), FP8, "flash")])
-def test_attention_prefill_gluon_tiles(heads, dtype, layout, monkeypatch):
+@pytest.mark.parametrize("heads, dtype, layout, keys_early", [
+    ((64, 4), torch.bfloat16, "flash", True), ((64, 4), torch.bfloat16, "packed", True),
+    ((8, 1), torch.float16, "packed", True), ((16, 1), torch.bfloat16, "flash", True),
+    ((64, 4), FP8, "packed", True), ((16, 1), FP8, "flash", True),
+    ((64, 4), torch.bfloat16, "packed", False), ((16, 1), FP8, "flash", False)])
+def test_attention_prefill_gluon_tiles(heads, dtype, layout, keys_early, monkeypatch):
     """The warp-specialised tile kernel (prefill_ws.py) against the reference and the Triton
     tile kernel: chunks with and without context, partial own blocks whose unwritten tail is NaN
     in K and V (copied by TMA, never reaching the output), tiles the plan takes and leaves,
     the flash and vLLM packed layouts, per-tensor scales (one negative), a strided out=, and the
     Triton fallback for a base address TMA cannot take."""
     from openmsa.ops.attention import api
+    # keys handed back after S (separate rings) or together with the values after P V
+    monkeypatch.setitem(api.TUNING, "ws_keys_early", keys_early)
     calls = []
     real = api._launch_tile_ws
     monkeypatch.setattr(api, "_launch_tile_ws", lambda *a: calls.append(1) or real(*a))

@@ -79,7 +79,7 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
               tile_persistent=False, tile_persistent_fp8=True, tile_resident=2,
               tile_plan_warps=1, tile_ws=True, ws_sub=128, ws_stages=1, ws_lazy_mask=True,
               ws_maxnreg=128, ws_producer_regs=24, tile_ws_fp8=True,
-              ws_stages_fp8=1)
+              ws_stages_fp8=1, ws_keys_early=True)
 # tile_ws: on Hopper, 16-bit K/V tiles run prefill_ws.py's warp-specialised Gluon kernel where
 # the views allow TMA (_ws_eligible): ws_sub keys per step, ws_stages K/V buffers; ws_maxnreg
 # registers per thread at launch (128: two programs of 8 warps per SM), which the consumer
@@ -87,7 +87,9 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
 # (tune.py --only attention-prefill, 5ff8a96, one call, 8K chunks after 8K, Triton tiles ->
 # Gluon 64-key steps on 2 stages -> 128-key steps on 1): TP1 bf16 shared by 16 1619 -> 1269 ->
 # 1271 µs, with jitter 2175 -> 1736 -> 1681, TP4 395 -> 333 -> 323; 3 stages of 64 keys and
-# the mask on every step were slower
+# the mask on every step were slower. ws_keys_early: the consumer hands each step's keys back
+# right after S = Q K^T (separate key and value rings), so the next keys load during the
+# softmax and P V; False: keys and values go back together after P V (as before)
 # tile*: prefill steps first launch prefill.py's kernel over tiles of tile_rows // G tokens (the
 # union of their selections, taken on the device when union blocks x tokens <= tile_waste x the
 # tokens' selected blocks); the per-token kernel then does the tiles it left. Measured on 8K
@@ -422,8 +424,10 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
                 sub=min(block_size, TUNING["ws_sub"]),
                 kwargs=dict(NUM_KV_HEADS=num_kv_heads, G=group, GP=group_pad, QT=tile_qt,
                             KP=plan.kp, BLOCK=block_size,
-                            STAGES=TUNING["ws_stages_fp8" if fp8 else "ws_stages"],
+                            STAGES_K=TUNING["ws_stages_fp8" if fp8 else "ws_stages"],
+                            STAGES_V=TUNING["ws_stages_fp8" if fp8 else "ws_stages"],
                             LAZY_MASK=TUNING["ws_lazy_mask"], FP8=fp8,
+                            KEYS_EARLY=TUNING["ws_keys_early"],
                             PRODUCER_REGS=TUNING["ws_producer_regs"], num_warps=4,
                             maxnreg=TUNING["ws_maxnreg"]))
     plan.kwargs = dict(

@@ -7,9 +7,10 @@ QT tokens x G heads = 64 rows against the union's blocks, online softmax, the ca
 granularity. What changes is who does what inside a program:
 
 * one producer warp copies each step's K and V tiles ([SUB, D] of a page, one KV head, through
-  4-D descriptors over the caches' own [P, B, Hkv, D] views) into a ring of STAGES
-  shared-memory buffers with TMA, ahead of the consumer, reading the page ids
-  from the plan's union;
+  4-D descriptors over the caches' own [P, B, Hkv, D] views) into rings of STAGES_K key and
+  STAGES_V value buffers with TMA, ahead of the consumer, reading the page ids from the
+  plan's union; the consumer releases a step's keys once S = Q K^T has read them and its
+  values after P V, so the next step's keys load during this step's softmax;
 * one consumer warpgroup runs S = Q K^T (`wgmma`, both operands in shared memory), the mask and
   the online softmax in registers, and O += P V (`wgmma` with P as the register operand), then
   hands the buffers back.
@@ -38,7 +39,8 @@ fallback).
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                              warpgroup_mma, warpgroup_mma_wait)
+                                                              warpgroup_mma, warpgroup_mma_init,
+                                                              warpgroup_mma_wait)
 
 from ..common.gluon_utils import find_request
 
@@ -49,19 +51,24 @@ ROWS = gl.constexpr(64)
 
 
 @gluon.jit
-def _producer(k_desc, v_desc, k_smem, v_smem, ready_k, ready_v, empty, union_row, num_steps, g,
-              PARTS: gl.constexpr, STAGES: gl.constexpr):
-    """One warp: each step's K and V tiles into the ring, in the consumer's order."""
+def _producer(k_desc, v_desc, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v, union_row,
+              num_steps, g, PARTS: gl.constexpr):
+    """One warp: each step's K and V tiles into their rings, in the consumer's order (K_i,
+    then V_i); K_{i+1} waits only for S_i = Q K_i^T, so it loads during step i's softmax."""
     SUB: gl.constexpr = k_desc.block_type.shape[1]
-    for step in range(num_steps):
-        page = gl.load(union_row + step // PARTS)
-        s = step % STAGES
-        # the buffer's previous step released by the consumer
-        mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1, pred=step >= STAGES)
-        key0 = (step % PARTS) * SUB
+    SK: gl.constexpr = k_smem.shape[0]
+    SV: gl.constexpr = v_smem.shape[0]
+    for i in range(num_steps):
+        page = gl.load(union_row + i // PARTS)
+        key0 = (i % PARTS) * SUB
+        s = i % SK
+        # the buffer's previous keys released by the consumer
+        mbarrier.wait(empty_k.index(s), ((i // SK) & 1) ^ 1, pred=i >= SK)
         mbarrier.expect(ready_k.index(s), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [page, key0, g, 0], ready_k.index(s),
                                         k_smem.index(s))
+        s = i % SV
+        mbarrier.wait(empty_v.index(s), ((i // SV) & 1) ^ 1, pred=i >= SV)
         mbarrier.expect(ready_v.index(s), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [page, key0, g, 0], ready_v.index(s),
                                         v_smem.index(s))
@@ -90,96 +97,67 @@ def _to_f16(src, dst, key0, keep, FP8_ZERO_TAIL: gl.constexpr,
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, kv16, ready_k, ready_v, empty, union_row, num_steps,
-              first_pos,
-              qk_scale, v_scale_ptr, out_ptr, lse_ptr, t0, g, stride_ot, stride_oh, stride_od,
-              stride_lt, stride_lh, G: gl.constexpr, GP: gl.constexpr, QT: gl.constexpr,
-              N: gl.constexpr, BLOCK: gl.constexpr, PARTS: gl.constexpr, STAGES: gl.constexpr,
-              HAS_SCALE: gl.constexpr, LAZY_MASK: gl.constexpr, FP8: gl.constexpr):
-    """One warpgroup: the tile's 64 rows over every step, then their output and LSE."""
-    SUB: gl.constexpr = k_smem.shape[2]
-    D: gl.constexpr = k_smem.shape[4]
-    dtype: gl.constexpr = q_smem.dtype
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, SUB, 16])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, D, 16])
-    p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
-    # V's zeroed tail: a step's [SUB, D] tile, 8 elements (16 bytes) per thread access
-    v_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D, D // 8], [4, 1], [1, 0])
-    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_l))
-    keys = gl.arange(0, SUB, layout=gl.SliceLayout(0, s_l))
-    keys_v = gl.arange(0, SUB, layout=gl.SliceLayout(1, v_l))
-    pos = first_pos + rows // GP
-    ALL_TOKENS: gl.constexpr = (1 << QT) - 1
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_l))
-    l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_l))
-    acc = gl.zeros([ROWS, D], gl.float32, layout=o_l)
-    zero = gl.zeros([ROWS, SUB], gl.float32, layout=s_l)
-    for step in range(num_steps):
-        # the plan's slot of this step's block: block id and which tokens selected it
-        j = step // PARTS
-        base = gl.load(union_row + N + j) * BLOCK
-        bits = gl.load(union_row + 2 * N + j)
-        key0 = (step % PARTS) * SUB
-        # last visible offset in the block per row (-1: its token did not select the block);
-        # tokens are consecutive positions, so the largest cut is the highest bit's token's
-        cut_row = gl.where(((bits >> (rows // GP)) & 1) != 0, pos - base, -1)
-        last = 0
-        for k in gl.static_range(1, QT):
-            last += (bits >= (1 << k)).to(gl.int32)
-        max_cut = first_pos + last - base
-        min_cut = gl.where(bits == ALL_TOKENS, first_pos - base, -1)
-        s = step % STAGES
-        phase = (step // STAGES) & 1
-        mbarrier.wait(ready_k.index(s), phase)
-        if FP8:
-            # fp8 K and V run the MMAs in fp16 (as prefill.py's F16_COMPUTE), converted
-            # through one fp16 tile: K's now, V's after S = Q K^T has read it
-            gl.thread_barrier()  # the last step's P @ V done in every warp
-            _to_f16(k_smem.index(s), kv16, key0, 0, False)
-            k_t = kv16.permute((1, 0))
-        else:
-            k_t = k_smem.index(s).reshape([SUB, D]).permute((1, 0))
-        sc = warpgroup_mma(q_smem, k_t, zero, use_acc=False, is_async=True)
-        sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
-        if LAZY_MASK:
-            # only a step some row does not see whole needs the mask (most of a shared
-            # selection's steps do not)
-            if min_cut < key0 + SUB - 1:
-                sc = gl.where((key0 + keys)[None, :] <= cut_row[:, None], sc, float("-inf"))
-        else:
+def _step_cuts(union_row, step, rows, pos, first_pos, N: gl.constexpr, BLOCK: gl.constexpr,
+               PARTS: gl.constexpr, SUB: gl.constexpr, GP: gl.constexpr, QT: gl.constexpr):
+    """A step's first key offset in its block and the causal cuts: per row the last visible
+    offset in the block (-1: its token did not select the block), the largest cut of any row
+    and the smallest (-1 unless every token selected the block)."""
+    # the plan's slot of this step's block: block id and which tokens selected it
+    j = step // PARTS
+    base = gl.load(union_row + N + j) * BLOCK
+    bits = gl.load(union_row + 2 * N + j)
+    cut_row = gl.where(((bits >> (rows // GP)) & 1) != 0, pos - base, -1)
+    # tokens are consecutive positions, so the largest cut is the highest bit's token's
+    last = 0
+    for k in gl.static_range(1, QT):
+        last += (bits >= (1 << k)).to(gl.int32)
+    max_cut = first_pos + last - base
+    min_cut = gl.where(bits == (1 << QT) - 1, first_pos - base, -1)
+    return (step % PARTS) * SUB, cut_row, max_cut, min_cut
+
+
+@gluon.jit
+def _masked(sc, keys, key0, cut_row, min_cut, SUB: gl.constexpr, LAZY_MASK: gl.constexpr):
+    """S with the keys past each row's cut at -inf; LAZY_MASK: only a step some row does not
+    see whole is masked (most of a shared selection's steps are not)."""
+    if LAZY_MASK:
+        if min_cut < key0 + SUB - 1:
             sc = gl.where((key0 + keys)[None, :] <= cut_row[:, None], sc, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sc, axis=1) * qk_scale)
-        shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(sc * qk_scale - shift[:, None])
-        alpha = gl.exp2(m_i - shift)
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-        p_op = gl.convert_layout(p.to(dtype), p_l)
-        mbarrier.wait(ready_v.index(s), phase)
-        if FP8:
-            gl.thread_barrier()  # S = Q K^T done in every warp
-            if max_cut < key0 + SUB - 1:
-                _to_f16(v_smem.index(s), kv16, key0, max_cut, True)
-            else:
-                _to_f16(v_smem.index(s), kv16, key0, max_cut, False)
-            mbarrier.arrive(empty.index(s), count=1)  # the fp8 stage is free once converted
-            v_t = kv16
-        else:
-            v_t = v_smem.index(s).reshape([SUB, D])
-            if max_cut < key0 + SUB - 1:
-                # keys past every row's cut: their V rows (maybe never written) must not
-                # reach P @ V, where a zero p times a NaN gives NaN
-                tail = v_t.load(v_l)
-                v_t.store(gl.where((key0 + keys_v)[:, None] <= max_cut, tail, 0.0).to(dtype))
-                fence_async_shared()
-                gl.thread_barrier()
-        acc = warpgroup_mma(p_op, v_t, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        if not FP8:
-            mbarrier.arrive(empty.index(s), count=1)
+    else:
+        sc = gl.where((key0 + keys)[None, :] <= cut_row[:, None], sc, float("-inf"))
+    return sc
+
+
+@gluon.jit
+def _softmax_step(sc, m_i, l_i, qk_scale):
+    """Online softmax over one step: (p, the rescale of the rows' earlier terms, m, l)."""
+    m_new = gl.maximum(m_i, gl.max(sc, axis=1) * qk_scale)
+    shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(sc * qk_scale - shift[:, None])
+    alpha = gl.exp2(m_i - shift)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+
+
+@gluon.jit
+def _zero_v_tail(v_t, key0, max_cut, v_l: gl.constexpr):
+    """Keys past every row's cut: their V rows (maybe never written) must not reach P @ V,
+    where a zero p times a NaN gives NaN."""
+    SUB: gl.constexpr = v_t.shape[0]
+    keys_v = gl.arange(0, SUB, layout=gl.SliceLayout(1, v_l))
+    tail = v_t.load(v_l)
+    v_t.store(gl.where((key0 + keys_v)[:, None] <= max_cut, tail, 0.0).to(v_t.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _epilogue(acc, m_i, l_i, rows, v_scale_ptr, out_ptr, lse_ptr, t0, g, stride_ot, stride_oh,
+              stride_od, stride_lt, stride_lh, G: gl.constexpr, GP: gl.constexpr,
+              HAS_SCALE: gl.constexpr, o_l: gl.constexpr):
+    """The rows' output (acc / l, in out's dtype) and natural-log LSE; an empty row gives 0
+    and -inf."""
+    ROWS_: gl.constexpr = acc.shape[0]
+    D: gl.constexpr = acc.shape[1]
     if HAS_SCALE:
         acc = acc * gl.load(v_scale_ptr)
     empty_row = l_i == 0.0
@@ -190,12 +168,88 @@ def _consumer(q_smem, k_smem, v_smem, kv16, ready_k, ready_v, empty, union_row, 
     gl.store(lse_ptr + tok.to(gl.int64) * stride_lt + head * stride_lh, lse, mask=head_ok)
     l_o = gl.convert_layout(gl.where(empty_row, 1.0, l_i), gl.SliceLayout(1, o_l))
     o = (acc / l_o[:, None]).to(out_ptr.dtype.element_ty)
-    rows_o = gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_l))
+    rows_o = gl.arange(0, ROWS_, layout=gl.SliceLayout(1, o_l))
     d_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_l))
     tok_o = t0 + rows_o // GP
     head_o = g * G + rows_o % GP
     gl.store(out_ptr + tok_o.to(gl.int64)[:, None] * stride_ot + head_o[:, None] * stride_oh
              + d_o[None, :] * stride_od, o, mask=(rows_o % GP < G)[:, None])
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, kv16, ready_k, ready_v, empty_k, empty_v, union_row,
+              num_steps, first_pos, qk_scale, v_scale_ptr, out_ptr, lse_ptr, t0, g, stride_ot,
+              stride_oh, stride_od, stride_lt, stride_lh, G: gl.constexpr, GP: gl.constexpr,
+              QT: gl.constexpr, N: gl.constexpr, BLOCK: gl.constexpr, PARTS: gl.constexpr,
+              HAS_SCALE: gl.constexpr, LAZY_MASK: gl.constexpr, FP8: gl.constexpr,
+              KEYS_EARLY: gl.constexpr):
+    """One warpgroup, one step at a time: the tile's 64 rows over every step, then their
+    output and LSE. KEYS_EARLY: a step's keys go back to the producer once S = Q K^T (or,
+    fp8, their conversion) has read them, so the next step's keys load during this step's
+    softmax and P V; otherwise together with its values, after P V (kept to measure)."""
+    SK: gl.constexpr = k_smem.shape[0]
+    SV: gl.constexpr = v_smem.shape[0]
+    SUB: gl.constexpr = k_smem.shape[2]
+    D: gl.constexpr = k_smem.shape[4]
+    dtype: gl.constexpr = q_smem.dtype
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, SUB, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, D, 16])
+    p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    v_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D, D // 8], [4, 1], [1, 0])
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_l))
+    keys = gl.arange(0, SUB, layout=gl.SliceLayout(0, s_l))
+    pos = first_pos + rows // GP
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_l))
+    l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_l))
+    acc = gl.zeros([ROWS, D], gl.float32, layout=o_l)
+    zero = gl.zeros([ROWS, SUB], gl.float32, layout=s_l)
+    for step in range(num_steps):
+        key0, cut_row, max_cut, min_cut = _step_cuts(union_row, step, rows, pos, first_pos, N,
+                                                     BLOCK, PARTS, SUB, GP, QT)
+        sk = step % SK
+        mbarrier.wait(ready_k.index(sk), (step // SK) & 1)
+        if FP8:
+            # fp8 K and V run the MMAs in fp16 (as prefill.py's F16_COMPUTE), converted
+            # through one fp16 tile: K's now, V's after S = Q K^T has read it
+            gl.thread_barrier()  # the last step's P @ V done in every warp
+            _to_f16(k_smem.index(sk), kv16, key0, 0, False)
+            if KEYS_EARLY:
+                mbarrier.arrive(empty_k.index(sk), count=1)  # free once converted
+            k_t = kv16.permute((1, 0))
+        else:
+            k_t = k_smem.index(sk).reshape([SUB, D]).permute((1, 0))
+        sc = warpgroup_mma(q_smem, k_t, zero, use_acc=False, is_async=True)
+        sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
+        if not FP8 and KEYS_EARLY:
+            mbarrier.arrive(empty_k.index(sk), count=1)
+        sc = _masked(sc, keys, key0, cut_row, min_cut, SUB, LAZY_MASK)
+        p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i, qk_scale)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+        p_op = gl.convert_layout(p.to(dtype), p_l)
+        sv = step % SV
+        mbarrier.wait(ready_v.index(sv), (step // SV) & 1)
+        if FP8:
+            gl.thread_barrier()  # S = Q K^T done in every warp
+            if max_cut < key0 + SUB - 1:
+                _to_f16(v_smem.index(sv), kv16, key0, max_cut, True)
+            else:
+                _to_f16(v_smem.index(sv), kv16, key0, max_cut, False)
+            mbarrier.arrive(empty_v.index(sv), count=1)
+            v_t = kv16
+        else:
+            v_t = v_smem.index(sv).reshape([SUB, D])
+            if max_cut < key0 + SUB - 1:
+                _zero_v_tail(v_t, key0, max_cut, v_l)
+        acc = warpgroup_mma(p_op, v_t, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        if not FP8:
+            mbarrier.arrive(empty_v.index(sv), count=1)
+        if not KEYS_EARLY:
+            mbarrier.arrive(empty_k.index(sk), count=1)
+    _epilogue(acc, m_i, l_i, rows, v_scale_ptr, out_ptr, lse_ptr, t0, g, stride_ot, stride_oh,
+              stride_od, stride_lt, stride_lh, G, GP, HAS_SCALE, o_l)
 
 
 @gluon.jit
@@ -205,9 +259,10 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_desc, v_desc, cu_ptr, seq_lens_ptr
                                      stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
                                      NUM_KV_HEADS: gl.constexpr, G: gl.constexpr,
                                      GP: gl.constexpr, QT: gl.constexpr, KP: gl.constexpr,
-                                     BLOCK: gl.constexpr, STAGES: gl.constexpr,
-                                     HAS_SCALE: gl.constexpr, LAZY_MASK: gl.constexpr,
-                                     FP8: gl.constexpr,
+                                     BLOCK: gl.constexpr, STAGES_K: gl.constexpr,
+                                     STAGES_V: gl.constexpr, HAS_SCALE: gl.constexpr,
+                                     LAZY_MASK: gl.constexpr, FP8: gl.constexpr,
+                                     KEYS_EARLY: gl.constexpr,
                                      PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
     SUB: gl.constexpr = k_desc.block_type.shape[1]
     D: gl.constexpr = k_desc.block_type.shape[3]
@@ -225,36 +280,45 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_desc, v_desc, cu_ptr, seq_lens_ptr
         t_req = gl.load(cu_ptr + r)
         first_pos = gl.load(seq_lens_ptr + r) - (gl.load(cu_ptr + r + 1) - t_req) + (t0 - t_req)
         union_row = union_ptr + item.to(gl.int64) * (3 * N)
-        # the tile's query rows (token-major, GP head slots per token; the padding slots read
-        # zeros) into shared memory, where both MMAs of every step read them
-        q_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D, D // 8], [num_warps, 1],
-                                             [1, 0])
-        rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_l))
-        d = gl.arange(0, D, layout=gl.SliceLayout(0, q_l))
-        tok = t0 + rows // GP
-        head = g * G + rows % GP
-        q = gl.load(q_ptr + tok.to(gl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
-                    + d[None, :] * stride_qd, mask=(rows % GP < G)[:, None], other=0.0)
         if FP8:
             # fp8 K/V: the MMAs in fp16 with the softmax scale folded into q (prefill.py's
             # F16_COMPUTE, same rounding)
-            q = (q.to(gl.float32) * sm_scale).to(gl.float16)
             qk_scale = LOG2E
         else:
             qk_scale = sm_scale * LOG2E
         if HAS_SCALE:
             qk_scale = qk_scale * gl.load(k_scale_ptr)
-        # the loop applies the scale inside the exponent after taking row maxima of the raw
-        # scores, which needs a positive scale: a negative one moves its sign onto q (exact)
-        q = gl.where(qk_scale < 0, -q, q)
-        qk_scale = gl.abs(qk_scale)
-        q_smem = gl.allocate_shared_memory(q.dtype, [ROWS, D],
+        q_dtype: gl.constexpr = gl.float16 if FP8 else q_ptr.dtype.element_ty
+        q_smem = gl.allocate_shared_memory(q_dtype, [ROWS, D],
                                            gl.NVMMASharedLayout.get_default_for([ROWS, D],
-                                                                                q.dtype))
-        q_smem.store(q)
+                                                                                q_dtype))
+        # the tile's query rows (token-major, GP head slots per token; the padding slots read
+        # zeros) into shared memory, where both MMAs of every step read them; in two halves,
+        # so fewer registers are live before the partitions start
+        HALF: gl.constexpr = ROWS // 2
+        q_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D, D // 8], [num_warps, 1],
+                                             [1, 0])
+        d = gl.arange(0, D, layout=gl.SliceLayout(0, q_l))
+        for h in gl.static_range(2):
+            rows = h * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, q_l))
+            tok = t0 + rows // GP
+            head = g * G + rows % GP
+            q = gl.load(q_ptr + tok.to(gl.int64)[:, None] * stride_qt
+                        + head[:, None] * stride_qh + d[None, :] * stride_qd,
+                        mask=(rows % GP < G)[:, None], other=0.0)
+            if FP8:
+                q = (q.to(gl.float32) * sm_scale).to(gl.float16)
+            # the loop applies the scale inside the exponent after taking row maxima of the
+            # raw scores, which needs a positive scale: a negative one moves its sign onto q
+            # (exact)
+            q = gl.where(qk_scale < 0, -q, q)
+            q_smem.slice(h * HALF, HALF).store(q)
+        qk_scale = gl.abs(qk_scale)
         fence_async_shared()
-        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, 1, SUB, 1, D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, SUB, 1, D], v_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES_K, 1, SUB, 1, D],
+                                           k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES_V, 1, SUB, 1, D],
+                                           v_desc.layout)
         if FP8:
             # the fp16 copy of the step's K, then of its V, that the MMAs read
             kv16 = gl.allocate_shared_memory(gl.float16, [SUB, D],
@@ -262,20 +326,24 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_desc, v_desc, cu_ptr, seq_lens_ptr
                                                                                   gl.float16))
         else:
             kv16 = q_smem  # (unused)
-        ready_k = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        ready_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
+        ready_k = gl.allocate_shared_memory(gl.int64, [STAGES_K, 1], mbarrier.MBarrierLayout())
+        empty_k = gl.allocate_shared_memory(gl.int64, [STAGES_K, 1], mbarrier.MBarrierLayout())
+        ready_v = gl.allocate_shared_memory(gl.int64, [STAGES_V, 1], mbarrier.MBarrierLayout())
+        empty_v = gl.allocate_shared_memory(gl.int64, [STAGES_V, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES_K):
             mbarrier.init(ready_k.index(i), count=1)
+            mbarrier.init(empty_k.index(i), count=1)
+        for i in gl.static_range(STAGES_V):
             mbarrier.init(ready_v.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
+            mbarrier.init(empty_v.index(i), count=1)
         gl.thread_barrier()  # q's tile and the barriers visible to every warp
         num_steps = num_blocks * PARTS
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, kv16, ready_k, ready_v, empty, union_row,
-                         num_steps, first_pos, qk_scale, v_scale_ptr, out_ptr, lse_ptr, t0, g,
-                         stride_ot, stride_oh, stride_od, stride_lt, stride_lh, G, GP, QT, N,
-                         BLOCK, PARTS, STAGES, HAS_SCALE, LAZY_MASK, FP8)),
-            (_producer, (k_desc, v_desc, k_smem, v_smem, ready_k, ready_v, empty, union_row,
-                         num_steps, g, PARTS, STAGES)),
+            (_consumer, (q_smem, k_smem, v_smem, kv16, ready_k, ready_v, empty_k, empty_v,
+                         union_row, num_steps, first_pos, qk_scale, v_scale_ptr, out_ptr,
+                         lse_ptr, t0, g, stride_ot, stride_oh, stride_od, stride_lt,
+                         stride_lh, G, GP, QT, N, BLOCK, PARTS, HAS_SCALE, LAZY_MASK, FP8,
+                         KEYS_EARLY)),
+            (_producer, (k_desc, v_desc, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v,
+                         union_row, num_steps, g, PARTS)),
         ], [1], [PRODUCER_REGS])
