@@ -91,8 +91,10 @@ def test_block_scores_ws_kernel(dtype, heads):
 
 @pytest.mark.parametrize("dtype, sub, stages, group", [("bf16", 64, 2, 16), ("fp16", 128, 1, 8),
                                                        ("bf16", 64, 3, 16), ("fp8e4nv", 128, 1, 16),
-                                                       ("fp8e4nv", 128, 2, 8)])
+                                                       ("fp8e4nv", 128, 2, 8), ("bf16", 128, 21, 16),
+                                                       ("fp8e4nv", 128, 21, 16)])
 def test_sparse_attention_tile_ws_kernel(dtype, sub, stages, group):
+    # stages: one digit per ring (K, then V) where they differ
     # the Gluon prefill tiles (attention/prefill_ws.py) with the launch options api.py passes:
     # warp specialisation, 4-D TMA boxes and both wgmma forms (P from registers) lower for
     # sm_90, fp8 K/V through their fp16 copy; two programs fit on an SM (registers at launch,
@@ -108,7 +110,8 @@ def test_sparse_attention_tile_ws_kernel(dtype, sub, stages, group):
     layout = gl.NVMMASharedLayout.get_default_for(box, gdt)
     desc = f"tensordesc<{dtype}[1, {sub}, 1, 128],{layout!r}>"
     constexprs = dict(NUM_KV_HEADS=4, G=group, GP=group, QT=64 // group, KP=16, BLOCK=128,
-                      STAGES_K=stages, STAGES_V=stages, KEYS_EARLY=stages != 2, HAS_SCALE=stages == 1, LAZY_MASK=stages != 3,
+                      STAGES_K=stages // 10 or stages, STAGES_V=stages % 10,
+                      KEYS_EARLY=stages != 2, HAS_SCALE=stages == 1, LAZY_MASK=stages != 3,
                       PRODUCER_REGS=TUNING["ws_producer_regs"], FP8=dtype == "fp8e4nv",
                       num_warps=4)
     signature = {n: "constexpr" if n in constexprs else "i32" for n in fn.arg_names}

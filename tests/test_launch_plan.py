@@ -188,13 +188,16 @@ def _kv_pair(layout="flash", dtype=torch.bfloat16, pages=300, kv_heads=4, dim=12
                                         ("rows32", False),
                                         ("odd_strides", False), ("dim256", False),
                                         ("sm100", False), ("off", False), ("no_gluon", False),
-                                        ("block64", False)])
+                                        ("block64", False), ("sub64", True),
+                                        ("fp8_sub64", False)])
 def test_attention_prefill_tiles_take_the_gluon_kernel_where_tma_can(monkeypatch, case, want):
     """The attention prefill tiles run prefill_ws.py's kernel on Hopper for 16-bit or fp8 K/V
-    views a TMA descriptor describes (the flash layout and vLLM's packed one), 64-row tiles."""
+    views a TMA descriptor describes (the flash layout and vLLM's packed one), 64-row tiles;
+    fp8 in whole-block steps only."""
     monkeypatch.setattr(attention_api, "capability", lambda device: (9, 0))
     fp8 = torch.float8_e4m3fn
-    dtype = {"fp16": torch.float16, "fp8": fp8, "fp8_off": fp8}.get(case, torch.bfloat16)
+    dtype = {"fp16": torch.float16, "fp8": fp8, "fp8_off": fp8,
+             "fp8_sub64": fp8}.get(case, torch.bfloat16)
     dim = {"dim64": 64, "dim256": 256}.get(case, 128)
     k, v = _kv_pair("packed" if case == "packed" else "odd" if case == "odd_strides" else "flash",
                     dtype, dim=dim)
@@ -208,6 +211,8 @@ def test_attention_prefill_tiles_take_the_gluon_kernel_where_tma_can(monkeypatch
         monkeypatch.setitem(attention_api.TUNING, "tile_ws_fp8", False)
     if case == "no_gluon":
         monkeypatch.setattr(attention_api, "gluon_hopper_available", lambda: False)
+    if case.endswith("sub64"):  # 64-key steps: 16-bit K/V only (wrong on fp8, api.py)
+        monkeypatch.setitem(attention_api.TUNING, "ws_sub", 64)
     rows = 32 if case == "rows32" else 64
     assert attention_api._ws_eligible(q, k, v, 64 if case == "block64" else 128, rows) == want
 

@@ -79,7 +79,7 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
               tile_persistent=False, tile_persistent_fp8=True, tile_resident=2,
               tile_plan_warps=1, tile_ws=True, ws_sub=128, ws_stages=1, ws_lazy_mask=True,
               ws_maxnreg=128, ws_producer_regs=24, tile_ws_fp8=True,
-              ws_stages_fp8=1, ws_keys_early=True)
+              ws_stages_fp8=1, ws_keys_early=True, ws_stages_k=None, ws_stages_k_fp8=None)
 # tile_ws: on Hopper, 16-bit K/V tiles run prefill_ws.py's warp-specialised Gluon kernel where
 # the views allow TMA (_ws_eligible): ws_sub keys per step, ws_stages K/V buffers; ws_maxnreg
 # registers per thread at launch (128: two programs of 8 warps per SM), which the consumer
@@ -89,7 +89,8 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
 # 1271 µs, with jitter 2175 -> 1736 -> 1681, TP4 395 -> 333 -> 323; 3 stages of 64 keys and
 # the mask on every step were slower. ws_keys_early: the consumer hands each step's keys back
 # right after S = Q K^T (separate key and value rings), so the next keys load during the
-# softmax and P V; False: keys and values go back together after P V (as before)
+# softmax and P V; False: keys and values go back together after P V (as before).
+# ws_stages_k(_fp8): key buffers if not ws_stages(_fp8) (values keep ws_stages(_fp8))
 # tile*: prefill steps first launch prefill.py's kernel over tiles of tile_rows // G tokens (the
 # union of their selections, taken on the device when union blocks x tokens <= tile_waste x the
 # tokens' selected blocks); the per-token kernel then does the tiles it left. Measured on 8K
@@ -299,6 +300,10 @@ def _ws_eligible(q, k_cache, v_cache, block_size: int, rows: int) -> bool:
     sub = min(block_size, TUNING["ws_sub"])
     if block_size % sub or sub % 16:
         return False
+    # fp8 K/V only in whole-block steps: two fp8 forms on 64-key steps (exp/attn-ws-pipeline,
+    # exp/fp8-overlap) gave the same wrong outputs on the GPU, cause not found
+    if k_cache.dtype == FP8 and sub != block_size:
+        return False
     size = k_cache.dtype.itemsize
     return all(c.stride(3) == 1 and all(st * size % 16 == 0 for st in c.stride()[:3])
                for c in (k_cache, v_cache))
@@ -424,7 +429,8 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
                 sub=min(block_size, TUNING["ws_sub"]),
                 kwargs=dict(NUM_KV_HEADS=num_kv_heads, G=group, GP=group_pad, QT=tile_qt,
                             KP=plan.kp, BLOCK=block_size,
-                            STAGES_K=TUNING["ws_stages_fp8" if fp8 else "ws_stages"],
+                            STAGES_K=TUNING["ws_stages_k_fp8" if fp8 else "ws_stages_k"]
+                            or TUNING["ws_stages_fp8" if fp8 else "ws_stages"],
                             STAGES_V=TUNING["ws_stages_fp8" if fp8 else "ws_stages"],
                             LAZY_MASK=TUNING["ws_lazy_mask"], FP8=fp8,
                             KEYS_EARLY=TUNING["ws_keys_early"],
