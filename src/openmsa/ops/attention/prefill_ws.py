@@ -19,10 +19,12 @@ Why: the Triton tile kernel's warps compute every K/V element's address and issu
 themselves (~470 of a 64-key step's ~540 instructions per warp are not the softmax's, offline
 SASS), and its loads, MMAs and softmax run in series; here the copies cost the consumer nothing
 and two programs per SM (80 KB of shared memory each with the default 128-key steps on one
-stage) overlap one's softmax with the other's MMAs: 1619 -> 1271 µs for an 8K chunk at TP1
-(docs/performance.md). fp8 K/V are copied as fp8 and converted by the consumer into one fp16
-tile before each MMA (the MMAs run in fp16 as prefill.py's F16_COMPUTE); that conversion is
-on the consumer's path, and fp8 tiles measured only 0-3% faster than Triton's.
+stage) overlap one's softmax with the other's MMAs: 1619 -> 1271 µs for an 8K chunk at TP1,
+and 1266 -> 1120 with the keys handed back before P V (docs/performance.md). fp8 K/V are
+copied as fp8 and converted by the consumer into one fp16 tile before each MMA (the MMAs run
+in fp16 as prefill.py's F16_COMPUTE), in whole 128-key steps: fp8 tiles measured 0-3% faster
+than Triton's, and neither a converter partition nor conversions beside the MMAs made them
+faster (docs/performance.md, "What was tried").
 
 Keys past every row's causal cut (the tail of the tile's own block, maybe never written) are
 copied by TMA like the rest, since a box has one size: their scores are masked to -inf, and on
