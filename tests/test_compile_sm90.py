@@ -89,10 +89,9 @@ def test_block_scores_ws_kernel(dtype, heads):
     assert k.metadata.shared <= 227 * 1024
 
 
-@pytest.mark.parametrize("dtype, sub, stages, group", [("bf16", 64, 2, 16), ("fp16", 128, 1, 8),
-                                                       ("bf16", 64, 3, 16), ("fp8e4nv", 128, 1, 16),
-                                                       ("fp8e4nv", 128, 2, 8), ("bf16", 128, 21, 16),
-                                                       ("fp8e4nv", 128, 21, 16)])
+@pytest.mark.parametrize("dtype, sub, stages, group", [
+    ("bf16", 64, 2, 16), ("fp16", 128, 1, 8), ("bf16", 64, 3, 16), ("fp8e4nv", 128, 1, 16),
+    ("fp8e4nv", 128, 2, 8), ("bf16", 128, 21, 16), ("fp8e4nv", 128, 21, 16)])
 def test_sparse_attention_tile_ws_kernel(dtype, sub, stages, group):
     # stages: one digit per ring (K, then V) where they differ
     # the Gluon prefill tiles (attention/prefill_ws.py) with the launch options api.py passes:
