@@ -171,6 +171,27 @@ def test_gluon_launch_descriptors(monkeypatch, dtype, heads):
     assert seen["grid"] == (2, 1)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+def test_tma_descriptor_matches_a_direct_one(dtype):
+    """launch.tma_descriptor: the same descriptor as one built with the layout computed per
+    call, and the layout computed once per box and dtype."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from openmsa.ops.common.launch import tma_descriptor
+    t = torch.zeros(10, 128, 4, 256, dtype=dtype)[..., 128:]
+    box = (1, 64, 1, 128)
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
+           torch.float8_e4m3fn: gl.float8e4nv}[dtype]
+    want = TensorDescriptor(t, list(t.shape), list(t.stride()), list(box),
+                            gl.NVMMASharedLayout.get_default_for(list(box), gdt))
+    got = tma_descriptor(t, t.shape, t.stride(), box)
+    assert got.base is t
+    assert (list(got.shape), list(got.strides), list(got.block_shape), got.layout) == \
+        (list(want.shape), list(want.strides), list(want.block_shape), want.layout)
+    assert tma_descriptor(t, t.shape, t.stride(), box).layout is got.layout
+
+
 def _kv_pair(layout="flash", dtype=torch.bfloat16, pages=300, kv_heads=4, dim=128):
     if layout == "flash":
         k = v = torch.empty(pages, 128, kv_heads, dim, dtype=dtype, device="meta")

@@ -11,8 +11,8 @@ from ..._dispatch import next_pow2 as _next_pow2
 from ..._dispatch import (capability, gluon_hopper_available, num_sms, on_tensor_device,
                            scale_args, use_kernels)
 from ...support import attention_unsupported_reason
-from ..common.launch import (PlanCache, call_key, launch, launch_planned, plan_serials,
-                             scale_key)
+from ..common.launch import (PlanCache, call_key, launch, launch_planned, plan_serials, scale_key,
+                             tma_descriptor)
 from . import reference
 from .checks import check_attention_args, check_page_table_args
 
@@ -313,16 +313,9 @@ def _launch_tile_ws(q, k_cache, v_cache, cu_seqlens_q, seq_lens, out, lse, block
                     vs, plan, has_scale) -> None:
     """The Gluon tile launch (prefill_ws.py) with its TMA descriptors: K and V as their own
     [pages, B, Hkv, D] views, one [SUB, D] tile of one page and KV head per copy."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     from .prefill_ws import _sparse_attention_tile_ws_kernel
-    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, FP8: gl.float8e4nv}[
-        k_cache.dtype]
-    box = [1, plan.tile_ws["sub"], 1, k_cache.shape[3]]
-    layout = gl.NVMMASharedLayout.get_default_for(box, gdt)
-    k_desc, v_desc = (TensorDescriptor(c, list(c.shape), list(c.stride()), box, layout)
-                      for c in (k_cache, v_cache))
+    box = (1, plan.tile_ws["sub"], 1, k_cache.shape[3])
+    k_desc, v_desc = (tma_descriptor(c, c.shape, c.stride(), box) for c in (k_cache, v_cache))
     _sparse_attention_tile_ws_kernel[(plan.tile_items,)](
         q, k_desc, v_desc, cu_seqlens_q, seq_lens, out, lse, blocks, union, ks, vs,
         plan.sm_scale, seq_lens.shape[0], *q.stride(), *out.stride(), *lse.stride(),

@@ -11,7 +11,8 @@ from ..._dispatch import next_pow2 as _next_pow2
 from ..._dispatch import (capability, gluon_hopper_available, num_sms, on_tensor_device,
                            use_kernels)
 from ...support import indexer_unsupported_reason
-from ..common.launch import PlanCache, call_key, launch_planned, plan_serials
+from ..common.launch import (PlanCache, call_key, launch_planned, plan_serials,
+                             tma_descriptor)
 from . import reference
 from .checks import check_indexer_args, check_select_args
 
@@ -241,22 +242,13 @@ def _ws_eligible(index_q, index_cache, block_size: int) -> bool:
 def _launch_ws(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores, grid, kw):
     """The Gluon tile launch (scores_ws.py) with its TMA descriptors: q as [T * H, DI] rows in
     64-row boxes, the cache as [pages * BLOCK, DI] rows in one-block boxes."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     from .scores_ws import WG_ROWS, _block_scores_ws_kernel
     num_tokens, num_heads, head_dim = index_q.shape
-    rows = WG_ROWS.value
-    gdt = {FP8: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[
-        index_q.dtype]
     rows_q, rows_k = num_tokens * num_heads, index_cache.shape[0] * index_cache.shape[1]
-    q_desc = TensorDescriptor(index_q, [rows_q, head_dim], [head_dim, 1],
-                              [rows, head_dim],
-                              gl.NVMMASharedLayout.get_default_for([rows, head_dim], gdt))
-    k_desc = TensorDescriptor(index_cache, [rows_k, head_dim], [head_dim, 1],
-                              [index_cache.shape[1], head_dim],
-                              gl.NVMMASharedLayout.get_default_for(
-                                  [index_cache.shape[1], head_dim], gdt))
+    q_desc = tma_descriptor(index_q, (rows_q, head_dim), (head_dim, 1),
+                            (WG_ROWS.value, head_dim))
+    k_desc = tma_descriptor(index_cache, (rows_k, head_dim), (head_dim, 1),
+                            (index_cache.shape[1], head_dim))
     _block_scores_ws_kernel[grid](q_desc, k_desc, cu_seqlens_q, seq_lens, block_table, scores,
                                   seq_lens.shape[0], num_tokens, *block_table.stride(),
                                   *scores.stride(), kw["bps"],
