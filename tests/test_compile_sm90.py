@@ -91,9 +91,13 @@ def test_block_scores_ws_kernel(dtype, heads):
 
 @pytest.mark.parametrize("dtype, sub, stages, group", [
     ("bf16", 64, 2, 16), ("fp16", 128, 1, 8), ("bf16", 64, 3, 16), ("fp8e4nv", 128, 1, 16),
-    ("fp8e4nv", 128, 2, 8), ("bf16", 128, 21, 16), ("fp8e4nv", 128, 21, 16)])
+    ("fp8e4nv", 128, 2, 8), ("bf16", 128, 21, 16), ("fp8e4nv", 128, 21, 16),
+    ("fp8qk", 128, 1, 16), ("fp8qk", 128, 21, 8)])
 def test_sparse_attention_tile_ws_kernel(dtype, sub, stages, group):
-    # stages: one digit per ring (K, then V) where they differ
+    # stages: one digit per ring (K, then V) where they differ; fp8qk: fp8 K/V with
+    # S = Q K^T as fp8 MMAs (FP8_QK)
+    fp8_qk = dtype == "fp8qk"
+    dtype = "fp8e4nv" if fp8_qk else dtype
     # the Gluon prefill tiles (attention/prefill_ws.py) with the launch options api.py passes:
     # warp specialisation, 4-D TMA boxes and both wgmma forms (P from registers) lower for
     # sm_90, fp8 K/V through their fp16 copy; two programs fit on an SM (registers at launch,
@@ -112,7 +116,7 @@ def test_sparse_attention_tile_ws_kernel(dtype, sub, stages, group):
                       STAGES_K=stages // 10 or stages, STAGES_V=stages % 10,
                       KEYS_EARLY=stages != 2, HAS_SCALE=stages == 1, LAZY_MASK=stages != 3,
                       PRODUCER_REGS=TUNING["ws_producer_regs"], FP8=dtype == "fp8e4nv",
-                      num_warps=4)
+                      FP8_QK=fp8_qk, num_warps=4)
     signature = {n: "constexpr" if n in constexprs else "i32" for n in fn.arg_names}
     signature.update(q_ptr=q_type, k_desc=desc, v_desc=desc, out_ptr=q_type,
                      lse_ptr=F32, blocks_ptr=I32, union_ptr=I32, k_scale_ptr=F32,
@@ -124,6 +128,7 @@ def test_sparse_attention_tile_ws_kernel(dtype, sub, stages, group):
                        options=dict(num_warps=4, maxnreg=TUNING["ws_maxnreg"]))
     ptx = k.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor.4d" in ptx
+    assert ("e4m3.e4m3" in ptx) == fp8_qk  # the fp8 MMAs of S = Q K^T
     assert ".maxnreg 128" in ptx and ".reqntid 256" in ptx  # 2 x 256 x 128 = the SM's file
     assert k.metadata.shared <= 227 * 1024 // 2 - 1024
     _assert_no_spills(ptx)

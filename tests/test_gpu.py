@@ -281,20 +281,25 @@ def test_attention_prefill_tiles_m3(kv_dtype, heads, monkeypatch):
     assert torch.equal(again, got)
 
 
-@pytest.mark.parametrize("heads, dtype, layout, keys_early", [
-    ((64, 4), torch.bfloat16, "flash", True), ((64, 4), torch.bfloat16, "packed", True),
-    ((8, 1), torch.float16, "packed", True), ((16, 1), torch.bfloat16, "flash", True),
-    ((64, 4), FP8, "packed", True), ((16, 1), FP8, "flash", True),
-    ((64, 4), torch.bfloat16, "packed", False), ((16, 1), FP8, "flash", False)])
-def test_attention_prefill_gluon_tiles(heads, dtype, layout, keys_early, monkeypatch):
+@pytest.mark.parametrize("heads, dtype, layout, knobs", [
+    ((64, 4), torch.bfloat16, "flash", {}), ((64, 4), torch.bfloat16, "packed", {}),
+    ((8, 1), torch.float16, "packed", {}), ((16, 1), torch.bfloat16, "flash", {}),
+    ((64, 4), FP8, "packed", {}), ((16, 1), FP8, "flash", {}),
+    ((64, 4), torch.bfloat16, "packed", dict(ws_keys_early=False)),
+    ((16, 1), FP8, "flash", dict(ws_keys_early=False)),
+    ((64, 4), FP8, "packed", dict(ws_fp8_qk=True)), ((16, 1), FP8, "flash", dict(ws_fp8_qk=True)),
+    ((8, 1), FP8, "packed", dict(ws_fp8_qk=True, ws_keys_early=False))], ids=str)
+def test_attention_prefill_gluon_tiles(heads, dtype, layout, knobs, monkeypatch):
     """The warp-specialised tile kernel (prefill_ws.py) against the reference and the Triton
     tile kernel: chunks with and without context, partial own blocks whose unwritten tail is NaN
     in K and V (copied by TMA, never reaching the output), tiles the plan takes and leaves,
     the flash and vLLM packed layouts, per-tensor scales (one negative), a strided out=, and the
     Triton fallback for a base address TMA cannot take."""
     from openmsa.ops.attention import api
-    # keys handed back after S (separate rings) or together with the values after P V
-    monkeypatch.setitem(api.TUNING, "ws_keys_early", keys_early)
+    # ws_keys_early=False: keys handed back together with the values after P V, not after S;
+    # ws_fp8_qk: fp8 K/V with S = Q K^T as fp8 MMAs (q as e4m3 hi + lo)
+    for name, value in knobs.items():
+        monkeypatch.setitem(api.TUNING, name, value)
     calls = []
     real = api._launch_tile_ws
     monkeypatch.setattr(api, "_launch_tile_ws", lambda *a: calls.append(1) or real(*a))
@@ -318,7 +323,9 @@ def test_attention_prefill_gluon_tiles(heads, dtype, layout, keys_early, monkeyp
     shared = idx[:idx.shape[0] // run * run].view(-1, run, *idx.shape[1:])
     shared[::2] = shared[::2, :1].clone()
     q_dtype = torch.bfloat16 if dtype == FP8 else dtype
-    q = torch.randn(step.num_tokens, num_heads, 128, generator=g).to(q_dtype)
+    # heads of different magnitudes (ws_fp8_qk scales each row of q on its own)
+    head_scale = torch.tensor([0.25, 1.0, 3.0]).repeat(num_heads)[:num_heads, None]
+    q = (torch.randn(step.num_tokens, num_heads, 128, generator=g) * head_scale).to(q_dtype)
     d = _cuda(step)
     if layout == "packed":  # vLLM's [P, Hkv, B, 2 * D]
         buf = torch.empty(step.num_pages, num_kv, B, 256, dtype=dtype, device="cuda")

@@ -79,7 +79,8 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
               tile_persistent=False, tile_persistent_fp8=True, tile_resident=2,
               tile_plan_warps=1, tile_ws=True, ws_sub=128, ws_stages=1, ws_lazy_mask=True,
               ws_maxnreg=128, ws_producer_regs=24, tile_ws_fp8=True,
-              ws_stages_fp8=1, ws_keys_early=True, ws_stages_k=None, ws_stages_k_fp8=None)
+              ws_stages_fp8=1, ws_keys_early=True, ws_stages_k=None, ws_stages_k_fp8=None,
+              ws_fp8_qk=False)
 # tile_ws: on Hopper, 16-bit K/V tiles run prefill_ws.py's warp-specialised Gluon kernel where
 # the views allow TMA (_ws_eligible): ws_sub keys per step, ws_stages K/V buffers; ws_maxnreg
 # registers per thread at launch (128: two programs of 8 warps per SM), which the consumer
@@ -91,6 +92,8 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
 # right after S = Q K^T (separate key and value rings), so the next keys load during the
 # softmax and P V; False: keys and values go back together after P V (as before).
 # ws_stages_k(_fp8): key buffers if not ws_stages(_fp8) (values keep ws_stages(_fp8))
+# ws_fp8_qk: fp8 K/V tiles compute S = Q K^T as two fp8 MMAs from the key ring (q as e4m3 hi + lo
+# per row, prefill_ws.py's _split_q_rows) and convert only V to fp16
 # tile*: prefill steps first launch prefill.py's kernel over tiles of tile_rows // G tokens (the
 # union of their selections, taken on the device when union blocks x tokens <= tile_waste x the
 # tokens' selected blocks); the per-token kernel then does the tiles it left. Measured on 8K
@@ -426,6 +429,7 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
                             or TUNING["ws_stages_fp8" if fp8 else "ws_stages"],
                             STAGES_V=TUNING["ws_stages_fp8" if fp8 else "ws_stages"],
                             LAZY_MASK=TUNING["ws_lazy_mask"], FP8=fp8,
+                            FP8_QK=fp8 and TUNING["ws_fp8_qk"],
                             KEYS_EARLY=TUNING["ws_keys_early"],
                             PRODUCER_REGS=TUNING["ws_producer_regs"], num_warps=4,
                             maxnreg=TUNING["ws_maxnreg"]))

@@ -99,6 +99,24 @@ def _to_f16(src, dst, key0, keep, FP8_ZERO_TAIL: gl.constexpr,
 
 
 @gluon.jit
+def _split_q_rows(q, hi_smem, lo_smem, row_f_smem):
+    """q's rows as e4m3 hi + lo (FP8_QK): each row scaled by a power of two that takes its
+    largest magnitude to at most 224 (the rounding of hi then stays below e4m3's 448), hi its
+    nearest e4m3, lo the e4m3 of what is left. hi + lo hold a 16-bit q's 8 significant bits
+    exactly unless lo falls under e4m3's normal range (elements ~2^-10 of the row's largest);
+    the row's scores are scaled back by `row_f_smem` (exact)."""
+    qf = q.to(gl.float32)
+    amax = gl.max(gl.abs(qf), axis=1)
+    # (an all-zero row, a padding head's, takes the clamp; its parts stay 0)
+    e = gl.minimum(gl.maximum(gl.floor(gl.log2(224.0 / amax)), -126.0), 126.0)
+    qf = qf * gl.exp2(e)[:, None]
+    hi = qf.to(gl.float8e4nv)
+    hi_smem.store(hi)
+    lo_smem.store((qf - hi.to(gl.float32)).to(gl.float8e4nv))
+    row_f_smem.store(gl.exp2(-e))
+
+
+@gluon.jit
 def _step_cuts(union_row, step, rows, pos, first_pos, N: gl.constexpr, BLOCK: gl.constexpr,
                PARTS: gl.constexpr, SUB: gl.constexpr, GP: gl.constexpr, QT: gl.constexpr):
     """A step's first key offset in its block and the causal cuts: per row the last visible
@@ -179,23 +197,27 @@ def _epilogue(acc, m_i, l_i, rows, v_scale_ptr, out_ptr, lse_ptr, t0, g, stride_
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, kv16, ready_k, ready_v, empty_k, empty_v, union_row,
-              num_steps, first_pos, qk_scale, v_scale_ptr, out_ptr, lse_ptr, t0, g, stride_ot,
-              stride_oh, stride_od, stride_lt, stride_lh, G: gl.constexpr, GP: gl.constexpr,
-              QT: gl.constexpr, N: gl.constexpr, BLOCK: gl.constexpr, PARTS: gl.constexpr,
-              HAS_SCALE: gl.constexpr, LAZY_MASK: gl.constexpr, FP8: gl.constexpr,
-              KEYS_EARLY: gl.constexpr):
+def _consumer(q_smem, q_lo_smem, row_f_smem, k_smem, v_smem, kv16, ready_k, ready_v, empty_k,
+              empty_v, union_row, num_steps, first_pos, qk_scale, v_scale_ptr, out_ptr, lse_ptr,
+              t0, g, stride_ot, stride_oh, stride_od, stride_lt, stride_lh, G: gl.constexpr,
+              GP: gl.constexpr, QT: gl.constexpr, N: gl.constexpr, BLOCK: gl.constexpr,
+              PARTS: gl.constexpr, HAS_SCALE: gl.constexpr, LAZY_MASK: gl.constexpr,
+              FP8: gl.constexpr, FP8_QK: gl.constexpr, KEYS_EARLY: gl.constexpr):
     """One warpgroup, one step at a time: the tile's 64 rows over every step, then their
     output and LSE. KEYS_EARLY: a step's keys go back to the producer once S = Q K^T (or,
     fp8, their conversion) has read them, so the next step's keys load during this step's
-    softmax and P V; otherwise together with its values, after P V (kept to measure)."""
+    softmax and P V; otherwise together with its values, after P V (kept to measure).
+    FP8_QK (fp8 K/V): S = Q K^T as two fp8 MMAs straight from the key ring, q's rows as
+    e4m3 hi + lo parts scaled by a power of two per row (`row_f_smem` undoes it), so only V
+    is converted."""
     SK: gl.constexpr = k_smem.shape[0]
     SV: gl.constexpr = v_smem.shape[0]
     SUB: gl.constexpr = k_smem.shape[2]
     D: gl.constexpr = k_smem.shape[4]
-    dtype: gl.constexpr = q_smem.dtype
+    # P's dtype: V's in the MMA (fp8 V is converted to fp16)
+    dtype: gl.constexpr = gl.float16 if FP8 else q_smem.dtype
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, SUB, 16])
+                                                  instr_shape=[16, SUB, 32 if FP8_QK else 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, D, 16])
     p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
@@ -207,12 +229,22 @@ def _consumer(q_smem, k_smem, v_smem, kv16, ready_k, ready_v, empty_k, empty_v, 
     l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_l))
     acc = gl.zeros([ROWS, D], gl.float32, layout=o_l)
     zero = gl.zeros([ROWS, SUB], gl.float32, layout=s_l)
+    if FP8_QK:
+        row_f = row_f_smem.load(gl.SliceLayout(1, s_l))
     for step in range(num_steps):
         key0, cut_row, max_cut, min_cut = _step_cuts(union_row, step, rows, pos, first_pos, N,
                                                      BLOCK, PARTS, SUB, GP, QT)
         sk = step % SK
         mbarrier.wait(ready_k.index(sk), (step // SK) & 1)
-        if FP8:
+        if FP8_QK:
+            k_t = k_smem.index(sk).reshape([SUB, D]).permute((1, 0))
+            sc = warpgroup_mma(q_smem, k_t, zero, use_acc=False, is_async=True)
+            sc = warpgroup_mma(q_lo_smem, k_t, sc, is_async=True)
+            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
+            if KEYS_EARLY:
+                mbarrier.arrive(empty_k.index(sk), count=1)
+            sc = sc * row_f[:, None]  # a power of two per row: exact
+        elif FP8:
             # fp8 K and V run the MMAs in fp16 (as prefill.py's F16_COMPUTE), converted
             # through one fp16 tile: K's now, V's after S = Q K^T has read it
             gl.thread_barrier()  # the last step's P @ V done in every warp
@@ -220,12 +252,14 @@ def _consumer(q_smem, k_smem, v_smem, kv16, ready_k, ready_v, empty_k, empty_v, 
             if KEYS_EARLY:
                 mbarrier.arrive(empty_k.index(sk), count=1)  # free once converted
             k_t = kv16.permute((1, 0))
+            sc = warpgroup_mma(q_smem, k_t, zero, use_acc=False, is_async=True)
+            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
         else:
             k_t = k_smem.index(sk).reshape([SUB, D]).permute((1, 0))
-        sc = warpgroup_mma(q_smem, k_t, zero, use_acc=False, is_async=True)
-        sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
-        if not FP8 and KEYS_EARLY:
-            mbarrier.arrive(empty_k.index(sk), count=1)
+            sc = warpgroup_mma(q_smem, k_t, zero, use_acc=False, is_async=True)
+            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
+            if KEYS_EARLY:
+                mbarrier.arrive(empty_k.index(sk), count=1)
         sc = _masked(sc, keys, key0, cut_row, min_cut, SUB, LAZY_MASK)
         p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i, qk_scale)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
@@ -233,7 +267,8 @@ def _consumer(q_smem, k_smem, v_smem, kv16, ready_k, ready_v, empty_k, empty_v, 
         sv = step % SV
         mbarrier.wait(ready_v.index(sv), (step // SV) & 1)
         if FP8:
-            gl.thread_barrier()  # S = Q K^T done in every warp
+            # S = Q K^T (its fp16 K) and the last step's P @ V done in every warp
+            gl.thread_barrier()
             if max_cut < key0 + SUB - 1:
                 _to_f16(v_smem.index(sv), kv16, key0, max_cut, True)
             else:
@@ -264,7 +299,7 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_desc, v_desc, cu_ptr, seq_lens_ptr
                                      BLOCK: gl.constexpr, STAGES_K: gl.constexpr,
                                      STAGES_V: gl.constexpr, HAS_SCALE: gl.constexpr,
                                      LAZY_MASK: gl.constexpr, FP8: gl.constexpr,
-                                     KEYS_EARLY: gl.constexpr,
+                                     FP8_QK: gl.constexpr, KEYS_EARLY: gl.constexpr,
                                      PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
     SUB: gl.constexpr = k_desc.block_type.shape[1]
     D: gl.constexpr = k_desc.block_type.shape[3]
@@ -282,7 +317,7 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_desc, v_desc, cu_ptr, seq_lens_ptr
         t_req = gl.load(cu_ptr + r)
         first_pos = gl.load(seq_lens_ptr + r) - (gl.load(cu_ptr + r + 1) - t_req) + (t0 - t_req)
         union_row = union_ptr + item.to(gl.int64) * (3 * N)
-        if FP8:
+        if FP8 and not FP8_QK:
             # fp8 K/V: the MMAs in fp16 with the softmax scale folded into q (prefill.py's
             # F16_COMPUTE, same rounding)
             qk_scale = LOG2E
@@ -290,10 +325,18 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_desc, v_desc, cu_ptr, seq_lens_ptr
             qk_scale = sm_scale * LOG2E
         if HAS_SCALE:
             qk_scale = qk_scale * gl.load(k_scale_ptr)
-        q_dtype: gl.constexpr = gl.float16 if FP8 else q_ptr.dtype.element_ty
-        q_smem = gl.allocate_shared_memory(q_dtype, [ROWS, D],
-                                           gl.NVMMASharedLayout.get_default_for([ROWS, D],
-                                                                                q_dtype))
+        q_dtype: gl.constexpr = (gl.float8e4nv if FP8_QK else
+                                 gl.float16 if FP8 else q_ptr.dtype.element_ty)
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, D], q_dtype)
+        q_smem = gl.allocate_shared_memory(q_dtype, [ROWS, D], q_layout)
+        if FP8_QK:
+            # q's low parts, and per row the power of two that undoes its scale
+            q_lo_smem = gl.allocate_shared_memory(q_dtype, [ROWS, D], q_layout)
+            row_f_smem = gl.allocate_shared_memory(
+                gl.float32, [ROWS], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        else:
+            q_lo_smem = q_smem  # (unused)
+            row_f_smem = q_smem
         # the tile's query rows (token-major, GP head slots per token; the padding slots read
         # zeros) into shared memory, where both MMAs of every step read them; in two halves,
         # so fewer registers are live before the partitions start
@@ -308,13 +351,17 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_desc, v_desc, cu_ptr, seq_lens_ptr
             q = gl.load(q_ptr + tok.to(gl.int64)[:, None] * stride_qt
                         + head[:, None] * stride_qh + d[None, :] * stride_qd,
                         mask=(rows % GP < G)[:, None], other=0.0)
-            if FP8:
+            if FP8 and not FP8_QK:
                 q = (q.to(gl.float32) * sm_scale).to(gl.float16)
             # the loop applies the scale inside the exponent after taking row maxima of the
             # raw scores, which needs a positive scale: a negative one moves its sign onto q
             # (exact)
             q = gl.where(qk_scale < 0, -q, q)
-            q_smem.slice(h * HALF, HALF).store(q)
+            if FP8_QK:
+                _split_q_rows(q, q_smem.slice(h * HALF, HALF), q_lo_smem.slice(h * HALF, HALF),
+                              row_f_smem.slice(h * HALF, HALF))
+            else:
+                q_smem.slice(h * HALF, HALF).store(q)
         qk_scale = gl.abs(qk_scale)
         fence_async_shared()
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES_K, 1, SUB, 1, D],
@@ -341,11 +388,11 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_desc, v_desc, cu_ptr, seq_lens_ptr
         gl.thread_barrier()  # q's tile and the barriers visible to every warp
         num_steps = num_blocks * PARTS
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, kv16, ready_k, ready_v, empty_k, empty_v,
-                         union_row, num_steps, first_pos, qk_scale, v_scale_ptr, out_ptr,
-                         lse_ptr, t0, g, stride_ot, stride_oh, stride_od, stride_lt,
-                         stride_lh, G, GP, QT, N, BLOCK, PARTS, HAS_SCALE, LAZY_MASK, FP8,
-                         KEYS_EARLY)),
+            (_consumer, (q_smem, q_lo_smem, row_f_smem, k_smem, v_smem, kv16, ready_k,
+                         ready_v, empty_k, empty_v, union_row, num_steps, first_pos, qk_scale,
+                         v_scale_ptr, out_ptr, lse_ptr, t0, g, stride_ot, stride_oh, stride_od,
+                         stride_lt, stride_lh, G, GP, QT, N, BLOCK, PARTS, HAS_SCALE,
+                         LAZY_MASK, FP8, FP8_QK, KEYS_EARLY)),
             (_producer, (k_desc, v_desc, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v,
                          union_row, num_steps, g, PARTS)),
         ], [1], [PRODUCER_REGS])
