@@ -92,13 +92,30 @@ def _producer(k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr, stride
 
 
 @gluon.jit
+def _store_group_maxima(tile, cols, c, chunk_first, tok, head, t_begin, t_end, gmax_ptr,
+                        stride_gt, stride_gh, GS: gl.constexpr):
+    """The largest score of each GS-block group of a chunk's [CH, 64] tile (blocks past `c`,
+    the chunk's last, are an earlier chunk's: left out), per row, into gmax."""
+    CH_: gl.constexpr = tile.shape[0]
+    row_ok = (tok >= t_begin) & (tok < t_end)
+    row = gmax_ptr + tok.to(gl.int64) * stride_gt + head.to(gl.int64) * stride_gh
+    for k in gl.static_range(CH_ // GS):
+        mine = (cols >= k * GS) & (cols < k * GS + GS) & (cols <= c)
+        best = gl.max(gl.where(mine[:, None], tile, float("-inf")), axis=0)
+        gl.store(row + chunk_first // GS + k, best, mask=row_ok & (k * GS <= c))
+
+
+@gluon.jit
 def _consumer(q_smem, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr,
-              stride_btr, stride_btb, stride_ot, stride_oh, stride_ob, num_requests,
-              tile_begin, tile_end, b_first, r_first, bps, part, H: gl.constexpr,
-              BLOCK: gl.constexpr, SMALL_Q: gl.constexpr, STAGES: gl.constexpr,
-              Q_IN_REGS: gl.constexpr):
+              gmax_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob, stride_gt,
+              stride_gh, num_requests, tile_begin, tile_end, b_first, r_first, bps, part,
+              H: gl.constexpr, BLOCK: gl.constexpr, SMALL_Q: gl.constexpr,
+              STAGES: gl.constexpr, Q_IN_REGS: gl.constexpr, GS: gl.constexpr):
     """One warpgroup: rows [part * 64, part * 64 + 64) of the program's (token, head) rows;
-    `mine`: its maxima of the current chunk of CH blocks, [CH, 64] in shared memory."""
+    `mine`: its maxima of the current chunk of CH blocks, [CH, 64] in shared memory. GS > 0:
+    also each GS-block group's largest score into gmax[t, h, group] (chunks start on a group
+    boundary: splits are whole chunks), which the group-bound selection reads instead of the
+    scores (api.py, ws_group_max)."""
     # one MMA instruction: 64 rows x BLOCK keys x 32 bytes of head dim
     KW: gl.constexpr = 256 // q_smem.dtype.primitive_bitwidth
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -164,15 +181,19 @@ def _consumer(q_smem, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_ptr, 
                        + head_o.to(gl.int64)[None, :] * stride_oh
                        + (b - c + cols_o).to(gl.int64)[:, None] * stride_ob)
                 gl.store(dst, tile, mask=ok)
+                if GS > 0:
+                    _store_group_maxima(tile, cols_o, c, b - c, tok_o, head_o, t_begin, t_end,
+                                        gmax_ptr, stride_gt, stride_gh, GS)
                 gl.thread_barrier()  # read before the next chunk overwrites them
         r = gl.where(t_req >= tile_end, num_requests, r + 1)
 
 
 @gluon.jit
-def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr,
+def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr, gmax_ptr,
                             num_requests, num_tokens, stride_btr, stride_btb, stride_ot,
-                            stride_oh, stride_ob, bps, H: gl.constexpr, SMALL_Q: gl.constexpr,
-                            STAGES: gl.constexpr,
+                            stride_oh, stride_ob, stride_gt, stride_gh, bps,
+                            H: gl.constexpr, SMALL_Q: gl.constexpr, STAGES: gl.constexpr,
+                            GS: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, REVERSE_TILES: gl.constexpr,
                             CONSUMERS: gl.constexpr, Q_IN_REGS: gl.constexpr,
                             num_warps: gl.constexpr):
@@ -227,21 +248,25 @@ def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
         if CONSUMERS == 4:
             gl.warp_specialize([
                 (_consumer, (q_smem, k_smem, ready, empty, maxima0, cu_ptr, seq_lens_ptr, bt_ptr,
-                             out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
-                             num_requests, tile_begin, tile_end, b_first, r_first, bps, 0, H,
-                             BLOCK, SMALL_Q, STAGES, Q_IN_REGS)),
+                             out_ptr, gmax_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
+                             stride_ob, stride_gt, stride_gh, num_requests, tile_begin,
+                             tile_end, b_first, r_first, bps, 0, H, BLOCK, SMALL_Q, STAGES,
+                             Q_IN_REGS, GS)),
                 (_consumer, (q_smem, k_smem, ready, empty, maxima1, cu_ptr, seq_lens_ptr, bt_ptr,
-                             out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
-                             num_requests, tile_begin, tile_end, b_first, r_first, bps, 1, H,
-                             BLOCK, SMALL_Q, STAGES, Q_IN_REGS)),
+                             out_ptr, gmax_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
+                             stride_ob, stride_gt, stride_gh, num_requests, tile_begin,
+                             tile_end, b_first, r_first, bps, 1, H, BLOCK, SMALL_Q, STAGES,
+                             Q_IN_REGS, GS)),
                 (_consumer, (q_smem, k_smem, ready, empty, maxima2, cu_ptr, seq_lens_ptr, bt_ptr,
-                             out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
-                             num_requests, tile_begin, tile_end, b_first, r_first, bps, 2, H,
-                             BLOCK, SMALL_Q, STAGES, Q_IN_REGS)),
+                             out_ptr, gmax_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
+                             stride_ob, stride_gt, stride_gh, num_requests, tile_begin,
+                             tile_end, b_first, r_first, bps, 2, H, BLOCK, SMALL_Q, STAGES,
+                             Q_IN_REGS, GS)),
                 (_consumer, (q_smem, k_smem, ready, empty, maxima3, cu_ptr, seq_lens_ptr, bt_ptr,
-                             out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
-                             num_requests, tile_begin, tile_end, b_first, r_first, bps, 3, H,
-                             BLOCK, SMALL_Q, STAGES, Q_IN_REGS)),
+                             out_ptr, gmax_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
+                             stride_ob, stride_gt, stride_gh, num_requests, tile_begin,
+                             tile_end, b_first, r_first, bps, 3, H, BLOCK, SMALL_Q, STAGES,
+                             Q_IN_REGS, GS)),
                 (_producer, (k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr,
                              stride_btr, stride_btb, num_requests, tile_begin, tile_end, b_first,
                              r_first, bps, BLOCK, SMALL_Q, STAGES)),
@@ -249,17 +274,20 @@ def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
         else:
             gl.warp_specialize([
                 (_consumer, (q_smem, k_smem, ready, empty, maxima0, cu_ptr, seq_lens_ptr, bt_ptr,
-                             out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
-                             num_requests, tile_begin, tile_end, b_first, r_first, bps, 0, H,
-                             BLOCK, SMALL_Q, STAGES, Q_IN_REGS)),
+                             out_ptr, gmax_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
+                             stride_ob, stride_gt, stride_gh, num_requests, tile_begin,
+                             tile_end, b_first, r_first, bps, 0, H, BLOCK, SMALL_Q, STAGES,
+                             Q_IN_REGS, GS)),
                 (_consumer, (q_smem, k_smem, ready, empty, maxima1, cu_ptr, seq_lens_ptr, bt_ptr,
-                             out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
-                             num_requests, tile_begin, tile_end, b_first, r_first, bps, 1, H,
-                             BLOCK, SMALL_Q, STAGES, Q_IN_REGS)),
+                             out_ptr, gmax_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
+                             stride_ob, stride_gt, stride_gh, num_requests, tile_begin,
+                             tile_end, b_first, r_first, bps, 1, H, BLOCK, SMALL_Q, STAGES,
+                             Q_IN_REGS, GS)),
                 (_consumer, (q_smem, k_smem, ready, empty, maxima2, cu_ptr, seq_lens_ptr, bt_ptr,
-                             out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
-                             num_requests, tile_begin, tile_end, b_first, r_first, bps, 2, H,
-                             BLOCK, SMALL_Q, STAGES, Q_IN_REGS)),
+                             out_ptr, gmax_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
+                             stride_ob, stride_gt, stride_gh, num_requests, tile_begin,
+                             tile_end, b_first, r_first, bps, 2, H, BLOCK, SMALL_Q, STAGES,
+                             Q_IN_REGS, GS)),
                 (_producer, (k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr,
                              stride_btr, stride_btb, num_requests, tile_begin, tile_end, b_first,
                              r_first, bps, BLOCK, SMALL_Q, STAGES)),
