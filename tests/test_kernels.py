@@ -130,10 +130,13 @@ def test_selection_scratch_path(kernel_device, topk, init, chunk, segment, group
     """Rows of 1000 blocks make 1024-wide segments (or two of 512, merged), where the threshold
     path first packs the keys that can be picked into a scratch row: distinct random scores take
     it (with a run of equal top keys inside, and one row whose best keys sit in a few groups), a
-    row of ties overflows it and searches the segment. `chunk`: the segment read in chunks
-    (TUNING select_chunk), the overflow's search included."""
+    row of ties overflows it and searches the segment (on the group-bound path, taken here by
+    rows of any length, a row of 400 equal top keys in 25 groups overflows its candidates'
+    scratch row). `chunk`: the segment read in chunks (TUNING select_chunk), the overflow's
+    search included."""
     monkeypatch.setitem(indexer_api.TUNING, "select_sort_waves", 0)
     monkeypatch.setitem(indexer_api.TUNING, "select_group_bound", group_bound)
+    monkeypatch.setitem(indexer_api.TUNING, "select_group_min_blocks", 0)
     monkeypatch.setitem(indexer_api.TUNING, "select_chunk", chunk)
     monkeypatch.setitem(indexer_api.TUNING, "select_chunk_min_waves", 0)  # a small launch
     if segment is not None:
@@ -142,6 +145,8 @@ def test_selection_scratch_path(kernel_device, topk, init, chunk, segment, group
     step = make_step([3, 1], [16 * 1000, 16 * 999 + 3], block_size=B, pad_tokens=1)
     scores = torch.randn(step.num_tokens, 2, step.block_table.shape[1], generator=g)
     scores[0, 0, 500:520] = 7.0
+    # 25 groups of equal top keys: the group-bound path's candidates overflow its scratch row
+    scores[0, 1, :400] = 5.0
     scores[1, 0, :] = 1.0
     scores[1, 1, 40:60] = 9.0 + torch.arange(20.0)
     scores[2, 1] = scores[2, 1].round()

@@ -92,20 +92,6 @@ def _producer(k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr, stride
 
 
 @gluon.jit
-def _store_group_maxima(tile, cols, c, chunk_first, tok, head, t_begin, t_end, gmax_ptr,
-                        stride_gt, stride_gh, GS: gl.constexpr):
-    """The largest score of each GS-block group of a chunk's [CH, 64] tile (blocks past `c`,
-    the chunk's last, are an earlier chunk's: left out), per row, into gmax."""
-    CH_: gl.constexpr = tile.shape[0]
-    row_ok = (tok >= t_begin) & (tok < t_end)
-    row = gmax_ptr + tok.to(gl.int64) * stride_gt + head.to(gl.int64) * stride_gh
-    for k in gl.static_range(CH_ // GS):
-        mine = (cols >= k * GS) & (cols < k * GS + GS) & (cols <= c)
-        best = gl.max(gl.where(mine[:, None], tile, float("-inf")), axis=0)
-        gl.store(row + chunk_first // GS + k, best, mask=row_ok & (k * GS <= c))
-
-
-@gluon.jit
 def _consumer(q_smem, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr,
               gmax_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob, stride_gt,
               stride_gh, num_requests, tile_begin, tile_end, b_first, r_first, bps, part,
@@ -113,9 +99,9 @@ def _consumer(q_smem, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_ptr, 
               STAGES: gl.constexpr, Q_IN_REGS: gl.constexpr, GS: gl.constexpr):
     """One warpgroup: rows [part * 64, part * 64 + 64) of the program's (token, head) rows;
     `mine`: its maxima of the current chunk of CH blocks, [CH, 64] in shared memory. GS > 0:
-    also each GS-block group's largest score into gmax[t, h, group] (chunks start on a group
-    boundary: splits are whole chunks), which the group-bound selection reads instead of the
-    scores (api.py, ws_group_max)."""
+    also each GS-block group's largest score into gmax[t, h, group], a running maximum of the
+    rows' block maxima (two registers a thread), which the group-bound selection reads instead
+    of the scores (api.py, ws_group_max)."""
     # one MMA instruction: 64 rows x BLOCK keys x 32 bytes of head dim
     KW: gl.constexpr = 256 // q_smem.dtype.primitive_bitwidth
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -140,6 +126,9 @@ def _consumer(q_smem, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_ptr, 
     tok_o = tile_begin + local_o // H
     head_o = local_o % H
     cols_o = gl.arange(0, CH, layout=gl.SliceLayout(1, out_l))
+    # the group maxima's row addresses (rows in the MMA's row layout, as `best`)
+    g_row = gmax_ptr + tok.to(gl.int64) * stride_gt + (local % H).to(gl.int64) * stride_gh
+    group_best = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=rows_l)
     j = 0
     r = r_first
     while r < num_requests:
@@ -169,6 +158,12 @@ def _consumer(q_smem, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_ptr, 
             best = gl.max(acc, axis=1)
             best = gl.where((best == best) & (page >= 0), best, float("-inf"))
             mine.index(c).store(best)
+            if GS > 0:
+                # (updated on every block, stored under the `if`: a loop-carried tensor
+                # reassigned in a branch of a warp-specialised partition miscompiles)
+                group_best = gl.where(b % GS == 0, best, gl.maximum(group_best, best))
+                if (b % GS == GS - 1) | (i == n - 1):
+                    gl.store(g_row + b // GS, group_best, mask=(tok >= t_begin) & (tok < t_end))
             page = page_next
             j += 1
             if (c == CH - 1) | (i == n - 1):
@@ -181,9 +176,6 @@ def _consumer(q_smem, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_ptr, 
                        + head_o.to(gl.int64)[None, :] * stride_oh
                        + (b - c + cols_o).to(gl.int64)[:, None] * stride_ob)
                 gl.store(dst, tile, mask=ok)
-                if GS > 0:
-                    _store_group_maxima(tile, cols_o, c, b - c, tok_o, head_o, t_begin, t_end,
-                                        gmax_ptr, stride_gt, stride_gh, GS)
                 gl.thread_barrier()  # read before the next chunk overwrites them
         r = gl.where(t_req >= tile_end, num_requests, r + 1)
 

@@ -396,7 +396,8 @@ def _group_bound_select_kernel(scores_ptr, cu_ptr, seq_lens_ptr, gmax_ptr, out_p
         first = g * GS
         forced = (first < INIT) | ((LOCAL > 0) & (first + GS > n - LOCAL) & (first < n))
         gm = tl.where(g < ng, tl.where(forced, FORCED_SCORE_KEY, score_key(gs)), DEAD_KEY)
-        reach = (gm >= _kth_key(gm, TOPK, KP)) & (g < ng)
+        bound = _kth_key(gm, TOPK, KP)
+        reach = (gm >= bound) & (g < ng)
         n_groups = tl.sum(reach.to(tl.int32), axis=0)
         if n_groups <= CG:
             # the reaching groups' ids, ascending, through the scratch row
@@ -412,7 +413,23 @@ def _group_bound_select_kernel(scores_ptr, cu_ptr, seq_lens_ptr, gmax_ptr, out_p
                                           [CG * GS]), 0)
             key, live = _segment_keys(row, b, n, stride_sb, INIT, LOCAL)
             key = tl.where(used & live, key, DEAD_KEY)
-            _store_in_order(out_row, stride_ok, _threshold_select(key, TOPK, KP), b, TOPK, KP)
+            # of those, only the keys reaching the bound can be picked (usually a few dozen of
+            # the CG * GS): packed into the scratch row (in block order) and searched there
+            cand = (key >= bound) & (key != DEAD_KEY)
+            n_cand = tl.sum(cand.to(tl.int32), axis=0)
+            if n_cand <= CAP:
+                tl.debug_barrier()  # every thread has read the group ids the row held
+                tl.store(scratch_row + tl.cumsum(cand.to(tl.int32), axis=0) - 1,
+                         pack_key(key, b), mask=cand)
+                tl.debug_barrier()  # the packed keys are read back by other threads
+                c = tl.arange(0, CAP)
+                packed = tl.load(scratch_row + c, mask=c < n_cand, other=EMPTY_KEY)
+                ckey = tl.where(packed == EMPTY_KEY, DEAD_KEY, (packed >> 32).to(tl.int32))
+                _store_in_order(out_row, stride_ok, _threshold_select(ckey, TOPK, KP),
+                                unpack_block(packed), TOPK, KP)
+            else:
+                _store_in_order(out_row, stride_ok, _threshold_select(key, TOPK, KP), b, TOPK,
+                                KP)
         else:
             _chunked_select(row, 0, n, stride_sb, out_row, stride_ok, scratch_row, scratch_row,
                             TOPK, KP, INIT, LOCAL, NGP * GS, CH, CAP, NGP, True)
