@@ -422,8 +422,8 @@ def _group_bound_select_kernel(scores_ptr, cu_ptr, seq_lens_ptr, gmax_ptr, out_p
                 tl.store(scratch_row + tl.cumsum(cand.to(tl.int32), axis=0) - 1,
                          pack_key(key, b), mask=cand)
                 tl.debug_barrier()  # the packed keys are read back by other threads
-                c = tl.arange(0, CAP)
-                packed = tl.load(scratch_row + c, mask=c < n_cand, other=EMPTY_KEY)
+                cs = tl.arange(0, CAP)
+                packed = tl.load(scratch_row + cs, mask=cs < n_cand, other=EMPTY_KEY)
                 ckey = tl.where(packed == EMPTY_KEY, DEAD_KEY, (packed >> 32).to(tl.int32))
                 _store_in_order(out_row, stride_ok, _threshold_select(ckey, TOPK, KP),
                                 unpack_block(packed), TOPK, KP)
