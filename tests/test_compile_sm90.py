@@ -61,12 +61,10 @@ def test_block_scores_kernel(tile_mode, q_type, c_type, early):
     assert ("griddepcontrol.wait" in k.asm["ptx"]) == (tile_mode and bool(early))
 
 
-@pytest.mark.parametrize("dtype, heads, group", [("fp8e4nv", 4, 16), ("fp8e4nv", 1, 0),
-                                                 ("bf16", 4, 0), ("bf16", 4, 16)])
-def test_block_scores_ws_kernel(dtype, heads, group):
+@pytest.mark.parametrize("dtype, heads", [("fp8e4nv", 4), ("fp8e4nv", 1), ("bf16", 4)])
+def test_block_scores_ws_kernel(dtype, heads):
     # the Gluon tile launch (scores_ws.py) with the knobs api.py passes: warp specialisation,
-    # TMA and wgmma lower for sm_90, and its shared memory fits one program per SM; group:
-    # the group maxima for the selection too (GS)
+    # TMA and wgmma lower for sm_90, and its shared memory fits one program per SM
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -81,9 +79,9 @@ def test_block_scores_ws_kernel(dtype, heads, group):
                       STAGES=TUNING["ws_stages" if dtype == "fp8e4nv" else "ws_stages_16"],
                       CONSUMER_REGS=TUNING["ws_consumer_regs"], REVERSE_TILES=True,
                       CONSUMERS=TUNING["ws_consumers"], Q_IN_REGS=TUNING["ws_q_in_regs"],
-                      GS=group, num_warps=4)
+                      num_warps=4)
     signature = {n: "constexpr" if n in constexprs else "i32" for n in fn.arg_names}
-    signature.update(q_desc=desc(64), k_desc=desc(128), out_ptr=F32, gmax_ptr=F32, **STEP)
+    signature.update(q_desc=desc(64), k_desc=desc(128), out_ptr=F32, **STEP)
     src = GluonASTSource(fn, signature,
                          {(fn.arg_names.index(k),): v for k, v in constexprs.items()})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
@@ -166,14 +164,12 @@ def test_selection_kernels(by_sort):
     assert ("griddepcontrol.wait" in merge.asm["ptx"]) == by_sort
     # the group-bound path (api.py, select_group_bound) at 1M tokens: 512 groups of 16 blocks
     from openmsa.ops.indexer.select import _group_bound_select_kernel, _group_max_kernel
-    common = dict(TOPK=16, BLOCK=128, GS=16)
-    for skip_long in (0, 16):  # rows of long requests skipped (the scoring launch's maxima)
-        _compile(_group_max_kernel, dict(scores_ptr=F32, gmax_ptr=F32, cu_ptr=I32,
-                                         seq_lens_ptr=I32), {},
-                 dict(**common, GB=64, SKIP_LONG=skip_long))
-    _compile(_group_bound_select_kernel, dict(scores_ptr=F32, gmax_ptr=F32, out_ptr=I32,
+    common = dict(TOPK=16, INIT=0, LOCAL=1, BLOCK=128, GS=16)
+    _compile(_group_max_kernel, dict(scores_ptr=F32, gmax_ptr=I32, cu_ptr=I32,
+                                     seq_lens_ptr=I32), {}, dict(**common, GB=64))
+    _compile(_group_bound_select_kernel, dict(scores_ptr=F32, gmax_ptr=I32, out_ptr=I32,
                                               scratch_ptr=I64, cu_ptr=I32, seq_lens_ptr=I32), {},
-             dict(**common, INIT=0, LOCAL=1, KP=16, NGP=512, CG=32, CAP=64, CH=128))
+             dict(**common, KP=16, NGP=512, CG=32, CAP=64, CH=128))
 
 
 @pytest.mark.parametrize("kv_type, splits, sub", [("*fp8e4nv", 2, 64), ("*bf16", 1, 128)])

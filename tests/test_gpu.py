@@ -141,12 +141,9 @@ def test_prefill_gluon_tile_launch_exact(dtype, heads, form, monkeypatch):
     tile launch, exactly (integer inputs): tiles spanning several requests (long and short),
     chunks with and without context and partial last blocks, NaN keys (part of a block, a whole
     page), an unfilled page id, padding tokens, a strided out=, and the Triton fallback for a
-    base address TMA cannot take. The selection takes the group-bound path on every row, with
-    the long requests' group maxima from the Gluon launch (ws_group_max) and, on the fallback,
-    all of them from the selection's own launch."""
+    base address TMA cannot take. The selection takes the group-bound path on every row."""
     from openmsa.ops.indexer import api
     monkeypatch.setitem(api.TUNING, "prefill_ws_16", True)
-    monkeypatch.setitem(api.TUNING, "select_group_min_blocks_fused", 0)
     monkeypatch.setitem(api.TUNING, "select_group_min_blocks", 0)
     for name, value in WS_FORMS[form].items():
         monkeypatch.setitem(api.TUNING, name, value)

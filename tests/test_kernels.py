@@ -90,8 +90,7 @@ CRAFTED = [float("-inf"), float("inf"), float("nan"), -0.0, 0.0, 1e-45, -1e-45, 
            1.0, 1.0000001, -1.0, -1.0000001, 2.0, 2.0]
 
 
-@pytest.mark.parametrize("by_sort, group_bound", [(False, True), (False, False), (True, False),
-                                                   (False, "fused")])
+@pytest.mark.parametrize("by_sort, group_bound", [(False, True), (False, False), (True, False)])
 @pytest.mark.parametrize("topk, init, local, segment", [(4, 0, 1, None), (5, 1, 2, 8),
                                                         (16, 0, 1, None)])
 def test_selection_kernels_on_crafted_scores(kernel_device, topk, init, local, segment, by_sort,
@@ -99,11 +98,9 @@ def test_selection_kernels_on_crafted_scores(kernel_device, topk, init, local, s
     """The selection launches alone on score rows drawn from CRAFTED (many exact ties, all-equal
     rows, all -inf rows, rows shorter and longer than topk, one segment or several), equal to
     the reference selection from the same scores; every path (threshold search per segment, or
-    for rows of several segments the group-bound path, and the bitonic sort). "fused": the
-    group-bound path with the long request's group maxima given, as the Gluon scoring launch
-    writes them (ws_group_max), and the other rows' computed by the selection's own launch."""
+    for rows of several segments the group-bound path, and the bitonic sort)."""
     monkeypatch.setitem(indexer_api.TUNING, "select_sort_waves", 10**9 if by_sort else 0)
-    monkeypatch.setitem(indexer_api.TUNING, "select_group_bound", bool(group_bound))
+    monkeypatch.setitem(indexer_api.TUNING, "select_group_bound", group_bound)
     monkeypatch.setitem(indexer_api.TUNING, "select_group_min_blocks", 0)  # short rows too
     if segment is not None:
         monkeypatch.setitem(indexer_api.TUNING, "select_segment", segment)
@@ -117,8 +114,7 @@ def test_selection_kernels_on_crafted_scores(kernel_device, topk, init, local, s
     scores[0, 1] = float("-inf")
     scores[1, 2] = float("nan")
     scores[2, 0, ::3] = 3.4e38  # more top keys than topk, spread over segments
-    _check_selection_launch(kernel_device, step, scores, topk, init, local,
-                            fused=group_bound == "fused")
+    _check_selection_launch(kernel_device, step, scores, topk, init, local)
 
 
 @pytest.mark.parametrize("chunk, segment, group_bound", [(0, None, False), (128, None, False),
@@ -153,33 +149,15 @@ def test_selection_scratch_path(kernel_device, topk, init, chunk, segment, group
     _check_selection_launch(kernel_device, step, scores, topk, init, 1)
 
 
-def _check_selection_launch(kernel_device, step, scores, topk, init, local, fused=False):
-    """launch_select on `scores` equals the reference selection from the same scores. fused:
-    the group maxima of the rows of requests longer than SMALL_Q given (the Gluon scoring
-    launch's), the rest of the buffer NaN, to be written by the selection's launch."""
-    req, pos = token_layout(step.cu_seqlens_q, step.seq_lens, step.num_tokens)
+def _check_selection_launch(kernel_device, step, scores, topk, init, local):
+    """launch_select on `scores` equals the reference selection from the same scores."""
+    _, pos = token_layout(step.cu_seqlens_q, step.seq_lens, step.num_tokens)
     want = indexer_ref.select_from_scores(scores, pos, topk=topk, init_blocks=init,
                                           local_blocks=local, block_size=B)
     d = _to(step, kernel_device)
     out = nan_poison((*scores.shape[:2], topk), torch.int32, kernel_device)
-    gmax = None
-    if fused:
-        group = indexer_api.GROUP
-        width = -(-scores.shape[2] // group) * group
-        n = torch.where(pos >= 0, pos.long() // B + 1, 0)
-        live = torch.arange(width)[None, :] < n[:, None]
-        padded = torch.full((*scores.shape[:2], width), float("-inf"))
-        padded[..., :scores.shape[2]] = scores.nan_to_num(nan=float("-inf"), posinf=float("inf"))
-        padded = torch.where(live[:, None, :], padded, float("-inf"))
-        want_gm = padded.view(*scores.shape[:2], -1, group).amax(dim=-1)
-        q_lens = (step.cu_seqlens_q[1:] - step.cu_seqlens_q[:-1]).long()
-        long_row = (q_lens[req.long().clamp(0, len(q_lens) - 1)] > indexer_api.SMALL_Q) & (pos >= 0)
-        assert long_row.any() and not long_row.all()
-        gm = torch.where(long_row[:, None, None], want_gm, float("nan"))
-        gmax = gm.to(kernel_device)
     indexer_api.launch_select(scores.to(kernel_device), d.cu_seqlens_q, d.seq_lens, out,
-                              topk=topk, init_blocks=init, local_blocks=local, block_size=B,
-                              gmax=gmax, long_rows_done=fused)
+                              topk=topk, init_blocks=init, local_blocks=local, block_size=B)
     assert torch.equal(out.cpu(), want)
 
 

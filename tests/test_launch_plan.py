@@ -145,7 +145,7 @@ def test_prefill_tile_launch_stays_triton(hopper, monkeypatch, case):
 def test_gluon_launch_descriptors(monkeypatch, dtype, heads):
     """The Gluon launch's host side (no GPU: the kernel is replaced): q as [T * H, Di] rows in
     64-row boxes, the cache as [P * B, Di] rows in one-block boxes, the split size passed as
-    an argument and the rest as the plan's keywords; the group maxima's buffer and GS."""
+    an argument and the rest as the plan's keywords."""
     from openmsa.ops.indexer import scores_ws
     seen = {}
 
@@ -167,16 +167,8 @@ def test_gluon_launch_descriptors(monkeypatch, dtype, heads):
         ([100 * heads, 128], [128, 1], [64, 128])
     assert (list(k_desc.shape), list(k_desc.strides), list(k_desc.block_shape)) == \
         ([1280, 128], [128, 1], [128, 128])
-    # without group maxima the scores stand in for their pointer (never read: GS = 0)
-    assert seen["args"][-1] == 32 and seen["kwargs"] == dict(GS=0, H=heads, STAGES=6)
-    assert seen["args"][6] is scores and seen["args"][-3:-1] == (0, 0)
+    assert seen["args"][-1] == 32 and seen["kwargs"] == dict(H=heads, STAGES=6)
     assert seen["grid"] == (2, 1)
-    gmax = torch.zeros(100, heads, 1)[:, :, :1]
-    indexer_api._launch_ws(q, cache, torch.zeros(3, dtype=torch.int32),
-                           torch.zeros(2, dtype=torch.int32), table, scores, (2, 1),
-                           dict(bps=32, H=heads, STAGES=6), gmax)
-    assert seen["args"][6] is gmax and seen["args"][-3:-1] == gmax.stride()[:2]
-    assert seen["kwargs"] == dict(GS=indexer_api.GROUP, H=heads, STAGES=6)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])

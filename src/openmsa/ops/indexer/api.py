@@ -25,8 +25,6 @@ ANY_Q = 2 ** 30
 # rows (token, head pairs) of one tensor-core tile in the decode launch (the prefill launch's
 # is TUNING["prefill_rows"])
 DECODE_ROWS = 16
-# blocks per group of the group-bound selection's maxima (select.py)
-GROUP = 16
 # launch knobs, read at each call so that benchmarks/tune.py can sweep them. The prefill tile
 # launch has its own warps/stages per cache type: a 16-bit key tile is twice the bytes, and 2
 # stages on 4 warps fit 2 programs per SM for bf16 (13% faster at 8K@120K than 3 stages on 8
@@ -42,15 +40,10 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               use_max_q_len=True, select_segment_fill=True, select_chunk_min_waves=16,
               prefill_ws=True, prefill_ws_16=True, ws_bps=0, ws_waves=4, ws_stages=6,
               ws_stages_16=3, ws_consumer_regs=112, ws_consumers=4, ws_q_in_regs=False,
-              select_group_bound=True, select_group_min_blocks=2048, ws_group_max=True,
-              select_group_min_blocks_fused=512)
+              select_group_bound=True, select_group_min_blocks=2048)
 # select_group_bound: rows of at least select_group_min_blocks blocks on the threshold path
 # (prefill after a long context) take select.py's group-bound path: a memory-bound launch of
-# 16-block group maxima, then one program per row reading only the groups that can hold a pick.
-# ws_group_max: where the Gluon scoring launch runs (prefill_ws), it writes those group maxima
-# itself while the scores are in shared memory (select_blocks only), so the selection's launch
-# of them reads no long request's row; the group-bound path then pays from
-# select_group_min_blocks_fused blocks per row
+# 16-block group maxima, then one program per row reading only the groups that can hold a pick
 # prefill_ws, prefill_ws_16: on Hopper, the tile launch of an fp8 (16-bit) cache is scores_ws.py's
 # warp-specialised Gluon kernel where the layouts allow TMA (_ws_eligible); ws_waves programs
 # per SM in the grid (each split as long as that allows), or ws_bps blocks per split if set;
@@ -117,25 +110,21 @@ def _raise_if_unsupported(index_q, index_cache, block_size, topk) -> None:
 
 
 def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores,
-                        block_size: int, max_q_len: int | None = None, plan=None,
-                        gmax=None) -> bool:
+                        block_size: int, max_q_len: int | None = None, plan=None) -> None:
     """Write scores[t, h, b] for every block b < ceil(seq_len / B) of each token's request
     (entries past the token's own causal blocks get -inf; nothing else is written).
 
     max_q_len <= SMALL_Q (the caller's bound on every q_len): the request launch takes every
     request, whatever its q_len, and the tile launch is not made. A bound that is wrong leaves
     the scores exact: a long request then goes through the request launch's token loop, slowly.
-    plan: _scores_plan's result for these shapes (computed here when None). gmax: fp32
-    [T, H, ceil(max_blocks / GROUP)], for the Gluon tile launch's group maxima; returns whether
-    that launch ran and wrote them (for the tokens of requests longer than SMALL_Q)."""
+    plan: _scores_plan's result for these shapes (computed here when None)."""
     from .scores import _block_scores_kernel
 
     if plan is None:
         plan = _scores_plan(index_q, index_cache, seq_lens.shape[0], block_table.shape[1],
                             block_size, max_q_len)
     if not plan:
-        return False
-    wrote_gmax = False
+        return
     args = (index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores, seq_lens.shape[0],
             index_q.shape[0], *index_q.stride(), *index_cache.stride(), *block_table.stride(),
             *scores.stride())
@@ -143,12 +132,10 @@ def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_tabl
         if "GLUON" in kwargs:
             if index_q.data_ptr() % 16 == 0 and index_cache.data_ptr() % 16 == 0:
                 _launch_ws(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores,
-                           grid, kwargs["GLUON"], gmax)
-                wrote_gmax = gmax is not None
+                           grid, kwargs["GLUON"])
                 continue
             serial, grid, kwargs = kwargs["FALLBACK"]  # TMA needs 16-byte aligned bases
         launch_planned(_block_scores_kernel, serial, grid, *args, **kwargs)
-    return wrote_gmax
 
 
 def _scores_plan(index_q, index_cache, num_requests: int, max_blocks: int, block_size: int,
@@ -252,11 +239,9 @@ def _ws_eligible(index_q, index_cache, block_size: int) -> bool:
             and pages * block_size < 2 ** 31 and num_tokens * num_heads < 2 ** 31)
 
 
-def _launch_ws(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores, grid, kw,
-               gmax=None):
+def _launch_ws(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores, grid, kw):
     """The Gluon tile launch (scores_ws.py) with its TMA descriptors: q as [T * H, DI] rows in
-    64-row boxes, the cache as [pages * BLOCK, DI] rows in one-block boxes; with gmax, the
-    GROUP-block group maxima too."""
+    64-row boxes, the cache as [pages * BLOCK, DI] rows in one-block boxes."""
     from .scores_ws import WG_ROWS, _block_scores_ws_kernel
     num_tokens, num_heads, head_dim = index_q.shape
     rows_q, rows_k = num_tokens * num_heads, index_cache.shape[0] * index_cache.shape[1]
@@ -264,12 +249,9 @@ def _launch_ws(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores
                             (WG_ROWS.value, head_dim))
     k_desc = tma_descriptor(index_cache, (rows_k, head_dim), (head_dim, 1),
                             (index_cache.shape[1], head_dim))
-    # (without gmax the kernel never touches the pointer: scores stand in)
-    g_strides = gmax.stride()[:2] if gmax is not None else (0, 0)
     _block_scores_ws_kernel[grid](q_desc, k_desc, cu_seqlens_q, seq_lens, block_table, scores,
-                                  scores if gmax is None else gmax, seq_lens.shape[0],
-                                  num_tokens, *block_table.stride(), *scores.stride(),
-                                  *g_strides, kw["bps"], GS=0 if gmax is None else GROUP,
+                                  seq_lens.shape[0], num_tokens, *block_table.stride(),
+                                  *scores.stride(), kw["bps"],
                                   **{k: v for k, v in kw.items() if k != "bps"})
 
 
@@ -303,12 +285,10 @@ def _selection_layout(rows: int, max_blocks: int, kp: int, per_wave: int) -> tup
 
 
 def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, local_blocks,
-                  block_size, plan=None, gmax=None, long_rows_done=False) -> None:
+                  block_size, plan=None) -> None:
     """Top-k per (token, head) row of `scores` into `out`; rows are cut into segments of
     TUNING["select_segment"] blocks (one program each), merged by a second launch when there
-    are several. plan: _select_plan's result for these shapes (computed here when None).
-    gmax: the group-bound path's group maxima buffer; long_rows_done: the scoring launch
-    wrote them for the tokens of requests longer than SMALL_Q (launch_block_scores)."""
+    are several. plan: _select_plan's result for these shapes (computed here when None)."""
     from .select import _merge_topk_kernel, _segment_topk_kernel
 
     num_tokens, num_heads, max_blocks = scores.shape
@@ -320,15 +300,14 @@ def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, loc
     serial, segments, cap, kp, kwargs, merge_kwargs, group = plan
     if group is not None:
         from .select import _group_bound_select_kernel, _group_max_kernel
-        if gmax is None:
-            gmax = group_maxima_buffer(num_tokens, num_heads, group, scores.device)
+        gmax = torch.empty((num_tokens, num_heads, group["groups"]), dtype=torch.int32,
+                           device=scores.device)
         scratch = torch.empty((num_tokens * num_heads, group["s"]["CAP"]), dtype=torch.int64,
                               device=scores.device)
-        launch_planned(_group_max_kernel, (serial, 4 if long_rows_done else 2),
+        launch_planned(_group_max_kernel, (serial, 2),
                        (num_tokens, num_heads, -(-group["groups"] // group["g"]["GB"])),
                        scores, cu_seqlens_q, seq_lens, gmax, seq_lens.shape[0],
-                       *scores.stride(), *gmax.stride()[:2], **group["g"],
-                       SKIP_LONG=SMALL_Q if long_rows_done else 0)
+                       *scores.stride(), *gmax.stride()[:2], **group["g"])
         launch_planned(_group_bound_select_kernel, (serial, 3), (num_tokens, num_heads),
                        scores, cu_seqlens_q, seq_lens, gmax, out, scratch, seq_lens.shape[0],
                        *scores.stride(), *gmax.stride()[:2], *out.stride(), **group["s"])
@@ -348,18 +327,10 @@ def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, loc
                        *out.stride(), **merge_kwargs)
 
 
-def group_maxima_buffer(num_tokens, num_heads, group, device) -> torch.Tensor:
-    """The group-bound path's fp32 group maxima, [T, H, groups] (_select_plan's `group`)."""
-    return torch.empty((num_tokens, num_heads, group["groups"]), dtype=torch.float32,
-                       device=device)
-
-
 def _select_plan(num_tokens, num_heads, max_blocks, topk, init_blocks, local_blocks, block_size,
-                 device, fused_maxima=False) -> tuple:
+                 device) -> tuple:
     """(segments per row, scratch slots, KP, the selection launch's and the merge launch's
-    keyword arguments, the group-bound path's or None) for these shapes; fused_maxima: the
-    scoring launch can write the group maxima (ws_group_max), which makes the group-bound
-    path pay on shorter rows."""
+    keyword arguments) for these shapes."""
     kp = _next_pow2(topk)
     seg, by_sort = _selection_layout(num_tokens * num_heads, max_blocks, kp,
                                      _programs_per_wave(device))
@@ -392,17 +363,14 @@ def _select_plan(num_tokens, num_heads, max_blocks, topk, init_blocks, local_blo
                         CANDP=_next_pow2(num_segments * kp), BY_SORT=by_sort, PDL=pdl,
                         num_warps=warps, launch_pdl=pdl)
     group = None
-    min_blocks = TUNING["select_group_min_blocks_fused" if fused_maxima
-                        else "select_group_min_blocks"]
     if (TUNING["select_group_bound"] and not by_sort and kp <= 32
-            and max_blocks >= min_blocks):
-        # (select.py: GROUP-block groups, 64 per group-maxima program; at most 2 * KP reaching
-        # groups on the fast path)
-        groups = -(-max_blocks // GROUP)
-        common = dict(TOPK=topk, BLOCK=block_size, GS=GROUP)
-        group = dict(groups=groups, fused=fused_maxima, g=dict(**common, GB=64, num_warps=4),
-                     s=dict(**common, INIT=init_blocks, LOCAL=local_blocks, KP=kp,
-                            NGP=max(_next_pow2(groups), 2 * kp), CG=2 * kp,
+            and max_blocks >= TUNING["select_group_min_blocks"]):
+        # (select.py: 16-block groups, 64 per group-maxima program; at most 32 reaching groups
+        # on the fast path, 512 candidate blocks)
+        gs, groups = 16, -(-max_blocks // 16)
+        common = dict(TOPK=topk, INIT=init_blocks, LOCAL=local_blocks, BLOCK=block_size, GS=gs)
+        group = dict(groups=groups, g=dict(**common, GB=64, num_warps=4),
+                     s=dict(**common, KP=kp, NGP=max(_next_pow2(groups), 2 * kp), CG=2 * kp,
                             CAP=max(64, 2 * kp), CH=128, num_warps=1))
     return next(plan_serials), num_segments, cap, kp, kwargs, merge_kwargs, group
 
@@ -483,15 +451,10 @@ def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, 
                            out_dtype=torch.int32, max_q_len=max_q_len)
         _raise_if_unsupported(index_q, index_cache, block_size, topk)
         num_tokens, num_heads, _ = index_q.shape
-        scores_plan = _scores_plan(index_q, index_cache, seq_lens.shape[0],
-                                   block_table.shape[1], block_size, max_q_len)
-        # the Gluon tile launch can write the group maxima (its splits are whole groups)
-        fused = TUNING["ws_group_max"] and any(
-            "GLUON" in kw and kw["GLUON"]["bps"] % GROUP == 0 for _, _, kw in scores_plan)
-        plan = (scores_plan,
+        plan = (_scores_plan(index_q, index_cache, seq_lens.shape[0], block_table.shape[1],
+                             block_size, max_q_len),
                 _select_plan(num_tokens, num_heads, block_table.shape[1], topk, init_blocks,
-                             local_blocks, block_size, index_q.device, fused)
-                if num_tokens else None)
+                             local_blocks, block_size, index_q.device) if num_tokens else None)
         _PLANS.put(key, plan)
     num_tokens, num_heads, _ = index_q.shape
     if out is None:
@@ -500,15 +463,10 @@ def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, 
     # only blocks below each token's causal count are read back, so no -inf fill is needed
     scores = torch.empty((num_tokens, num_heads, block_table.shape[1]), dtype=torch.float32,
                          device=index_q.device)
-    group = plan[1][-1] if plan[1] else None
-    gmax = None
-    if group is not None and group["fused"]:
-        gmax = group_maxima_buffer(num_tokens, num_heads, group, index_q.device)
-    done = launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores,
-                               block_size, max_q_len, plan[0], gmax)
+    launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores,
+                        block_size, max_q_len, plan[0])
     launch_select(scores, cu_seqlens_q, seq_lens, out, topk=topk, init_blocks=init_blocks,
-                  local_blocks=local_blocks, block_size=block_size, plan=plan[1], gmax=gmax,
-                  long_rows_done=done)
+                  local_blocks=local_blocks, block_size=block_size, plan=plan[1])
     return out
 
 

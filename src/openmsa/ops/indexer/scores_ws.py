@@ -93,15 +93,12 @@ def _producer(k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr, stride
 
 @gluon.jit
 def _consumer(q_smem, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr,
-              gmax_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob, stride_gt,
-              stride_gh, num_requests, tile_begin, tile_end, b_first, r_first, bps, part,
-              H: gl.constexpr, BLOCK: gl.constexpr, SMALL_Q: gl.constexpr,
-              STAGES: gl.constexpr, Q_IN_REGS: gl.constexpr, GS: gl.constexpr):
+              stride_btr, stride_btb, stride_ot, stride_oh, stride_ob, num_requests,
+              tile_begin, tile_end, b_first, r_first, bps, part, H: gl.constexpr,
+              BLOCK: gl.constexpr, SMALL_Q: gl.constexpr, STAGES: gl.constexpr,
+              Q_IN_REGS: gl.constexpr):
     """One warpgroup: rows [part * 64, part * 64 + 64) of the program's (token, head) rows;
-    `mine`: its maxima of the current chunk of CH blocks, [CH, 64] in shared memory. GS > 0:
-    also each GS-block group's largest score into gmax[t, h, group], a running maximum of the
-    rows' block maxima (two registers a thread), which the group-bound selection reads instead
-    of the scores (api.py, ws_group_max)."""
+    `mine`: its maxima of the current chunk of CH blocks, [CH, 64] in shared memory."""
     # one MMA instruction: 64 rows x BLOCK keys x 32 bytes of head dim
     KW: gl.constexpr = 256 // q_smem.dtype.primitive_bitwidth
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -126,9 +123,6 @@ def _consumer(q_smem, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_ptr, 
     tok_o = tile_begin + local_o // H
     head_o = local_o % H
     cols_o = gl.arange(0, CH, layout=gl.SliceLayout(1, out_l))
-    # the group maxima's row addresses (rows in the MMA's row layout, as `best`)
-    g_row = gmax_ptr + tok.to(gl.int64) * stride_gt + (local % H).to(gl.int64) * stride_gh
-    group_best = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=rows_l)
     j = 0
     r = r_first
     while r < num_requests:
@@ -158,12 +152,6 @@ def _consumer(q_smem, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_ptr, 
             best = gl.max(acc, axis=1)
             best = gl.where((best == best) & (page >= 0), best, float("-inf"))
             mine.index(c).store(best)
-            if GS > 0:
-                # (updated on every block, stored under the `if`: a loop-carried tensor
-                # reassigned in a branch of a warp-specialised partition miscompiles)
-                group_best = gl.where(b % GS == 0, best, gl.maximum(group_best, best))
-                if (b % GS == GS - 1) | (i == n - 1):
-                    gl.store(g_row + b // GS, group_best, mask=(tok >= t_begin) & (tok < t_end))
             page = page_next
             j += 1
             if (c == CH - 1) | (i == n - 1):
@@ -181,11 +169,10 @@ def _consumer(q_smem, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_ptr, 
 
 
 @gluon.jit
-def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr, gmax_ptr,
+def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr,
                             num_requests, num_tokens, stride_btr, stride_btb, stride_ot,
-                            stride_oh, stride_ob, stride_gt, stride_gh, bps,
-                            H: gl.constexpr, SMALL_Q: gl.constexpr, STAGES: gl.constexpr,
-                            GS: gl.constexpr,
+                            stride_oh, stride_ob, bps, H: gl.constexpr, SMALL_Q: gl.constexpr,
+                            STAGES: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, REVERSE_TILES: gl.constexpr,
                             CONSUMERS: gl.constexpr, Q_IN_REGS: gl.constexpr,
                             num_warps: gl.constexpr):
@@ -240,25 +227,21 @@ def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
         if CONSUMERS == 4:
             gl.warp_specialize([
                 (_consumer, (q_smem, k_smem, ready, empty, maxima0, cu_ptr, seq_lens_ptr, bt_ptr,
-                             out_ptr, gmax_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
-                             stride_ob, stride_gt, stride_gh, num_requests, tile_begin,
-                             tile_end, b_first, r_first, bps, 0, H, BLOCK, SMALL_Q, STAGES,
-                             Q_IN_REGS, GS)),
+                             out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
+                             num_requests, tile_begin, tile_end, b_first, r_first, bps, 0, H,
+                             BLOCK, SMALL_Q, STAGES, Q_IN_REGS)),
                 (_consumer, (q_smem, k_smem, ready, empty, maxima1, cu_ptr, seq_lens_ptr, bt_ptr,
-                             out_ptr, gmax_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
-                             stride_ob, stride_gt, stride_gh, num_requests, tile_begin,
-                             tile_end, b_first, r_first, bps, 1, H, BLOCK, SMALL_Q, STAGES,
-                             Q_IN_REGS, GS)),
+                             out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
+                             num_requests, tile_begin, tile_end, b_first, r_first, bps, 1, H,
+                             BLOCK, SMALL_Q, STAGES, Q_IN_REGS)),
                 (_consumer, (q_smem, k_smem, ready, empty, maxima2, cu_ptr, seq_lens_ptr, bt_ptr,
-                             out_ptr, gmax_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
-                             stride_ob, stride_gt, stride_gh, num_requests, tile_begin,
-                             tile_end, b_first, r_first, bps, 2, H, BLOCK, SMALL_Q, STAGES,
-                             Q_IN_REGS, GS)),
+                             out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
+                             num_requests, tile_begin, tile_end, b_first, r_first, bps, 2, H,
+                             BLOCK, SMALL_Q, STAGES, Q_IN_REGS)),
                 (_consumer, (q_smem, k_smem, ready, empty, maxima3, cu_ptr, seq_lens_ptr, bt_ptr,
-                             out_ptr, gmax_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
-                             stride_ob, stride_gt, stride_gh, num_requests, tile_begin,
-                             tile_end, b_first, r_first, bps, 3, H, BLOCK, SMALL_Q, STAGES,
-                             Q_IN_REGS, GS)),
+                             out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
+                             num_requests, tile_begin, tile_end, b_first, r_first, bps, 3, H,
+                             BLOCK, SMALL_Q, STAGES, Q_IN_REGS)),
                 (_producer, (k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr,
                              stride_btr, stride_btb, num_requests, tile_begin, tile_end, b_first,
                              r_first, bps, BLOCK, SMALL_Q, STAGES)),
@@ -266,20 +249,17 @@ def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
         else:
             gl.warp_specialize([
                 (_consumer, (q_smem, k_smem, ready, empty, maxima0, cu_ptr, seq_lens_ptr, bt_ptr,
-                             out_ptr, gmax_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
-                             stride_ob, stride_gt, stride_gh, num_requests, tile_begin,
-                             tile_end, b_first, r_first, bps, 0, H, BLOCK, SMALL_Q, STAGES,
-                             Q_IN_REGS, GS)),
+                             out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
+                             num_requests, tile_begin, tile_end, b_first, r_first, bps, 0, H,
+                             BLOCK, SMALL_Q, STAGES, Q_IN_REGS)),
                 (_consumer, (q_smem, k_smem, ready, empty, maxima1, cu_ptr, seq_lens_ptr, bt_ptr,
-                             out_ptr, gmax_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
-                             stride_ob, stride_gt, stride_gh, num_requests, tile_begin,
-                             tile_end, b_first, r_first, bps, 1, H, BLOCK, SMALL_Q, STAGES,
-                             Q_IN_REGS, GS)),
+                             out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
+                             num_requests, tile_begin, tile_end, b_first, r_first, bps, 1, H,
+                             BLOCK, SMALL_Q, STAGES, Q_IN_REGS)),
                 (_consumer, (q_smem, k_smem, ready, empty, maxima2, cu_ptr, seq_lens_ptr, bt_ptr,
-                             out_ptr, gmax_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
-                             stride_ob, stride_gt, stride_gh, num_requests, tile_begin,
-                             tile_end, b_first, r_first, bps, 2, H, BLOCK, SMALL_Q, STAGES,
-                             Q_IN_REGS, GS)),
+                             out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
+                             num_requests, tile_begin, tile_end, b_first, r_first, bps, 2, H,
+                             BLOCK, SMALL_Q, STAGES, Q_IN_REGS)),
                 (_producer, (k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr,
                              stride_btr, stride_btb, num_requests, tile_begin, tile_end, b_first,
                              r_first, bps, BLOCK, SMALL_Q, STAGES)),

@@ -325,44 +325,34 @@ def _merge_topk_kernel(cand_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_requests, nu
             _store_in_order(out_row, stride_ok, picked, unpack_block(packed), TOPK, KP)
 
 
-# The group-bound path for long rows (TUNING select_group_bound): a row of n blocks is reduced to
-# ceil(n / GS) group maxima of its scores, by a wide, memory-bound launch that reads it once, or
-# by the Gluon scoring launch as it writes the scores (scores_ws.py, TUNING ws_group_max; the
-# launch here then skips the rows of long requests, which that launch scored). One program per
-# row then needs two dependent reads instead of a chain per segment: the K-th largest group
-# maximum (as keys, forced groups the largest) bounds the answer from below (K groups hold a key
-# at least that large), so only the groups reaching it (usually about K of them) can hold a
-# picked block. Their blocks, in block order, are the candidates of an exact threshold selection
-# (tie rule included). More than CG such groups (ties, -inf rows) fall back to the chunked
-# search of the whole row.
+# The group-bound path for long rows (TUNING select_group_bound): a row of n blocks is read once
+# by a wide, memory-bound launch that reduces it to ceil(n / GS) group maxima of keys, and one
+# program per row then needs two dependent reads instead of a chain per segment: the K-th largest
+# group maximum bounds the answer from below (K groups hold a key at least that large), so only
+# the groups reaching it (usually about K of them) can hold a picked block, and of their blocks
+# only those whose key reaches it too. Those, packed in block order into the row's scratch
+# slots, are the candidates of an exact threshold selection (tie rule included). More than CG
+# such groups (ties, -inf rows) fall back to the chunked search of the whole row, more than CAP
+# such blocks to the search over the groups' blocks.
 
 
 @triton.jit
 def _group_max_kernel(scores_ptr, cu_ptr, seq_lens_ptr, gmax_ptr, num_requests, stride_st,
                       stride_sh, stride_sb, stride_gt, stride_gh, TOPK: tl.constexpr,
-                      BLOCK: tl.constexpr, GS: tl.constexpr, GB: tl.constexpr,
-                      SKIP_LONG: tl.constexpr = 0):
-    """gmax[t, h, g] = the largest score of blocks [g * GS, g * GS + GS) of score row (t, h)
-    (NaN as -inf, blocks past n left out), for the GB groups of program (t, h, i); rows of at
-    most TOPK blocks are skipped (every block is picked, nothing is read), and with SKIP_LONG =
-    the scoring launch's SMALL_Q the rows of requests longer than that too (that launch wrote
-    their maxima)."""
+                      INIT: tl.constexpr, LOCAL: tl.constexpr, BLOCK: tl.constexpr,
+                      GS: tl.constexpr, GB: tl.constexpr):
+    """gmax[t, h, g] = the largest key of blocks [g * GS, g * GS + GS) of score row (t, h) (forced
+    blocks the largest key, blocks past n DEAD_KEY), for the GB groups of program (t, h, i); rows
+    of at most TOPK blocks are skipped (every block is picked, nothing is read)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
-    guess = (t.to(tl.int64) * num_requests // tl.num_programs(0)).to(tl.int32)
-    r, pos = token_position(cu_ptr, seq_lens_ptr, num_requests, t, guess)
-    n = tl.where(pos >= 0, pos // BLOCK + 1, 0)
-    if SKIP_LONG > 0:
-        if pos >= 0:  # (r is a request)
-            q_len = tl.load(cu_ptr + r + 1) - tl.load(cu_ptr + r)
-            n = tl.where(q_len > SKIP_LONG, 0, n)
+    n = _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, t, BLOCK)
     g = tl.program_id(2) * GB + tl.arange(0, GB)
     if (n > TOPK) & (tl.program_id(2) * GB * GS < n):
         b = g[:, None] * GS + tl.arange(0, GS)[None, :]
         row = scores_ptr + t.to(tl.int64) * stride_st + h * stride_sh
-        s = tl.load(row + b.to(tl.int64) * stride_sb, mask=b < n, other=float("-inf"))
-        s = tl.where(s == s, s, float("-inf"))
-        tl.store(gmax_ptr + t.to(tl.int64) * stride_gt + h * stride_gh + g, tl.max(s, axis=1),
+        key, _ = _segment_keys(row, b, n, stride_sb, INIT, LOCAL)
+        tl.store(gmax_ptr + t.to(tl.int64) * stride_gt + h * stride_gh + g, tl.max(key, axis=1),
                  mask=g * GS < n)
 
 
@@ -373,9 +363,8 @@ def _group_bound_select_kernel(scores_ptr, cu_ptr, seq_lens_ptr, gmax_ptr, out_p
                                KP: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
                                BLOCK: tl.constexpr, GS: tl.constexpr, NGP: tl.constexpr,
                                CG: tl.constexpr, CAP: tl.constexpr, CH: tl.constexpr):
-    """The top-K of row (t, h) from its NGP-padded group maxima of scores (see above);
-    scratch: CAP int64 slots for this row (candidate group ids here, or the fallback's packed
-    keys)."""
+    """The top-K of row (t, h) from its NGP-padded group maxima (see above); scratch: CAP int64
+    slots for this row (candidate group ids here, or the fallback's packed keys)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     num_heads = tl.num_programs(1)
@@ -389,13 +378,8 @@ def _group_bound_select_kernel(scores_ptr, cu_ptr, seq_lens_ptr, gmax_ptr, out_p
         scratch_row = scratch_ptr + (t.to(tl.int64) * num_heads + h) * CAP
         g = tl.arange(0, NGP)
         ng = (n + GS - 1) // GS
-        gs = tl.load(gmax_ptr + t.to(tl.int64) * stride_gt + h * stride_gh + g, mask=g < ng,
-                     other=float("-inf"))
-        # as keys: a group holding a forced block has the forced key (as its block would),
-        # groups past the row's blocks the absent key
-        first = g * GS
-        forced = (first < INIT) | ((LOCAL > 0) & (first + GS > n - LOCAL) & (first < n))
-        gm = tl.where(g < ng, tl.where(forced, FORCED_SCORE_KEY, score_key(gs)), DEAD_KEY)
+        gm = tl.load(gmax_ptr + t.to(tl.int64) * stride_gt + h * stride_gh + g, mask=g < ng,
+                     other=DEAD_KEY)
         bound = _kth_key(gm, TOPK, KP)
         reach = (gm >= bound) & (g < ng)
         n_groups = tl.sum(reach.to(tl.int32), axis=0)
