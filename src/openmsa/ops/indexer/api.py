@@ -40,10 +40,12 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               use_max_q_len=True, select_segment_fill=True, select_chunk_min_waves=16,
               prefill_ws=True, prefill_ws_16=True, ws_bps=0, ws_waves=4, ws_stages=6,
               ws_stages_16=3, ws_consumer_regs=112, ws_consumers=4, ws_q_in_regs=False,
-              select_group_bound=True, select_group_min_blocks=2048)
+              select_group_bound=True, select_group_min_blocks=2048, select_group_pack=True)
 # select_group_bound: rows of at least select_group_min_blocks blocks on the threshold path
 # (prefill after a long context) take select.py's group-bound path: a memory-bound launch of
-# 16-block group maxima, then one program per row reading only the groups that can hold a pick
+# 16-block group maxima, then one program per row reading only the groups that can hold a pick;
+# select_group_pack: of those groups' blocks only the keys reaching the bound are searched
+# (packed into the scratch row), not all of them
 # prefill_ws, prefill_ws_16: on Hopper, the tile launch of an fp8 (16-bit) cache is scores_ws.py's
 # warp-specialised Gluon kernel where the layouts allow TMA (_ws_eligible); ws_waves programs
 # per SM in the grid (each split as long as that allows), or ws_bps blocks per split if set;
@@ -371,7 +373,8 @@ def _select_plan(num_tokens, num_heads, max_blocks, topk, init_blocks, local_blo
         common = dict(TOPK=topk, INIT=init_blocks, LOCAL=local_blocks, BLOCK=block_size, GS=gs)
         group = dict(groups=groups, g=dict(**common, GB=64, num_warps=4),
                      s=dict(**common, KP=kp, NGP=max(_next_pow2(groups), 2 * kp), CG=2 * kp,
-                            CAP=max(64, 2 * kp), CH=128, num_warps=1))
+                            CAP=max(64, 2 * kp), CH=128, PACK=TUNING["select_group_pack"],
+                            num_warps=1))
     return next(plan_serials), num_segments, cap, kp, kwargs, merge_kwargs, group
 
 

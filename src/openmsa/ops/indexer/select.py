@@ -362,7 +362,8 @@ def _group_bound_select_kernel(scores_ptr, cu_ptr, seq_lens_ptr, gmax_ptr, out_p
                                stride_gh, stride_ot, stride_oh, stride_ok, TOPK: tl.constexpr,
                                KP: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
                                BLOCK: tl.constexpr, GS: tl.constexpr, NGP: tl.constexpr,
-                               CG: tl.constexpr, CAP: tl.constexpr, CH: tl.constexpr):
+                               CG: tl.constexpr, CAP: tl.constexpr, CH: tl.constexpr,
+                               PACK: tl.constexpr = True):
     """The top-K of row (t, h) from its NGP-padded group maxima (see above); scratch: CAP int64
     slots for this row (candidate group ids here, or the fallback's packed keys)."""
     t = tl.program_id(0)
@@ -401,7 +402,7 @@ def _group_bound_select_kernel(scores_ptr, cu_ptr, seq_lens_ptr, gmax_ptr, out_p
             # the CG * GS): packed into the scratch row (in block order) and searched there
             cand = (key >= bound) & (key != DEAD_KEY)
             n_cand = tl.sum(cand.to(tl.int32), axis=0)
-            if n_cand <= CAP:
+            if PACK & (n_cand <= CAP):
                 tl.debug_barrier()  # every thread has read the group ids the row held
                 tl.store(scratch_row + tl.cumsum(cand.to(tl.int32), axis=0) - 1,
                          pack_key(key, b), mask=cand)
