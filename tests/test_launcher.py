@@ -193,3 +193,26 @@ def test_verify_mode_catches_a_plan_key_that_does_not_fix_an_int(compiled, monke
 
 def test_suite_runs_with_plan_key_verification():
     assert launch_mod.VERIFY_PLAN_KEYS  # tests/conftest.py sets it before openmsa is imported
+
+
+def test_gluon_descriptor_arguments(compiled, monkeypatch):
+    """A Gluon TMA descriptor argument (the Hopper prefill launches) is passed as itself (the
+    compiled launcher encodes it); the full path keys it by dtype, box, layout, shape and
+    strides, a plan key not at all (its base is 16-byte aligned: the descriptor checks)."""
+    monkeypatch.setattr(launch_mod, "VERIFY_PLAN_KEYS", False)
+    launcher = launch_mod.Launcher(_probe_kernel)
+    x = torch.zeros(64)
+    cache = torch.zeros(4, 128, 128, dtype=torch.bfloat16)
+
+    def desc(t, box=(64, 128)):
+        return launch_mod.tma_descriptor(t, (t.shape[0] * 128, 128), (128, 1), box)
+    d = desc(cache)
+    for _ in range(3):  # miss (compiles), full-path hit, planned hit
+        launcher.planned(("plan", 2), (2,), (x, d, 5, 32, 0.5, 9), dict(A=4))
+    assert len(compiled) == 1 and len(compiled[0].launches) == 2
+    assert compiled[0].launches[-1][10] is d and compiled[0].launches[-1][9] == x.data_ptr()
+    # another box: another kernel on the full path; the same form over another tensor: not
+    launcher((2,), x, desc(cache, (128, 128)), 5, 32, 0.5, 9, A=4)
+    assert len(compiled) == 2
+    launcher((2,), x, desc(cache.clone()), 5, 32, 0.5, 9, A=4)
+    assert len(compiled) == 2

@@ -315,11 +315,14 @@ def _ws_eligible(q, k_cache, v_cache, block_size: int, rows: int) -> bool:
 def _launch_tile_ws(q, k_cache, v_cache, cu_seqlens_q, seq_lens, out, lse, blocks, union, ks,
                     vs, plan, has_scale) -> None:
     """The Gluon tile launch (prefill_ws.py) with its TMA descriptors: K and V as their own
-    [pages, B, Hkv, D] views, one [SUB, D] tile of one page and KV head per copy."""
+    [pages, B, Hkv, D] views, one [SUB, D] tile of one page and KV head per copy. Through the
+    plan's cached launch like the Triton kernels (launch_planned): Triton's own launch path
+    specialises every argument again per call."""
     from .prefill_ws import _sparse_attention_tile_ws_kernel
     box = (1, plan.tile_ws["sub"], 1, k_cache.shape[3])
     k_desc, v_desc = (tma_descriptor(c, c.shape, c.stride(), box) for c in (k_cache, v_cache))
-    _sparse_attention_tile_ws_kernel[(plan.tile_items,)](
+    launch_planned(
+        _sparse_attention_tile_ws_kernel, (plan.serial, 4), (plan.tile_items,),
         q, k_desc, v_desc, cu_seqlens_q, seq_lens, out, lse, blocks, union, ks, vs,
         plan.sm_scale, seq_lens.shape[0], *q.stride(), *out.stride(), *lse.stride(),
         HAS_SCALE=has_scale, **plan.tile_ws["kwargs"])

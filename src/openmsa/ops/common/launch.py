@@ -71,6 +71,20 @@ def _descriptor_class():
     return TensorDescriptor
 
 
+def _is_descriptor_type(t: type) -> bool:
+    """Whether an argument type is Gluon's host-side TMA descriptor (TensorDescriptor)."""
+    return t.__name__ == "TensorDescriptor" and t.__module__.startswith("triton.")
+
+
+def _descriptor_key(d) -> tuple:
+    """A TMA descriptor argument's key: what Triton compiles it for (dtype, box, shared layout,
+    padding), and its shape and strides (runtime values to the kernel; keyed all the same).
+    Its base is 16-byte aligned (TensorDescriptor checks), and a plan key fixes the rest, so
+    the planned path looks at none of it."""
+    return (d.base.dtype, tuple(d.block_shape), d.layout, d.padding, tuple(d.shape),
+            tuple(d.strides))
+
+
 def tma_descriptor(tensor: torch.Tensor, shape, strides, box):
     """A host-side TMA descriptor for a Gluon kernel: `tensor`'s memory as `shape` and
     `strides` (elements), copied in `box` tiles into the default NVMMA shared layout of its
@@ -136,13 +150,14 @@ class Launcher:
 
     def _layout(self, types: tuple):
         """For one tuple of positional argument types: the positions of tensors, of
-        do_not_specialize ints and of the other keyed values, and the parameters after them
-        (the compiled launcher skips constexprs, which get None; a non-constexpr parameter
-        given by keyword or left at its default gets its value)."""
+        do_not_specialize ints, of Gluon TMA descriptors and of the other keyed values, and
+        the parameters after them (the compiled launcher skips constexprs, which get None; a
+        non-constexpr parameter given by keyword or left at its default gets its value)."""
         tensors = [i for i, t in enumerate(types) if issubclass(t, torch.Tensor)]
         dns = [i for i, t in enumerate(types) if t is int and self._dns[i]]
+        descs = [i for i, t in enumerate(types) if _is_descriptor_type(t)]
         keyed = [i for i, t in enumerate(types)
-                 if i not in tensors and i not in dns and t is not float]
+                 if i not in tensors and i not in dns and i not in descs and t is not float]
         rest = self._params[len(types):]
         # the parameters after the positional ones: None for each constexpr, and the positions
         # of the others, whose values come from the keywords or their defaults
@@ -150,7 +165,7 @@ class Launcher:
         given = [(j, name, default) for j, (name, default, const) in enumerate(rest)
                  if not const]
         self._tensor_pos[types] = tensors
-        layout = (_getter(tensors), _getter(dns), _getter(keyed), (pad, given))
+        layout = (_getter(tensors), _getter(dns), _getter(keyed), _getter(descs), (pad, given))
         self._layouts[types] = layout
         return layout
 
@@ -165,14 +180,14 @@ class Launcher:
         when this call went through kernel[grid] (a miss: compiled or found there)."""
         types = tuple(map(type, args))
         layout = self._layouts.get(types) or self._layout(types)
-        tensors, dns, keyed, rest = layout
+        tensors, dns, keyed, descs, rest = layout
         # (C-level maps: a Python loop over ~15 tensors and ~30 ints cost more than the rest)
         objs = tensors(args)
         ptrs = list(map(_DATA_PTR, objs))
         device = torch.cuda.current_device()
         key = (types, tuple(map(_DTYPE, objs)), tuple(map(_MISALIGNED.__and__, ptrs)),
-               keyed(args), tuple(map(_I32.__contains__, dns(args))), tuple(kwargs.items()),
-               device)
+               keyed(args), tuple(map(_I32.__contains__, dns(args))),
+               tuple(map(_descriptor_key, descs(args))), tuple(kwargs.items()), device)
         runner = self._kernels.get(key)
         if runner is None:
             kernel = self.fn[grid](*args, **kwargs)
@@ -217,7 +232,7 @@ class Launcher:
             if len(self._plan_layouts) >= MAX_KEYS:
                 self._plan_layouts.clear()
             self._plan_layouts[plan_key] = layout
-        (tensors, _, _, rest), tensor_pos = layout
+        (tensors, _, _, _, rest), tensor_pos = layout
         ptrs = list(map(_DATA_PTR, tensors(args)))
         device = torch.cuda.current_device()
         key = (plan_key, tuple(map(_MISALIGNED.__and__, ptrs)), device)

@@ -134,7 +134,7 @@ def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_tabl
         if "GLUON" in kwargs:
             if index_q.data_ptr() % 16 == 0 and index_cache.data_ptr() % 16 == 0:
                 _launch_ws(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores,
-                           grid, kwargs["GLUON"])
+                           grid, kwargs["GLUON"], serial)
                 continue
             serial, grid, kwargs = kwargs["FALLBACK"]  # TMA needs 16-byte aligned bases
         launch_planned(_block_scores_kernel, serial, grid, *args, **kwargs)
@@ -212,7 +212,7 @@ def _scores_plan(index_q, index_cache, num_requests: int, max_blocks: int, block
                      CONSUMER_REGS=TUNING["ws_consumer_regs"],
                      CONSUMERS=TUNING["ws_consumers"], Q_IN_REGS=TUNING["ws_q_in_regs"],
                      REVERSE_TILES=TUNING["prefill_reverse_tiles"], num_warps=4)
-        launches.append((None, (tiles, -(-max_blocks // bps)),
+        launches.append((next(plan_serials), (tiles, -(-max_blocks // bps)),
                          dict(GLUON=gluon, FALLBACK=launches.pop())))
     return launches
 
@@ -241,9 +241,11 @@ def _ws_eligible(index_q, index_cache, block_size: int) -> bool:
             and pages * block_size < 2 ** 31 and num_tokens * num_heads < 2 ** 31)
 
 
-def _launch_ws(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores, grid, kw):
+def _launch_ws(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores, grid, kw,
+               serial=None):
     """The Gluon tile launch (scores_ws.py) with its TMA descriptors: q as [T * H, DI] rows in
-    64-row boxes, the cache as [pages * BLOCK, DI] rows in one-block boxes."""
+    64-row boxes, the cache as [pages * BLOCK, DI] rows in one-block boxes; through the plan's
+    cached launch (launch_planned, keyed on `serial`) when there is one."""
     from .scores_ws import WG_ROWS, _block_scores_ws_kernel
     num_tokens, num_heads, head_dim = index_q.shape
     rows_q, rows_k = num_tokens * num_heads, index_cache.shape[0] * index_cache.shape[1]
@@ -251,10 +253,13 @@ def _launch_ws(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores
                             (WG_ROWS.value, head_dim))
     k_desc = tma_descriptor(index_cache, (rows_k, head_dim), (head_dim, 1),
                             (index_cache.shape[1], head_dim))
-    _block_scores_ws_kernel[grid](q_desc, k_desc, cu_seqlens_q, seq_lens, block_table, scores,
-                                  seq_lens.shape[0], num_tokens, *block_table.stride(),
-                                  *scores.stride(), kw["bps"],
-                                  **{k: v for k, v in kw.items() if k != "bps"})
+    args = (q_desc, k_desc, cu_seqlens_q, seq_lens, block_table, scores, seq_lens.shape[0],
+            num_tokens, *block_table.stride(), *scores.stride(), kw["bps"])
+    kwargs = {k: v for k, v in kw.items() if k != "bps"}
+    if serial is None:
+        _block_scores_ws_kernel[grid](*args, **kwargs)
+    else:
+        launch_planned(_block_scores_ws_kernel, serial, grid, *args, **kwargs)
 
 
 def _pdl(device: torch.device) -> bool:
