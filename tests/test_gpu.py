@@ -346,6 +346,12 @@ def test_attention_prefill_gluon_tiles(heads, dtype, layout, knobs, monkeypatch)
         got, lse = openmsa.sparse_attention(q.cuda(), kd, vd, *dargs, return_lse=True,
                                             out=out.transpose(0, 1), **scales)
         assert calls
+        if knobs.get("ws_fp8_qk"):
+            # S from fp8 MMAs: Hopper's fp8 accumulation keeps ~6e-4 of a row's largest |S|
+            # (benchmarks/probe_fp8_accum.py), past bf16 rounding on sharp rows: its own bound
+            torch.testing.assert_close(got.float().cpu(), want.float(), atol=4e-2, rtol=4e-2)
+            torch.testing.assert_close(lse.cpu(), want_lse, atol=1e-2, rtol=1e-3)
+            continue
         assert_close(got, want)
         assert_close(lse, want_lse, torch.bfloat16)
         monkeypatch.setitem(api.TUNING, "tile_ws", False)
