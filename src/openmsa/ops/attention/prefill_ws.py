@@ -24,7 +24,10 @@ and 1266 -> 1120 with the keys handed back before P V (docs/performance.md). fp8
 copied as fp8 and converted by the consumer into one fp16 tile before each MMA (the MMAs run
 in fp16 as prefill.py's F16_COMPUTE), in whole 128-key steps: fp8 tiles measured 0-3% faster
 than Triton's, and neither a converter partition nor conversions beside the MMAs made them
-faster (docs/performance.md, "What was tried").
+faster (docs/performance.md, "What was tried"). FP8_QK (opt-in, api.py's ws_fp8_qk) runs
+S = Q K^T as fp8 MMAs from the key ring instead (`_split_q_rows`) and converts only V: 18%
+faster, but Hopper's fp8 MMAs accumulate in reduced precision (S off by up to ~6e-4 of a row's
+largest |S|, benchmarks/probe_fp8_accum.py), so it is off by default.
 
 Keys past every row's causal cut (the tail of the tile's own block, maybe never written) are
 copied by TMA like the rest, since a box has one size: their scores are masked to -inf, and on
