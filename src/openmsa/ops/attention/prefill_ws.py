@@ -22,12 +22,13 @@ and two programs per SM (80 KB of shared memory each with the default 128-key st
 stage) overlap one's softmax with the other's MMAs: 1619 -> 1271 µs for an 8K chunk at TP1,
 and 1266 -> 1120 with the keys handed back before P V (docs/performance.md). fp8 K/V are
 copied as fp8 and converted by the consumer into one fp16 tile before each MMA (the MMAs run
-in fp16 as prefill.py's F16_COMPUTE), in whole 128-key steps: fp8 tiles measured 0-3% faster
-than Triton's, and neither a converter partition nor conversions beside the MMAs made them
-faster (docs/performance.md, "What was tried"). FP8_QK (opt-in, api.py's ws_fp8_qk) runs
-S = Q K^T as fp8 MMAs from the key ring instead (`_split_q_rows`) and converts only V: 18%
-faster, but Hopper's fp8 MMAs accumulate in reduced precision (S off by up to ~6e-4 of a row's
-largest |S|, benchmarks/probe_fp8_accum.py), so it is off by default.
+in fp16 as prefill.py's F16_COMPUTE), in whole 128-key steps: neither a converter partition
+nor conversions beside the MMAs made them faster (docs/performance.md, "What was tried"); the
+conversion's stores free of bank conflicts (`_to_f16`) did, by 12-13%. FP8_QK (opt-in,
+api.py's ws_fp8_qk) runs S = Q K^T as fp8 MMAs from the key ring instead (`_split_q_rows`) and
+converts only V: 18% faster before that fix, but Hopper's fp8 MMAs accumulate in reduced
+precision (S off by up to ~6e-4 of a row's largest |S|, benchmarks/probe_fp8_accum.py), so it
+is off by default.
 
 Keys past every row's causal cut (the tail of the tile's own block, maybe never written) are
 copied by TMA like the rest, since a box has one size: their scores are masked to -inf, and on
@@ -86,9 +87,13 @@ def _to_f16(src, dst, key0, keep, FP8_ZERO_TAIL: gl.constexpr,
     when FP8_ZERO_TAIL; the caller has made sure no MMA still reads `dst`."""
     SUB: gl.constexpr = dst.shape[0]
     D: gl.constexpr = dst.shape[1]
-    # 16 bytes of fp8 per thread access; in PIECES row slices, so that the converted tile
-    # takes fewer registers beside the accumulator and P (a whole one spilled)
-    c_l: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // D, D // 16], [4, 1], [1, 0])
+    # 8 fp8 per thread, in PIECES row slices, so that the converted tile takes fewer registers
+    # beside the accumulator and P (a whole one spilled). 8, not 16: a thread's 16 bytes of
+    # fp16 are then one store, and the 8 lanes the hardware serves together for 16-byte stores
+    # (a quarter warp) write one 128-byte row of a 64-column swizzle atom, conflict-free; with
+    # 16 per thread those 8 lanes wrote both atoms of a row, 2-way bank conflicts on every
+    # store (scripts/ncu_source.sh), and the fp8 tiles took 12-13% longer (docs/performance.md)
+    c_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D, D // 8], [4, 1], [1, 0])
     R: gl.constexpr = SUB // PIECES
     whole = src.reshape([SUB, D])
     for i in gl.static_range(PIECES):
