@@ -17,4 +17,6 @@ for spec in "$@"; do
   ncu -i "$OUT/rep-$name.ncu-rep" --page source --print-source sass --csv \
       > "$OUT/src-$name.csv" 2> "$OUT/src-$name.err"
   echo "   source page rc=$? lines=$(wc -l < "$OUT/src-$name.csv")"
+  # (the device tool brings back only a few files per call: the report and logs stay there)
+  rm -f "$OUT/rep-$name.ncu-rep" "$OUT/src-$name.err" "$OUT/log-$name.txt"
 done
