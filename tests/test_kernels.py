@@ -407,6 +407,7 @@ def test_sparse_attention_prefill_tiles_match_reference(kernel_device, kv_dtype,
     from openmsa.ops.attention import api as attention_api
     from openmsa.ops.attention import prefill
     for key, value in dict(prefill_min_tokens=1, tile_rows=16, tile_waste=waste,
+                           ws_waste=waste, ws_waste_fp8=waste,
                            tile_sub=sub, tile_sub_fp8=sub,
                            tile_lazy_mask=waste == 1e9,
                            tile_persistent=waste == 1.5, tile_persistent_fp8=waste == 1.5).items():
@@ -458,7 +459,8 @@ def test_sparse_attention_prefill_tiles_cap_at_16_tokens(kernel_device, monkeypa
     40-token request holds two whole tiles, which the tile kernel takes."""
     from openmsa.ops.attention import api as attention_api
     from openmsa.ops.attention import prefill
-    for key, value in dict(prefill_min_tokens=1, tile_rows=64, tile_waste=1e9).items():
+    for key, value in dict(prefill_min_tokens=1, tile_rows=64, tile_waste=1e9, ws_waste=1e9,
+                           ws_waste_fp8=1e9).items():
         monkeypatch.setitem(attention_api.TUNING, key, value)
     dtype = _attention_dtype(kernel_device)
     q_lens, seq_lens = [40, 2], [150, 40]

@@ -80,7 +80,7 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
               tile_plan_warps=1, tile_ws=True, ws_sub=128, ws_stages=1, ws_lazy_mask=True,
               ws_maxnreg=128, ws_producer_regs=24, tile_ws_fp8=True,
               ws_stages_fp8=1, ws_keys_early=True, ws_stages_k=None, ws_stages_k_fp8=None,
-              ws_fp8_qk=False)
+              ws_fp8_qk=False, ws_waste=3.0, ws_waste_fp8=2.0)
 # tile_ws: on Hopper, 16-bit K/V tiles run prefill_ws.py's warp-specialised Gluon kernel where
 # the views allow TMA (_ws_eligible): ws_sub keys per step, ws_stages K/V buffers; ws_maxnreg
 # registers per thread at launch (128: two programs of 8 warps per SM), which the consumer
@@ -99,6 +99,11 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
 # tokens' selected blocks); the per-token kernel then does the tiles it left. Measured on 8K
 # chunks (benchmarks/tune.py --only attention-prefill): a tile taken at 48 union blocks of 4
 # tokens (waste 3) cost 20% more than per-token, at 22 it saved 33%: 2.0 stays on the safe side.
+# ws_waste(_fp8): the same threshold for the Gluon tiles, cheaper per union block than the Triton
+# ones. Measured (tune.py --only attention-prefill, one call per context, bf16 2.0 -> 3.0 -> 4.0):
+# 8K chunks after 8K with independent selections 4182 -> 3518 -> 3057 µs, after 128K with
+# jitter 4646 -> 3307 -> 3256 but independent 5020 -> 5023 -> 5898; fp8 2.0 -> 1.5: jitter
+# 2109 -> 2172, TP4 557 -> 574 (slower), so fp8 keeps 2.0.
 # bf16 prefers 64-key steps (2 stages since the plan hands each step its page, block id and
 # tokens as scalars: 1923 -> 1842 µs; 3 before), fp8 whole blocks with 2 (64-key steps on 2
 # stages fit 3 programs per SM but took 1850 -> 2135 µs); masking only the steps that
@@ -253,15 +258,17 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
         # per (tile, KV head): the union's page ids, block ids and token bits (prefill.py)
         union = torch.empty((num_tiles * num_kv_heads, 3, tile_qt * p.kp), dtype=torch.int32,
                             device=device)
+        # (TMA needs 16-byte aligned bases; the waste threshold follows the kernel that runs)
+        ws = p.tile_ws is not None and all(t.data_ptr() % 16 == 0 for t in (k_cache, v_cache))
         launch_planned(
             _tile_plan_kernel, (p.serial, 0), (num_tiles, num_kv_heads),
             indices, cu_seqlens_q, seq_lens, block_table, blocks, union,
-            float(TUNING["tile_waste"]), seq_lens.shape[0], *indices.stride(),
-            *block_table.stride(), **p.plan_kwargs)
-        if p.tile_ws is not None and all(t.data_ptr() % 16 == 0 for t in (k_cache, v_cache)):
+            p.ws_waste if ws else float(TUNING["tile_waste"]), seq_lens.shape[0],
+            *indices.stride(), *block_table.stride(), **p.plan_kwargs)
+        if ws:
             _launch_tile_ws(q, k_cache, v_cache, cu_seqlens_q, seq_lens, out, lse, blocks, union,
                             ks, vs, p, has_scale)
-        else:  # (TMA needs 16-byte aligned bases)
+        else:
             launch_planned(
                 _sparse_attention_tile_kernel, (p.serial, 1), (p.tile_programs,),
                 q, k_cache, v_cache, cu_seqlens_q, seq_lens, out, lse, blocks, union, ks, vs,
@@ -436,6 +443,8 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
                             KEYS_EARLY=TUNING["ws_keys_early"],
                             PRODUCER_REGS=TUNING["ws_producer_regs"], num_warps=4,
                             maxnreg=TUNING["ws_maxnreg"]))
+        # the Gluon tiles' own union-size threshold (tile_waste's, per dtype: ws_waste)
+        plan.ws_waste = float(TUNING["ws_waste_fp8" if fp8 else "ws_waste"])
     plan.kwargs = dict(
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, NUM_INDEX_HEADS=indices.shape[1],
         G=group, M=max(16, _next_pow2(group)), D=head_dim, BLOCK=block_size, TOPK=topk,
