@@ -80,7 +80,7 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
               tile_plan_warps=1, tile_ws=True, ws_sub=128, ws_stages=1, ws_lazy_mask=True,
               ws_maxnreg=128, ws_producer_regs=24, tile_ws_fp8=True,
               ws_stages_fp8=1, ws_keys_early=True, ws_stages_k=None, ws_stages_k_fp8=None,
-              ws_fp8_qk=False, ws_waste=3.0, ws_waste_fp8=2.0)
+              ws_fp8_qk=False, ws_waste=3.5, ws_waste_fp8=2.0)
 # tile_ws: on Hopper, 16-bit K/V tiles run prefill_ws.py's warp-specialised Gluon kernel where
 # the views allow TMA (_ws_eligible): ws_sub keys per step, ws_stages K/V buffers; ws_maxnreg
 # registers per thread at launch (128: two programs of 8 warps per SM), which the consumer
@@ -100,10 +100,13 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
 # chunks (benchmarks/tune.py --only attention-prefill): a tile taken at 48 union blocks of 4
 # tokens (waste 3) cost 20% more than per-token, at 22 it saved 33%: 2.0 stays on the safe side.
 # ws_waste(_fp8): the same threshold for the Gluon tiles, cheaper per union block than the Triton
-# ones. Measured (tune.py --only attention-prefill, one call per context, bf16 2.0 -> 3.0 -> 4.0):
-# 8K chunks after 8K with independent selections 4182 -> 3518 -> 3057 µs, after 128K with
-# jitter 4646 -> 3307 -> 3256 but independent 5020 -> 5023 -> 5898; fp8 2.0 -> 1.5: jitter
-# 2109 -> 2172, TP4 557 -> 574 (slower), so fp8 keeps 2.0.
+# ones. Measured (tune.py --only attention-prefill, TP1 8K chunks, one call per context, bf16
+# 2.0 -> 3.0 -> 4.0): after 8K, independent selections 4182 -> 3518 -> 3057 µs; after 128K,
+# jitter 4646 -> 3307 -> 3256 but independent 5020 -> 5023 -> 5898 (their mean union is 3.7x
+# the tokens' blocks). a23df89, 2.5 / 3.0 / 3.5: 8K independent 4279 / 3579 / 3187, 128K
+# jitter 4806 / 3478 / 3412, 128K independent 4866 / 4867 / 4959 (+2%): 3.5. fp8 keeps 2.0:
+# 1.5 took jitter 2109 -> 2172, TP4 557 -> 574; 3.0 took 8K independent 2904 -> 3602, 128K
+# jitter 2964 -> 3953.
 # bf16 prefers 64-key steps (2 stages since the plan hands each step its page, block id and
 # tokens as scalars: 1923 -> 1842 µs; 3 before), fp8 whole blocks with 2 (64-key steps on 2
 # stages fit 3 programs per SM but took 1850 -> 2135 µs); masking only the steps that
