@@ -170,7 +170,8 @@ def _attention_prefill(args):
     for model_name, dname, shared, jitter in (
             ("m3-tp1", "bf16", 16, 0.0), ("m3-tp1", "bf16", 16, 0.2), ("m3-tp1", "bf16", 1, 0.0),
             ("m3-tp1", "fp8", 16, 0.0), ("m3-tp1", "fp8", 16, 0.2), ("m3-tp1", "fp8", 1, 0.0),
-            ("m3-tp4", "bf16", 16, 0.0), ("m3-tp4", "fp8", 16, 0.2)):
+            ("m3-tp4", "bf16", 16, 0.0), ("m3-tp4", "bf16", 16, 0.2), ("m3-tp4", "bf16", 1, 0.0),
+            ("m3-tp4", "fp8", 16, 0.2)):
         m = shapes.MODELS[model_name]
         q, packed, idx, cu, seq, table = run._attention_step(m, 1, args.context + 8192, 8192,
                                                              dname, shared=shared, jitter=jitter)

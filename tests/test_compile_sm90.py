@@ -116,7 +116,7 @@ def test_sparse_attention_tile_ws_kernel(dtype, sub, stages, group):
                       STAGES_K=stages // 10 or stages, STAGES_V=stages % 10,
                       KEYS_EARLY=stages != 2, HAS_SCALE=stages == 1, LAZY_MASK=stages != 3,
                       PRODUCER_REGS=TUNING["ws_producer_regs"], FP8=dtype == "fp8e4nv",
-                      FP8_QK=fp8_qk, num_warps=4)
+                      FP8_QK=fp8_qk, PDL=stages != 3, num_warps=4)
     signature = {n: "constexpr" if n in constexprs else "i32" for n in fn.arg_names}
     signature.update(q_ptr=q_type, k_desc=desc, v_desc=desc, out_ptr=q_type,
                      lse_ptr=F32, blocks_ptr=I32, union_ptr=I32, k_scale_ptr=F32,
@@ -129,6 +129,8 @@ def test_sparse_attention_tile_ws_kernel(dtype, sub, stages, group):
     ptx = k.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor.4d" in ptx
     assert ("e4m3.e4m3" in ptx) == fp8_qk  # the fp8 MMAs of S = Q K^T
+    # PDL: the per-token launch may start once every program has begun (api.py's ws_overlap)
+    assert ("griddepcontrol.launch_dependents" in ptx) == (stages != 3)
     assert ".maxnreg 128" in ptx and ".reqntid 256" in ptx  # 2 x 256 x 128 = the SM's file
     assert k.metadata.shared <= 227 * 1024 // 2 - 1024
     _assert_no_spills(ptx)
@@ -174,7 +176,8 @@ def test_selection_kernels(by_sort):
 
 @pytest.mark.parametrize("kv_type, splits, sub", [("*fp8e4nv", 2, 64), ("*bf16", 1, 128)])
 def test_attention_kernels(kv_type, splits, sub):
-    _compile(_sparse_attention_kernel,
+    # WAIT_TILES (a prefill step after the Gluon tiles): one program waits for the tile launch
+    k = _compile(_sparse_attention_kernel,
              dict(q_ptr="*bf16", k_ptr=kv_type, v_ptr=kv_type, idx_ptr=I32, out_ptr="*bf16",
                   lse_ptr=F32, part_out_ptr=F32, counter_ptr=I32,
                   tile_blocks_ptr=I32, k_scale_ptr=F32, v_scale_ptr=F32, **STEP),
@@ -185,7 +188,8 @@ def test_attention_kernels(kv_type, splits, sub):
                   F16_COMPUTE=kv_type == "*fp8e4nv", FUSED_MERGE=splits > 1,
                   TILE_QT=4 if splits == 1 else 0, V_PAIRS=kv_type == "*fp8e4nv", PTX=True,
                   GUESS=True, SP=1 << (splits - 1).bit_length(), PDL=splits > 1,
-                  STORE_LSE=splits == 1, LAZY_SUM=splits > 1))
+                  STORE_LSE=splits == 1, LAZY_SUM=splits > 1, WAIT_TILES=splits == 1))
+    assert ("griddepcontrol.wait" in k.asm["ptx"]) == (splits == 1)
     _compile(_tile_plan_kernel, dict(idx_ptr=I32, blocks_ptr=I32, union_ptr=I32, **STEP),
              dict(waste="fp32"), dict(NUM_KV_HEADS=4, NUM_INDEX_HEADS=4, QT=4, BLOCK=128,
                                       TOPK=16, KP=16))

@@ -283,6 +283,37 @@ def test_attention_prefill_tiles_m3(kv_dtype, heads, monkeypatch):
     assert torch.equal(again, got)
 
 
+def _mixed_tiles_chunk(heads, dtype):
+    """A prefill step for the tile paths: chunks with and without context beside decode rows,
+    partial own blocks whose unwritten K/V tail is NaN, and every other run of a tile's tokens
+    sharing one selection (the plan takes those tiles and leaves the rest). Returns the CPU
+    step, q (16-bit; heads of different magnitudes), K, V [P, B, Hkv, 128] and the selection."""
+    from openmsa.ops.attention import api
+    num_heads, num_kv = heads
+    q_lens, seq_lens = [3, 1030, 1, 1500], [5000, 1030 + 3000, 900, 1500 + 77]
+    step = make_step(q_lens, seq_lens, block_size=B, extra_columns=1)
+    g = torch.Generator().manual_seed(3)
+    shape = (step.num_pages, B, num_kv, 128)
+    k = torch.randn(shape, generator=g).to(dtype)
+    v = torch.randn(shape, generator=g).to(dtype)
+    for r, length in enumerate(seq_lens):  # the unwritten tail of each request's last page
+        if length % B:
+            k[int(step.block_table[r, (length - 1) // B]), length % B:] = float("nan")
+            v[int(step.block_table[r, (length - 1) // B]), length % B:] = float("nan")
+    qi, ci = random_index_inputs(step, num_heads=num_kv, head_dim=128, block_size=B,
+                                 q_dtype=torch.bfloat16, cache_dtype=torch.bfloat16)
+    idx = ref.select_blocks(qi, ci, step.cu_seqlens_q, step.seq_lens, step.block_table,
+                            block_size=B)
+    run = api.TUNING["tile_rows"] // (num_heads // num_kv)
+    shared = idx[:idx.shape[0] // run * run].view(-1, run, *idx.shape[1:])
+    shared[::2] = shared[::2, :1].clone()
+    q_dtype = torch.bfloat16 if dtype == FP8 else dtype
+    # (ws_fp8_qk scales each row of q on its own)
+    head_scale = torch.tensor([0.25, 1.0, 3.0]).repeat(num_heads)[:num_heads, None]
+    q = (torch.randn(step.num_tokens, num_heads, 128, generator=g) * head_scale).to(q_dtype)
+    return step, q, k, v, idx
+
+
 @pytest.mark.parametrize("heads, dtype, layout, knobs", [
     ((64, 4), torch.bfloat16, "flash", {}), ((64, 4), torch.bfloat16, "packed", {}),
     ((8, 1), torch.float16, "packed", {}), ((16, 1), torch.bfloat16, "flash", {}),
@@ -306,28 +337,8 @@ def test_attention_prefill_gluon_tiles(heads, dtype, layout, knobs, monkeypatch)
     real = api._launch_tile_ws
     monkeypatch.setattr(api, "_launch_tile_ws", lambda *a: calls.append(1) or real(*a))
     num_heads, num_kv = heads
-    q_lens, seq_lens = [3, 1030, 1, 1500], [5000, 1030 + 3000, 900, 1500 + 77]
-    step = make_step(q_lens, seq_lens, block_size=B, extra_columns=1)
-    g = torch.Generator().manual_seed(3)
-    shape = (step.num_pages, B, num_kv, 128)
-    k = torch.randn(shape, generator=g).to(dtype)
-    v = torch.randn(shape, generator=g).to(dtype)
-    for r, length in enumerate(seq_lens):  # the unwritten tail of each request's last page
-        if length % B:
-            k[int(step.block_table[r, (length - 1) // B]), length % B:] = float("nan")
-            v[int(step.block_table[r, (length - 1) // B]), length % B:] = float("nan")
-    qi, ci = random_index_inputs(step, num_heads=num_kv, head_dim=128, block_size=B,
-                                 q_dtype=torch.bfloat16, cache_dtype=torch.bfloat16)
-    idx = ref.select_blocks(qi, ci, step.cu_seqlens_q, step.seq_lens, step.block_table,
-                            block_size=B)
-    run = api.TUNING["tile_rows"] // (num_heads // num_kv)
-    # every other run of a tile's tokens shares one selection (the plan takes those tiles)
-    shared = idx[:idx.shape[0] // run * run].view(-1, run, *idx.shape[1:])
-    shared[::2] = shared[::2, :1].clone()
-    q_dtype = torch.bfloat16 if dtype == FP8 else dtype
-    # heads of different magnitudes (ws_fp8_qk scales each row of q on its own)
-    head_scale = torch.tensor([0.25, 1.0, 3.0]).repeat(num_heads)[:num_heads, None]
-    q = (torch.randn(step.num_tokens, num_heads, 128, generator=g) * head_scale).to(q_dtype)
+    step, q, k, v, idx = _mixed_tiles_chunk(heads, dtype)
+    shape, q_dtype = k.shape, q.dtype
     d = _cuda(step)
     if layout == "packed":  # vLLM's [P, Hkv, B, 2 * D]
         buf = torch.empty(step.num_pages, num_kv, B, 256, dtype=dtype, device="cuda")
@@ -366,6 +377,40 @@ def test_attention_prefill_gluon_tiles(heads, dtype, layout, knobs, monkeypatch)
     assert_close(openmsa.sparse_attention(q.cuda(), ks, vs, *dargs),
                  ref.sparse_attention(q, k, v, *args))
     assert not calls
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8])
+def test_attention_prefill_tiles_overlap_graph_replay(dtype, monkeypatch):
+    """The per-token launch as a programmatic dependent of the Gluon tiles (ws_overlap): the
+    same bits as launched after them, eagerly and replayed from a CUDA graph with new queries
+    (both kernels are deterministic; overlapping changes only when they run)."""
+    from openmsa.ops.attention import api
+    step, q, k, v, idx = _mixed_tiles_chunk((64, 4), dtype)
+    d = _cuda(step)
+    kd, vd = k.cuda(), v.cuda()
+    args = (kd, vd, idx.cuda(), d.cu_seqlens_q, d.seq_lens, d.block_table)
+    qd = q.cuda()
+    monkeypatch.setitem(api.TUNING, "ws_overlap", False)
+    want = [openmsa.sparse_attention(qd * s, *args) for s in (1.0, 0.5, 2.0)]
+    monkeypatch.setitem(api.TUNING, "ws_overlap", True)
+    plan_launches = []
+    real = api._launch_tile_ws
+    monkeypatch.setattr(api, "_launch_tile_ws",
+                        lambda *a: plan_launches.append(a[-2].ws_overlap) or real(*a))
+    out = torch.full_like(qd, float("nan"))
+    openmsa.sparse_attention(qd, *args, out=out)  # eager, on the capturing stream's device
+    assert plan_launches == [True]
+    assert torch.equal(out, want[0])
+    q_in = qd.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        openmsa.sparse_attention(q_in, *args, out=out)
+    for s, expected in zip((0.5, 2.0, 1.0), (want[1], want[2], want[0])):
+        out.fill_(float("nan"))
+        q_in.copy_(qd * s)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
 
 
 def test_attention_prefill_equals_dense_sdpa():

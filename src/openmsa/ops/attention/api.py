@@ -80,7 +80,7 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
               tile_plan_warps=1, tile_ws=True, ws_sub=128, ws_stages=1, ws_lazy_mask=True,
               ws_maxnreg=128, ws_producer_regs=24, tile_ws_fp8=True,
               ws_stages_fp8=1, ws_keys_early=True, ws_stages_k=None, ws_stages_k_fp8=None,
-              ws_fp8_qk=False, ws_waste=3.5, ws_waste_fp8=2.0)
+              ws_fp8_qk=False, ws_waste=3.5, ws_waste_fp8=2.0, ws_overlap=True)
 # tile_ws: on Hopper, 16-bit K/V tiles run prefill_ws.py's warp-specialised Gluon kernel where
 # the views allow TMA (_ws_eligible): ws_sub keys per step, ws_stages K/V buffers; ws_maxnreg
 # registers per thread at launch (128: two programs of 8 warps per SM), which the consumer
@@ -92,6 +92,13 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
 # right after S = Q K^T (separate key and value rings), so the next keys load during the
 # softmax and P V; False: keys and values go back together after P V (as before).
 # ws_stages_k(_fp8): key buffers if not ws_stages(_fp8) (values keep ws_stages(_fp8))
+# ws_overlap: the per-token launch after the Gluon tiles is a programmatic dependent launch of
+# theirs, started once every tile program has started (prefill_ws.py's PDL): the two write
+# disjoint tokens, so the per-token programs fill the SMs that the tiles' tail leaves idle
+# (the tile launch is one program per item: when the plan takes few tiles, a few long
+# programs), and one of its programs waits for the tiles before the launch may end
+# (decode.py's WAIT_TILES). The plan launch came before the tiles started, so its output is
+# complete when the per-token launch reads it.
 # ws_fp8_qk: fp8 K/V tiles compute S = Q K^T as two fp8 MMAs from the key ring (q as e4m3 hi + lo
 # per row, prefill_ws.py's _split_q_rows) and convert only V to fp16
 # tile*: prefill steps first launch prefill.py's kernel over tiles of tile_rows // G tokens (the
@@ -279,14 +286,18 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
                 *v_cache.stride(), *out.stride(), *lse.stride(), HAS_SCALE=has_scale,
                 **p.tile_kwargs)
     else:
-        blocks = lse
+        blocks, ws = lse, False
     lse_strides = lse.stride() if p.store_lse else (0, 0)
+    # after the Gluon tiles, the per-token launch overlaps their tail (ws_overlap)
+    overlap = tile_qt > 1 and ws and p.ws_overlap
     launch_planned(
-        _sparse_attention_kernel, (p.serial, 2), (num_tokens, num_kv_heads, splits),
+        _sparse_attention_kernel, (p.serial, 5 if overlap else 2),
+        (num_tokens, num_kv_heads, splits),
         q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, out, lse, part,
         counters, blocks, ks, vs, p.sm_scale, seq_lens.shape[0], *q.stride(),
         *k_cache.stride(), *v_cache.stride(), *indices.stride(), *block_table.stride(),
-        *out.stride(), *lse_strides, HAS_SCALE=has_scale, **p.kwargs)
+        *out.stride(), *lse_strides, HAS_SCALE=has_scale,
+        **(p.kwargs_overlap if overlap else p.kwargs))
     if splits > 1 and not p.fused:
         launch_planned(
             _merge_splits_kernel, (p.serial, 3), (num_tokens, num_heads),
@@ -448,6 +459,9 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
                             maxnreg=TUNING["ws_maxnreg"]))
         # the Gluon tiles' own union-size threshold (tile_waste's, per dtype: ws_waste)
         plan.ws_waste = float(TUNING["ws_waste_fp8" if fp8 else "ws_waste"])
+        plan.ws_overlap = plan.tile_ws is not None and TUNING["ws_overlap"]
+        if plan.ws_overlap:
+            plan.tile_ws["kwargs"]["PDL"] = True
     plan.kwargs = dict(
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, NUM_INDEX_HEADS=indices.shape[1],
         G=group, M=max(16, _next_pow2(group)), D=head_dim, BLOCK=block_size, TOPK=topk,
@@ -467,6 +481,8 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
         # take more (107 -> 128 registers on 4 warps, 75 -> 118 on 8: 3 -> 2 programs per SM;
         # `resources.py` with MAXNREG)
         plan.kwargs["maxnreg"] = TUNING["lazy_sum_maxnreg"]
+    # the per-token launch after the Gluon tiles: a programmatic dependent (ws_overlap)
+    plan.kwargs_overlap = dict(plan.kwargs, WAIT_TILES=True, launch_pdl=True)
     plan.merge_kwargs = dict(NUM_HEADS=num_heads, D=head_dim, SPLITS=splits,
                              SP=_next_pow2(splits), PDL=pdl, STORE_LSE=plan.store_lse,
                              num_warps=4, launch_pdl=pdl)

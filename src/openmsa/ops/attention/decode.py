@@ -46,7 +46,7 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
                              TILE_QT: tl.constexpr, V_PAIRS: tl.constexpr, PTX: tl.constexpr,
                              GUESS: tl.constexpr, SP: tl.constexpr = 1,
                              PDL: tl.constexpr = False, STORE_LSE: tl.constexpr = True,
-                             LAZY_SUM: tl.constexpr = False):
+                             LAZY_SUM: tl.constexpr = False, WAIT_TILES: tl.constexpr = False):
     if PDL:
         # the merge launch may start now (programmatic dependent launch); it waits for this
         # launch to finish before it reads a partial
@@ -56,6 +56,13 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
     # (64-bit: a head-major cache view can put the head offset past 2^31 elements)
     g64 = g.to(tl.int64)
     split = tl.program_id(2)
+    if WAIT_TILES:
+        # launched as a programmatic dependent of the Gluon tile launch (api.py's ws_overlap),
+        # which may still run: the two write disjoint tokens and nothing here reads its
+        # output, but this launch must not end before that one has (what follows on the stream
+        # waits for this launch only). One program waiting is enough; the first holds one slot.
+        if (t == 0) & (g == 0) & (split == 0):
+            gdc_wait()
     if TILE_QT > 0:
         # prefill.py's plan gave this token's tile to the tile kernel (a union size >= 0, not
         # -1): nothing to do here

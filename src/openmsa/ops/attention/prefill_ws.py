@@ -308,7 +308,14 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_desc, v_desc, cu_ptr, seq_lens_ptr
                                      STAGES_V: gl.constexpr, HAS_SCALE: gl.constexpr,
                                      LAZY_MASK: gl.constexpr, FP8: gl.constexpr,
                                      FP8_QK: gl.constexpr, KEYS_EARLY: gl.constexpr,
-                                     PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                                     PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+                                     PDL: gl.constexpr = False):
+    if PDL:
+        # the per-token launch may start now (programmatic dependent launch; api.py's
+        # ws_overlap): it takes effect once every program has passed here, and the two write
+        # disjoint tokens, so the per-token kernel fills the SMs this launch's tail leaves idle
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
+                                  dtype=gl.int32, is_pure=False, pack=1)
     SUB: gl.constexpr = k_desc.block_type.shape[1]
     D: gl.constexpr = k_desc.block_type.shape[3]
     PARTS: gl.constexpr = BLOCK // SUB
