@@ -129,7 +129,7 @@ def test_sparse_attention_tile_ws_kernel(dtype, sub, stages, group):
     ptx = k.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor.4d" in ptx
     assert ("e4m3.e4m3" in ptx) == fp8_qk  # the fp8 MMAs of S = Q K^T
-    # PDL: the per-token launch may start once every program has begun (api.py's ws_overlap)
+    # PDL: the per-token launch may start once every program has begun (api.py's ws_pdl)
     assert ("griddepcontrol.launch_dependents" in ptx) == (stages != 3)
     assert ".maxnreg 128" in ptx and ".reqntid 256" in ptx  # 2 x 256 x 128 = the SM's file
     assert k.metadata.shared <= 227 * 1024 // 2 - 1024

@@ -381,7 +381,7 @@ def test_attention_prefill_gluon_tiles(heads, dtype, layout, knobs, monkeypatch)
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8])
 def test_attention_prefill_tiles_overlap_graph_replay(dtype, monkeypatch):
-    """The per-token launch as a programmatic dependent of the Gluon tiles (ws_overlap): the
+    """The per-token launch as a programmatic dependent of the Gluon tiles (ws_pdl): the
     same bits as launched after them, eagerly and replayed from a CUDA graph with new queries
     (both kernels are deterministic; overlapping changes only when they run)."""
     from openmsa.ops.attention import api
@@ -390,13 +390,13 @@ def test_attention_prefill_tiles_overlap_graph_replay(dtype, monkeypatch):
     kd, vd = k.cuda(), v.cuda()
     args = (kd, vd, idx.cuda(), d.cu_seqlens_q, d.seq_lens, d.block_table)
     qd = q.cuda()
-    monkeypatch.setitem(api.TUNING, "ws_overlap", False)
+    monkeypatch.setitem(api.TUNING, "ws_pdl", False)
     want = [openmsa.sparse_attention(qd * s, *args) for s in (1.0, 0.5, 2.0)]
-    monkeypatch.setitem(api.TUNING, "ws_overlap", True)
+    monkeypatch.setitem(api.TUNING, "ws_pdl", True)
     plan_launches = []
     real = api._launch_tile_ws
     monkeypatch.setattr(api, "_launch_tile_ws",
-                        lambda *a: plan_launches.append(a[-2].ws_overlap) or real(*a))
+                        lambda *a: plan_launches.append(a[-2].ws_pdl) or real(*a))
     out = torch.full_like(qd, float("nan"))
     openmsa.sparse_attention(qd, *args, out=out)  # eager, on the capturing stream's device
     assert plan_launches == [True]

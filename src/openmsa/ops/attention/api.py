@@ -80,7 +80,7 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
               tile_plan_warps=1, tile_ws=True, ws_sub=128, ws_stages=1, ws_lazy_mask=True,
               ws_maxnreg=128, ws_producer_regs=24, tile_ws_fp8=True,
               ws_stages_fp8=1, ws_keys_early=True, ws_stages_k=None, ws_stages_k_fp8=None,
-              ws_fp8_qk=False, ws_waste=3.5, ws_waste_fp8=2.0, ws_overlap=True)
+              ws_fp8_qk=False, ws_waste=3.5, ws_waste_fp8=2.0, ws_pdl=True)
 # tile_ws: on Hopper, 16-bit K/V tiles run prefill_ws.py's warp-specialised Gluon kernel where
 # the views allow TMA (_ws_eligible): ws_sub keys per step, ws_stages K/V buffers; ws_maxnreg
 # registers per thread at launch (128: two programs of 8 warps per SM), which the consumer
@@ -92,13 +92,15 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
 # right after S = Q K^T (separate key and value rings), so the next keys load during the
 # softmax and P V; False: keys and values go back together after P V (as before).
 # ws_stages_k(_fp8): key buffers if not ws_stages(_fp8) (values keep ws_stages(_fp8))
-# ws_overlap: the per-token launch after the Gluon tiles is a programmatic dependent launch of
+# ws_pdl: the per-token launch after the Gluon tiles is a programmatic dependent launch of
 # theirs, started once every tile program has started (prefill_ws.py's PDL): the two write
 # disjoint tokens, so the per-token programs fill the SMs that the tiles' tail leaves idle
 # (the tile launch is one program per item: when the plan takes few tiles, a few long
 # programs), and one of its programs waits for the tiles before the launch may end
 # (decode.py's WAIT_TILES). The plan launch came before the tiles started, so its output is
-# complete when the per-token launch reads it.
+# complete when the per-token launch reads it. Measured (tune.py --only attention-prefill,
+# 10f76c2, one call per context, on / off): TP4 bf16 independent 788 / 838 µs after 8K, 1134 /
+# 1224 after 128K; TP1 bf16 independent 3041 / 3085 and 5069 / 5162; shared rows 1-2% faster.
 # ws_fp8_qk: fp8 K/V tiles compute S = Q K^T as two fp8 MMAs from the key ring (q as e4m3 hi + lo
 # per row, prefill_ws.py's _split_q_rows) and convert only V to fp16
 # tile*: prefill steps first launch prefill.py's kernel over tiles of tile_rows // G tokens (the
@@ -288,8 +290,8 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
     else:
         blocks, ws = lse, False
     lse_strides = lse.stride() if p.store_lse else (0, 0)
-    # after the Gluon tiles, the per-token launch overlaps their tail (ws_overlap)
-    overlap = tile_qt > 1 and ws and p.ws_overlap
+    # after the Gluon tiles, the per-token launch overlaps their tail (ws_pdl)
+    overlap = tile_qt > 1 and ws and p.ws_pdl
     launch_planned(
         _sparse_attention_kernel, (p.serial, 5 if overlap else 2),
         (num_tokens, num_kv_heads, splits),
@@ -459,8 +461,8 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
                             maxnreg=TUNING["ws_maxnreg"]))
         # the Gluon tiles' own union-size threshold (tile_waste's, per dtype: ws_waste)
         plan.ws_waste = float(TUNING["ws_waste_fp8" if fp8 else "ws_waste"])
-        plan.ws_overlap = plan.tile_ws is not None and TUNING["ws_overlap"]
-        if plan.ws_overlap:
+        plan.ws_pdl = plan.tile_ws is not None and TUNING["ws_pdl"]
+        if plan.ws_pdl:
             plan.tile_ws["kwargs"]["PDL"] = True
     plan.kwargs = dict(
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, NUM_INDEX_HEADS=indices.shape[1],
@@ -481,7 +483,7 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
         # take more (107 -> 128 registers on 4 warps, 75 -> 118 on 8: 3 -> 2 programs per SM;
         # `resources.py` with MAXNREG)
         plan.kwargs["maxnreg"] = TUNING["lazy_sum_maxnreg"]
-    # the per-token launch after the Gluon tiles: a programmatic dependent (ws_overlap)
+    # the per-token launch after the Gluon tiles: a programmatic dependent (ws_pdl)
     plan.kwargs_overlap = dict(plan.kwargs, WAIT_TILES=True, launch_pdl=True)
     plan.merge_kwargs = dict(NUM_HEADS=num_heads, D=head_dim, SPLITS=splits,
                              SP=_next_pow2(splits), PDL=pdl, STORE_LSE=plan.store_lse,

@@ -57,7 +57,7 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
     g64 = g.to(tl.int64)
     split = tl.program_id(2)
     if WAIT_TILES:
-        # launched as a programmatic dependent of the Gluon tile launch (api.py's ws_overlap),
+        # launched as a programmatic dependent of the Gluon tile launch (api.py's ws_pdl),
         # which may still run: the two write disjoint tokens and nothing here reads its
         # output, but this launch must not end before that one has (what follows on the stream
         # waits for this launch only). One program waiting is enough; the first holds one slot.

@@ -312,7 +312,7 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_desc, v_desc, cu_ptr, seq_lens_ptr
                                      PDL: gl.constexpr = False):
     if PDL:
         # the per-token launch may start now (programmatic dependent launch; api.py's
-        # ws_overlap): it takes effect once every program has passed here, and the two write
+        # ws_pdl): it takes effect once every program has passed here, and the two write
         # disjoint tokens, so the per-token kernel fills the SMs this launch's tail leaves idle
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
                                   dtype=gl.int32, is_pure=False, pack=1)
