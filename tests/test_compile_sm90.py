@@ -79,6 +79,7 @@ def test_block_scores_ws_kernel(dtype, heads):
                       STAGES=TUNING["ws_stages" if dtype == "fp8e4nv" else "ws_stages_16"],
                       CONSUMER_REGS=TUNING["ws_consumer_regs"], REVERSE_TILES=True,
                       CONSUMERS=TUNING["ws_consumers"], Q_IN_REGS=TUNING["ws_q_in_regs"],
+                      CONVERT=heads == 4,
                       num_warps=4)
     signature = {n: "constexpr" if n in constexprs else "i32" for n in fn.arg_names}
     signature.update(q_desc=desc(64), k_desc=desc(128), out_ptr=F32, **STEP)

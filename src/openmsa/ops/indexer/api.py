@@ -40,6 +40,7 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               use_max_q_len=True, select_segment_fill=True, select_chunk_min_waves=16,
               prefill_ws=True, prefill_ws_16=True, ws_bps=0, ws_waves=4, ws_stages=6,
               ws_stages_16=3, ws_consumer_regs=112, ws_consumers=4, ws_q_in_regs=False,
+              ws_maxima_convert=True,
               select_group_bound=True, select_group_min_blocks=2048, select_group_pack=True)
 # select_group_bound: rows of at least select_group_min_blocks blocks on the threshold path
 # (prefill after a long context) take select.py's group-bound path: a memory-bound launch of
@@ -50,6 +51,13 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
 # warp-specialised Gluon kernel where the layouts allow TMA (_ws_eligible); ws_waves programs
 # per SM in the grid (each split as long as that allows), or ws_bps blocks per split if set;
 # ws_stages key buffers; ws_consumer_regs registers per consumer thread (setmaxnreg)
+# ws_maxima_convert: a consumer reads its chunk of maxima back one block's 32 rows per warp
+# instruction and converts the tile to the store's layout in registers (the compiler's scratch),
+# instead of reading 8 blocks x 4 rows per instruction, which hit each bank 8 times (Nsight
+# Compute's source view: 7.2M of 110M shared-memory wavefronts excess). Measured (tune.py
+# --only indexer-prefill, 029d522 + this knob, one call, off / on twice): fp8 scoring after 120K 831.3 /
+# 819.2 and 832.4 / 819.2 µs, the 8K chunk after 1M 7973 / 7918 and 8019 / 7927, bf16 after 1M
+# 12595 / 12376 and 12590 / 12376; equal with no context (58 µs)
 # decode_pages_early: the decode launch loads its split's page ids before (not after) cu_seqlens_q
 # and seq_lens, one memory latency less before the first key load; decode_one_loop: one
 # causal-masked loop over the split (the mask costs little on 16 rows) instead of an unmasked
@@ -211,6 +219,7 @@ def _scores_plan(index_q, index_cache, num_requests: int, max_blocks: int, block
                      STAGES=TUNING["ws_stages" if fp8 else "ws_stages_16"],
                      CONSUMER_REGS=TUNING["ws_consumer_regs"],
                      CONSUMERS=TUNING["ws_consumers"], Q_IN_REGS=TUNING["ws_q_in_regs"],
+                     CONVERT=TUNING["ws_maxima_convert"],
                      REVERSE_TILES=TUNING["prefill_reverse_tiles"], num_warps=4)
         launches.append((next(plan_serials), (tiles, -(-max_blocks // bps)),
                          dict(GLUON=gluon, FALLBACK=launches.pop())))

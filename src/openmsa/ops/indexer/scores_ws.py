@@ -16,7 +16,9 @@ prefill kernel uses: a program owns 256 (token, head) rows and one split of `bps
   (`benchmarks/probe_mma_overlap.py`), 837 µs against Triton's 1058, and in the library an 8K
   chunk after 120K scores in 814 µs against the Triton launch's 963 (docs/performance.md).
 * A consumer keeps its maxima in shared memory, [CH, 64] per warpgroup, and stores them as one
-  tile every CH blocks, coalesced along the blocks as scores.py's tile is. So a split can be
+  tile every CH blocks, coalesced along the blocks as scores.py's tile is (read back a block
+  row per warp instruction and converted to the store's layout in registers: reading the
+  store's layout straight from the chunk hit each bank 8 times). So a split can be
   long: the grid is sized to a few programs per SM (api.py, ws_waves), because a program's
   start (request lookup, queries, first keys: several dependent memory round trips) idles its
   SM, one program per SM leaving nothing to hide it behind.
@@ -96,7 +98,7 @@ def _consumer(q_smem, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_ptr, 
               stride_btr, stride_btb, stride_ot, stride_oh, stride_ob, num_requests,
               tile_begin, tile_end, b_first, r_first, bps, part, H: gl.constexpr,
               BLOCK: gl.constexpr, SMALL_Q: gl.constexpr, STAGES: gl.constexpr,
-              Q_IN_REGS: gl.constexpr):
+              Q_IN_REGS: gl.constexpr, CONVERT: gl.constexpr):
     """One warpgroup: rows [part * 64, part * 64 + 64) of the program's (token, head) rows;
     `mine`: its maxima of the current chunk of CH blocks, [CH, 64] in shared memory."""
     # one MMA instruction: 64 rows x BLOCK keys x 32 bytes of head dim
@@ -108,6 +110,7 @@ def _consumer(q_smem, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_ptr, 
     # a chunk's store: 8 consecutive blocks (a 32-byte sector) of 4 rows per warp instruction,
     # so that each thread holds few of the rows' addresses (they live through the loop)
     out_l: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [1, 4], [0, 1])
+    in_l: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])
     if Q_IN_REGS:
         # the query rows in registers (the MMA's A operand), read once: each MMA then reads
         # only its key tile from shared memory (16 registers a thread for fp8)
@@ -157,8 +160,15 @@ def _consumer(q_smem, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_ptr, 
             if (c == CH - 1) | (i == n - 1):
                 gl.thread_barrier()  # the chunk's maxima written before they are read
                 # the same bytes as one [CH, 64] row-major tile (stored a block row at a time)
-                tile = mine._reinterpret(gl.float32, [CH, WG_ROWS], gl.SwizzledSharedLayout(
-                    vec=1, per_phase=1, max_phase=1, order=[1, 0])).load(out_l)
+                rows_major = mine._reinterpret(gl.float32, [CH, WG_ROWS], gl.SwizzledSharedLayout(
+                    vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+                if CONVERT:
+                    # read one block's 32 rows per warp instruction (32 banks: no conflict;
+                    # 8 blocks x 4 rows hit each bank 8 times), then into the store's layout
+                    # through the compiler's own conflict-free scratch
+                    tile = gl.convert_layout(rows_major.load(in_l), out_l)
+                else:
+                    tile = rows_major.load(out_l)
                 ok = ((tok_o >= t_begin) & (tok_o < t_end))[None, :] & (cols_o <= c)[:, None]
                 dst = (out_ptr + tok_o.to(gl.int64)[None, :] * stride_ot
                        + head_o.to(gl.int64)[None, :] * stride_oh
@@ -175,6 +185,7 @@ def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
                             STAGES: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, REVERSE_TILES: gl.constexpr,
                             CONSUMERS: gl.constexpr, Q_IN_REGS: gl.constexpr,
+                            CONVERT: gl.constexpr,
                             num_warps: gl.constexpr):
     BLOCK: gl.constexpr = k_desc.block_type.shape[0]
     DI: gl.constexpr = k_desc.block_type.shape[1]
@@ -229,19 +240,19 @@ def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
                 (_consumer, (q_smem, k_smem, ready, empty, maxima0, cu_ptr, seq_lens_ptr, bt_ptr,
                              out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
                              num_requests, tile_begin, tile_end, b_first, r_first, bps, 0, H,
-                             BLOCK, SMALL_Q, STAGES, Q_IN_REGS)),
+                             BLOCK, SMALL_Q, STAGES, Q_IN_REGS, CONVERT)),
                 (_consumer, (q_smem, k_smem, ready, empty, maxima1, cu_ptr, seq_lens_ptr, bt_ptr,
                              out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
                              num_requests, tile_begin, tile_end, b_first, r_first, bps, 1, H,
-                             BLOCK, SMALL_Q, STAGES, Q_IN_REGS)),
+                             BLOCK, SMALL_Q, STAGES, Q_IN_REGS, CONVERT)),
                 (_consumer, (q_smem, k_smem, ready, empty, maxima2, cu_ptr, seq_lens_ptr, bt_ptr,
                              out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
                              num_requests, tile_begin, tile_end, b_first, r_first, bps, 2, H,
-                             BLOCK, SMALL_Q, STAGES, Q_IN_REGS)),
+                             BLOCK, SMALL_Q, STAGES, Q_IN_REGS, CONVERT)),
                 (_consumer, (q_smem, k_smem, ready, empty, maxima3, cu_ptr, seq_lens_ptr, bt_ptr,
                              out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
                              num_requests, tile_begin, tile_end, b_first, r_first, bps, 3, H,
-                             BLOCK, SMALL_Q, STAGES, Q_IN_REGS)),
+                             BLOCK, SMALL_Q, STAGES, Q_IN_REGS, CONVERT)),
                 (_producer, (k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr,
                              stride_btr, stride_btb, num_requests, tile_begin, tile_end, b_first,
                              r_first, bps, BLOCK, SMALL_Q, STAGES)),
@@ -251,15 +262,15 @@ def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
                 (_consumer, (q_smem, k_smem, ready, empty, maxima0, cu_ptr, seq_lens_ptr, bt_ptr,
                              out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
                              num_requests, tile_begin, tile_end, b_first, r_first, bps, 0, H,
-                             BLOCK, SMALL_Q, STAGES, Q_IN_REGS)),
+                             BLOCK, SMALL_Q, STAGES, Q_IN_REGS, CONVERT)),
                 (_consumer, (q_smem, k_smem, ready, empty, maxima1, cu_ptr, seq_lens_ptr, bt_ptr,
                              out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
                              num_requests, tile_begin, tile_end, b_first, r_first, bps, 1, H,
-                             BLOCK, SMALL_Q, STAGES, Q_IN_REGS)),
+                             BLOCK, SMALL_Q, STAGES, Q_IN_REGS, CONVERT)),
                 (_consumer, (q_smem, k_smem, ready, empty, maxima2, cu_ptr, seq_lens_ptr, bt_ptr,
                              out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
                              num_requests, tile_begin, tile_end, b_first, r_first, bps, 2, H,
-                             BLOCK, SMALL_Q, STAGES, Q_IN_REGS)),
+                             BLOCK, SMALL_Q, STAGES, Q_IN_REGS, CONVERT)),
                 (_producer, (k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr,
                              stride_btr, stride_btb, num_requests, tile_begin, tile_end, b_first,
                              r_first, bps, BLOCK, SMALL_Q, STAGES)),
