@@ -56,8 +56,8 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
 # instead of reading 8 blocks x 4 rows per instruction, which hit each bank 8 times (Nsight
 # Compute's source view: 7.2M of 110M shared-memory wavefronts excess). Measured (tune.py
 # --only indexer-prefill, 029d522 + this knob, one call, off / on twice): fp8 scoring after
-# 120K 831.3 / 819.2 and 832.4 / 819.2 µs, the 8K chunk after 1M 7973 / 7918 and 8019 / 7927, bf16 after 1M
-# 12595 / 12376 and 12590 / 12376; equal with no context (58 µs)
+# 120K 831.3 / 819.2 and 832.4 / 819.2 µs, the 8K chunk after 1M 7973 / 7918 and 8019 / 7927,
+# bf16 after 1M 12595 / 12376 and 12590 / 12376; equal with no context (58 µs)
 # decode_pages_early: the decode launch loads its split's page ids before (not after) cu_seqlens_q
 # and seq_lens, one memory latency less before the first key load; decode_one_loop: one
 # causal-masked loop over the split (the mask costs little on 16 rows) instead of an unmasked
