@@ -413,6 +413,31 @@ def test_attention_prefill_tiles_overlap_graph_replay(dtype, monkeypatch):
         assert torch.equal(out, expected)
 
 
+def test_attention_prefill_waste_follows_the_kernel_that_runs(monkeypatch):
+    """The plan's union-size threshold is the Gluon tiles' (ws_waste) when they run and the
+    Triton tiles' (tile_waste) when a base address TMA cannot take sends the tiles there: with
+    tile_waste 0 and ws_waste 1e9, the aligned call takes the tiles whose tokens share a
+    selection and the misaligned one takes none; both match the reference."""
+    from openmsa.ops.attention import api, prefill
+    for key, value in dict(tile_waste=0.0, ws_waste=1e9, ws_waste_fp8=1e9).items():
+        monkeypatch.setitem(api.TUNING, key, value)
+    step, q, k, v, idx = _mixed_tiles_chunk((64, 4), torch.bfloat16)
+    d = _cuda(step)
+    dargs = (idx.cuda(), d.cu_seqlens_q, d.seq_lens, d.block_table)
+    want = ref.sparse_attention(q, k, v, idx, step.cu_seqlens_q, step.seq_lens, step.block_table)
+    flags = []
+    monkeypatch.setattr(prefill, "_tile_plan_kernel",
+                        RecordingKernel(prefill._tile_plan_kernel, flags, arg=4))
+    assert_close(openmsa.sparse_attention(q.cuda(), k.cuda(), v.cuda(), *dargs), want)
+    assert (flags[-1] >= 0).any()
+    # K and V one element past a 16-byte boundary: the Triton tiles' threshold
+    kbuf = torch.empty(k.numel() + 8, dtype=k.dtype, device="cuda")[1:1 + k.numel()]
+    vbuf = torch.empty(v.numel() + 8, dtype=v.dtype, device="cuda")[1:1 + v.numel()]
+    ks, vs = kbuf.view(k.shape).copy_(k), vbuf.view(v.shape).copy_(v)
+    assert_close(openmsa.sparse_attention(q.cuda(), ks, vs, *dargs), want)
+    assert not (flags[-1] >= 0).any()
+
+
 def test_attention_prefill_equals_dense_sdpa():
     """topk covering every block: sparse attention is dense causal attention."""
     ctx, chunk = 1500, 500
