@@ -88,6 +88,9 @@ class _OnCuda:
     def stride(self, *dim):
         return self.t.stride(*dim)
 
+    def data_ptr(self):
+        return 1 << 20  # an aligned stand-in (planning reads the V cache's parity)
+
 
 def _index_pair(tokens=8192, heads=4, dim=128, pages=1088, dtype=torch.float8_e4m3fn,
                 page_rows=128, q_view=None):
@@ -291,3 +294,34 @@ def test_gluon_kernels_only_on_the_triton_they_were_tested_on(monkeypatch, versi
     finally:
         monkeypatch.undo()
         _dispatch.gluon_hopper_available.cache_clear()
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_attention_prefill_gluon_tiles_route(h200, monkeypatch, fp8):
+    """An 8K chunk on Hopper: the plan takes the Gluon tiles with their own waste threshold
+    (ws_waste: per dtype) and launches the per-token kernel as their programmatic dependent
+    (ws_pdl: the tile programs signal, one per-token program waits). At launch, K or V at an
+    address TMA cannot take sends the tiles to the Triton kernel, with tile_waste and no PDL."""
+    from openmsa import support
+    for module in (attention_api, support):
+        monkeypatch.setattr(module, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(attention_api, "gluon_hopper_available", lambda: True)
+    k, v = _kv_pair("packed", torch.float8_e4m3fn if fp8 else torch.bfloat16)
+    q = _OnCuda(torch.empty(8192, 64, 128, dtype=torch.bfloat16, device="meta"))
+    idx = _OnCuda(torch.empty(8192, 4, 16, dtype=torch.int32, device="meta"))
+    plan = attention_api._plan(q, k, v, idx, None, 128)
+    want_waste = attention_api.TUNING["ws_waste_fp8" if fp8 else "ws_waste"]
+    assert plan.tile_ws is not None and plan.tile_ws["kwargs"]["PDL"]
+    assert plan.ws_waste == want_waste and plan.ws_pdl
+    assert plan.kwargs_overlap == dict(plan.kwargs, WAIT_TILES=True, launch_pdl=True)
+    tile_waste = float(attention_api.TUNING["tile_waste"])
+    assert attention_api._tile_route(plan, 4096, 4096 + 256) == (True, want_waste, True)
+    assert attention_api._tile_route(plan, 4096, 4096 + 1) == (False, tile_waste, False)
+    assert attention_api._tile_route(plan, 4096 + 8, 4096) == (False, tile_waste, False)
+    monkeypatch.setitem(attention_api.TUNING, "ws_pdl", False)
+    plan = attention_api._plan(q, k, v, idx, None, 128)
+    assert "PDL" not in plan.tile_ws["kwargs"]
+    assert attention_api._tile_route(plan, 4096, 4096) == (True, want_waste, False)
+    monkeypatch.setitem(attention_api.TUNING, "tile_ws", False)
+    plan = attention_api._plan(q, k, v, idx, None, 128)
+    assert attention_api._tile_route(plan, 4096, 4096) == (False, tile_waste, False)

@@ -270,13 +270,11 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
         # per (tile, KV head): the union's page ids, block ids and token bits (prefill.py)
         union = torch.empty((num_tiles * num_kv_heads, 3, tile_qt * p.kp), dtype=torch.int32,
                             device=device)
-        # (TMA needs 16-byte aligned bases; the waste threshold follows the kernel that runs)
-        ws = p.tile_ws is not None and all(t.data_ptr() % 16 == 0 for t in (k_cache, v_cache))
+        ws, waste, pdl = _tile_route(p, k_cache.data_ptr(), v_cache.data_ptr())
         launch_planned(
             _tile_plan_kernel, (p.serial, 0), (num_tiles, num_kv_heads),
-            indices, cu_seqlens_q, seq_lens, block_table, blocks, union,
-            p.ws_waste if ws else float(TUNING["tile_waste"]), seq_lens.shape[0],
-            *indices.stride(), *block_table.stride(), **p.plan_kwargs)
+            indices, cu_seqlens_q, seq_lens, block_table, blocks, union, waste,
+            seq_lens.shape[0], *indices.stride(), *block_table.stride(), **p.plan_kwargs)
         if ws:
             _launch_tile_ws(q, k_cache, v_cache, cu_seqlens_q, seq_lens, out, lse, blocks, union,
                             ks, vs, p, has_scale)
@@ -288,23 +286,31 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
                 *v_cache.stride(), *out.stride(), *lse.stride(), HAS_SCALE=has_scale,
                 **p.tile_kwargs)
     else:
-        blocks, ws = lse, False
+        blocks, pdl = lse, False
     lse_strides = lse.stride() if p.store_lse else (0, 0)
-    # after the Gluon tiles, the per-token launch overlaps their tail (ws_pdl)
-    overlap = tile_qt > 1 and ws and p.ws_pdl
     launch_planned(
-        _sparse_attention_kernel, (p.serial, 5 if overlap else 2),
+        _sparse_attention_kernel, (p.serial, 5 if pdl else 2),
         (num_tokens, num_kv_heads, splits),
         q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, out, lse, part,
         counters, blocks, ks, vs, p.sm_scale, seq_lens.shape[0], *q.stride(),
         *k_cache.stride(), *v_cache.stride(), *indices.stride(), *block_table.stride(),
         *out.stride(), *lse_strides, HAS_SCALE=has_scale,
-        **(p.kwargs_overlap if overlap else p.kwargs))
+        **(p.kwargs_overlap if pdl else p.kwargs))
     if splits > 1 and not p.fused:
         launch_planned(
             _merge_splits_kernel, (p.serial, 3), (num_tokens, num_heads),
             part, out, lse, *out.stride(), *lse_strides, **p.merge_kwargs)
     return (out, lse) if return_lse else out
+
+
+def _tile_route(plan, k_address: int, v_address: int) -> tuple[bool, float, bool]:
+    """A prefill step's taken tiles: whether the Gluon kernel runs them (planned, and K and V at
+    16-byte aligned addresses, which TMA needs; else the Triton tile kernel), the plan launch's
+    union-size threshold for that kernel (ws_waste or tile_waste), and whether the per-token
+    launch is a programmatic dependent of the Gluon tiles (ws_pdl)."""
+    ws = plan.tile_ws is not None and k_address % 16 == 0 and v_address % 16 == 0
+    waste = plan.ws_waste if ws else float(TUNING["tile_waste"])
+    return ws, waste, ws and plan.ws_pdl
 
 
 def _ws_eligible(q, k_cache, v_cache, block_size: int, rows: int) -> bool:
