@@ -236,7 +236,7 @@ def _indexer_prefill(args):
             cases.append((f"scores {dname} 8K@{ctx // 1024}K",
                           (lambda q=q, cache=cache, cu=cu, seq=seq, table=table:
                            openmsa.block_scores(q, cache, cu, seq, table))))
-        if dname == "fp8" and ctx > 0:
+        if dname == "fp8":
             scores = openmsa.block_scores(q, cache, cu, seq, table)
             out = torch.empty(q.shape[0], q.shape[1], 16, dtype=torch.int32, device="cuda")
 

@@ -90,6 +90,35 @@ def test_block_scores_ws_kernel(dtype, heads):
     assert k.metadata.shared <= 227 * 1024
 
 
+@pytest.mark.parametrize("g, w, vec, warps", [(16, 4, 4, 1), (16, 1, 4, 2), (8, 1, 1, 1),
+                                             (64, 1, 4, 1)])
+def test_short_rows_topk_kernel(g, w, vec, warps):
+    # the thread-per-row selection (indexer/select_rows.py): each row stays in its thread (no
+    # shared memory or shuffles on one warp, no spills), and with VEC = 4 on 16-divisible strides (what
+    # Triton specialises at launch) the scores come in 16-byte loads
+    import re
+
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from openmsa.ops.indexer.select_rows import _short_rows_topk_kernel as fn
+    constexprs = dict(H=4, TOPK=min(16, g * w), KP=16, INIT=0, LOCAL=1, BLOCK=128, G=g, W=w,
+                      VEC=vec, num_warps=warps, stride_sb=1)
+    signature = {n: "constexpr" if n in constexprs else "i32" for n in fn.arg_names}
+    signature.update(scores_ptr=F32, out_ptr=I32, cu_ptr=I32, seq_lens_ptr=I32)
+    aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
+               for n in ("scores_ptr", "out_ptr", "stride_st", "stride_sh")}
+    src = GluonASTSource(fn, signature,
+                         {(fn.arg_names.index(k),): v for k, v in constexprs.items()}, aligned)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+    ptx = k.asm["ptx"]
+    # (several warps share one search loop: only its "any row still searching" crosses them)
+    assert k.metadata.shared <= 4 * (warps - 1) * 2 and "ld.local" not in ptx
+    assert ("shfl" in ptx) == (warps > 1)
+    assert "bfind.u32" in ptx
+    loads = re.findall(r"ld\.global[.a-z0-9]*", ptx)
+    assert (sum(".v4" in op for op in loads) == g * w // 4) == (vec == 4)
+
+
 @pytest.mark.parametrize("dtype, sub, stages, group", [
     ("bf16", 64, 2, 16), ("fp16", 128, 1, 8), ("bf16", 64, 3, 16), ("fp8e4nv", 128, 1, 16),
     ("fp8e4nv", 128, 2, 8), ("bf16", 128, 21, 16), ("fp8e4nv", 128, 21, 16),

@@ -219,6 +219,101 @@ def test_select_deterministic_and_graph_replay(hint):
         assert torch.equal(out, eager)
 
 
+def _short_rows_on(num_rows, heads, width, topk):
+    """Whether a selection launch of these shapes takes select_rows.py's kernel (on an H200
+    with the tested Triton it must: a test of that kernel that silently ran select.py would
+    prove nothing)."""
+    from openmsa.ops.indexer import api
+    plan = api._select_plan(num_rows // heads, heads, width, topk, 0, 1, B,
+                            torch.device("cuda"))
+    return plan[-1] is not None
+
+
+@pytest.mark.parametrize("topk, init, local, heads, extra", [
+    (16, 0, 1, 4, 0), (16, 1, 2, 4, 3), (4, 0, 1, 1, 1), (64, 2, 3, 2, 0), (8, 1, 1, 4, 8)])
+def test_short_rows_selection_exact(topk, init, local, heads, extra):
+    """select_rows.py (a thread per row) against the reference selection from the same scores:
+    a chunk with no context (rows of 1 to 6 blocks), a chunk after context, decode, verify, a
+    request with q_len > seq_len and one with no token, padding tokens; integer scores (ties the
+    rule decides) with NaN, -inf, +inf and -0.0 among them, a row of one value; transposed
+    scores and out (strided, and scalar loads where 4 does not divide the width)."""
+    from openmsa.ops.indexer import api
+    from openmsa.ops.indexer import reference as indexer_ref
+    step = make_step([700, 300, 1, 4, 5, 0], [700, 5000, 3000, 2003, 3, 128], block_size=B,
+                     extra_columns=extra, pad_tokens=3)
+    width = step.block_table.shape[1]
+    assert width <= 64 and _short_rows_on(step.num_tokens * heads, heads, width, topk)
+    g = torch.Generator().manual_seed(topk + extra)
+    scores = torch.randint(-3, 4, (step.num_tokens, heads, width), generator=g).float()
+    special = torch.rand(scores.shape, generator=g)
+    scores[special < 0.05] = float("nan")
+    scores[(special >= 0.05) & (special < 0.08)] = float("-inf")
+    scores[(special >= 0.08) & (special < 0.09)] = float("inf")
+    scores[(special >= 0.09) & (special < 0.15)] = -0.0
+    scores[710, 0] = 2.0
+    _, pos = token_layout(step.cu_seqlens_q, step.seq_lens, step.num_tokens)
+    want = indexer_ref.select_from_scores(scores, pos, topk=topk, init_blocks=init,
+                                          local_blocks=local, block_size=B)
+    d = _cuda(step)
+    # scores as a transposed [T, H, width] view, out as a transposed [T, H, K] view
+    s_dev = scores.cuda().permute(2, 0, 1).contiguous().permute(1, 2, 0)
+    buf = torch.full((topk, heads, step.num_tokens), -7, dtype=torch.int32, device="cuda")
+    out = buf.permute(2, 1, 0)
+    api.launch_select(s_dev, d.cu_seqlens_q, d.seq_lens, out, topk=topk, init_blocks=init,
+                      local_blocks=local, block_size=B)
+    assert torch.equal(out.cpu(), want)
+    out2 = torch.full((step.num_tokens, heads, topk), -7, dtype=torch.int32, device="cuda")
+    api.launch_select(scores.cuda(), d.cu_seqlens_q, d.seq_lens, out2, topk=topk,
+                      init_blocks=init, local_blocks=local, block_size=B)
+    assert torch.equal(out2.cpu(), want)
+
+
+@pytest.mark.parametrize("c_dtype", [torch.bfloat16, FP8])
+def test_short_rows_prefill_and_graph_replay(c_dtype, monkeypatch):
+    """select_blocks end to end on rows the thread-per-row kernel takes: a prefill chunk with
+    little context, exact against the reference on integer inputs; then a 128-request verify
+    step (512 rows of <= 64 blocks) captured in a CUDA graph and replayed with new lengths,
+    equal to eager calls, repeatable, and equal to select.py's launches on the same step."""
+    step = make_step([3000, 5], [3500, 7000], block_size=B)
+    q, c = random_index_inputs(step, num_heads=4, head_dim=128, block_size=B, q_dtype=c_dtype,
+                               cache_dtype=c_dtype, integer=True)
+    assert _short_rows_on(step.num_tokens * 4, 4, step.block_table.shape[1], 16)
+    want = ref.select_blocks(q, c, step.cu_seqlens_q, step.seq_lens, step.block_table,
+                             block_size=B)
+    d = _cuda(step)
+    got = openmsa.select_blocks(q.cuda(), c.cuda(), d.cu_seqlens_q, d.seq_lens, d.block_table,
+                                block_size=B)
+    assert torch.equal(got.cpu(), want)
+
+    torch.manual_seed(1)
+    num_req, width, pages = 128, 64, 9000
+    assert _short_rows_on(4 * num_req * 4, 4, width, 16)
+    cache = torch.randn(pages, B, 128, device="cuda").to(c_dtype)
+    table = torch.randperm(pages, device="cuda")[:num_req * width].view(num_req, width).int()
+    cu = torch.arange(0, 4 * num_req + 1, 4, dtype=torch.int32, device="cuda")
+    seq = torch.full((num_req,), 3000, dtype=torch.int32, device="cuda")
+    q = torch.randn(4 * num_req, 4, 128, device="cuda").to(c_dtype)
+    out = torch.empty(4 * num_req, 4, 16, dtype=torch.int32, device="cuda")
+    args = (q, cache, cu, seq, table)
+    openmsa.select_blocks(*args, block_size=B, out=out, max_q_len=4)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        openmsa.select_blocks(*args, block_size=B, out=out, max_q_len=4)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(2):
+        lens = torch.randint(1, width * B + 1, (num_req,), generator=g, dtype=torch.int32)
+        seq.copy_(lens)
+        q.copy_(torch.randn(4 * num_req, 4, 128, device="cuda").to(c_dtype))
+        graph.replay()
+        eager = openmsa.select_blocks(*args, block_size=B, max_q_len=4)
+        assert torch.equal(out, eager)
+        graph.replay()
+        assert torch.equal(out, eager)
+    monkeypatch.setitem(openmsa.ops.indexer.api.TUNING, "select_short_rows", False)
+    assert not _short_rows_on(4 * num_req * 4, 4, width, 16)
+    assert torch.equal(openmsa.select_blocks(*args, block_size=B, max_q_len=4), eager)
+
+
 def _m3_attention_case(kv_dtype, num_heads=64, num_kv_heads=4, context=65536, q_lens=(1, 4, 1)):
     seq_lens = [context, context - 1000, 20_000]
     step = make_step(list(q_lens), seq_lens, block_size=B, extra_columns=1)

@@ -41,7 +41,11 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               prefill_ws=True, prefill_ws_16=True, ws_bps=0, ws_waves=4, ws_stages=6,
               ws_stages_16=3, ws_consumer_regs=112, ws_consumers=4, ws_q_in_regs=False,
               ws_maxima_convert=True,
-              select_group_bound=True, select_group_min_blocks=2048, select_group_pack=True)
+              select_group_bound=True, select_group_min_blocks=2048, select_group_pack=True,
+              select_short_rows=True, select_short_max=64, select_short_warps=1)
+# select_short_rows: on Hopper, a selection launch of many rows of at most select_short_max
+# blocks (a prefill chunk with little context) runs select_rows.py's Gluon kernel, one thread
+# per row (select_short_warps warps per program), instead of one warp per row
 # select_group_bound: rows of at least select_group_min_blocks blocks on the threshold path
 # (prefill after a long context) take select.py's group-bound path: a memory-bound launch of
 # 16-block group maxima, then one program per row reading only the groups that can hold a pick;
@@ -313,7 +317,15 @@ def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, loc
     if plan is None:
         plan = _select_plan(num_tokens, num_heads, max_blocks, topk, init_blocks, local_blocks,
                             block_size, scores.device)
-    serial, segments, cap, kp, kwargs, merge_kwargs, group = plan
+    serial, segments, cap, kp, kwargs, merge_kwargs, group, short = plan
+    if short is not None:
+        from .select_rows import _short_rows_topk_kernel
+        rows = num_tokens * num_heads
+        launch_planned(_short_rows_topk_kernel, (serial, 4),
+                       (-(-rows // (32 * short["num_warps"])),), scores, cu_seqlens_q, seq_lens,
+                       out, seq_lens.shape[0], rows, max_blocks, *scores.stride(), *out.stride(),
+                       **short)
+        return
     if group is not None:
         from .select import _group_bound_select_kernel, _group_max_kernel
         gmax = torch.empty((num_tokens, num_heads, group["groups"]), dtype=torch.int32,
@@ -389,7 +401,24 @@ def _select_plan(num_tokens, num_heads, max_blocks, topk, init_blocks, local_blo
                      s=dict(**common, KP=kp, NGP=max(_next_pow2(groups), 2 * kp), CG=2 * kp,
                             CAP=max(64, 2 * kp), CH=128, PACK=TUNING["select_group_pack"],
                             num_warps=1))
-    return next(plan_serials), num_segments, cap, kp, kwargs, merge_kwargs, group
+    short = None
+    if _short_rows_eligible(device, max_blocks, kp, by_sort):
+        # select_rows.py: a thread per row; G >= K groups of W blocks bound the search
+        width = max(_next_pow2(max_blocks), 4)
+        g = min(kp, width)
+        short = dict(H=num_heads, TOPK=topk, KP=kp, INIT=init_blocks, LOCAL=local_blocks,
+                     BLOCK=block_size, G=g, W=width // g, VEC=4 if max_blocks % 4 == 0 else 1,
+                     num_warps=TUNING["select_short_warps"])
+    return next(plan_serials), num_segments, cap, kp, kwargs, merge_kwargs, group, short
+
+
+def _short_rows_eligible(device: torch.device, max_blocks: int, kp: int, by_sort: bool) -> bool:
+    """Whether the selection runs select_rows.py's Gluon kernel (a thread per row): a launch of
+    many rows (the threshold path, not the few programs of the sort path) of at most
+    select_short_max blocks, on Hopper with the Gluon the Hopper kernels are tested on."""
+    return (TUNING["select_short_rows"] and not by_sort and device.type == "cuda"
+            and max_blocks <= TUNING["select_short_max"] and kp <= 64
+            and capability(device) == (9, 0) and gluon_hopper_available())
 
 
 @on_tensor_device
