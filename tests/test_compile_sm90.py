@@ -90,19 +90,21 @@ def test_block_scores_ws_kernel(dtype, heads):
     assert k.metadata.shared <= 227 * 1024
 
 
-@pytest.mark.parametrize("g, w, vec, warps", [(16, 4, 4, 1), (16, 1, 4, 2), (8, 1, 1, 1),
-                                             (64, 1, 4, 1)])
-def test_short_rows_topk_kernel(g, w, vec, warps):
-    # the thread-per-row selection (indexer/select_rows.py): each row stays in its thread (no
-    # shared memory or shuffles on one warp, no spills), and with VEC = 4 on 16-divisible strides (what
-    # Triton specialises at launch) the scores come in 16-byte loads
+@pytest.mark.parametrize("g, w, vec, tpr, warps", [(16, 4, 4, 4, 1), (16, 4, 4, 1, 1),
+                                                  (16, 1, 4, 2, 2), (8, 1, 1, 4, 1),
+                                                  (64, 1, 4, 4, 1)])
+def test_short_rows_topk_kernel(g, w, vec, tpr, warps):
+    # the selection with a row in tpr threads (indexer/select_rows.py): a row's counts cross
+    # only its threads (no shared memory with one warp, shuffles only with tpr > 1 or several
+    # warps), no spills; the search's comparisons are PTX `set` (no packed booleans); with VEC
+    # = 4 on 16-divisible strides (what Triton specialises at launch), 16-byte loads
     import re
 
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from openmsa.ops.indexer.select_rows import _short_rows_topk_kernel as fn
     constexprs = dict(H=4, TOPK=min(16, g * w), KP=16, INIT=0, LOCAL=1, BLOCK=128, G=g, W=w,
-                      VEC=vec, num_warps=warps, stride_sb=1)
+                      VEC=vec, TPR=tpr, num_warps=warps, stride_sb=1)
     signature = {n: "constexpr" if n in constexprs else "i32" for n in fn.arg_names}
     signature.update(scores_ptr=F32, out_ptr=I32, cu_ptr=I32, seq_lens_ptr=I32)
     aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
@@ -113,10 +115,10 @@ def test_short_rows_topk_kernel(g, w, vec, warps):
     ptx = k.asm["ptx"]
     # (several warps share one search loop: only its "any row still searching" crosses them)
     assert k.metadata.shared <= 4 * (warps - 1) * 2 and "ld.local" not in ptx
-    assert ("shfl" in ptx) == (warps > 1)
-    assert "bfind.u32" in ptx
+    assert ("shfl" in ptx) == (warps > 1 or tpr > 1)
+    assert "bfind.u32" in ptx and "set.ge.s32.s32" in ptx
     loads = re.findall(r"ld\.global[.a-z0-9]*", ptx)
-    assert (sum(".v4" in op for op in loads) == g * w // 4) == (vec == 4)
+    assert sum(".v4" in op for op in loads) == (g * w // tpr // 4 if vec == 4 else 0)
 
 
 @pytest.mark.parametrize("dtype, sub, stages, group", [

@@ -42,7 +42,8 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               ws_stages_16=3, ws_consumer_regs=112, ws_consumers=4, ws_q_in_regs=False,
               ws_maxima_convert=True,
               select_group_bound=True, select_group_min_blocks=2048, select_group_pack=True,
-              select_short_rows=True, select_short_max=64, select_short_warps=1)
+              select_short_rows=True, select_short_max=64, select_short_warps=1,
+              select_short_tpr=4)
 # select_short_rows: on Hopper, a selection launch of many rows of at most select_short_max
 # blocks (a prefill chunk with little context) runs select_rows.py's Gluon kernel, one thread
 # per row (select_short_warps warps per program), instead of one warp per row
@@ -322,7 +323,7 @@ def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, loc
         from .select_rows import _short_rows_topk_kernel
         rows = num_tokens * num_heads
         launch_planned(_short_rows_topk_kernel, (serial, 4),
-                       (-(-rows // (32 * short["num_warps"])),), scores, cu_seqlens_q, seq_lens,
+                       (-(-rows // (32 // short["TPR"] * short["num_warps"])),), scores, cu_seqlens_q, seq_lens,
                        out, seq_lens.shape[0], rows, max_blocks, *scores.stride(), *out.stride(),
                        **short)
         return
@@ -408,6 +409,7 @@ def _select_plan(num_tokens, num_heads, max_blocks, topk, init_blocks, local_blo
         g = min(kp, width)
         short = dict(H=num_heads, TOPK=topk, KP=kp, INIT=init_blocks, LOCAL=local_blocks,
                      BLOCK=block_size, G=g, W=width // g, VEC=4 if max_blocks % 4 == 0 else 1,
+                     TPR=min(TUNING["select_short_tpr"], width),
                      num_warps=TUNING["select_short_warps"])
     return next(plan_serials), num_segments, cap, kp, kwargs, merge_kwargs, group, short
 

@@ -51,6 +51,16 @@ def _top_bit(x):
 
 
 @gluon.jit
+def _count_at_least(key, c):
+    """Per row, how many of its keys are >= c (c per row, [rows, 1]). Written as PTX `set`
+    (-1 or 0 per key) and a plain sum: summing the comparisons as booleans lets LLVM pack them
+    into bit masks for a popcount, ~5 PTX instructions per key in the search's loop."""
+    ge = gl.inline_asm_elementwise("set.ge.s32.s32 $0, $1, $2;", "=r,r,r", [key, c],
+                                   dtype=gl.int32, is_pure=True, pack=1)
+    return -gl.sum(ge, axis=1)
+
+
+@gluon.jit
 def _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, t, BLOCK: gl.constexpr):
     """n = position // BLOCK + 1 of each packed token t (0 for padding: a token past cu[R], or
     of a request with q_len > seq_len); triton_utils.token_position, one binary search per
@@ -94,13 +104,14 @@ def _short_rows_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_reque
                             max_blocks, stride_st, stride_sh, stride_sb, stride_ot, stride_oh,
                             stride_ok, H: gl.constexpr, TOPK: gl.constexpr, KP: gl.constexpr,
                             INIT: gl.constexpr, LOCAL: gl.constexpr, BLOCK: gl.constexpr,
-                            G: gl.constexpr, W: gl.constexpr, VEC: gl.constexpr,
+                            G: gl.constexpr, W: gl.constexpr, VEC: gl.constexpr, TPR: gl.constexpr,
                             num_warps: gl.constexpr):
     # a row's SEG = G * W blocks in one thread's registers
     SEG: gl.constexpr = G * W
-    row_l: gl.constexpr = gl.BlockedLayout([1, SEG], [32, 1], [num_warps, 1], [1, 0])
+    row_l: gl.constexpr = gl.BlockedLayout([1, SEG // TPR], [32 // TPR, TPR], [num_warps, 1],
+                                           [1, 0])
     r_l: gl.constexpr = gl.SliceLayout(1, row_l)
-    ROWS: gl.constexpr = 32 * num_warps
+    ROWS: gl.constexpr = 32 // TPR * num_warps
     rows = gl.program_id(0) * ROWS + gl.arange(0, ROWS, layout=r_l)
     t = rows // H
     h = rows % H
@@ -137,7 +148,7 @@ def _short_rows_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_reque
     prefix = gl.where(n > TOPK, prefix, 0)
     while gl.max(searching.to(gl.int32), axis=0) > 0:
         cand = prefix | (1 << gl.maximum(bit, 0))
-        count = gl.sum((key >= gl.expand_dims(cand ^ DEAD, 1)).to(gl.int32), axis=1)
+        count = _count_at_least(key, gl.expand_dims(cand ^ DEAD, 1))
         prefix = gl.where(searching & (count >= TOPK), cand, prefix)
         bit = gl.where(searching, bit - 1, bit)
         # stop once exactly K keys reach it: the lower bits cannot change the set
@@ -154,7 +165,8 @@ def _short_rows_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_reque
     gl.store(gl.expand_dims(out_row, 1) + slot * stride_ok, b + gl.zeros_like(slot),
              mask=picked & in_range)
     # -1 after the picks, up to K
-    pad_l: gl.constexpr = gl.BlockedLayout([1, KP], [32, 1], [num_warps, 1], [1, 0])
+    pad_l: gl.constexpr = gl.BlockedLayout([1, (KP + TPR - 1) // TPR], [32 // TPR, TPR],
+                                           [num_warps, 1], [1, 0])
     count = gl.convert_layout(gl.sum(picked.to(gl.int32), axis=1), gl.SliceLayout(1, pad_l))
     k = gl.expand_dims(gl.arange(0, KP, layout=gl.SliceLayout(0, pad_l)), 0)
     rows_p = gl.convert_layout(rows, gl.SliceLayout(1, pad_l))
