@@ -96,8 +96,8 @@ def test_block_scores_ws_kernel(dtype, heads):
 def test_short_rows_topk_kernel(g, w, vec, tpr, warps):
     # the selection with a row in tpr threads (indexer/select_rows.py): a row's counts cross
     # only its threads (no shared memory with one warp, shuffles only with tpr > 1 or several
-    # warps), no spills; the search's comparisons are PTX `set` (no packed booleans); with VEC
-    # = 4 on 16-divisible strides (what Triton specialises at launch), 16-byte loads
+    # warps), no spills, the counts' comparisons as PTX `set`; with VEC = 4 on 16-divisible
+    # strides (what Triton specialises at launch), 16-byte loads
     import re
 
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -116,7 +116,7 @@ def test_short_rows_topk_kernel(g, w, vec, tpr, warps):
     # (several warps share one search loop: only its "any row still searching" crosses them)
     assert k.metadata.shared <= 4 * (warps - 1) * 2 and "ld.local" not in ptx
     assert ("shfl" in ptx) == (warps > 1 or tpr > 1)
-    assert "bfind.u32" in ptx and "set.ge.s32.s32" in ptx
+    assert "set.ge.s32.f32" in ptx and "set.gt.s32.f32" in ptx
     loads = re.findall(r"ld\.global[.a-z0-9]*", ptx)
     assert sum(".v4" in op for op in loads) == (g * w // tpr // 4 if vec == 4 else 0)
 

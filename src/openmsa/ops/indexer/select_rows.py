@@ -1,24 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Gluon kernel of the selection for short score rows: one thread per (token, head) row.
+"""Gluon kernel of the selection for short score rows: each row in a few threads' registers.
 
 select.py gives each row one warp: the row's keys are spread over the 32 lanes, so each step of
-the threshold search is a warp-wide sum (a chain of shuffles), ~410 warp instructions per row on
-rows of <= 64 blocks, and a launch of one-warp programs stops at 32 programs per SM. A prefill
-chunk with little context is many such rows: an 8K chunk with no context at 4 index heads has
-32768 rows of 1-64 blocks, and their selection took ~22 µs beside ~40 of scoring
-(docs/performance.md, "Indexer prefill"). Here a thread holds a whole row of SEG <= 64 keys in
-its registers (a [32 * num_warps, SEG] tile, SEG contiguous per thread), so every count of the
-search is a sum inside one thread, and a warp searches 32 rows at once. Triton cannot be told to
-lay a tile out that way (it spreads a 64-wide row over 16 lanes), hence Gluon.
+its search is a warp-wide sum (a chain of shuffles), ~410 warp instructions per row on rows of
+<= 64 blocks, and a launch of one-warp programs stops at 32 programs per SM. A prefill chunk
+with little context is many such rows: an 8K chunk with no context at 4 index heads has 32768
+rows of 1-64 blocks, and their selection took ~22 µs beside ~40 of scoring (docs/performance.md,
+"Indexer prefill"). Here a row of SEG <= 64 blocks lies in TPR threads (SEG / TPR contiguous
+blocks each: 16-byte loads), so a count is a sum inside each thread and log2(TPR) shuffles,
+and a warp searches 32 / TPR rows at once. Triton cannot be told to lay a tile out that way (it
+spreads a 64-wide row over 16 lanes), hence Gluon.
 
-Same selection as select.py's threshold path (read `_kth_key` and `_threshold_select` first):
-keys from `score_key`, forced blocks the largest key, blocks past the row's n causal ones
-DEAD_KEY; the K-th largest key found by a bitwise search that starts below the bits shared by
-the row's largest key and a lower bound, and stops once exactly K keys reach the candidate;
-every key above it is picked, and of the keys equal to it the lowest blocks (MSA's tie rule);
-the picks are written in ascending order, then -1 up to K. The lower bound is the smallest of
-G >= K group maxima (each group holds a key at least that large), taken over the groups that
-hold a causal block when there are at least K of them, else the smallest causal key.
+The same selection as select.py (MSA-SPEC.md: forced init/local blocks, then the best by score,
+ties to the lower block, NaN as -inf, ascending ids, -1 padded), found differently: the forced
+blocks are known from n, so only the K2 = TOPK - INIT - LOCAL best of the other blocks are
+searched for, on their float values with forced and absent blocks as NaN (which no comparison
+counts), by bisecting an interval of keys (floats as order-preserving ints) between a lower
+bound and the largest value, first at the interval's value midpoint (see the loop).
 
 Used on Hopper with the Gluon the other kernels are tested on (api.py, `_short_rows_eligible`),
 for launches of many rows (the threshold path) whose rows have at most 64 blocks; the
@@ -28,36 +26,32 @@ interpreter and everything else keep select.py.
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-# the int32 key of a block that does not exist (select.py's DEAD_KEY), of a forced block
-# (triton_utils.FORCED_SCORE_KEY)
-DEAD = gl.constexpr(-(2 ** 31))
-FORCED = gl.constexpr(0x7FFFFFFF)
-
+# steps of the search that bisect the interval's values before it bisects its keys
+VALUE_STEPS = gl.constexpr(8)
 
 @gluon.jit
-def _score_key(s):
-    """triton_utils.score_key: an int32 whose integer order is the score's, NaN as -inf."""
-    s = gl.where(s != s, float("-inf"), s)
-    s = gl.where(s == 0.0, 0.0, s)
-    bits = s.to(gl.int32, bitcast=True)
+def _key(x):
+    """The int32 key of a (non-NaN) fp32 whose integer order is the float order
+    (triton_utils.score_key without its NaN and -0.0 cases: -0.0 keys just below +0.0)."""
+    bits = x.to(gl.int32, bitcast=True)
     return gl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
 @gluon.jit
-def _top_bit(x):
-    """The index of x's highest set bit, -1 for 0 (PTX bfind)."""
-    return gl.inline_asm_elementwise("bfind.u32 $0, $1;", "=r,r", [x], dtype=gl.int32,
-                                     is_pure=True, pack=1)
+def _value(key):
+    """The fp32 of a key (_key's inverse)."""
+    return gl.where(key < 0, key ^ 0x7FFFFFFF, key).to(gl.float32, bitcast=True)
 
 
 @gluon.jit
-def _count_at_least(key, c):
-    """Per row, how many of its keys are >= c (c per row, [rows, 1]). Written as PTX `set`
-    (-1 or 0 per key) and a plain sum: summing the comparisons as booleans lets LLVM pack them
-    into bit masks for a popcount, ~5 PTX instructions per key in the search's loop."""
-    ge = gl.inline_asm_elementwise("set.ge.s32.s32 $0, $1, $2;", "=r,r,r", [key, c],
-                                   dtype=gl.int32, is_pure=True, pack=1)
-    return -gl.sum(ge, axis=1)
+def _count(v, c, OP: gl.constexpr):
+    """Per row, how many of its values v compare OP ("ge" or "gt") to c (per row, [rows, 1]);
+    NaN never does. Written as PTX `set` (-1 or 0 per value) and a plain sum: summing the
+    comparisons as booleans lets LLVM pack them into bit masks for a popcount, ~5 PTX
+    instructions per value in the search's loop instead of 2."""
+    hit = gl.inline_asm_elementwise(f"set.{OP}.s32.f32 $0, $1, $2;", "=r,r,r", [v, c],
+                                    dtype=gl.int32, is_pure=True, pack=1)
+    return -gl.sum(hit, axis=1)
 
 
 @gluon.jit
@@ -127,38 +121,59 @@ def _short_rows_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_reque
     bound = gl.minimum(n2, max_blocks)
     s = gl.load(gl.expand_dims(row, 1) + b * stride_sb, mask=(b // VEC) * VEC < bound,
                 other=float("-inf"))
-    forced = (b < INIT) | (b >= n2 - LOCAL)
-    key = gl.where(live, gl.where(forced, FORCED, _score_key(s)), DEAD)
+    forced = live & ((b < INIT) | (b >= n2 - LOCAL))
+    # the values searched: the scores of the causal blocks not forced (NaN as -inf); forced and
+    # absent blocks as NaN, which no comparison counts
+    v = gl.where(live & (forced == 0), gl.where(s != s, float("-inf"), s), float("nan"))
 
-    # the search, in unsigned order (x ^ DEAD maps the signed order onto it), from below the
-    # bits the largest key shares with the lower bound; rows of at most TOPK causal blocks skip
-    # it (prefix 0: the threshold is DEAD, so every causal block is picked)
-    high = gl.max(key, axis=1) ^ DEAD
-    # (a group past the causal blocks holds only DEAD keys: its maximum takes no part)
-    group_max = gl.max(gl.reshape(key, [ROWS, G, W]), axis=2)
-    low_groups = gl.convert_layout(gl.min(gl.where(group_max == DEAD, FORCED, group_max), axis=1),
-                                   r_l)
-    low_keys = gl.min(gl.where(live, key, FORCED), axis=1)
-    live_groups = (n + (W - 1)) // W
-    low = gl.where(live_groups >= TOPK, low_groups, low_keys) ^ DEAD
-    bit = _top_bit(low ^ high)
-    # the bits above it are known (at bit 31, 2 << 31 wraps to 0: none are)
-    prefix = gl.where(bit >= 0, high & ~((2 << gl.maximum(bit, 0)) - 1), high)
-    searching = (n > TOPK) & (bit >= 0)
-    prefix = gl.where(n > TOPK, prefix, 0)
+    # a row of n > TOPK blocks picks its INIT + LOCAL forced blocks (n > TOPK >= INIT + LOCAL:
+    # they are distinct) and the K2 best of the others: the values above the K2-th largest,
+    # and of the values equal to it the lowest blocks. The K2-th largest is found by bisection
+    # of a key interval [lo, hi) with count(v >= lo) >= K2 > count(v >= hi), each candidate
+    # the midpoint of the interval's values (of its keys while a bound is infinite, or where
+    # the values' midpoint does not split the keys), stopping once exactly K2 values reach a
+    # candidate. Value midpoints (the first VALUE_STEPS steps) take 5-6 steps on random rows of
+    # 17-64 normal or uniform scores where the bisection of keys takes 6-9: keys are
+    # logarithmic in the value (offline model of this loop, docs/performance.md).
+    K2: gl.constexpr = TOPK - INIT - LOCAL
+    high = gl.max(v, axis=1)  # (max and min skip NaN)
+    # (-0.0 as +0.0: the key above -0.0's is +0.0, an equal value)
+    hi = _key(gl.where(high == 0.0, 0.0, high)) + 1
+    # lo: the smallest of G >= K2 group maxima (each such group holds a value at least that
+    # large), over the groups holding a searched value when K2 of them do; else the smallest
+    # value
+    group_max = gl.max(gl.reshape(v, [ROWS, G, W]), axis=2)
+    groups = gl.convert_layout(gl.sum((group_max == group_max).to(gl.int32), axis=1), r_l)
+    low = gl.where(groups >= K2, gl.convert_layout(gl.min(group_max, axis=1), r_l),
+                   gl.min(v, axis=1))
+    lo = _key(low)
+    searching = (n > TOPK) & (K2 > 0) & (lo + 1 < hi)
+    step = 0
     while gl.max(searching.to(gl.int32), axis=0) > 0:
-        cand = prefix | (1 << gl.maximum(bit, 0))
-        count = _count_at_least(key, gl.expand_dims(cand ^ DEAD, 1))
-        prefix = gl.where(searching & (count >= TOPK), cand, prefix)
-        bit = gl.where(searching, bit - 1, bit)
-        # stop once exactly K keys reach it: the lower bits cannot change the set
-        searching = searching & (bit >= 0) & (count != TOPK)
-    thresh = gl.expand_dims(prefix ^ DEAD, 1)
-
-    above = key > thresh
-    tied = (key == thresh) & (key != DEAD)
-    need = gl.expand_dims(TOPK - gl.sum(above.to(gl.int32), axis=1), 1)
-    picked = above | (tied & (_rank_in_order(tied.to(gl.int32)) <= need))
+        # (floor of (lo + hi) / 2 without overflow)
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)
+        if step < VALUE_STEPS:
+            # the values' midpoint; not for ever: halving values toward a tie at 0.0 would take
+            # ~150 steps down the subnormals, where halving keys ends in 32
+            lo_v = _value(lo)
+            hi_v = _value(hi)
+            by_value = _key(lo_v * 0.5 + hi_v * 0.5)
+            finite = (gl.abs(lo_v) < float("inf")) & (gl.abs(hi_v) < float("inf"))
+            mid = gl.where(finite & (by_value > lo) & (by_value < hi), by_value, mid)
+        step += 1
+        count = _count(v, gl.expand_dims(_value(mid), 1), "ge")
+        reach = count >= K2
+        lo = gl.where(searching & reach, mid, lo)
+        hi = gl.where(searching & (reach == 0), mid, hi)
+        searching = searching & (count != K2) & (lo + 1 < hi)
+    # (with count == K2 at lo every value >= lo is picked: above and tied make up K2)
+    thresh = gl.expand_dims(_value(lo), 1)
+    above = v > thresh
+    tied = v == thresh
+    need = gl.expand_dims(K2 - _count(v, thresh, "gt"), 1)
+    search = gl.expand_dims((n > TOPK) & (K2 > 0), 1)
+    picked = gl.where(gl.expand_dims(n > TOPK, 1), forced, live) | (search & (
+        above | (tied & (_rank_in_order(tied.to(gl.int32)) <= need))))
     slot = _rank_in_order(picked.to(gl.int32)) - 1
     out_row = out_ptr + t.to(gl.int64) * stride_ot + h.to(gl.int64) * stride_oh
     in_range = gl.expand_dims(rows < num_rows, 1)

@@ -1,0 +1,126 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A scalar model of select_rows.py's per-row search, checked against the reference selection,
+and its step counts. Runs on CPU in seconds; the Gluon kernel itself runs only on the GPU, so
+this is where a change to the search is tried before a device call.
+
+    PYTHONPATH=src python3 scripts/select_rows_model.py
+
+Prints the number of mismatches with `reference.select_from_scores` on random rows (normal,
+integer and special values: NaN, +-inf, -0.0; topk, init, local and widths varied), then, per
+number of value-midpoint steps V (the kernel's VALUE_STEPS), the search's steps on rows of
+17-64 blocks: per row, and the largest of 8 consecutive rows (a warp of TPR = 4 threads per row
+runs until its slowest row ends).
+"""
+
+import numpy as np
+import torch
+
+from openmsa.ops.indexer import reference
+
+
+def key(x) -> int:
+    bits = int(np.float32(x).view(np.int32))
+    return bits ^ 0x7FFFFFFF if bits < 0 else bits
+
+
+def value(k: int) -> np.float32:
+    bits = k ^ 0x7FFFFFFF if k < 0 else k
+    return np.int32(bits).view(np.float32)
+
+
+def select_row(s, n, topk, init, local, groups, width, value_steps, steps_out):
+    """select_rows.py's selection of one row (scores s, n causal blocks); ids, -1 padded."""
+    seg = groups * width
+    b = np.arange(seg)
+    live = b < n
+    forced = live & ((b < init) | (b >= n - local))
+    ss = np.full(seg, -np.inf, np.float32)
+    ss[:min(n, len(s))] = s[:min(n, len(s))]
+    v = np.where(live & ~forced, np.where(np.isnan(ss), -np.inf, ss), np.nan).astype(np.float32)
+    k2 = topk - init - local
+    if n <= topk:
+        picked = live
+    elif k2 == 0:
+        picked = forced
+    else:
+        high = np.nanmax(v)
+        hi = key(np.float32(0.0) if high == 0 else high) + 1
+        gm = np.array([np.nanmax(g) if not np.isnan(g).all() else np.nan
+                       for g in v.reshape(groups, width)], np.float32)
+        low = np.nanmin(gm) if (~np.isnan(gm)).sum() >= k2 else np.nanmin(v)
+        lo = key(low)
+        step = 0
+        searching = lo + 1 < hi
+        while searching:
+            mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)
+            if step < value_steps:
+                lo_v, hi_v = value(lo), value(hi)
+                with np.errstate(all="ignore"):
+                    by_value = np.float32(lo_v * np.float32(0.5) + hi_v * np.float32(0.5))
+                if np.isfinite(lo_v) and np.isfinite(hi_v) and lo < key(by_value) < hi:
+                    mid = key(by_value)
+            step += 1
+            with np.errstate(invalid="ignore"):
+                count = int(np.sum(v >= value(mid)))
+            if count >= k2:
+                lo = mid
+            else:
+                hi = mid
+            searching = count != k2 and lo + 1 < hi
+        steps_out.append(step)
+        t = value(lo)
+        with np.errstate(invalid="ignore"):
+            above, tied = v > t, v == t
+        picked = forced | above | (tied & (np.cumsum(tied) <= k2 - above.sum()))
+    ids = b[picked]
+    out = np.full(topk, -1)
+    out[:len(ids)] = ids
+    return out
+
+
+def main():
+    rng = np.random.default_rng(0)
+    bad = trials = 0
+    for trial in range(3000):
+        topk = int(rng.choice([4, 8, 16, 16, 16, 64]))
+        init, local = int(rng.integers(0, 3)), int(rng.integers(1, 3))
+        if init + local > topk:
+            continue
+        width = int(rng.integers(1, 65))
+        seg = max(1 << (width - 1).bit_length(), 4)
+        groups = min(1 << (topk - 1).bit_length(), seg)
+        n = int(rng.integers(0, width + 1))
+        if trial % 3 == 0:
+            s = rng.standard_normal(width).astype(np.float32)
+        else:
+            s = rng.integers(-3, 4, width).astype(np.float32)
+            if trial % 3 == 2:
+                m = rng.random(width)
+                s[m < 0.1] = np.nan
+                s[(m >= 0.1) & (m < 0.2)] = -np.inf
+                s[(m >= 0.2) & (m < 0.25)] = np.inf
+                s[(m >= 0.25) & (m < 0.4)] = -0.0
+        got = select_row(s, n, topk, init, local, groups, seg // groups, 8, [])
+        want = reference.select_from_scores(
+            torch.from_numpy(s).view(1, 1, width), torch.tensor([n * 128 - 1 if n else -1]),
+            topk=topk, init_blocks=init, local_blocks=local, block_size=128)[0, 0].numpy()
+        trials += 1
+        bad += not np.array_equal(got, want)
+    print(f"mismatches: {bad} of {trials} rows")
+    for value_steps in (0, 4, 8, 99):
+        for dist in ("normal", "uniform", "integer"):
+            steps = []
+            for n in range(17, 65):
+                for _ in range(30):
+                    s = (rng.standard_normal(64) if dist == "normal" else rng.random(64)
+                         if dist == "uniform" else rng.integers(-3, 4, 64)).astype(np.float32)
+                    select_row(s, n, 16, 0, 1, 16, 4, value_steps, steps)
+            st = np.array(steps)
+            warp = st[:len(st) // 8 * 8].reshape(-1, 8).max(1)
+            print(f"V={value_steps:2d} {dist:8s} steps per row: mean {st.mean():.1f}, p95 "
+                  f"{np.percentile(st, 95):.0f}, max {st.max()}; slowest of 8: mean "
+                  f"{warp.mean():.1f}")
+
+
+if __name__ == "__main__":
+    main()
