@@ -43,7 +43,7 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               ws_maxima_convert=True,
               select_group_bound=True, select_group_min_blocks=2048, select_group_pack=True,
               select_short_rows=True, select_short_max=64, select_short_warps=1,
-              select_short_tpr=4)
+              select_short_tpr=4, select_short_early_loads=False, select_short_maxnreg=0)
 # select_short_rows: on Hopper, a selection launch of many rows of at most select_short_max
 # blocks (a prefill chunk with little context) runs select_rows.py's Gluon kernel, one thread
 # per row (select_short_warps warps per program), instead of one warp per row
@@ -410,7 +410,10 @@ def _select_plan(num_tokens, num_heads, max_blocks, topk, init_blocks, local_blo
         short = dict(H=num_heads, TOPK=topk, KP=kp, INIT=init_blocks, LOCAL=local_blocks,
                      BLOCK=block_size, G=g, W=width // g, VEC=4 if max_blocks % 4 == 0 else 1,
                      TPR=min(TUNING["select_short_tpr"], width),
+                     EARLY_LOADS=TUNING["select_short_early_loads"],
                      num_warps=TUNING["select_short_warps"])
+        if TUNING["select_short_maxnreg"]:
+            short["maxnreg"] = TUNING["select_short_maxnreg"]
     return next(plan_serials), num_segments, cap, kp, kwargs, merge_kwargs, group, short
 
 
