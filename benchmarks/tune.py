@@ -28,6 +28,7 @@ def pick(args, variants):
 
 
 METRIC = "device"  # --metric: what each cell shows
+TIME_WRONG = False  # --time-wrong: time variants whose output differs too (marked "!")
 
 
 def _cell(dev, call) -> str:
@@ -54,7 +55,7 @@ def sweep(name, tuning, variants, cases, iters):
         return call
 
     for case_name, fn in cases:
-        cells, ok, first = {}, [], None
+        cells, ok, first, wrong = {}, [], None, set()
         for i, v in enumerate(variants):
             f = under(v, fn)
             try:
@@ -66,7 +67,9 @@ def sweep(name, tuning, variants, cases, iters):
                 first = got.float()
             elif not torch.allclose(got.float(), first, rtol=2e-2, atol=2e-2):
                 cells[i] = "   wrong"
-                continue
+                if not TIME_WRONG:
+                    continue
+                wrong.add(i)
             ok.append((i, f))
         try:
             devs = (run.interleaved_device_times_us([f for _, f in ok], iters)
@@ -74,6 +77,8 @@ def sweep(name, tuning, variants, cases, iters):
             for k, (i, f) in enumerate(ok):
                 call = run.graph_call_us(f, iters) if METRIC in ("call", "both") else None
                 cells[i] = _cell(run.med(devs[k]) if devs is not None else None, call)
+                if i in wrong:  # (a probe: what the time is without some of the work)
+                    cells[i] = "!" + cells[i].strip().rjust(7)
         except Exception as e:  # noqa: BLE001
             for i, _ in ok:
                 cells.setdefault(i, f"  fail({type(e).__name__})")
@@ -91,13 +96,17 @@ def main():
     p.add_argument("--variants", type=json.loads, default=None,
                    help='a JSON list of TUNING overrides replacing every section\'s own list, '
                         'e.g. \'[{}, {"sub": 128}]\'')
+    p.add_argument("--time-wrong", action="store_true",
+                   help="time the variants whose output differs too (marked !): probes that "
+                        "leave work out to see what it costs")
     p.add_argument("--metric", choices=("device", "call", "both"), default="device",
                    help="device µs (profiler), graph-replayed call µs, or both")
     p.add_argument("--context", type=int, default=8192,
                    help="attention-prefill: tokens of context before the 8192-token chunk")
     args = p.parse_args()
-    global METRIC
+    global METRIC, TIME_WRONG
     METRIC = args.metric
+    TIME_WRONG = args.time_wrong
     only = args.only.split(",")
     print(run.provenance(), flush=True)
     for name, fn in (("attention-prefill", _attention_prefill), ("attention-fp8", _attention_fp8)):

@@ -172,26 +172,33 @@ def _short_rows_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_reque
         lo = gl.where(searching & reach, mid, lo)
         hi = gl.where(searching & (reach == 0), mid, hi)
         searching = searching & (count != K2) & (lo + 1 < hi)
-    # (with count == K2 at lo every value >= lo is picked: above and tied make up K2)
     thresh = gl.expand_dims(_value(lo), 1)
     above = v > thresh
     tied = v == thresh
-    need = gl.expand_dims(K2 - _count(v, thresh, "gt"), 1)
     search = gl.expand_dims((n > TOPK) & (K2 > 0), 1)
-    picked = gl.where(gl.expand_dims(n > TOPK, 1), forced, live) | (search & (
-        above | (tied & (_rank_in_order(tied.to(gl.int32)) <= need))))
+    picked = gl.where(gl.expand_dims(n > TOPK, 1), forced, live) | (search & (above | tied))
+    # more values equal to the K2-th largest than fit (a search that ended on adjacent keys,
+    # not on a count of exactly K2): of those the lowest blocks. Rare on real scores, so the
+    # running count in block order runs only in programs that hold such a row
+    over = _count(v, thresh, "ge") > K2
+    if gl.max((((n > TOPK) & (K2 > 0)) & over).to(gl.int32), axis=0) > 0:
+        need = gl.expand_dims(K2 - _count(v, thresh, "gt"), 1)
+        picked = gl.where(gl.expand_dims(n > TOPK, 1), forced, live) | (search & (
+            above | (tied & (_rank_in_order(tied.to(gl.int32)) <= need))))
     slot = _rank_in_order(picked.to(gl.int32)) - 1
     out_row = out_ptr + t.to(gl.int64) * stride_ot + h.to(gl.int64) * stride_oh
     in_range = gl.expand_dims(rows < num_rows, 1)
     gl.store(gl.expand_dims(out_row, 1) + slot * stride_ok, b + gl.zeros_like(slot),
              mask=picked & in_range)
-    # -1 after the picks, up to K
-    pad_l: gl.constexpr = gl.BlockedLayout([1, (KP + TPR - 1) // TPR], [32 // TPR, TPR],
-                                           [num_warps, 1], [1, 0])
-    count = gl.convert_layout(gl.sum(picked.to(gl.int32), axis=1), gl.SliceLayout(1, pad_l))
-    k = gl.expand_dims(gl.arange(0, KP, layout=gl.SliceLayout(0, pad_l)), 0)
-    rows_p = gl.convert_layout(rows, gl.SliceLayout(1, pad_l))
-    out_p = gl.expand_dims(gl.convert_layout(out_row, gl.SliceLayout(1, pad_l)), 1)
-    gl.store(out_p + k * stride_ok, gl.full([ROWS, KP], -1, gl.int32, pad_l),
-             mask=(k >= gl.expand_dims(count, 1)) & (k < TOPK)
-             & gl.expand_dims(rows_p < num_rows, 1))
+    # -1 after the picks, up to K: only rows of fewer than TOPK blocks (n > TOPK picks INIT +
+    # LOCAL + K2 = TOPK blocks), so only in programs that hold one
+    if gl.max(((n < TOPK) & (rows < num_rows)).to(gl.int32), axis=0) > 0:
+        pad_l: gl.constexpr = gl.BlockedLayout([1, (KP + TPR - 1) // TPR], [32 // TPR, TPR],
+                                               [num_warps, 1], [1, 0])
+        count = gl.convert_layout(gl.minimum(n, TOPK), gl.SliceLayout(1, pad_l))
+        k = gl.expand_dims(gl.arange(0, KP, layout=gl.SliceLayout(0, pad_l)), 0)
+        rows_p = gl.convert_layout(rows, gl.SliceLayout(1, pad_l))
+        out_p = gl.expand_dims(gl.convert_layout(out_row, gl.SliceLayout(1, pad_l)), 1)
+        gl.store(out_p + k * stride_ok, gl.full([ROWS, KP], -1, gl.int32, pad_l),
+                 mask=(k >= gl.expand_dims(count, 1)) & (k < TOPK)
+                 & gl.expand_dims(rows_p < num_rows, 1))
