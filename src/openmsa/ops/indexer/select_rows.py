@@ -99,8 +99,8 @@ def _short_rows_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_reque
                             stride_ok, H: gl.constexpr, TOPK: gl.constexpr, KP: gl.constexpr,
                             INIT: gl.constexpr, LOCAL: gl.constexpr, BLOCK: gl.constexpr,
                             G: gl.constexpr, W: gl.constexpr, VEC: gl.constexpr, TPR: gl.constexpr,
-                            EARLY_LOADS: gl.constexpr, num_warps: gl.constexpr):
-    # a row's SEG = G * W blocks in one thread's registers
+                            num_warps: gl.constexpr):
+    # a row's SEG = G * W blocks in TPR threads' registers, SEG / TPR contiguous ones each
     SEG: gl.constexpr = G * W
     row_l: gl.constexpr = gl.BlockedLayout([1, SEG // TPR], [32 // TPR, TPR], [num_warps, 1],
                                            [1, 0])
@@ -111,22 +111,16 @@ def _short_rows_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_reque
     h = rows % H
     b = gl.expand_dims(gl.arange(0, SEG, layout=gl.SliceLayout(0, row_l)), 0)
     row = gl.expand_dims(scores_ptr + t.to(gl.int64) * stride_st + h.to(gl.int64) * stride_sh, 1)
-    in_table = (b // VEC) * VEC < max_blocks
-    if EARLY_LOADS:
-        # the whole row (what the table's width holds) before the causal count is known: the
-        # loads do not wait on the request lookup's round trips (blocks past n are ignored)
-        s = gl.load(row + b * stride_sb, mask=in_table & gl.expand_dims(rows < num_rows, 1),
-                    other=float("-inf"))
     n = gl.where(rows < num_rows, _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, t, BLOCK),
                  0)
     n2 = gl.expand_dims(n, 1)
     live = b < n2
-    if not EARLY_LOADS:
-        # whole VEC-block pieces (one 16-byte load each for VEC = 4: the mask is constant over
-        # a piece, the tail's extra blocks are inside the row when VEC divides its width, and
-        # the blocks past n ignore them); a causal count past the width reads nothing beyond it
-        s = gl.load(row + b * stride_sb, mask=in_table & ((b // VEC) * VEC < n2),
-                    other=float("-inf"))
+    # whole VEC-block pieces (one 16-byte load each for VEC = 4: the mask is constant over a
+    # piece, the tail's extra blocks are inside the row when VEC divides its width, and the
+    # blocks past n ignore them); a causal count past the width reads nothing beyond it
+    piece = (b // VEC) * VEC
+    s = gl.load(row + b * stride_sb, mask=(piece < max_blocks) & (piece < n2),
+                other=float("-inf"))
     forced = live & ((b < INIT) | (b >= n2 - LOCAL))
     # the values searched: the scores of the causal blocks not forced (NaN as -inf); forced and
     # absent blocks as NaN, which no comparison counts
