@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call: the GPU test tier, then (optionally) the benchmark. Run from the repo root on
 # the GPU machine; results land in $OUT (the device tool brings them back).
-#   bash scripts/gpu_check.sh tests            # tier 2 + tier 1 on the GPU (158 tests; 444 s
-#                                              # at f697456: give the call >= 500)
+#   bash scripts/gpu_check.sh tests            # tier 2 + tier 1 on the GPU (168 tests; 502 s
+#                                              # at 3728589: give the call 600)
 #   bash scripts/gpu_check.sh bench [args...]  # benchmarks/run.py with args
 #   bash scripts/gpu_check.sh tune [args...]   # benchmarks/tune.py with args (appends tune.log)
 #   bash scripts/gpu_check.sh probe [args...]  # benchmarks/probe_mma_overlap.py (Triton vs Gluon)
