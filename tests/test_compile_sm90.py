@@ -79,7 +79,7 @@ def test_block_scores_ws_kernel(dtype, heads):
                       STAGES=TUNING["ws_stages" if dtype == "fp8e4nv" else "ws_stages_16"],
                       CONSUMER_REGS=TUNING["ws_consumer_regs"], REVERSE_TILES=True,
                       CONSUMERS=TUNING["ws_consumers"], Q_IN_REGS=TUNING["ws_q_in_regs"],
-                      CONVERT=heads == 4,
+                      CONVERT=heads == 4, SKIP_IDLE=heads == 4, WAIT_AT_END=heads == 4,
                       num_warps=4)
     signature = {n: "constexpr" if n in constexprs else "i32" for n in fn.arg_names}
     signature.update(q_desc=desc(64), k_desc=desc(128), out_ptr=F32, **STEP)
@@ -88,6 +88,7 @@ def test_block_scores_ws_kernel(dtype, heads):
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     assert "wgmma.mma_async" in k.asm["ptx"] and "setmaxnreg" in k.asm["ptx"]
     assert k.metadata.shared <= 227 * 1024
+    assert ("griddepcontrol.wait" in k.asm["ptx"]) == (heads == 4)
 
 
 @pytest.mark.parametrize("g, w, vec, tpr, warps", [(16, 4, 4, 4, 1), (16, 4, 4, 1, 1),
@@ -104,7 +105,7 @@ def test_short_rows_topk_kernel(g, w, vec, tpr, warps):
 
     from openmsa.ops.indexer.select_rows import _short_rows_topk_kernel as fn
     constexprs = dict(H=4, TOPK=min(16, g * w), KP=16, INIT=0, LOCAL=1, BLOCK=128, G=g, W=w,
-                      VEC=vec, TPR=tpr, num_warps=warps, stride_sb=1)
+                      VEC=vec, TPR=tpr, num_warps=warps, stride_sb=1, PDL=tpr == 4)
     signature = {n: "constexpr" if n in constexprs else "i32" for n in fn.arg_names}
     signature.update(scores_ptr=F32, out_ptr=I32, cu_ptr=I32, seq_lens_ptr=I32)
     aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
@@ -113,6 +114,7 @@ def test_short_rows_topk_kernel(g, w, vec, tpr, warps):
                          {(fn.arg_names.index(k),): v for k, v in constexprs.items()}, aligned)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
     ptx = k.asm["ptx"]
+    assert ("griddepcontrol.wait" in ptx) == (tpr == 4)
     # (several warps share one search loop: only its "any row still searching" crosses them)
     assert k.metadata.shared <= 4 * (warps - 1) * 2 and "ld.local" not in ptx
     assert ("shfl" in ptx) == (warps > 1 or tpr > 1)

@@ -48,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_init,
                                                               warpgroup_mma_wait)
 
-from ..common.gluon_utils import find_request
+from ..common.gluon_utils import find_request, launch_dependents
 
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
@@ -314,8 +314,7 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_desc, v_desc, cu_ptr, seq_lens_ptr
         # the per-token launch may start now (programmatic dependent launch; api.py's
         # ws_pdl): it takes effect once every program has passed here, and the two write
         # disjoint tokens, so the per-token kernel fills the SMs this launch's tail leaves idle
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
-                                  dtype=gl.int32, is_pure=False, pack=1)
+        launch_dependents()
     SUB: gl.constexpr = k_desc.block_type.shape[1]
     D: gl.constexpr = k_desc.block_type.shape[3]
     PARTS: gl.constexpr = BLOCK // SUB

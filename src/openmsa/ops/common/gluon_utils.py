@@ -18,3 +18,19 @@ def find_request(cu_ptr, num_requests, token):
         else:
             lo = mid + 1
     return lo
+
+
+@gluon.jit
+def launch_dependents():
+    """griddepcontrol.launch_dependents: the launch after this one, if it is a programmatic
+    dependent launch, may start once every program of this one has passed here."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def wait_prerequisites():
+    """griddepcontrol.wait: this program waits until the launch it is a programmatic dependent
+    of has finished and its writes are visible (returns at once otherwise)."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)

@@ -40,10 +40,10 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               use_max_q_len=True, select_segment_fill=True, select_chunk_min_waves=16,
               prefill_ws=True, prefill_ws_16=True, ws_bps=0, ws_waves=4, ws_stages=6,
               ws_stages_16=3, ws_consumer_regs=112, ws_consumers=4, ws_q_in_regs=False,
-              ws_maxima_convert=True,
+              ws_maxima_convert=True, ws_skip_idle=True, ws_overlap=True,
               select_group_bound=True, select_group_min_blocks=2048, select_group_pack=True,
               select_short_rows=True, select_short_max=64, select_short_warps=1,
-              select_short_tpr=4)
+              select_short_tpr=4, select_short_pdl=True)
 # select_short_rows: on Hopper, a selection launch of many rows of at most select_short_max
 # blocks (a prefill chunk with little context, a large decode step at short context) runs
 # select_rows.py's Gluon kernel, a row in select_short_tpr threads (select_short_warps warps per
@@ -66,6 +66,13 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
 # --only indexer-prefill, 029d522 + this knob, one call, off / on twice): fp8 scoring after
 # 120K 831.3 / 819.2 and 832.4 / 819.2 µs, the 8K chunk after 1M 7973 / 7918 and 8019 / 7927,
 # bf16 after 1M 12595 / 12376 and 12590 / 12376; equal with no context (58 µs)
+# ws_skip_idle: a Gluon tile program whose split lies past the causal edge of every request in
+# its tile ends after its one look at the requests, before loading its queries (192 of the 512
+# programs of an 8K chunk with no context). Measured (tune.py --only indexer-prefill, one call,
+# on / off): 8K@0 fp8 51.6 / 51.4 µs, bf16 67.9 / 67.8: no difference (kept: those programs
+# read nothing now). ws_overlap: the Gluon tile launch is a programmatic dependent of the
+# request launch (which finds no short request in a prefill chunk and takes ~1 µs), waiting
+# for it only at its end (tile_overlap is the same for the Triton tile launch)
 # decode_pages_early: the decode launch loads its split's page ids before (not after) cu_seqlens_q
 # and seq_lens, one memory latency less before the first key load; decode_one_loop: one
 # causal-masked loop over the split (the mask costs little on 16 rows) instead of an unmasked
@@ -218,6 +225,7 @@ def _scores_plan(index_q, index_cache, num_requests: int, max_blocks: int, block
     if _ws_eligible(index_q, index_cache, block_size):
         # the Gluon kernel instead, the Triton launch kept for a base address TMA cannot take
         from .scores_ws import CH, WG_ROWS
+        ws_overlap = TUNING["ws_overlap"] and common["PDL"]
         rows_t = TUNING["ws_consumers"] * WG_ROWS.value // num_heads
         tiles = -(-num_tokens // rows_t)
         # splits for ws_waves programs per SM (one program fits on an SM), whole chunks of CH
@@ -227,8 +235,9 @@ def _scores_plan(index_q, index_cache, num_requests: int, max_blocks: int, block
                      STAGES=TUNING["ws_stages" if fp8 else "ws_stages_16"],
                      CONSUMER_REGS=TUNING["ws_consumer_regs"],
                      CONSUMERS=TUNING["ws_consumers"], Q_IN_REGS=TUNING["ws_q_in_regs"],
-                     CONVERT=TUNING["ws_maxima_convert"],
-                     REVERSE_TILES=TUNING["prefill_reverse_tiles"], num_warps=4)
+                     CONVERT=TUNING["ws_maxima_convert"], SKIP_IDLE=TUNING["ws_skip_idle"],
+                     REVERSE_TILES=TUNING["prefill_reverse_tiles"], num_warps=4,
+                     WAIT_AT_END=ws_overlap, launch_pdl=ws_overlap)
         launches.append((next(plan_serials), (tiles, -(-max_blocks // bps)),
                          dict(GLUON=gluon, FALLBACK=launches.pop())))
     return launches
@@ -414,6 +423,8 @@ def _select_plan(num_tokens, num_heads, max_blocks, topk, init_blocks, local_blo
                      BLOCK=block_size, G=g, W=width // g, VEC=4 if max_blocks % 4 == 0 else 1,
                      TPR=min(TUNING["select_short_tpr"], width),
                      num_warps=TUNING["select_short_warps"])
+        if TUNING["select_short_pdl"] and _pdl(device):
+            short.update(PDL=True, launch_pdl=True)
     return next(plan_serials), num_segments, cap, kp, kwargs, merge_kwargs, group, short
 
 

@@ -36,7 +36,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from ..common.gluon_utils import find_request
+from ..common.gluon_utils import find_request, launch_dependents, wait_prerequisites
 
 # rows per consumer warpgroup (Hopper's MMA M); blocks per chunk of a consumer's maxima (each
 # chunk is stored as one [CH, 64] tile)
@@ -185,11 +185,16 @@ def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
                             STAGES: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, REVERSE_TILES: gl.constexpr,
                             CONSUMERS: gl.constexpr, Q_IN_REGS: gl.constexpr,
-                            CONVERT: gl.constexpr,
-                            num_warps: gl.constexpr):
+                            CONVERT: gl.constexpr, SKIP_IDLE: gl.constexpr,
+                            WAIT_AT_END: gl.constexpr, num_warps: gl.constexpr):
     BLOCK: gl.constexpr = k_desc.block_type.shape[0]
     DI: gl.constexpr = k_desc.block_type.shape[1]
     ROWS_T: gl.constexpr = WG_ROWS * CONSUMERS // H
+    if WAIT_AT_END:
+        # (with the PDL of api.py's plan) a selection launched as a programmatic dependent of
+        # this one (select_short_pdl) may start its request lookups now, on the SMs this
+        # launch's last wave leaves idle; it reads scores only after this launch has finished
+        launch_dependents()
     pid = gl.program_id(0)
     if REVERSE_TILES:
         # later tokens see more blocks: the longest programs first (scores.py)
@@ -207,11 +212,21 @@ def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
     t0 = gl.load(cu_ptr + rr, mask=in_range, other=0)
     t1 = gl.load(cu_ptr + rr + 1, mask=in_range, other=0)
     before = in_range & (t0 < tile_end)
-    n_long = gl.sum((before & (t1 - t0 > SMALL_Q)).to(gl.int32), axis=0)
+    work = before & (t1 - t0 > SMALL_Q)
+    if SKIP_IDLE:
+        # and a block of this split before the causal edge of the request's last token in
+        # the tile (_request_blocks' n > 0): the splits past the edge (3 of every 4 programs
+        # of the first tiles of a chunk with no context) end before loading their queries
+        seq = gl.load(seq_lens_ptr + rr, mask=in_range, other=0)
+        first_pos = seq - (t1 - t0)
+        t_last = gl.minimum(t1, tile_end) - 1
+        work = (work & (first_pos >= 0) & (gl.maximum(t0, tile_begin) <= t_last)
+                & (b_first < (first_pos + gl.maximum(t_last - t0, 0)) // BLOCK + 1))
+    n_work = gl.sum(work.to(gl.int32), axis=0)
     # cu is nondecreasing: if the window's last request also starts before tile_end, there
     # may be more, so the tile is walked in full
     n_seen = gl.sum(before.to(gl.int32), axis=0)
-    if (n_long > 0) | (n_seen >= WIN):
+    if (n_work > 0) | (n_seen >= WIN):
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS, WG_ROWS, DI],
                                            q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK, DI], k_desc.layout)
@@ -275,3 +290,8 @@ def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
                              stride_btr, stride_btb, num_requests, tile_begin, tile_end, b_first,
                              r_first, bps, BLOCK, SMALL_Q, STAGES)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+    if WAIT_AT_END:
+        # launched as a programmatic dependent of the request launch (api.py, tile_overlap:
+        # the two write disjoint rows, so nothing above waits for it), this launch ends only
+        # after that one has: the selection launch, which waits for this one, sees both
+        wait_prerequisites()

@@ -26,6 +26,8 @@ interpreter and everything else keep select.py.
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from ..common.gluon_utils import wait_prerequisites
+
 # steps of the search that bisect the interval's values before it bisects its keys
 VALUE_STEPS = gl.constexpr(8)
 
@@ -99,7 +101,7 @@ def _short_rows_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_reque
                             stride_ok, H: gl.constexpr, TOPK: gl.constexpr, KP: gl.constexpr,
                             INIT: gl.constexpr, LOCAL: gl.constexpr, BLOCK: gl.constexpr,
                             G: gl.constexpr, W: gl.constexpr, VEC: gl.constexpr, TPR: gl.constexpr,
-                            num_warps: gl.constexpr):
+                            num_warps: gl.constexpr, PDL: gl.constexpr = False):
     # a row's SEG = G * W blocks in TPR threads' registers, SEG / TPR contiguous ones each
     SEG: gl.constexpr = G * W
     row_l: gl.constexpr = gl.BlockedLayout([1, SEG // TPR], [32 // TPR, TPR], [num_warps, 1],
@@ -115,6 +117,10 @@ def _short_rows_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_reque
                  0)
     n2 = gl.expand_dims(n, 1)
     live = b < n2
+    if PDL:
+        # a programmatic dependent launch (api.py, select_short_pdl): the request lookup
+        # above ran beside the scoring launch; its scores are read only once it has finished
+        wait_prerequisites()
     # whole VEC-block pieces (one 16-byte load each for VEC = 4: the mask is constant over a
     # piece, the tail's extra blocks are inside the row when VEC divides its width, and the
     # blocks past n ignore them); a causal count past the width reads nothing beyond it
