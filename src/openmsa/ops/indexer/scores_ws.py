@@ -45,15 +45,13 @@ CH = gl.constexpr(32)
 
 
 @gluon.jit
-def _request_blocks(cu_ptr, seq_lens_ptr, r, tile_begin, tile_end, b_first, bps,
+def _request_blocks(t_req, t_next, seq_len, tile_begin, tile_end, b_first, bps,
                     BLOCK: gl.constexpr, SMALL_Q: gl.constexpr):
-    """Request r's part of this tile: (first request token, its tokens' first position, the
-    tile's token range in it, the blocks [b_first, b_first + n) to score); n = 0 when r is
-    short (the request launch's), padding, or has no block in this split."""
-    t_req = gl.load(cu_ptr + r)
-    t_next = gl.load(cu_ptr + r + 1)
+    """A request's part of this tile, from its cu_seqlens_q[r], cu_seqlens_q[r + 1] and
+    seq_lens[r]: (its tokens' first position, the tile's token range in it, the blocks
+    [b_first, b_first + n) to score); n = 0 when the request is short (the request launch's),
+    padding, or has no block in this split."""
     q_len = t_next - t_req
-    seq_len = gl.load(seq_lens_ptr + r)
     t_begin = gl.maximum(t_req, tile_begin)
     t_end = gl.minimum(t_next, tile_end)
     first_pos = seq_len - q_len
@@ -61,24 +59,41 @@ def _request_blocks(cu_ptr, seq_lens_ptr, r, tile_begin, tile_end, b_first, bps,
     b_hi = gl.minimum(b_first + bps, (first_pos + (t_end - 1 - t_req)) // BLOCK + 1)
     n = gl.where((q_len > SMALL_Q) & (seq_len >= q_len) & (t_begin < t_end),
                  gl.maximum(b_hi - b_first, 0), 0)
-    return t_req, first_pos, t_begin, t_end, n
+    return first_pos, t_begin, t_end, n
+
+
+@gluon.jit
+def _next_request(cu_ptr, seq_lens_ptr, bt_ptr, stride_btr, stride_btb, num_requests, r, t_req,
+                  tile_end, b_first):
+    """The request after r in this tile (num_requests once r starts at or past the tile's
+    end) and its (cu_seqlens_q[r'], cu_seqlens_q[r' + 1], seq_lens[r'], block_table[r',
+    b_first]), loaded together: one memory round trip per request (the first request's come
+    from the kernel's prologue)."""
+    r = gl.where(t_req >= tile_end, num_requests, r + 1)
+    ok = r < num_requests
+    t_req = gl.load(cu_ptr + r, mask=ok, other=0)
+    t_next = gl.load(cu_ptr + r + 1, mask=ok, other=0)
+    seq_len = gl.load(seq_lens_ptr + r, mask=ok, other=0)
+    page = gl.load(bt_ptr + r.to(gl.int64) * stride_btr + b_first * stride_btb, mask=ok, other=-1)
+    return r, t_req, t_next, seq_len, page
 
 
 @gluon.jit
 def _producer(k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr, stride_btr,
-              stride_btb, num_requests, tile_begin, tile_end, b_first, r_first, bps,
-              BLOCK: gl.constexpr, SMALL_Q: gl.constexpr, STAGES: gl.constexpr):
-    """One warp: every block this program scores, in the consumers' order, into the ring."""
+              stride_btb, num_requests, tile_begin, tile_end, b_first, r_first, t_req, t_next,
+              seq_len, page, bps, BLOCK: gl.constexpr, SMALL_Q: gl.constexpr,
+              STAGES: gl.constexpr):
+    """One warp: every block this program scores, in the consumers' order, into the ring
+    (t_req, t_next, seq_len, page: request r_first's, from the prologue)."""
     j = 0  # blocks issued so far (the ring's position and phase)
     r = r_first
     while r < num_requests:
-        t_req, first_pos, t_begin, t_end, n = _request_blocks(
-            cu_ptr, seq_lens_ptr, r, tile_begin, tile_end, b_first, bps, BLOCK, SMALL_Q)
+        first_pos, t_begin, t_end, n = _request_blocks(
+            t_req, t_next, seq_len, tile_begin, tile_end, b_first, bps, BLOCK, SMALL_Q)
         # each block's page id loaded one block ahead: no copy waits on a global load (as
         # scalars: a tensor carried through this loop and reassigned under an `if` came out
         # wrong on the GPU inside a warp-specialised partition, Triton 3.6)
         row = bt_ptr + r.to(gl.int64) * stride_btr + b_first * stride_btb
-        page = gl.load(row, mask=n > 0, other=-1)
         for i in range(n):
             page_next = gl.load(row + (i + 1) * stride_btb, mask=i + 1 < n, other=-1)
             s = j % STAGES
@@ -90,13 +105,16 @@ def _producer(k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr, stride
                                             k_smem.index(s))
             page = page_next
             j += 1
-        r = gl.where(t_req >= tile_end, num_requests, r + 1)
+        r, t_req, t_next, seq_len, page = _next_request(
+            cu_ptr, seq_lens_ptr, bt_ptr, stride_btr, stride_btb, num_requests, r, t_req,
+            tile_end, b_first)
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr,
+def _consumer(q_smem, q_bar, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr,
               stride_btr, stride_btb, stride_ot, stride_oh, stride_ob, num_requests,
-              tile_begin, tile_end, b_first, r_first, bps, part, H: gl.constexpr,
+              tile_begin, tile_end, b_first, r_first, t_req, t_next, seq_len, page, bps, part,
+              H: gl.constexpr,
               BLOCK: gl.constexpr, SMALL_Q: gl.constexpr, STAGES: gl.constexpr,
               Q_IN_REGS: gl.constexpr, CONVERT: gl.constexpr):
     """One warpgroup: rows [part * 64, part * 64 + 64) of the program's (token, head) rows;
@@ -111,6 +129,7 @@ def _consumer(q_smem, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_ptr, 
     # so that each thread holds few of the rows' addresses (they live through the loop)
     out_l: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [1, 4], [0, 1])
     in_l: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])
+    mbarrier.wait(q_bar, 0)  # the tile's query rows (the kernel's prologue issued them)
     if Q_IN_REGS:
         # the query rows in registers (the MMA's A operand), read once: each MMA then reads
         # only its key tile from shared memory (16 registers a thread for fp8)
@@ -129,15 +148,14 @@ def _consumer(q_smem, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_ptr, 
     j = 0
     r = r_first
     while r < num_requests:
-        t_req, first_pos, t_begin, t_end, n = _request_blocks(
-            cu_ptr, seq_lens_ptr, r, tile_begin, tile_end, b_first, bps, BLOCK, SMALL_Q)
+        first_pos, t_begin, t_end, n = _request_blocks(
+            t_req, t_next, seq_len, tile_begin, tile_end, b_first, bps, BLOCK, SMALL_Q)
         pos = first_pos + (tok - t_req)  # [64]
         # blocks wholly at or before this warpgroup's earliest token need no causal mask
         wg_first = gl.maximum(t_begin, tile_begin + (part * WG_ROWS) // H)
         b_full = (first_pos + (wg_first - t_req) + 1) // BLOCK
         # each block's page id loaded one block ahead (a page id < 0 scores -inf)
         row = bt_ptr + r.to(gl.int64) * stride_btr + b_first * stride_btb
-        page = gl.load(row, mask=n > 0, other=-1)
         for i in range(n):
             page_next = gl.load(row + (i + 1) * stride_btb, mask=i + 1 < n, other=-1)
             b = b_first + i
@@ -175,7 +193,9 @@ def _consumer(q_smem, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_ptr, 
                        + (b - c + cols_o).to(gl.int64)[:, None] * stride_ob)
                 gl.store(dst, tile, mask=ok)
                 gl.thread_barrier()  # read before the next chunk overwrites them
-        r = gl.where(t_req >= tile_end, num_requests, r + 1)
+        r, t_req, t_next, seq_len, page = _next_request(
+            cu_ptr, seq_lens_ptr, bt_ptr, stride_btr, stride_btb, num_requests, r, t_req,
+            tile_end, b_first)
 
 
 @gluon.jit
@@ -226,6 +246,14 @@ def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
     # cu is nondecreasing: if the window's last request also starts before tile_end, there
     # may be more, so the tile is walked in full
     n_seen = gl.sum(before.to(gl.int32), axis=0)
+    # the first request's offsets, length and page id of block b_first, loaded with the window
+    # (the partitions' walk would load them one round trip later)
+    ok0 = r_first < num_requests
+    t_req0 = gl.load(cu_ptr + r_first, mask=ok0, other=0)
+    t_next0 = gl.load(cu_ptr + r_first + 1, mask=ok0, other=0)
+    seq0 = gl.load(seq_lens_ptr + r_first, mask=ok0, other=0)
+    page0 = gl.load(bt_ptr + r_first.to(gl.int64) * stride_btr + b_first * stride_btb, mask=ok0,
+                    other=-1)
     if (n_work > 0) | (n_seen >= WIN):
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS, WG_ROWS, DI],
                                            q_desc.layout)
@@ -243,52 +271,54 @@ def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=CONSUMERS)
         mbarrier.init(q_bar, count=1)
-        # the tile's query rows, (token, head) major to minor; rows past T * H read as zeros
+        # the tile's query rows, (token, head) major to minor; rows past T * H read as zeros.
+        # The consumers wait for them, so that they arrive while the producer's first keys do
         mbarrier.expect(q_bar, q_desc.block_type.nbytes * CONSUMERS)
         for p in gl.static_range(CONSUMERS):
             tma.async_copy_global_to_shared(q_desc, [tile_begin * H + p * WG_ROWS, 0], q_bar,
                                             q_smem.index(p))
-        mbarrier.wait(q_bar, 0)
         # (written out per consumer: adding tuples here turns their constexprs into ints)
         if CONSUMERS == 4:
             gl.warp_specialize([
-                (_consumer, (q_smem, k_smem, ready, empty, maxima0, cu_ptr, seq_lens_ptr, bt_ptr,
+                (_consumer, (q_smem, q_bar, k_smem, ready, empty, maxima0, cu_ptr, seq_lens_ptr, bt_ptr,
                              out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
-                             num_requests, tile_begin, tile_end, b_first, r_first, bps, 0, H,
+                             num_requests, tile_begin, tile_end, b_first, r_first, t_req0, t_next0, seq0, page0, bps, 0, H,
                              BLOCK, SMALL_Q, STAGES, Q_IN_REGS, CONVERT)),
-                (_consumer, (q_smem, k_smem, ready, empty, maxima1, cu_ptr, seq_lens_ptr, bt_ptr,
+                (_consumer, (q_smem, q_bar, k_smem, ready, empty, maxima1, cu_ptr, seq_lens_ptr, bt_ptr,
                              out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
-                             num_requests, tile_begin, tile_end, b_first, r_first, bps, 1, H,
+                             num_requests, tile_begin, tile_end, b_first, r_first, t_req0, t_next0, seq0, page0, bps, 1, H,
                              BLOCK, SMALL_Q, STAGES, Q_IN_REGS, CONVERT)),
-                (_consumer, (q_smem, k_smem, ready, empty, maxima2, cu_ptr, seq_lens_ptr, bt_ptr,
+                (_consumer, (q_smem, q_bar, k_smem, ready, empty, maxima2, cu_ptr, seq_lens_ptr, bt_ptr,
                              out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
-                             num_requests, tile_begin, tile_end, b_first, r_first, bps, 2, H,
+                             num_requests, tile_begin, tile_end, b_first, r_first, t_req0, t_next0, seq0, page0, bps, 2, H,
                              BLOCK, SMALL_Q, STAGES, Q_IN_REGS, CONVERT)),
-                (_consumer, (q_smem, k_smem, ready, empty, maxima3, cu_ptr, seq_lens_ptr, bt_ptr,
+                (_consumer, (q_smem, q_bar, k_smem, ready, empty, maxima3, cu_ptr, seq_lens_ptr, bt_ptr,
                              out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
-                             num_requests, tile_begin, tile_end, b_first, r_first, bps, 3, H,
+                             num_requests, tile_begin, tile_end, b_first, r_first, t_req0, t_next0, seq0, page0, bps, 3, H,
                              BLOCK, SMALL_Q, STAGES, Q_IN_REGS, CONVERT)),
                 (_producer, (k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr,
                              stride_btr, stride_btb, num_requests, tile_begin, tile_end, b_first,
-                             r_first, bps, BLOCK, SMALL_Q, STAGES)),
+                             r_first, t_req0, t_next0, seq0, page0, bps, BLOCK, SMALL_Q,
+                             STAGES)),
             ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, 24])
         else:
             gl.warp_specialize([
-                (_consumer, (q_smem, k_smem, ready, empty, maxima0, cu_ptr, seq_lens_ptr, bt_ptr,
+                (_consumer, (q_smem, q_bar, k_smem, ready, empty, maxima0, cu_ptr, seq_lens_ptr, bt_ptr,
                              out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
-                             num_requests, tile_begin, tile_end, b_first, r_first, bps, 0, H,
+                             num_requests, tile_begin, tile_end, b_first, r_first, t_req0, t_next0, seq0, page0, bps, 0, H,
                              BLOCK, SMALL_Q, STAGES, Q_IN_REGS, CONVERT)),
-                (_consumer, (q_smem, k_smem, ready, empty, maxima1, cu_ptr, seq_lens_ptr, bt_ptr,
+                (_consumer, (q_smem, q_bar, k_smem, ready, empty, maxima1, cu_ptr, seq_lens_ptr, bt_ptr,
                              out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
-                             num_requests, tile_begin, tile_end, b_first, r_first, bps, 1, H,
+                             num_requests, tile_begin, tile_end, b_first, r_first, t_req0, t_next0, seq0, page0, bps, 1, H,
                              BLOCK, SMALL_Q, STAGES, Q_IN_REGS, CONVERT)),
-                (_consumer, (q_smem, k_smem, ready, empty, maxima2, cu_ptr, seq_lens_ptr, bt_ptr,
+                (_consumer, (q_smem, q_bar, k_smem, ready, empty, maxima2, cu_ptr, seq_lens_ptr, bt_ptr,
                              out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
-                             num_requests, tile_begin, tile_end, b_first, r_first, bps, 2, H,
+                             num_requests, tile_begin, tile_end, b_first, r_first, t_req0, t_next0, seq0, page0, bps, 2, H,
                              BLOCK, SMALL_Q, STAGES, Q_IN_REGS, CONVERT)),
                 (_producer, (k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr,
                              stride_btr, stride_btb, num_requests, tile_begin, tile_end, b_first,
-                             r_first, bps, BLOCK, SMALL_Q, STAGES)),
+                             r_first, t_req0, t_next0, seq0, page0, bps, BLOCK, SMALL_Q,
+                             STAGES)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
     if WAIT_AT_END:
         # launched as a programmatic dependent of the request launch (api.py, tile_overlap:
