@@ -171,6 +171,12 @@ def test_prefill_gluon_tile_launch_exact(dtype, heads, form, monkeypatch):
     assert torch.equal(out.transpose(0, 1).cpu(), want)
     sel = ref.select_blocks(q, c, *args, block_size=B)
     assert torch.equal(openmsa.select_blocks(qd, cd, *dargs, block_size=B).cpu(), sel)
+    # with the caller's max_q_len the tile launch runs first, the request launch after it as
+    # its programmatic dependent (api.py, ws_first)
+    hint = max(q_lens)
+    assert torch.equal(openmsa.block_scores(qd, cd, *dargs, block_size=B, max_q_len=hint), got)
+    assert torch.equal(
+        openmsa.select_blocks(qd, cd, *dargs, block_size=B, max_q_len=hint).cpu(), sel)
     monkeypatch.setitem(api.TUNING, "prefill_ws", False)
     monkeypatch.setitem(api.TUNING, "prefill_ws_16", False)
     assert torch.equal(openmsa.block_scores(qd, cd, *dargs, block_size=B), got)
@@ -287,6 +293,19 @@ def test_short_rows_prefill_and_graph_replay(c_dtype, monkeypatch):
     got = openmsa.select_blocks(q.cuda(), c.cuda(), d.cu_seqlens_q, d.seq_lens, d.block_table,
                                 block_size=B)
     assert torch.equal(got.cpu(), want)
+    # with the caller's max_q_len: the Gluon tile launch first, the request launch (the
+    # 5-token request's scores) its programmatic dependent, the selection theirs (api.py,
+    # ws_first, select_short_pdl); eager into a poisoned out=, then replayed from a CUDA graph
+    qd, cd, dargs = q.cuda(), c.cuda(), (d.cu_seqlens_q, d.seq_lens, d.block_table)
+    out = torch.full(want.shape, -7, dtype=torch.int32, device="cuda")
+    openmsa.select_blocks(qd, cd, *dargs, block_size=B, out=out, max_q_len=3000)
+    assert torch.equal(out.cpu(), want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        openmsa.select_blocks(qd, cd, *dargs, block_size=B, out=out, max_q_len=3000)
+    out.fill_(-7)
+    graph.replay()
+    assert torch.equal(out.cpu(), want)
 
     torch.manual_seed(1)
     num_req, width, pages = 128, 64, 9000
