@@ -225,7 +225,8 @@ def _indexer(args, only):
 
 
 def _indexer_prefill(args):
-    """The prefill tile launch's knobs on 8K chunks (no context, 120K, ~1M): select_blocks, and
+    """The prefill tile launch's knobs on 8K chunks (no context, 120K, ~1M; max_q_len = 8192 as
+    run.py passes it): select_blocks, and
     for fp8 at 120K block_scores alone (the scoring launch plus the score tensor's -inf fill)
     and the selection launches alone."""
     # the Gluon tile launch (Hopper) against the Triton one, then the Gluon launch's knobs; the
@@ -240,11 +241,11 @@ def _indexer_prefill(args):
         q, cache, cu, seq, table = run._index_step(1, ctx + 8192, 8192, 4, run.DTYPES[dname])
         cases.append((f"prefill {dname} 8K@{ctx // 1024}K",
                       (lambda q=q, cache=cache, cu=cu, seq=seq, table=table:
-                       openmsa.select_blocks(q, cache, cu, seq, table))))
+                       openmsa.select_blocks(q, cache, cu, seq, table, max_q_len=8192))))
         if dname == "fp8" and ctx == 120 * 1024:
             cases.append((f"scores {dname} 8K@{ctx // 1024}K",
                           (lambda q=q, cache=cache, cu=cu, seq=seq, table=table:
-                           openmsa.block_scores(q, cache, cu, seq, table))))
+                           openmsa.block_scores(q, cache, cu, seq, table, max_q_len=8192))))
         if dname == "fp8":
             scores = openmsa.block_scores(q, cache, cu, seq, table)
             out = torch.empty(q.shape[0], q.shape[1], 16, dtype=torch.int32, device="cuda")
