@@ -171,8 +171,7 @@ def test_prefill_gluon_tile_launch_exact(dtype, heads, form, monkeypatch):
     assert torch.equal(out.transpose(0, 1).cpu(), want)
     sel = ref.select_blocks(q, c, *args, block_size=B)
     assert torch.equal(openmsa.select_blocks(qd, cd, *dargs, block_size=B).cpu(), sel)
-    # with the caller's max_q_len the tile launch runs first, the request launch after it as
-    # its programmatic dependent (api.py, ws_first)
+    # with the caller's max_q_len (a plan of its own; the same launches)
     hint = max(q_lens)
     assert torch.equal(openmsa.block_scores(qd, cd, *dargs, block_size=B, max_q_len=hint), got)
     assert torch.equal(
@@ -293,9 +292,9 @@ def test_short_rows_prefill_and_graph_replay(c_dtype, monkeypatch):
     got = openmsa.select_blocks(q.cuda(), c.cuda(), d.cu_seqlens_q, d.seq_lens, d.block_table,
                                 block_size=B)
     assert torch.equal(got.cpu(), want)
-    # with the caller's max_q_len: the Gluon tile launch first, the request launch (the
-    # 5-token request's scores) its programmatic dependent, the selection theirs (api.py,
-    # ws_first, select_short_pdl); eager into a poisoned out=, then replayed from a CUDA graph
+    # the Gluon tile launch a programmatic dependent of the request launch (the 5-token
+    # request's scores), the selection one of the tile launch (api.py, ws_overlap,
+    # select_short_pdl): eager into a poisoned out=, then replayed from a CUDA graph
     qd, cd, dargs = q.cuda(), c.cuda(), (d.cu_seqlens_q, d.seq_lens, d.block_table)
     out = torch.full(want.shape, -7, dtype=torch.int32, device="cuda")
     openmsa.select_blocks(qd, cd, *dargs, block_size=B, out=out, max_q_len=3000)

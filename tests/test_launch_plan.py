@@ -139,26 +139,13 @@ def hopper(monkeypatch):
     (4, (128, 4), 256),   # TP1 8K chunk after 120K: 128 tiles of 64 tokens, ~4 programs per SM
     (1, (32, 16), 64),    # TP4: 256 tokens per tile
 ])
-def test_prefill_tile_launch_is_the_gluon_kernel_on_hopper(hopper, monkeypatch, heads, want_grid,
-                                                           want_bps):
+def test_prefill_tile_launch_is_the_gluon_kernel_on_hopper(hopper, heads, want_grid, want_bps):
     q, c = _index_pair(heads=heads)
-    plan = indexer_api._scores_plan(q, c, 1, 1024, 128, 8192)
-    (serial, grid, kwargs), (_, _, request) = plan
+    plan = indexer_api._scores_plan(q, c, 1, 1024, 128, None)
+    serial, grid, kwargs = plan[-1]
     # (a serial of its own: the Gluon launch goes through launch_planned too)
     assert isinstance(serial, int) and grid == want_grid and kwargs["GLUON"]["bps"] == want_bps
     assert "GLUON" not in kwargs["FALLBACK"][2]  # the Triton tile launch, for unaligned bases
-    # ws_first: the request launch after it, a programmatic dependent that waits at its end
-    assert kwargs["GLUON"]["TRIGGER"] and not kwargs["GLUON"]["launch_pdl"]
-    assert not request["TILE_MODE"] and request["WAIT_AT_END"] and request["launch_pdl"]
-    # without a max_q_len hint (a verify step's quick exits would delay its request launch)
-    # or with ws_first off: the tile launch after the request launch, beside it
-    request, (_, _, kwargs) = indexer_api._scores_plan(q, c, 1, 1024, 128, None)
-    assert kwargs["GLUON"]["launch_pdl"] and kwargs["GLUON"]["WAIT_AT_END"]
-    assert not request[2]["TILE_MODE"] and not request[2].get("WAIT_AT_END")
-    monkeypatch.setitem(indexer_api.TUNING, "ws_first", False)
-    request, (_, _, kwargs) = indexer_api._scores_plan(q, c, 1, 1024, 128, 8192)
-    assert kwargs["GLUON"]["launch_pdl"] and kwargs["GLUON"]["WAIT_AT_END"]
-    assert not request[2]["TILE_MODE"] and not request[2].get("WAIT_AT_END")
 
 
 @pytest.mark.parametrize("case", ["heads3", "q_slice", "page_padding", "mixed", "dim64", "sm100",

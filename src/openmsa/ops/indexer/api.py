@@ -40,7 +40,7 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               use_max_q_len=True, select_segment_fill=True, select_chunk_min_waves=16,
               prefill_ws=True, prefill_ws_16=True, ws_bps=0, ws_waves=4, ws_stages=6,
               ws_stages_16=3, ws_consumer_regs=112, ws_consumers=4, ws_q_in_regs=False,
-              ws_maxima_convert=True, ws_skip_idle=True, ws_overlap=True, ws_first=True,
+              ws_maxima_convert=True, ws_skip_idle=True, ws_overlap=True,
               select_group_bound=True, select_group_min_blocks=2048, select_group_pack=True,
               select_short_rows=True, select_short_max=64, select_short_warps=1,
               select_short_tpr=4, select_short_pdl=True)
@@ -49,7 +49,9 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
 # select_rows.py's Gluon kernel, a row in select_short_tpr threads (select_short_warps warps per
 # program), instead of one warp per row. Measured (tune.py --only indexer-prefill, 51983df, one
 # call, interleaved): the selection of an 8K chunk with no context 22.5 -> 15.9 µs, the whole
-# select_blocks 57.6 -> 51.1 (fp8), 75.4 -> 67.7 (bf16); tpr 1 / 2 / 8: 18.5 / 17.0 / 16.4
+# select_blocks 57.6 -> 51.1 (fp8), 75.4 -> 67.7 (bf16); tpr 1 / 2 / 8: 18.5 / 17.0 / 16.4.
+# select_short_pdl: that launch is a programmatic dependent of the scoring launch before it
+# (request lookups first, then griddepcontrol.wait before the first score is read)
 # select_group_bound: rows of at least select_group_min_blocks blocks on the threshold path
 # (prefill after a long context) take select.py's group-bound path: a memory-bound launch of
 # 16-block group maxima, then one program per row reading only the groups that can hold a pick;
@@ -72,13 +74,9 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
 # on / off): 8K@0 fp8 51.6 / 51.4 µs, bf16 67.9 / 67.8: no difference (kept: those programs
 # read nothing now). ws_overlap: the Gluon tile launch is a programmatic dependent of the
 # request launch (which finds no short request in a prefill chunk and takes ~1 µs), waiting
-# for it only at its end (tile_overlap is the same for the Triton tile launch). ws_first: the
-# other way round, the Gluon tile launch first and the request launch its programmatic
-# dependent, waiting for it at its end: the request launch's ~1 µs then runs beside the tile
-# launch's last wave, also when the host launches the two far apart (an eager call: the Gluon
-# launch's host time is longer than the GPU's ~1 µs on the request launch); only with a
-# max_q_len hint (> SMALL_Q, or there is no tile launch): without one, a verify step of more than
-# SMALL_Q tokens would start its request launch only after all of its tile launch's quick exits
+# for it only at its end (tile_overlap is the same for the Triton tile launch). With
+# select_short_pdl (above), 8K@0 fp8 graph-replayed call 53.7 -> 52.1-52.4 µs; device time
+# equal (eagerly the host launches the Gluon kernel long after the request launch has run)
 # decode_pages_early: the decode launch loads its split's page ids before (not after) cu_seqlens_q
 # and seq_lens, one memory latency less before the first key load; decode_one_loop: one
 # causal-masked loop over the split (the mask costs little on 16 rows) instead of an unmasked
@@ -231,12 +229,7 @@ def _scores_plan(index_q, index_cache, num_requests: int, max_blocks: int, block
     if _ws_eligible(index_q, index_cache, block_size):
         # the Gluon kernel instead, the Triton launch kept for a base address TMA cannot take
         from .scores_ws import CH, WG_ROWS
-        # (only when the caller's max_q_len says a long request may be there: a verify step
-        # without the hint would make its request launch, the one with work, wait until every
-        # quick-exit program of the tile launch has started, ~4 rounds of the SMs)
-        ws_first = (TUNING["ws_first"] and common["PDL"] and TUNING["use_max_q_len"]
-                    and max_q_len is not None)
-        ws_overlap = TUNING["ws_overlap"] and common["PDL"] and not ws_first
+        ws_overlap = TUNING["ws_overlap"] and common["PDL"]
         rows_t = TUNING["ws_consumers"] * WG_ROWS.value // num_heads
         tiles = -(-num_tokens // rows_t)
         # splits for ws_waves programs per SM (one program fits on an SM), whole chunks of CH
@@ -248,16 +241,9 @@ def _scores_plan(index_q, index_cache, num_requests: int, max_blocks: int, block
                      CONSUMERS=TUNING["ws_consumers"], Q_IN_REGS=TUNING["ws_q_in_regs"],
                      CONVERT=TUNING["ws_maxima_convert"], SKIP_IDLE=TUNING["ws_skip_idle"],
                      REVERSE_TILES=TUNING["prefill_reverse_tiles"], num_warps=4,
-                     WAIT_AT_END=ws_overlap, launch_pdl=ws_overlap, TRIGGER=common["PDL"])
-        tile = (next(plan_serials), (tiles, -(-max_blocks // bps)),
-                dict(GLUON=gluon, FALLBACK=launches.pop()))
-        if ws_first:
-            # the tile launch first; the request launch, a programmatic dependent of it, runs
-            # beside its last wave and ends only after it (WAIT_AT_END), so that whatever waits
-            # for the request launch (the selection) sees both launches' scores
-            serial, grid, request = launches.pop()
-            return [tile, (serial, grid, dict(request, WAIT_AT_END=True, launch_pdl=True))]
-        launches.append(tile)
+                     WAIT_AT_END=ws_overlap, launch_pdl=ws_overlap)
+        launches.append((next(plan_serials), (tiles, -(-max_blocks // bps)),
+                         dict(GLUON=gluon, FALLBACK=launches.pop())))
     return launches
 
 

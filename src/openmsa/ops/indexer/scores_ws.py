@@ -206,16 +206,14 @@ def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
                             CONSUMER_REGS: gl.constexpr, REVERSE_TILES: gl.constexpr,
                             CONSUMERS: gl.constexpr, Q_IN_REGS: gl.constexpr,
                             CONVERT: gl.constexpr, SKIP_IDLE: gl.constexpr,
-                            WAIT_AT_END: gl.constexpr, TRIGGER: gl.constexpr,
-                            num_warps: gl.constexpr):
+                            WAIT_AT_END: gl.constexpr, num_warps: gl.constexpr):
     BLOCK: gl.constexpr = k_desc.block_type.shape[0]
     DI: gl.constexpr = k_desc.block_type.shape[1]
     ROWS_T: gl.constexpr = WG_ROWS * CONSUMERS // H
-    if TRIGGER:
-        # the launch after this one, a programmatic dependent (api.py: the request launch with
-        # ws_first, the short-row selection with select_short_pdl), may start now on the SMs
-        # this launch's last wave leaves idle; it reads no score of this launch before this
-        # launch has finished
+    if WAIT_AT_END:
+        # (with the PDL of api.py's plan) a selection launched as a programmatic dependent of
+        # this one (select_short_pdl) may start its request lookups now, on the SMs this
+        # launch's last wave leaves idle; it reads scores only after this launch has finished
         launch_dependents()
     pid = gl.program_id(0)
     if REVERSE_TILES:
