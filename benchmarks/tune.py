@@ -226,9 +226,8 @@ def _indexer(args, only):
 
 def _indexer_prefill(args):
     """The prefill tile launch's knobs on 8K chunks (no context, 120K, ~1M; max_q_len = 8192 as
-    run.py passes it): select_blocks, and
-    for fp8 at 120K block_scores alone (the scoring launch plus the score tensor's -inf fill)
-    and the selection launches alone."""
+    run.py passes it): select_blocks, and for fp8 at 120K block_scores alone (the scoring
+    launch plus the score tensor's -inf fill) and the selection launches alone."""
     # the Gluon tile launch (Hopper) against the Triton one, then the Gluon launch's knobs; the
     # Triton launch's own knobs (prefill_rows, _bps, _warps, _stages) apply with prefill_ws off
     variants = pick(args, [{}, dict(prefill_ws=False, prefill_ws_16=False), dict(ws_waves=2),

@@ -338,10 +338,10 @@ def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, loc
     if short is not None:
         from .select_rows import _short_rows_topk_kernel
         rows = num_tokens * num_heads
-        launch_planned(_short_rows_topk_kernel, (serial, 4),
-                       (-(-rows // (32 // short["TPR"] * short["num_warps"])),), scores, cu_seqlens_q, seq_lens,
-                       out, seq_lens.shape[0], rows, max_blocks, *scores.stride(), *out.stride(),
-                       **short)
+        grid = (-(-rows // (32 // short["TPR"] * short["num_warps"])),)
+        launch_planned(_short_rows_topk_kernel, (serial, 4), grid, scores, cu_seqlens_q,
+                       seq_lens, out, seq_lens.shape[0], rows, max_blocks, *scores.stride(),
+                       *out.stride(), **short)
         return
     if group is not None:
         from .select import _group_bound_select_kernel, _group_max_kernel
