@@ -234,20 +234,19 @@ def _short_rows_on(num_rows, heads, width, topk):
     return plan[-1] is not None
 
 
-@pytest.mark.parametrize("topk, init, local, heads, extra, tpr, maxnreg", [
-    (16, 0, 1, 4, 0, 4, 0), (16, 0, 1, 4, 0, 4, 64), (16, 1, 2, 4, 3, 1, 0), (4, 0, 1, 1, 1, 8, 0),
-    (64, 2, 3, 2, 0, 4, 64), (8, 1, 1, 4, 8, 2, 0)])
-def test_short_rows_selection_exact(topk, init, local, heads, extra, tpr, maxnreg, monkeypatch):
+@pytest.mark.parametrize("topk, init, local, heads, extra, tpr", [
+    (16, 0, 1, 4, 0, 4), (16, 1, 2, 4, 3, 1), (4, 0, 1, 1, 1, 8), (64, 2, 3, 2, 0, 4),
+    (8, 1, 1, 4, 8, 2)])
+def test_short_rows_selection_exact(topk, init, local, heads, extra, tpr, monkeypatch):
     """select_rows.py (tpr threads per row) against the reference selection from the same
     scores: a chunk with no context (rows of 1 to 6 blocks), a chunk after context, decode,
     verify, a request with q_len > seq_len and one with no token, padding tokens; integer
     scores (ties the rule decides) with NaN, -inf, +inf and -0.0 among them, a row of one
     value; transposed scores and out (strided, and scalar loads where 4 does not divide the
-    width); maxnreg: the kernel under a register cap (select_short_maxnreg)."""
+    width)."""
     from openmsa.ops.indexer import api
     from openmsa.ops.indexer import reference as indexer_ref
     monkeypatch.setitem(api.TUNING, "select_short_tpr", tpr)
-    monkeypatch.setitem(api.TUNING, "select_short_maxnreg", maxnreg)
     step = make_step([700, 300, 1, 4, 5, 0], [700, 5000, 3000, 2003, 3, 128], block_size=B,
                      extra_columns=extra, pad_tokens=3)
     width = step.block_table.shape[1]
