@@ -148,20 +148,6 @@ def test_prefill_tile_launch_is_the_gluon_kernel_on_hopper(hopper, heads, want_g
     assert "GLUON" not in kwargs["FALLBACK"][2]  # the Triton tile launch, for unaligned bases
 
 
-@pytest.mark.parametrize("programs, want_grid", [(0, (132,)), (5, (5,))])
-def test_prefill_tile_launch_persistent(hopper, monkeypatch, programs, want_grid):
-    """ws_persistent: the same (tile, split) items (128 x 4 at TP1 after 120K) from a grid
-    of one program per SM (or ws_persistent_programs), with the items' count and layout and
-    the query buffers (two for fp8) passed; the Triton tile launch kept for unaligned bases."""
-    monkeypatch.setitem(indexer_api.TUNING, "ws_persistent", True)
-    monkeypatch.setitem(indexer_api.TUNING, "ws_persistent_programs", programs)
-    q, c = _index_pair(heads=4)
-    serial, grid, kwargs = indexer_api._scores_plan(q, c, 1, 1024, 128, None)[-1]
-    gluon = kwargs["GLUON"]
-    assert grid == want_grid and (gluon["num_tiles"], gluon["num_items"]) == (128, 512)
-    assert gluon["bps"] == 256 and gluon["Q_BUFS"] == 2 and "GLUON" not in kwargs["FALLBACK"][2]
-
-
 @pytest.mark.parametrize("case", ["heads3", "q_slice", "page_padding", "mixed", "dim64", "sm100",
                                   "off", "no_gluon"])
 def test_prefill_tile_launch_stays_triton(hopper, monkeypatch, case):
@@ -216,16 +202,6 @@ def test_gluon_launch_descriptors(monkeypatch, dtype, heads):
         ([1280, 128], [128, 1], [128, 128])
     assert seen["args"][-1] == 32 and seen["kwargs"] == dict(H=heads, STAGES=6)
     assert seen["grid"] == (2, 1)
-    # the persistent kernel: the item counter, the tiles' and items' counts after the sizes
-    counter = torch.zeros(2, dtype=torch.int32)
-    monkeypatch.setattr(scores_ws, "_block_scores_ws_persistent_kernel", Kernel())
-    monkeypatch.setattr(indexer_api, "_ws_counter", lambda device: counter)
-    indexer_api._launch_ws(q, cache, torch.zeros(3, dtype=torch.int32),
-                           torch.zeros(2, dtype=torch.int32), table, scores, (3,),
-                           dict(bps=32, H=heads, STAGES=6, num_tiles=2, num_items=4, Q_BUFS=2))
-    assert seen["args"][6] is counter and seen["args"][7:11] == (2, 100, 2, 4)
-    assert seen["args"][-1] == 32 and seen["kwargs"] == dict(H=heads, STAGES=6, Q_BUFS=2)
-    assert seen["grid"] == (3,)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])

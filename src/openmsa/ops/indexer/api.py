@@ -41,7 +41,6 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               prefill_ws=True, prefill_ws_16=True, ws_bps=0, ws_waves=4, ws_stages=6,
               ws_stages_16=3, ws_consumer_regs=112, ws_consumers=4, ws_q_in_regs=False,
               ws_maxima_convert=True, ws_skip_idle=True, ws_overlap=True,
-              ws_persistent=False, ws_persistent_programs=0, ws_q_bufs=2, ws_q_bufs_16=1,
               select_group_bound=True, select_group_min_blocks=2048, select_group_pack=True,
               select_short_rows=True, select_short_max=64, select_short_warps=1,
               select_short_tpr=4, select_short_pdl=True)
@@ -78,12 +77,6 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
 # for it only at its end (tile_overlap is the same for the Triton tile launch). With
 # select_short_pdl (above), 8K@0 fp8 graph-replayed call 53.7 -> 52.1-52.4 µs; device time
 # equal (eagerly the host launches the Gluon kernel long after the request launch has run)
-# ws_persistent: the Gluon tile launch as one program per SM (ws_persistent_programs if set:
-# the tests' way to give each program many items) taking the same (tile, split) items from a
-# counter, each program's producer fetching the next item's queries (ws_q_bufs query buffers,
-# ws_q_bufs_16 for a 16-bit cache, whose second buffer does not fit beside the key ring) and
-# keys while the consumers score the current one: a program's start cost idles its SM once,
-# not once per item (scores_ws.py, the persistent form)
 # decode_pages_early: the decode launch loads its split's page ids before (not after) cu_seqlens_q
 # and seq_lens, one memory latency less before the first key load; decode_one_loop: one
 # causal-masked loop over the split (the mask costs little on 16 rows) instead of an unmasked
@@ -249,13 +242,8 @@ def _scores_plan(index_q, index_cache, num_requests: int, max_blocks: int, block
                      CONVERT=TUNING["ws_maxima_convert"], SKIP_IDLE=TUNING["ws_skip_idle"],
                      REVERSE_TILES=TUNING["prefill_reverse_tiles"], num_warps=4,
                      WAIT_AT_END=ws_overlap, launch_pdl=ws_overlap)
-        grid = (tiles, -(-max_blocks // bps))
-        if TUNING["ws_persistent"]:
-            items = grid[0] * grid[1]
-            gluon.update(num_tiles=tiles, num_items=items,
-                         Q_BUFS=TUNING["ws_q_bufs" if fp8 else "ws_q_bufs_16"])
-            grid = (min(items, TUNING["ws_persistent_programs"] or num_sms(index_q.device)),)
-        launches.append((next(plan_serials), grid, dict(GLUON=gluon, FALLBACK=launches.pop())))
+        launches.append((next(plan_serials), (tiles, -(-max_blocks // bps)),
+                         dict(GLUON=gluon, FALLBACK=launches.pop())))
     return launches
 
 
@@ -288,46 +276,20 @@ def _launch_ws(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores
     """The Gluon tile launch (scores_ws.py) with its TMA descriptors: q as [T * H, DI] rows in
     64-row boxes, the cache as [pages * BLOCK, DI] rows in one-block boxes; through the plan's
     cached launch (launch_planned, keyed on `serial`) when there is one."""
-    from . import scores_ws
-    WG_ROWS = scores_ws.WG_ROWS
+    from .scores_ws import WG_ROWS, _block_scores_ws_kernel
     num_tokens, num_heads, head_dim = index_q.shape
     rows_q, rows_k = num_tokens * num_heads, index_cache.shape[0] * index_cache.shape[1]
     q_desc = tma_descriptor(index_q, (rows_q, head_dim), (head_dim, 1),
                             (WG_ROWS.value, head_dim))
     k_desc = tma_descriptor(index_cache, (rows_k, head_dim), (head_dim, 1),
                             (index_cache.shape[1], head_dim))
-    kwargs = {k: v for k, v in kw.items() if k not in ("bps", "num_tiles", "num_items")}
-    if "num_items" in kw:
-        kernel = scores_ws._block_scores_ws_persistent_kernel
-        args = (q_desc, k_desc, cu_seqlens_q, seq_lens, block_table, scores,
-                _ws_counter(index_q.device), seq_lens.shape[0], num_tokens, kw["num_tiles"],
-                kw["num_items"], *block_table.stride(), *scores.stride(), kw["bps"])
-    else:
-        kernel = scores_ws._block_scores_ws_kernel
-        args = (q_desc, k_desc, cu_seqlens_q, seq_lens, block_table, scores, seq_lens.shape[0],
-                num_tokens, *block_table.stride(), *scores.stride(), kw["bps"])
+    args = (q_desc, k_desc, cu_seqlens_q, seq_lens, block_table, scores, seq_lens.shape[0],
+            num_tokens, *block_table.stride(), *scores.stride(), kw["bps"])
+    kwargs = {k: v for k, v in kw.items() if k != "bps"}
     if serial is None:
-        kernel[grid](*args, **kwargs)
+        _block_scores_ws_kernel[grid](*args, **kwargs)
     else:
-        launch_planned(kernel, serial, grid, *args, **kwargs)
-
-
-# the persistent Gluon launch's item counters, one per (device, stream): launches on two
-# streams (an engine overlapping two micro-batches) must not take items from one counter
-_WS_COUNTERS: dict = {}
-
-
-def _ws_counter(device: torch.device) -> torch.Tensor:
-    """Two int32 zeros for the persistent Gluon launch on the current stream of `device`:
-    zero between launches (the kernel's last program resets them), so one buffer serves every
-    launch and graph replay on that stream. (Made on first use; made during a CUDA graph's
-    capture, its zeroing is captured too, which is harmless.)"""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, torch._C._cuda_getCurrentRawStream(index))
-    counter = _WS_COUNTERS.get(key)
-    if counter is None:
-        counter = _WS_COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
-    return counter
+        launch_planned(_block_scores_ws_kernel, serial, grid, *args, **kwargs)
 
 
 def _pdl(device: torch.device) -> bool:
