@@ -105,8 +105,7 @@ def test_short_rows_topk_kernel(g, w, vec, tpr, warps):
 
     from openmsa.ops.indexer.select_rows import _short_rows_topk_kernel as fn
     constexprs = dict(H=4, TOPK=min(16, g * w), KP=16, INIT=0, LOCAL=1, BLOCK=128, G=g, W=w,
-                      VEC=vec, TPR=tpr, num_warps=warps, stride_sb=1, PDL=tpr == 4,
-                      UNIFORM=True)
+                      VEC=vec, TPR=tpr, num_warps=warps, stride_sb=1, PDL=tpr == 4)
     signature = {n: "constexpr" if n in constexprs else "i32" for n in fn.arg_names}
     signature.update(scores_ptr=F32, out_ptr=I32, cu_ptr=I32, seq_lens_ptr=I32)
     aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
@@ -116,12 +115,6 @@ def test_short_rows_topk_kernel(g, w, vec, tpr, warps):
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
     ptx = k.asm["ptx"]
     assert ("griddepcontrol.wait" in ptx) == (tpr == 4)
-    # the branches on "any row" are warp-uniform (select_rows._any): no code for diverged
-    # lanes around the shuffles under them
-    assert "redux.sync.max.s32" in ptx
-    sass = _sass(k.asm["cubin"])
-    assert ("SHFL" in sass) == (warps > 1 or tpr > 1)
-    assert "WARPSYNC" not in sass and "ENDCOLLECTIVE" not in sass
     # (several warps share one search loop: only its "any row still searching" crosses them)
     assert k.metadata.shared <= 4 * (warps - 1) * 2 and "ld.local" not in ptx
     assert ("shfl" in ptx) == (warps > 1 or tpr > 1)
@@ -175,18 +168,6 @@ def test_sparse_attention_tile_ws_kernel(dtype, sub, stages, group):
     assert ".maxnreg 128" in ptx and ".reqntid 256" in ptx  # 2 x 256 x 128 = the SM's file
     assert k.metadata.shared <= 227 * 1024 // 2 - 1024
     _assert_no_spills(ptx)
-
-
-def _sass(cubin: bytes) -> str:
-    """A compiled kernel's SASS, from cuobjdump beside Triton's ptxas."""
-    import subprocess
-    import tempfile
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
 
 
 def _assert_no_spills(ptx):

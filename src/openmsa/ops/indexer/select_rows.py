@@ -84,24 +84,6 @@ def _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, t, BLOCK: gl.constexpr):
 
 
 @gluon.jit
-def _any(flags, UNIFORM: gl.constexpr):
-    """Whether any row of the program has its flag set, as a value ptxas knows to be the same
-    in every lane (a warp's redux.sync after the reduction): a branch on it is uniform, so
-    the shuffles under it need no code for diverged lanes (from the reduction alone ptxas
-    emitted that code, WARPSYNC / ENDCOLLECTIVE sequences, around every shuffle in the search
-    loop)."""
-    x = gl.max(flags.to(gl.int32), axis=0)
-    # (UNIFORM False, for tune.py's A/B: the reduction's value as it is)
-    if UNIFORM:
-        y = gl.inline_asm_elementwise("redux.sync.max.s32 $0, $1, 0xffffffff;", "=r,r", [x],
-                                      dtype=gl.int32, is_pure=True, pack=1)
-    else:
-        y = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32,
-                                      is_pure=True, pack=1)
-    return y > 0
-
-
-@gluon.jit
 def _add(a, b):
     return a + b
 
@@ -119,8 +101,7 @@ def _short_rows_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_reque
                             stride_ok, H: gl.constexpr, TOPK: gl.constexpr, KP: gl.constexpr,
                             INIT: gl.constexpr, LOCAL: gl.constexpr, BLOCK: gl.constexpr,
                             G: gl.constexpr, W: gl.constexpr, VEC: gl.constexpr, TPR: gl.constexpr,
-                            num_warps: gl.constexpr, PDL: gl.constexpr = False,
-                            UNIFORM: gl.constexpr = True):
+                            num_warps: gl.constexpr, PDL: gl.constexpr = False):
     # a row's SEG = G * W blocks in TPR threads' registers, SEG / TPR contiguous ones each
     SEG: gl.constexpr = G * W
     row_l: gl.constexpr = gl.BlockedLayout([1, SEG // TPR], [32 // TPR, TPR], [num_warps, 1],
@@ -174,7 +155,7 @@ def _short_rows_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_reque
     lo = _key(low)
     searching = (n > TOPK) & (K2 > 0) & (lo + 1 < hi)
     step = 0
-    while _any(searching, UNIFORM):
+    while gl.max(searching.to(gl.int32), axis=0) > 0:
         # (floor of (lo + hi) / 2 without overflow)
         mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)
         if step < VALUE_STEPS:
@@ -200,7 +181,7 @@ def _short_rows_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_reque
     # not on a count of exactly K2): of those the lowest blocks. Rare on real scores, so the
     # running count in block order runs only in programs that hold such a row
     over = _count(v, thresh, "ge") > K2
-    if _any(((n > TOPK) & (K2 > 0)) & over, UNIFORM):
+    if gl.max((((n > TOPK) & (K2 > 0)) & over).to(gl.int32), axis=0) > 0:
         need = gl.expand_dims(K2 - _count(v, thresh, "gt"), 1)
         picked = gl.where(gl.expand_dims(n > TOPK, 1), forced, live) | (search & (
             above | (tied & (_rank_in_order(tied.to(gl.int32)) <= need))))
@@ -211,7 +192,7 @@ def _short_rows_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_reque
              mask=picked & in_range)
     # -1 after the picks, up to K: only rows of fewer than TOPK blocks (n > TOPK picks INIT +
     # LOCAL + K2 = TOPK blocks), so only in programs that hold one
-    if _any((n < TOPK) & (rows < num_rows), UNIFORM):
+    if gl.max(((n < TOPK) & (rows < num_rows)).to(gl.int32), axis=0) > 0:
         pad_l: gl.constexpr = gl.BlockedLayout([1, (KP + TPR - 1) // TPR], [32 // TPR, TPR],
                                                [num_warps, 1], [1, 0])
         count = gl.convert_layout(gl.minimum(n, TOPK), gl.SliceLayout(1, pad_l))
