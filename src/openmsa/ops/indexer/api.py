@@ -43,7 +43,7 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               ws_maxima_convert=True, ws_skip_idle=True, ws_overlap=True,
               select_group_bound=True, select_group_min_blocks=2048, select_group_pack=True,
               select_short_rows=True, select_short_max=64, select_short_warps=1,
-              select_short_tpr=4, select_short_pdl=True, select_short_groups=1)
+              select_short_tpr=4, select_short_pdl=True)
 # select_short_rows: on Hopper, a selection launch of many rows of at most select_short_max
 # blocks (a prefill chunk with little context, a large decode step at short context) runs
 # select_rows.py's Gluon kernel, a row in select_short_tpr threads (select_short_warps warps per
@@ -338,7 +338,7 @@ def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, loc
     if short is not None:
         from .select_rows import _short_rows_topk_kernel
         rows = num_tokens * num_heads
-        grid = (-(-rows // (32 // short["TPR"] * short["num_warps"] * short.get("GROUPS", 1))),)
+        grid = (-(-rows // (32 // short["TPR"] * short["num_warps"])),)
         launch_planned(_short_rows_topk_kernel, (serial, 4), grid, scores, cu_seqlens_q,
                        seq_lens, out, seq_lens.shape[0], rows, max_blocks, *scores.stride(),
                        *out.stride(), **short)
@@ -427,8 +427,6 @@ def _select_plan(num_tokens, num_heads, max_blocks, topk, init_blocks, local_blo
                      BLOCK=block_size, G=g, W=width // g, VEC=4 if max_blocks % 4 == 0 else 1,
                      TPR=min(TUNING["select_short_tpr"], width),
                      num_warps=TUNING["select_short_warps"])
-        if TUNING["select_short_groups"] > 1:
-            short.update(GROUPS=TUNING["select_short_groups"])
         if TUNING["select_short_pdl"] and _pdl(device):
             short.update(PDL=True, launch_pdl=True)
     return next(plan_serials), num_segments, cap, kp, kwargs, merge_kwargs, group, short

@@ -101,30 +101,14 @@ def _short_rows_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_reque
                             stride_ok, H: gl.constexpr, TOPK: gl.constexpr, KP: gl.constexpr,
                             INIT: gl.constexpr, LOCAL: gl.constexpr, BLOCK: gl.constexpr,
                             G: gl.constexpr, W: gl.constexpr, VEC: gl.constexpr, TPR: gl.constexpr,
-                            num_warps: gl.constexpr, PDL: gl.constexpr = False,
-                            GROUPS: gl.constexpr = 1):
-    # GROUPS groups of rows one after another per program (api.py, select_short_groups)
-    for g in range(GROUPS):
-        _rows_topk(gl.program_id(0) * GROUPS + g, scores_ptr, cu_ptr, seq_lens_ptr, out_ptr,
-                   num_requests, num_rows, max_blocks, stride_st, stride_sh, stride_sb,
-                   stride_ot, stride_oh, stride_ok, H, TOPK, KP, INIT, LOCAL, BLOCK, G, W, VEC,
-                   TPR, num_warps, PDL)
-
-
-@gluon.jit
-def _rows_topk(group, scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_requests, num_rows,
-               max_blocks, stride_st, stride_sh, stride_sb, stride_ot, stride_oh, stride_ok,
-               H: gl.constexpr, TOPK: gl.constexpr, KP: gl.constexpr, INIT: gl.constexpr,
-               LOCAL: gl.constexpr, BLOCK: gl.constexpr, G: gl.constexpr, W: gl.constexpr,
-               VEC: gl.constexpr, TPR: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr):
-    """The selection of rows [group * ROWS, group * ROWS + ROWS)."""
+                            num_warps: gl.constexpr, PDL: gl.constexpr = False):
     # a row's SEG = G * W blocks in TPR threads' registers, SEG / TPR contiguous ones each
     SEG: gl.constexpr = G * W
     row_l: gl.constexpr = gl.BlockedLayout([1, SEG // TPR], [32 // TPR, TPR], [num_warps, 1],
                                            [1, 0])
     r_l: gl.constexpr = gl.SliceLayout(1, row_l)
     ROWS: gl.constexpr = 32 // TPR * num_warps
-    rows = group * ROWS + gl.arange(0, ROWS, layout=r_l)
+    rows = gl.program_id(0) * ROWS + gl.arange(0, ROWS, layout=r_l)
     t = rows // H
     h = rows % H
     b = gl.expand_dims(gl.arange(0, SEG, layout=gl.SliceLayout(0, row_l)), 0)
