@@ -195,6 +195,32 @@ def test_prefill_gluon_tile_launch_exact(dtype, heads, form, monkeypatch):
     assert not calls
 
 
+def test_prefill_gluon_pairs_no_context_chunk(monkeypatch):
+    """An 8K fp8 chunk with no context (the shape ws_pairs is for: 256 items in 128 paired
+    programs, on whatever SM count this GPU has) scores exactly as the Triton tile launch and
+    the single-item grid do (integer inputs), and selects exactly as the reference."""
+    from openmsa.ops.indexer import api
+    grids = []
+    real = api._launch_ws
+    monkeypatch.setattr(api, "_launch_ws", lambda *a: grids.append((a[6], a[7])) or real(*a))
+    monkeypatch.setattr(api, "num_sms", lambda device: 132)
+    step = make_step([8192], [8192], block_size=B)
+    q, c = random_index_inputs(step, num_heads=4, head_dim=128, block_size=B, q_dtype=FP8,
+                               cache_dtype=FP8, integer=True)
+    d = _cuda(step)
+    args = (q.cuda(), c.cuda(), d.cu_seqlens_q, d.seq_lens, d.block_table)
+    got = openmsa.block_scores(*args, block_size=B)
+    assert grids[-1][0] == (128, 1) and grids[-1][1]["PAIRS"]
+    sel = openmsa.select_blocks(*args, block_size=B)
+    monkeypatch.setitem(api.TUNING, "ws_pairs", 0)
+    assert torch.equal(openmsa.block_scores(*args, block_size=B), got)
+    assert grids[-1][0] == (128, 2) and not grids[-1][1]["PAIRS"]
+    monkeypatch.setitem(api.TUNING, "prefill_ws", False)
+    assert torch.equal(openmsa.block_scores(*args, block_size=B), got)
+    assert torch.equal(sel.cpu(), ref.select_blocks(q, c, step.cu_seqlens_q, step.seq_lens,
+                                                    step.block_table, block_size=B))
+
+
 @pytest.mark.parametrize("hint", [None, 4])
 def test_select_deterministic_and_graph_replay(hint):
     """A fixed-shape decode step is captured once and replayed with new lengths and queries;
