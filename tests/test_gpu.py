@@ -126,21 +126,16 @@ def test_prefill_random_floats_threshold(c_dtype):
 
 
 # the Gluon program's forms (api.py, ws_*): splits of 96 blocks store their maxima in three
-# chunks, the last one partial; programs past the causal edge walking their tile (ws_skip_idle);
-# two items per program (ws_pairs; fp8 only): 2 splits of 32 blocks (30 items, idle ones among
-# them), one split of 96 (15 items: the middle program has one)
+# chunks, the last one partial; programs past the causal edge walking their tile (ws_skip_idle)
 WS_FORMS = [{}, dict(ws_consumers=3, ws_q_in_regs=True, ws_consumer_regs=160, ws_bps=64),
-            dict(ws_bps=96), dict(ws_skip_idle=False), dict(ws_pairs=2),
-            dict(ws_pairs=2, ws_bps=96, ws_skip_idle=False)]
+            dict(ws_bps=96), dict(ws_skip_idle=False)]
 
 
 @pytest.mark.parametrize("dtype, heads, form", [(FP8, 4, 0), (FP8, 1, 0), (FP8, 2, 0),
                                                 (torch.bfloat16, 4, 0), (FP8, 4, 1),
                                                 (FP8, 1, 1), (torch.bfloat16, 2, 1), (FP8, 4, 2),
                                                 (FP8, 1, 2), (FP8, 8, 0), (FP8, 16, 2),
-                                                (torch.bfloat16, 16, 0), (FP8, 4, 3),
-                                                (FP8, 4, 4), (FP8, 1, 4), (FP8, 16, 5),
-                                                (FP8, 4, 5)])
+                                                (torch.bfloat16, 16, 0), (FP8, 4, 3)])
 def test_prefill_gluon_tile_launch_exact(dtype, heads, form, monkeypatch):
     """The warp-specialised tile launch (scores_ws.py) against the reference and the Triton
     tile launch, exactly (integer inputs): tiles spanning several requests (long and short),
@@ -193,32 +188,6 @@ def test_prefill_gluon_tile_launch_exact(dtype, heads, form, monkeypatch):
     assert torch.equal(openmsa.block_scores(shifted, cd, *dargs, block_size=B), got)
     assert torch.equal(openmsa.select_blocks(shifted, cd, *dargs, block_size=B).cpu(), sel)
     assert not calls
-
-
-def test_prefill_gluon_pairs_no_context_chunk(monkeypatch):
-    """An 8K fp8 chunk with no context (the shape ws_pairs is for: 256 items in 128 paired
-    programs, on whatever SM count this GPU has) scores exactly as the Triton tile launch and
-    the single-item grid do (integer inputs), and selects exactly as the reference."""
-    from openmsa.ops.indexer import api
-    grids = []
-    real = api._launch_ws
-    monkeypatch.setattr(api, "_launch_ws", lambda *a: grids.append((a[6], a[7])) or real(*a))
-    monkeypatch.setattr(api, "num_sms", lambda device: 132)
-    step = make_step([8192], [8192], block_size=B)
-    q, c = random_index_inputs(step, num_heads=4, head_dim=128, block_size=B, q_dtype=FP8,
-                               cache_dtype=FP8, integer=True)
-    d = _cuda(step)
-    args = (q.cuda(), c.cuda(), d.cu_seqlens_q, d.seq_lens, d.block_table)
-    got = openmsa.block_scores(*args, block_size=B)
-    assert grids[-1][0] == (128, 1) and grids[-1][1]["PAIRS"]
-    sel = openmsa.select_blocks(*args, block_size=B)
-    monkeypatch.setitem(api.TUNING, "ws_pairs", 0)
-    assert torch.equal(openmsa.block_scores(*args, block_size=B), got)
-    assert grids[-1][0] == (128, 2) and not grids[-1][1]["PAIRS"]
-    monkeypatch.setitem(api.TUNING, "prefill_ws", False)
-    assert torch.equal(openmsa.block_scores(*args, block_size=B), got)
-    assert torch.equal(sel.cpu(), ref.select_blocks(q, c, step.cu_seqlens_q, step.seq_lens,
-                                                    step.block_table, block_size=B))
 
 
 @pytest.mark.parametrize("hint", [None, 4])

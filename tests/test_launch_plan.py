@@ -148,26 +148,6 @@ def test_prefill_tile_launch_is_the_gluon_kernel_on_hopper(hopper, heads, want_g
     assert "GLUON" not in kwargs["FALLBACK"][2]  # the Triton tile launch, for unaligned bases
 
 
-@pytest.mark.parametrize("dtype, blocks, knob, want_grid, want_pairs", [
-    # an 8K chunk with no context: 128 tiles x 2 splits of 32 blocks take 1.9 programs per SM,
-    # their pairs 0.97
-    (torch.float8_e4m3fn, 64, 1, (128, 1), True),
-    (torch.float8_e4m3fn, 64, 0, (128, 2), False),
-    (torch.bfloat16, 64, 1, (128, 2), False),  # (two tiles of queries do not fit for 16 bits)
-    (torch.float8_e4m3fn, 1024, 1, (128, 4), False),  # after 120K: 512 items, pairs 1.9 per SM
-    (torch.float8_e4m3fn, 1024, 2, (256, 1), True),
-])
-def test_prefill_tile_launch_pairs(hopper, monkeypatch, dtype, blocks, knob, want_grid,
-                                   want_pairs):
-    """ws_pairs: the Gluon tile launch gives each program two (tile, split) items where the
-    items take more than one program per SM and their pairs at most one."""
-    monkeypatch.setitem(indexer_api.TUNING, "ws_pairs", knob)
-    q, c = _index_pair(dtype=dtype)
-    serial, grid, kwargs = indexer_api._scores_plan(q, c, 1, blocks, 128, None)[-1]
-    assert grid == want_grid and kwargs["GLUON"]["PAIRS"] == want_pairs
-    assert kwargs["GLUON"]["num_splits"] == (2 if blocks == 64 else 4)
-
-
 @pytest.mark.parametrize("case", ["heads3", "q_slice", "page_padding", "mixed", "dim64", "sm100",
                                   "off", "no_gluon"])
 def test_prefill_tile_launch_stays_triton(hopper, monkeypatch, case):
@@ -214,13 +194,13 @@ def test_gluon_launch_descriptors(monkeypatch, dtype, heads):
     scores = torch.zeros(100, heads, 7)
     indexer_api._launch_ws(q, cache, torch.zeros(3, dtype=torch.int32),
                            torch.zeros(2, dtype=torch.int32), table, scores, (2, 1),
-                           dict(bps=32, num_splits=2, H=heads, STAGES=6))
+                           dict(bps=32, H=heads, STAGES=6))
     q_desc, k_desc = seen["args"][:2]
     assert (list(q_desc.shape), list(q_desc.strides), list(q_desc.block_shape)) == \
         ([100 * heads, 128], [128, 1], [64, 128])
     assert (list(k_desc.shape), list(k_desc.strides), list(k_desc.block_shape)) == \
         ([1280, 128], [128, 1], [128, 128])
-    assert seen["args"][-2:] == (32, 2) and seen["kwargs"] == dict(H=heads, STAGES=6)
+    assert seen["args"][-1] == 32 and seen["kwargs"] == dict(H=heads, STAGES=6)
     assert seen["grid"] == (2, 1)
 
 

@@ -40,7 +40,7 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               use_max_q_len=True, select_segment_fill=True, select_chunk_min_waves=16,
               prefill_ws=True, prefill_ws_16=True, ws_bps=0, ws_waves=4, ws_stages=6,
               ws_stages_16=3, ws_consumer_regs=112, ws_consumers=4, ws_q_in_regs=False,
-              ws_maxima_convert=True, ws_skip_idle=True, ws_overlap=True, ws_pairs=1,
+              ws_maxima_convert=True, ws_skip_idle=True, ws_overlap=True,
               select_group_bound=True, select_group_min_blocks=2048, select_group_pack=True,
               select_short_rows=True, select_short_max=64, select_short_warps=1,
               select_short_tpr=4, select_short_pdl=True)
@@ -235,21 +235,15 @@ def _scores_plan(index_q, index_cache, num_requests: int, max_blocks: int, block
         # splits for ws_waves programs per SM (one program fits on an SM), whole chunks of CH
         splits = max(1, round(TUNING["ws_waves"] * num_sms(index_q.device) / tiles))
         bps = TUNING["ws_bps"] or -(-max(1, -(-max_blocks // splits)) // CH.value) * CH.value
-        splits = -(-max_blocks // bps)
-        # ws_pairs: two items per program where the items take more than one program per SM
-        # and their pairs at most one (scores_ws.py, PAIRS); 2: always (tests)
-        sms = num_sms(index_q.device)
-        pairs = fp8 and (TUNING["ws_pairs"] == 2 or (
-            TUNING["ws_pairs"] == 1 and tiles * splits > sms >= -(-tiles * splits // 2)))
-        grid = (-(-tiles * splits // 2), 1) if pairs else (tiles, splits)
-        gluon = dict(bps=bps, num_splits=splits, H=num_heads, SMALL_Q=SMALL_Q, PAIRS=pairs,
+        gluon = dict(bps=bps, H=num_heads, SMALL_Q=SMALL_Q,
                      STAGES=TUNING["ws_stages" if fp8 else "ws_stages_16"],
                      CONSUMER_REGS=TUNING["ws_consumer_regs"],
                      CONSUMERS=TUNING["ws_consumers"], Q_IN_REGS=TUNING["ws_q_in_regs"],
                      CONVERT=TUNING["ws_maxima_convert"], SKIP_IDLE=TUNING["ws_skip_idle"],
                      REVERSE_TILES=TUNING["prefill_reverse_tiles"], num_warps=4,
                      WAIT_AT_END=ws_overlap, launch_pdl=ws_overlap)
-        launches.append((next(plan_serials), grid, dict(GLUON=gluon, FALLBACK=launches.pop())))
+        launches.append((next(plan_serials), (tiles, -(-max_blocks // bps)),
+                         dict(GLUON=gluon, FALLBACK=launches.pop())))
     return launches
 
 
@@ -290,8 +284,8 @@ def _launch_ws(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores
     k_desc = tma_descriptor(index_cache, (rows_k, head_dim), (head_dim, 1),
                             (index_cache.shape[1], head_dim))
     args = (q_desc, k_desc, cu_seqlens_q, seq_lens, block_table, scores, seq_lens.shape[0],
-            num_tokens, *block_table.stride(), *scores.stride(), kw["bps"], kw["num_splits"])
-    kwargs = {k: v for k, v in kw.items() if k not in ("bps", "num_splits")}
+            num_tokens, *block_table.stride(), *scores.stride(), kw["bps"])
+    kwargs = {k: v for k, v in kw.items() if k != "bps"}
     if serial is None:
         _block_scores_ws_kernel[grid](*args, **kwargs)
     else:

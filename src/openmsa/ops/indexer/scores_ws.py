@@ -83,13 +83,14 @@ def _next_request(cu_ptr, seq_lens_ptr, bt_ptr, stride_btr, stride_btb, num_requ
 
 
 @gluon.jit
-def _produce_item(k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr, stride_btr,
-                  stride_btb, num_requests, tile_begin, tile_end, b_first, r, t_req, t_next,
-                  seq_len, page, bps, j, BLOCK: gl.constexpr, SMALL_Q: gl.constexpr,
-                  STAGES: gl.constexpr):
-    """Every block of one (tile, split) item, in the consumers' order, into the ring (t_req,
-    t_next, seq_len, page: request r's, from the prologue; r = num_requests for an item without
-    work); j: blocks issued so far (the ring's position and phase), returned updated."""
+def _producer(k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr, stride_btr,
+              stride_btb, num_requests, tile_begin, tile_end, b_first, r_first, t_req, t_next,
+              seq_len, page, bps, BLOCK: gl.constexpr, SMALL_Q: gl.constexpr,
+              STAGES: gl.constexpr):
+    """One warp: every block this program scores, in the consumers' order, into the ring
+    (t_req, t_next, seq_len, page: request r_first's, from the prologue)."""
+    j = 0  # blocks issued so far (the ring's position and phase)
+    r = r_first
     while r < num_requests:
         first_pos, t_begin, t_end, n = _request_blocks(
             t_req, t_next, seq_len, tile_begin, tile_end, b_first, bps, BLOCK, SMALL_Q)
@@ -111,37 +112,19 @@ def _produce_item(k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr, st
         r, t_req, t_next, seq_len, page = _next_request(
             cu_ptr, seq_lens_ptr, bt_ptr, stride_btr, stride_btb, num_requests, r, t_req,
             tile_end, b_first)
-    return j
 
 
 @gluon.jit
-def _producer(k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr, stride_btr,
-              stride_btb, num_requests, bps, a_tile_begin, a_tile_end, a_b_first, a_r, a_t_req,
-              a_t_next, a_seq, a_page, b_tile_begin, b_tile_end, b_b_first, b_r, b_t_req,
-              b_t_next, b_seq, b_page, BLOCK: gl.constexpr, SMALL_Q: gl.constexpr,
-              STAGES: gl.constexpr, PAIRS: gl.constexpr):
-    """One warp: the keys of the program's item, then of its second item (PAIRS)."""
-    j = _produce_item(k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr, stride_btr,
-                      stride_btb, num_requests, a_tile_begin, a_tile_end, a_b_first, a_r,
-                      a_t_req, a_t_next, a_seq, a_page, bps, gl.to_tensor(0), BLOCK, SMALL_Q,
-                      STAGES)
-    if PAIRS:
-        _produce_item(k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr, stride_btr,
-                      stride_btb, num_requests, b_tile_begin, b_tile_end, b_b_first, b_r,
-                      b_t_req, b_t_next, b_seq, b_page, bps, j, BLOCK, SMALL_Q, STAGES)
-
-
-@gluon.jit
-def _consume_item(q_tile, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr,
-                  stride_btr, stride_btb, stride_ot, stride_oh, stride_ob, num_requests,
-                  tile_begin, tile_end, b_first, r, t_req, t_next, seq_len, page, bps, part, j,
-                  H: gl.constexpr, BLOCK: gl.constexpr, SMALL_Q: gl.constexpr,
-                  STAGES: gl.constexpr, Q_IN_REGS: gl.constexpr, CONVERT: gl.constexpr):
-    """One warpgroup's rows [part * 64, part * 64 + 64) of one (tile, split) item, their query
-    rows `q_tile` in shared memory; `mine`: its maxima of the current chunk of CH blocks,
-    [CH, 64] in shared memory; j: blocks consumed so far (the ring's position), returned."""
+def _consumer(q_smem, q_bar, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr,
+              stride_btr, stride_btb, stride_ot, stride_oh, stride_ob, num_requests,
+              tile_begin, tile_end, b_first, r_first, t_req, t_next, seq_len, page, bps, part,
+              H: gl.constexpr,
+              BLOCK: gl.constexpr, SMALL_Q: gl.constexpr, STAGES: gl.constexpr,
+              Q_IN_REGS: gl.constexpr, CONVERT: gl.constexpr):
+    """One warpgroup: rows [part * 64, part * 64 + 64) of the program's (token, head) rows;
+    `mine`: its maxima of the current chunk of CH blocks, [CH, 64] in shared memory."""
     # one MMA instruction: 64 rows x BLOCK keys x 32 bytes of head dim
-    KW: gl.constexpr = 256 // q_tile.dtype.primitive_bitwidth
+    KW: gl.constexpr = 256 // q_smem.dtype.primitive_bitwidth
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK, KW])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
@@ -150,13 +133,14 @@ def _consume_item(q_tile, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_p
     # so that each thread holds few of the rows' addresses (they live through the loop)
     out_l: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [1, 4], [0, 1])
     in_l: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])
+    mbarrier.wait(q_bar, 0)  # the tile's query rows (the kernel's prologue issued them)
     if Q_IN_REGS:
         # the query rows in registers (the MMA's A operand), read once: each MMA then reads
         # only its key tile from shared memory (16 registers a thread for fp8)
-        q_i = q_tile.load(gl.DotOperandLayout(
-            operand_index=0, parent=mma, k_width=32 // q_tile.dtype.primitive_bitwidth))
+        q_i = q_smem.index(part).load(gl.DotOperandLayout(
+            operand_index=0, parent=mma, k_width=32 // q_smem.dtype.primitive_bitwidth))
     else:
-        q_i = q_tile
+        q_i = q_smem.index(part)
     zero = gl.zeros([WG_ROWS, BLOCK], gl.float32, layout=mma)
     local = part * WG_ROWS + gl.arange(0, WG_ROWS, layout=rows_l)
     tok = tile_begin + local // H
@@ -165,6 +149,8 @@ def _consume_item(q_tile, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_p
     tok_o = tile_begin + local_o // H
     head_o = local_o % H
     cols_o = gl.arange(0, CH, layout=gl.SliceLayout(1, out_l))
+    j = 0
+    r = r_first
     while r < num_requests:
         first_pos, t_begin, t_end, n = _request_blocks(
             t_req, t_next, seq_len, tile_begin, tile_end, b_first, bps, BLOCK, SMALL_Q)
@@ -214,47 +200,35 @@ def _consume_item(q_tile, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_p
         r, t_req, t_next, seq_len, page = _next_request(
             cu_ptr, seq_lens_ptr, bt_ptr, stride_btr, stride_btb, num_requests, r, t_req,
             tile_end, b_first)
-    return j
 
 
 @gluon.jit
-def _consumer(q_smem, q_bar, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr,
-              stride_btr, stride_btb, stride_ot, stride_oh, stride_ob, num_requests, bps, part,
-              a_tile_begin, a_tile_end, a_b_first, a_r, a_t_req, a_t_next, a_seq, a_page,
-              b_tile_begin, b_tile_end, b_b_first, b_r, b_t_req, b_t_next, b_seq, b_page,
-              H: gl.constexpr, BLOCK: gl.constexpr, SMALL_Q: gl.constexpr, STAGES: gl.constexpr,
-              Q_IN_REGS: gl.constexpr, CONVERT: gl.constexpr, CONSUMERS: gl.constexpr,
-              PAIRS: gl.constexpr):
-    """One warpgroup: its rows of the program's item, then of its second item (PAIRS: their
-    query rows in q_smem's second CONSUMERS tiles)."""
-    mbarrier.wait(q_bar, 0)  # the items' query rows (the kernel's prologue issued them)
-    j = _consume_item(q_smem.index(part), k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr,
-                      bt_ptr, out_ptr, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
-                      num_requests, a_tile_begin, a_tile_end, a_b_first, a_r, a_t_req,
-                      a_t_next, a_seq, a_page, bps, part, gl.to_tensor(0), H, BLOCK, SMALL_Q,
-                      STAGES, Q_IN_REGS, CONVERT)
-    if PAIRS:
-        _consume_item(q_smem.index(CONSUMERS + part), k_smem, ready, empty, mine, cu_ptr,
-                      seq_lens_ptr, bt_ptr, out_ptr, stride_btr, stride_btb, stride_ot,
-                      stride_oh, stride_ob, num_requests, b_tile_begin, b_tile_end, b_b_first,
-                      b_r, b_t_req, b_t_next, b_seq, b_page, bps, part, j, H, BLOCK, SMALL_Q,
-                      STAGES, Q_IN_REGS, CONVERT)
-
-
-@gluon.jit
-def _look(cu_ptr, seq_lens_ptr, bt_ptr, stride_btr, stride_btb, num_requests, num_tokens, tile,
-          split, valid, bps, H: gl.constexpr, BLOCK: gl.constexpr, SMALL_Q: gl.constexpr,
-          ROWS_T: gl.constexpr, SKIP_IDLE: gl.constexpr, num_warps: gl.constexpr):
-    """One (tile, split) item's start: (its first token, its end, its first block, its first
-    request r, and r's cu_seqlens_q[r], cu_seqlens_q[r + 1], seq_lens[r], block_table[r, first
-    block]); r = num_requests when the item has no block to score (or `valid` is false), so
-    that the partitions' walks skip it. Two dependent memory round trips: the request lookup,
-    then one look at the window of requests overlapping the tile (at most ROWS_T hold a token,
-    plus any empty ones between), which also loads the first request's values."""
-    b_first = split * bps
-    tile_begin = tile * ROWS_T
+def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr,
+                            num_requests, num_tokens, stride_btr, stride_btb, stride_ot,
+                            stride_oh, stride_ob, bps, H: gl.constexpr, SMALL_Q: gl.constexpr,
+                            STAGES: gl.constexpr,
+                            CONSUMER_REGS: gl.constexpr, REVERSE_TILES: gl.constexpr,
+                            CONSUMERS: gl.constexpr, Q_IN_REGS: gl.constexpr,
+                            CONVERT: gl.constexpr, SKIP_IDLE: gl.constexpr,
+                            WAIT_AT_END: gl.constexpr, num_warps: gl.constexpr):
+    BLOCK: gl.constexpr = k_desc.block_type.shape[0]
+    DI: gl.constexpr = k_desc.block_type.shape[1]
+    ROWS_T: gl.constexpr = WG_ROWS * CONSUMERS // H
+    if WAIT_AT_END:
+        # (with the PDL of api.py's plan) a selection launched as a programmatic dependent of
+        # this one (select_short_pdl) may start its request lookups now, on the SMs this
+        # launch's last wave leaves idle; it reads scores only after this launch has finished
+        launch_dependents()
+    pid = gl.program_id(0)
+    if REVERSE_TILES:
+        # later tokens see more blocks: the longest programs first (scores.py)
+        pid = gl.num_programs(0) - 1 - pid
+    b_first = gl.program_id(1) * bps
+    tile_begin = pid * ROWS_T
     tile_end = gl.minimum(tile_begin + ROWS_T, num_tokens)
     r_first = find_request(cu_ptr, num_requests, tile_begin)
+    # one look at the requests overlapping the tile (at most ROWS_T hold a token, plus any
+    # empty ones between): a tile of decode tokens ends here without loading its queries
     win_l: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     WIN: gl.constexpr = 2 * 4 * WG_ROWS // H  # a power of two >= 2 * ROWS_T
     rr = r_first + gl.arange(0, WIN, layout=win_l)
@@ -284,64 +258,9 @@ def _look(cu_ptr, seq_lens_ptr, bt_ptr, stride_btr, stride_btb, num_requests, nu
     seq0 = gl.load(seq_lens_ptr + r_first, mask=ok0, other=0)
     page0 = gl.load(bt_ptr + r_first.to(gl.int64) * stride_btr + b_first * stride_btb, mask=ok0,
                     other=-1)
-    r_first = gl.where(valid & ((n_work > 0) | (n_seen >= WIN)), r_first, num_requests)
-    return tile_begin, tile_end, b_first, r_first, t_req0, t_next0, seq0, page0
-
-
-@gluon.jit
-def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr,
-                            num_requests, num_tokens, stride_btr, stride_btb, stride_ot,
-                            stride_oh, stride_ob, bps, num_splits, H: gl.constexpr,
-                            SMALL_Q: gl.constexpr, STAGES: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr, REVERSE_TILES: gl.constexpr,
-                            CONSUMERS: gl.constexpr, Q_IN_REGS: gl.constexpr,
-                            CONVERT: gl.constexpr, SKIP_IDLE: gl.constexpr,
-                            WAIT_AT_END: gl.constexpr, PAIRS: gl.constexpr,
-                            num_warps: gl.constexpr):
-    BLOCK: gl.constexpr = k_desc.block_type.shape[0]
-    DI: gl.constexpr = k_desc.block_type.shape[1]
-    ROWS_T: gl.constexpr = WG_ROWS * CONSUMERS // H
-    if WAIT_AT_END:
-        # (with the PDL of api.py's plan) a selection launched as a programmatic dependent of
-        # this one (select_short_pdl) may start its request lookups now, on the SMs this
-        # launch's last wave leaves idle; it reads scores only after this launch has finished
-        launch_dependents()
-    pid = gl.program_id(0)
-    if PAIRS:
-        # items (tile, split) numbered split-major, i = split * tiles + tile, and program p
-        # takes items p and I - 1 - p: in a causal triangle a tile's work grows with the tile
-        # and shrinks with the split, so the two complement each other (an 8K chunk with no
-        # context: 128 programs of 32-33 blocks, one wave, where the grid of single items ran
-        # 192 programs of 1-32 blocks, most SMs two of them, each with its own start)
-        tiles = gl.cdiv(num_tokens, ROWS_T)
-        item_b = tiles * num_splits - 1 - pid
-        tile_a = pid % tiles
-        split_a = pid // tiles
-        tile_b = item_b % tiles
-        split_b = item_b // tiles
-        valid_b = item_b > pid
-    else:
-        tile_a = pid
-        if REVERSE_TILES:
-            # later tokens see more blocks: the longest programs first (scores.py)
-            tile_a = gl.num_programs(0) - 1 - pid
-        split_a = gl.program_id(1)
-        tile_b = tile_a
-        split_b = split_a
-        valid_b = False
-    a_begin, a_end, a_b0, a_r, a_t0, a_t1, a_seq, a_page = _look(
-        cu_ptr, seq_lens_ptr, bt_ptr, stride_btr, stride_btb, num_requests, num_tokens, tile_a,
-        split_a, True, bps, H, BLOCK, SMALL_Q, ROWS_T, SKIP_IDLE, num_warps)
-    if PAIRS:
-        b_begin, b_end, b_b0, b_r, b_t0, b_t1, b_seq, b_page = _look(
-            cu_ptr, seq_lens_ptr, bt_ptr, stride_btr, stride_btb, num_requests, num_tokens,
-            tile_b, split_b, valid_b, bps, H, BLOCK, SMALL_Q, ROWS_T, SKIP_IDLE, num_warps)
-    else:
-        b_begin, b_end, b_b0, b_r, b_t0, b_t1, b_seq, b_page = (
-            a_begin, a_end, a_b0, num_requests, a_t0, a_t1, a_seq, a_page)
-    if (a_r < num_requests) | (b_r < num_requests):
-        Q_TILES: gl.constexpr = CONSUMERS * (2 if PAIRS else 1)
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [Q_TILES, WG_ROWS, DI], q_desc.layout)
+    if (n_work > 0) | (n_seen >= WIN):
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS, WG_ROWS, DI],
+                                           q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK, DI], k_desc.layout)
         # each consumer's maxima, [CH, 64] (a block's 64 maxima are one contiguous row)
         flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
@@ -356,72 +275,61 @@ def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=CONSUMERS)
         mbarrier.init(q_bar, count=1)
-        # the items' query rows, (token, head) major to minor; rows past T * H read as zeros.
+        # the tile's query rows, (token, head) major to minor; rows past T * H read as zeros.
         # The consumers wait for them, so that they arrive while the producer's first keys do
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes * Q_TILES)
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes * CONSUMERS)
         for p in gl.static_range(CONSUMERS):
-            tma.async_copy_global_to_shared(q_desc, [a_begin * H + p * WG_ROWS, 0], q_bar,
+            tma.async_copy_global_to_shared(q_desc, [tile_begin * H + p * WG_ROWS, 0], q_bar,
                                             q_smem.index(p))
-        if PAIRS:
-            for p in gl.static_range(CONSUMERS):
-                tma.async_copy_global_to_shared(q_desc, [b_begin * H + p * WG_ROWS, 0], q_bar,
-                                                q_smem.index(CONSUMERS + p))
         # (written out per consumer: adding tuples here turns their constexprs into ints)
         if CONSUMERS == 4:
             gl.warp_specialize([
                 (_consumer, (q_smem, q_bar, k_smem, ready, empty, maxima0, cu_ptr, seq_lens_ptr,
                              bt_ptr, out_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
-                             stride_ob, num_requests, bps, 0, a_begin, a_end, a_b0, a_r, a_t0,
-                             a_t1, a_seq, a_page, b_begin, b_end, b_b0, b_r, b_t0, b_t1, b_seq,
-                             b_page, H, BLOCK, SMALL_Q, STAGES, Q_IN_REGS, CONVERT, CONSUMERS,
-                             PAIRS)),
+                             stride_ob, num_requests, tile_begin, tile_end, b_first, r_first,
+                             t_req0, t_next0, seq0, page0, bps, 0, H, BLOCK, SMALL_Q, STAGES,
+                             Q_IN_REGS, CONVERT)),
                 (_consumer, (q_smem, q_bar, k_smem, ready, empty, maxima1, cu_ptr, seq_lens_ptr,
                              bt_ptr, out_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
-                             stride_ob, num_requests, bps, 1, a_begin, a_end, a_b0, a_r, a_t0,
-                             a_t1, a_seq, a_page, b_begin, b_end, b_b0, b_r, b_t0, b_t1, b_seq,
-                             b_page, H, BLOCK, SMALL_Q, STAGES, Q_IN_REGS, CONVERT, CONSUMERS,
-                             PAIRS)),
+                             stride_ob, num_requests, tile_begin, tile_end, b_first, r_first,
+                             t_req0, t_next0, seq0, page0, bps, 1, H, BLOCK, SMALL_Q, STAGES,
+                             Q_IN_REGS, CONVERT)),
                 (_consumer, (q_smem, q_bar, k_smem, ready, empty, maxima2, cu_ptr, seq_lens_ptr,
                              bt_ptr, out_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
-                             stride_ob, num_requests, bps, 2, a_begin, a_end, a_b0, a_r, a_t0,
-                             a_t1, a_seq, a_page, b_begin, b_end, b_b0, b_r, b_t0, b_t1, b_seq,
-                             b_page, H, BLOCK, SMALL_Q, STAGES, Q_IN_REGS, CONVERT, CONSUMERS,
-                             PAIRS)),
+                             stride_ob, num_requests, tile_begin, tile_end, b_first, r_first,
+                             t_req0, t_next0, seq0, page0, bps, 2, H, BLOCK, SMALL_Q, STAGES,
+                             Q_IN_REGS, CONVERT)),
                 (_consumer, (q_smem, q_bar, k_smem, ready, empty, maxima3, cu_ptr, seq_lens_ptr,
                              bt_ptr, out_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
-                             stride_ob, num_requests, bps, 3, a_begin, a_end, a_b0, a_r, a_t0,
-                             a_t1, a_seq, a_page, b_begin, b_end, b_b0, b_r, b_t0, b_t1, b_seq,
-                             b_page, H, BLOCK, SMALL_Q, STAGES, Q_IN_REGS, CONVERT, CONSUMERS,
-                             PAIRS)),
+                             stride_ob, num_requests, tile_begin, tile_end, b_first, r_first,
+                             t_req0, t_next0, seq0, page0, bps, 3, H, BLOCK, SMALL_Q, STAGES,
+                             Q_IN_REGS, CONVERT)),
                 (_producer, (k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr,
-                             stride_btr, stride_btb, num_requests, bps, a_begin, a_end, a_b0,
-                             a_r, a_t0, a_t1, a_seq, a_page, b_begin, b_end, b_b0, b_r, b_t0,
-                             b_t1, b_seq, b_page, BLOCK, SMALL_Q, STAGES, PAIRS)),
+                             stride_btr, stride_btb, num_requests, tile_begin, tile_end, b_first,
+                             r_first, t_req0, t_next0, seq0, page0, bps, BLOCK, SMALL_Q,
+                             STAGES)),
             ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, 24])
         else:
             gl.warp_specialize([
                 (_consumer, (q_smem, q_bar, k_smem, ready, empty, maxima0, cu_ptr, seq_lens_ptr,
                              bt_ptr, out_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
-                             stride_ob, num_requests, bps, 0, a_begin, a_end, a_b0, a_r, a_t0,
-                             a_t1, a_seq, a_page, b_begin, b_end, b_b0, b_r, b_t0, b_t1, b_seq,
-                             b_page, H, BLOCK, SMALL_Q, STAGES, Q_IN_REGS, CONVERT, CONSUMERS,
-                             PAIRS)),
+                             stride_ob, num_requests, tile_begin, tile_end, b_first, r_first,
+                             t_req0, t_next0, seq0, page0, bps, 0, H, BLOCK, SMALL_Q, STAGES,
+                             Q_IN_REGS, CONVERT)),
                 (_consumer, (q_smem, q_bar, k_smem, ready, empty, maxima1, cu_ptr, seq_lens_ptr,
                              bt_ptr, out_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
-                             stride_ob, num_requests, bps, 1, a_begin, a_end, a_b0, a_r, a_t0,
-                             a_t1, a_seq, a_page, b_begin, b_end, b_b0, b_r, b_t0, b_t1, b_seq,
-                             b_page, H, BLOCK, SMALL_Q, STAGES, Q_IN_REGS, CONVERT, CONSUMERS,
-                             PAIRS)),
+                             stride_ob, num_requests, tile_begin, tile_end, b_first, r_first,
+                             t_req0, t_next0, seq0, page0, bps, 1, H, BLOCK, SMALL_Q, STAGES,
+                             Q_IN_REGS, CONVERT)),
                 (_consumer, (q_smem, q_bar, k_smem, ready, empty, maxima2, cu_ptr, seq_lens_ptr,
                              bt_ptr, out_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
-                             stride_ob, num_requests, bps, 2, a_begin, a_end, a_b0, a_r, a_t0,
-                             a_t1, a_seq, a_page, b_begin, b_end, b_b0, b_r, b_t0, b_t1, b_seq,
-                             b_page, H, BLOCK, SMALL_Q, STAGES, Q_IN_REGS, CONVERT, CONSUMERS,
-                             PAIRS)),
+                             stride_ob, num_requests, tile_begin, tile_end, b_first, r_first,
+                             t_req0, t_next0, seq0, page0, bps, 2, H, BLOCK, SMALL_Q, STAGES,
+                             Q_IN_REGS, CONVERT)),
                 (_producer, (k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr,
-                             stride_btr, stride_btb, num_requests, bps, a_begin, a_end, a_b0,
-                             a_r, a_t0, a_t1, a_seq, a_page, b_begin, b_end, b_b0, b_r, b_t0,
-                             b_t1, b_seq, b_page, BLOCK, SMALL_Q, STAGES, PAIRS)),
+                             stride_btr, stride_btb, num_requests, tile_begin, tile_end, b_first,
+                             r_first, t_req0, t_next0, seq0, page0, bps, BLOCK, SMALL_Q,
+                             STAGES)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
     if WAIT_AT_END:
         # launched as a programmatic dependent of the request launch (api.py, tile_overlap:
