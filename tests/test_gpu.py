@@ -190,6 +190,32 @@ def test_prefill_gluon_tile_launch_exact(dtype, heads, form, monkeypatch):
     assert not calls
 
 
+@pytest.mark.parametrize("dtype", [FP8, torch.bfloat16])
+@pytest.mark.parametrize("q_len, seq_len, pad", [(5, 900, 30), (300, 1300, 0), (17, 17, 3),
+                                                 (40, 30, 0)])
+def test_one_request_step_tile_launch_only(dtype, q_len, seq_len, pad, monkeypatch):
+    """A step of one request and more than SMALL_Q tokens (api.py, tile_one_request): the tile
+    launch alone scores it whatever its q_len (a short request among padding tokens, a long
+    one, an invalid one with q_len > seq_len), exactly as the reference and as the two-launch
+    plan, through the Gluon and the Triton tile launches."""
+    from openmsa.ops.indexer import api
+    step = make_step([q_len], [seq_len], block_size=B, extra_columns=2, pad_tokens=pad)
+    q, c = random_index_inputs(step, num_heads=4, head_dim=128, block_size=B, q_dtype=dtype,
+                               cache_dtype=dtype, integer=True)
+    args = (step.cu_seqlens_q, step.seq_lens, step.block_table)
+    want = ref.block_scores(q, c, *args, block_size=B)
+    sel = ref.select_blocks(q, c, *args, block_size=B)
+    d = _cuda(step)
+    dargs = (q.cuda(), c.cuda(), d.cu_seqlens_q, d.seq_lens, d.block_table)
+    for ws in (True, False):
+        monkeypatch.setitem(api.TUNING, "prefill_ws", ws)
+        monkeypatch.setitem(api.TUNING, "prefill_ws_16", ws)
+        for one in (True, False):
+            monkeypatch.setitem(api.TUNING, "tile_one_request", one)
+            assert torch.equal(openmsa.block_scores(*dargs, block_size=B).cpu(), want)
+            assert torch.equal(openmsa.select_blocks(*dargs, block_size=B).cpu(), sel)
+
+
 @pytest.mark.parametrize("hint", [None, 4])
 def test_select_deterministic_and_graph_replay(hint):
     """A fixed-shape decode step is captured once and replayed with new lengths and queries;

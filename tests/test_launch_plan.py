@@ -148,6 +148,34 @@ def test_prefill_tile_launch_is_the_gluon_kernel_on_hopper(hopper, heads, want_g
     assert "GLUON" not in kwargs["FALLBACK"][2]  # the Triton tile launch, for unaligned bases
 
 
+@pytest.mark.parametrize("tokens, requests, max_q_len, knob, want", [
+    (8192, 1, None, True, ["tile"]),         # a one-request chunk: no request launch
+    (8192, 1, None, False, ["request", "tile"]),
+    (8192, 2, None, True, ["request", "tile"]),
+    (16, 1, None, True, ["request"]),        # T <= SMALL_Q: a decode or verify step
+    (64, 1, 4, True, ["request"]),           # the caller's bound: every request short
+])
+def test_one_request_step_makes_the_tile_launch_only(hopper, monkeypatch, tokens, requests,
+                                                     max_q_len, knob, want):
+    """tile_one_request: a step of one request and more than SMALL_Q tokens is scored by the
+    tile launch alone, which then takes any q_len (SMALL_Q 0) and is no programmatic dependent
+    (nothing of ours runs before it)."""
+    monkeypatch.setitem(indexer_api.TUNING, "tile_one_request", knob)
+    for dtype in (torch.float8_e4m3fn, torch.float32):  # the Gluon launch, the Triton one
+        q, c = _index_pair(tokens=tokens, dtype=dtype)
+        plan = indexer_api._scores_plan(q, c, requests, 64, 128, max_q_len)
+        kinds = ["tile" if kw.get("TILE_MODE") or "GLUON" in kw else "request"
+                 for _, _, kw in plan]
+        assert kinds == want
+        if want == ["tile"]:
+            kw = plan[0][2]
+            for launch in ([kw["GLUON"], kw["FALLBACK"][2]] if "GLUON" in kw else [kw]):
+                assert launch["SMALL_Q"] == 0 and not launch["launch_pdl"]
+        elif "tile" in want:
+            kw = plan[-1][2]
+            assert (kw["GLUON"] if "GLUON" in kw else kw)["SMALL_Q"] == indexer_api.SMALL_Q
+
+
 @pytest.mark.parametrize("case", ["heads3", "q_slice", "page_padding", "mixed", "dim64", "sm100",
                                   "off", "no_gluon"])
 def test_prefill_tile_launch_stays_triton(hopper, monkeypatch, case):

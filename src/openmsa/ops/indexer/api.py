@@ -43,7 +43,7 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               ws_maxima_convert=True, ws_skip_idle=True, ws_overlap=True,
               select_group_bound=True, select_group_min_blocks=2048, select_group_pack=True,
               select_short_rows=True, select_short_max=64, select_short_warps=1,
-              select_short_tpr=4, select_short_pdl=True)
+              select_short_tpr=4, select_short_pdl=True, tile_one_request=True)
 # select_short_rows: on Hopper, a selection launch of many rows of at most select_short_max
 # blocks (a prefill chunk with little context, a large decode step at short context) runs
 # select_rows.py's Gluon kernel, a row in select_short_tpr threads (select_short_warps warps per
@@ -87,6 +87,9 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
 # prefill tile launch too (no host sync can tell that no request is long); its programs look at
 # their requests in one vector load and end (quick exit), and the launch is a programmatic
 # dependent of the request launch, so it runs beside it rather than after (overlap)
+# tile_one_request: a step of one request and more than SMALL_Q tokens makes the tile launch
+# only, taking the request whatever its q_len: no request launch (~1 µs of device time in a
+# prefill chunk, where it finds no short request)
 # prefill_reverse_tiles, prefill_reverse_splits: the tile launch's programs dispatched last tile
 # first and/or last split first; in the causal triangle of a chunk with little context the
 # longest programs (last tiles, last split) were dispatched last. prefill_split_major: a tile's
@@ -170,7 +173,8 @@ def launch_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_tabl
 def _scores_plan(index_q, index_cache, num_requests: int, max_blocks: int, block_size: int,
                  max_q_len: int | None) -> list:
     """The scoring launches (serial, grid, keyword arguments) for these shapes: the request
-    launch and, unless every request is known to be short, the tile launch."""
+    launch (unless the step is one request of more than SMALL_Q tokens) and, unless every
+    request is known to be short, the tile launch."""
     num_tokens, num_heads, head_dim = index_q.shape
     if num_tokens == 0 or num_requests == 0 or max_blocks == 0:
         return []
@@ -200,9 +204,13 @@ def _scores_plan(index_q, index_cache, num_requests: int, max_blocks: int, block
     # skipped by the hint alone, the tile launch's requests go to the request launch, which then
     # takes any q_len (ANY_Q); with T <= SMALL_Q no request can be longer, and the bound stays
     any_q = only_requests and num_tokens > SMALL_Q
+    # one request in a step of more than SMALL_Q tokens: it is a prefill chunk (or a step of
+    # mostly padding tokens), so the tile launch takes it whatever its q_len and the request
+    # launch, which would find nothing to do, is not made
+    one_request = TUNING["tile_one_request"] and num_requests == 1 and not only_requests
     # (each launch with a serial number: launch_planned's key, see ops/common/launch.py; the
     # call key fixes every int and dtype the launches pass)
-    launches = [(next(plan_serials), grid, dict(
+    launches = [] if one_request else [(next(plan_serials), grid, dict(
         BPS=bps, TILE_MODE=False, ROWS_T=rows_t, **common, SMALL_Q=ANY_Q if any_q else SMALL_Q,
         KEYS_AS_ROWS=keys_as_rows, num_warps=TUNING["decode_warps"],
         num_stages=TUNING["decode_stages"], table_width=max_blocks,
@@ -218,11 +226,14 @@ def _scores_plan(index_q, index_cache, num_requests: int, max_blocks: int, block
     split_major = TUNING["prefill_split_major"]
     if split_major:
         grid = grid[::-1]
-    overlap = TUNING["tile_overlap"] and common["PDL"]
+    # (overlap: a programmatic dependent of the request launch, when there is one)
+    overlap = TUNING["tile_overlap"] and common["PDL"] and not one_request
+    tile_small_q = 0 if one_request else SMALL_Q
     launches.append((next(plan_serials), grid, dict(
         BPS=bps, TILE_MODE=True, ROWS_T=rows_t, **common, SPLIT_MAJOR=split_major,
         REVERSE_TILES=TUNING["prefill_reverse_tiles"],
-        REVERSE_SPLITS=TUNING["prefill_reverse_splits"], SMALL_Q=SMALL_Q, KEYS_AS_ROWS=False,
+        REVERSE_SPLITS=TUNING["prefill_reverse_splits"], SMALL_Q=tile_small_q,
+        KEYS_AS_ROWS=False,
         QUICK_EXIT=TUNING["tile_quick_exit"], WAIT_AT_END=overlap, launch_pdl=overlap,
         num_warps=TUNING["prefill_warps_fp8" if fp8 else "prefill_warps"],
         num_stages=TUNING["prefill_stages_fp8" if fp8 else "prefill_stages"])))
@@ -230,18 +241,21 @@ def _scores_plan(index_q, index_cache, num_requests: int, max_blocks: int, block
         # the Gluon kernel instead, the Triton launch kept for a base address TMA cannot take
         from .scores_ws import CH, WG_ROWS
         ws_overlap = TUNING["ws_overlap"] and common["PDL"]
+        # (alone, it is no programmatic dependent, but its programs still let the selection
+        # launch after it start early: WAIT_AT_END, whose wait then returns at once)
+        wait_at_end = ws_overlap or (one_request and common["PDL"])
         rows_t = TUNING["ws_consumers"] * WG_ROWS.value // num_heads
         tiles = -(-num_tokens // rows_t)
         # splits for ws_waves programs per SM (one program fits on an SM), whole chunks of CH
         splits = max(1, round(TUNING["ws_waves"] * num_sms(index_q.device) / tiles))
         bps = TUNING["ws_bps"] or -(-max(1, -(-max_blocks // splits)) // CH.value) * CH.value
-        gluon = dict(bps=bps, H=num_heads, SMALL_Q=SMALL_Q,
+        gluon = dict(bps=bps, H=num_heads, SMALL_Q=tile_small_q,
                      STAGES=TUNING["ws_stages" if fp8 else "ws_stages_16"],
                      CONSUMER_REGS=TUNING["ws_consumer_regs"],
                      CONSUMERS=TUNING["ws_consumers"], Q_IN_REGS=TUNING["ws_q_in_regs"],
                      CONVERT=TUNING["ws_maxima_convert"], SKIP_IDLE=TUNING["ws_skip_idle"],
                      REVERSE_TILES=TUNING["prefill_reverse_tiles"], num_warps=4,
-                     WAIT_AT_END=ws_overlap, launch_pdl=ws_overlap)
+                     WAIT_AT_END=wait_at_end, launch_pdl=ws_overlap and not one_request)
         launches.append((next(plan_serials), (tiles, -(-max_blocks // bps)),
                          dict(GLUON=gluon, FALLBACK=launches.pop())))
     return launches
