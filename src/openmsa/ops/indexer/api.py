@@ -43,8 +43,7 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               ws_maxima_convert=True, ws_skip_idle=True, ws_overlap=True,
               select_group_bound=True, select_group_min_blocks=2048, select_group_pack=True,
               select_short_rows=True, select_short_max=64, select_short_warps=1,
-              select_short_tpr=4, select_short_pdl=True, tile_one_request=True,
-              ws_half_n=False, ws_maxnreg=0)
+              select_short_tpr=4, select_short_pdl=True, tile_one_request=True)
 # select_short_rows: on Hopper, a selection launch of many rows of at most select_short_max
 # blocks (a prefill chunk with little context, a large decode step at short context) runs
 # select_rows.py's Gluon kernel, a row in select_short_tpr threads (select_short_warps warps per
@@ -62,10 +61,6 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
 # warp-specialised Gluon kernel where the layouts allow TMA (_ws_eligible); ws_waves programs
 # per SM in the grid (each split as long as that allows), or ws_bps blocks per split if set;
 # ws_stages key buffers; ws_consumer_regs registers per consumer thread (setmaxnreg)
-# ws_half_n: each block's keys in two MMAs of 64 (half the accumulator registers);
-# ws_maxnreg: the Gluon launch's register cap (0: the compiler's). With ws_consumers 2 and
-# ws_stages 4, a cap of 80 fits two programs per SM (offline: 80 registers, no spills, 107 KB
-# of shared memory), one's start beside the other's MMAs; ptxas needs ~90 for a 128-key MMA
 # ws_maxima_convert: a consumer reads its chunk of maxima back one block's 32 rows per warp
 # instruction and converts the tile to the store's layout in registers (the compiler's scratch),
 # instead of reading 8 blocks x 4 rows per instruction, which hit each bank 8 times (Nsight
@@ -259,8 +254,6 @@ def _scores_plan(index_q, index_cache, num_requests: int, max_blocks: int, block
                      CONSUMER_REGS=TUNING["ws_consumer_regs"],
                      CONSUMERS=TUNING["ws_consumers"], Q_IN_REGS=TUNING["ws_q_in_regs"],
                      CONVERT=TUNING["ws_maxima_convert"], SKIP_IDLE=TUNING["ws_skip_idle"],
-                     HALF_N=TUNING["ws_half_n"],
-                     **({"maxnreg": TUNING["ws_maxnreg"]} if TUNING["ws_maxnreg"] else {}),
                      REVERSE_TILES=TUNING["prefill_reverse_tiles"], num_warps=4,
                      WAIT_AT_END=wait_at_end, launch_pdl=ws_overlap and not one_request)
         launches.append((next(plan_serials), (tiles, -(-max_blocks // bps)),

@@ -120,14 +120,13 @@ def _consumer(q_smem, q_bar, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, b
               tile_begin, tile_end, b_first, r_first, t_req, t_next, seq_len, page, bps, part,
               H: gl.constexpr,
               BLOCK: gl.constexpr, SMALL_Q: gl.constexpr, STAGES: gl.constexpr,
-              Q_IN_REGS: gl.constexpr, CONVERT: gl.constexpr, HALF_N: gl.constexpr):
+              Q_IN_REGS: gl.constexpr, CONVERT: gl.constexpr):
     """One warpgroup: rows [part * 64, part * 64 + 64) of the program's (token, head) rows;
     `mine`: its maxima of the current chunk of CH blocks, [CH, 64] in shared memory."""
     # one MMA instruction: 64 rows x BLOCK keys x 32 bytes of head dim
     KW: gl.constexpr = 256 // q_smem.dtype.primitive_bitwidth
-    N: gl.constexpr = BLOCK // 2 if HALF_N else BLOCK  # keys per MMA
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, N, KW])
+                                                  instr_shape=[16, BLOCK, KW])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     keys_l: gl.constexpr = gl.SliceLayout(0, mma)
     # a chunk's store: 8 consecutive blocks (a 32-byte sector) of 4 rows per warp instruction,
@@ -142,10 +141,10 @@ def _consumer(q_smem, q_bar, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, b
             operand_index=0, parent=mma, k_width=32 // q_smem.dtype.primitive_bitwidth))
     else:
         q_i = q_smem.index(part)
-    zero = gl.zeros([WG_ROWS, N], gl.float32, layout=mma)
+    zero = gl.zeros([WG_ROWS, BLOCK], gl.float32, layout=mma)
     local = part * WG_ROWS + gl.arange(0, WG_ROWS, layout=rows_l)
     tok = tile_begin + local // H
-    keys = gl.arange(0, N, layout=keys_l)
+    keys = gl.arange(0, BLOCK, layout=keys_l)
     local_o = part * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(0, out_l))
     tok_o = tile_begin + local_o // H
     head_o = local_o % H
@@ -167,34 +166,15 @@ def _consumer(q_smem, q_bar, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, b
             c = i % CH
             s = j % STAGES
             mbarrier.wait(ready.index(s), (j // STAGES) & 1)
-            if HALF_N:
-                # the block's keys in two MMAs of BLOCK / 2 (half the accumulator registers)
-                acc = warpgroup_mma(q_i, k_smem.index(s).slice(0, N).permute((1, 0)), zero,
-                                    use_acc=False, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                if b >= b_full:
-                    acc = gl.where((b * BLOCK + keys)[None, :] <= pos[:, None], acc,
-                                   float("-inf"))
-                best = gl.max(acc, axis=1)
-                acc = warpgroup_mma(q_i, k_smem.index(s).slice(N, N).permute((1, 0)), zero,
-                                    use_acc=False, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                mbarrier.arrive(empty.index(s), count=1)
-                if b >= b_full:
-                    acc = gl.where((b * BLOCK + N + keys)[None, :] <= pos[:, None], acc,
-                                   float("-inf"))
-                best = gl.maximum(best, gl.max(acc, axis=1))
-            else:
-                acc = warpgroup_mma(q_i, k_smem.index(s).permute((1, 0)), zero, use_acc=False,
-                                    is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                mbarrier.arrive(empty.index(s), count=1)
-                if b >= b_full:
-                    acc = gl.where((b * BLOCK + keys)[None, :] <= pos[:, None], acc,
-                                   float("-inf"))
-                # the max skips NaN (PTX max.f32), so only an all-NaN row is left to clean
-                best = gl.max(acc, axis=1)
-            # (also gl.maximum's); a skipped page's buffer holds zeros
+            acc = warpgroup_mma(q_i, k_smem.index(s).permute((1, 0)), zero, use_acc=False,
+                                is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(empty.index(s), count=1)
+            if b >= b_full:
+                acc = gl.where((b * BLOCK + keys)[None, :] <= pos[:, None], acc, float("-inf"))
+            # the max skips NaN (PTX max.f32), so only an all-NaN row is left to clean; a
+            # skipped page's buffer holds zeros
+            best = gl.max(acc, axis=1)
             best = gl.where((best == best) & (page >= 0), best, float("-inf"))
             mine.index(c).store(best)
             page = page_next
@@ -230,8 +210,7 @@ def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
                             CONSUMER_REGS: gl.constexpr, REVERSE_TILES: gl.constexpr,
                             CONSUMERS: gl.constexpr, Q_IN_REGS: gl.constexpr,
                             CONVERT: gl.constexpr, SKIP_IDLE: gl.constexpr,
-                            WAIT_AT_END: gl.constexpr, num_warps: gl.constexpr,
-                            HALF_N: gl.constexpr = False):
+                            WAIT_AT_END: gl.constexpr, num_warps: gl.constexpr):
     BLOCK: gl.constexpr = k_desc.block_type.shape[0]
     DI: gl.constexpr = k_desc.block_type.shape[1]
     ROWS_T: gl.constexpr = WG_ROWS * CONSUMERS // H
@@ -287,10 +266,8 @@ def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
         flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
         maxima0 = gl.allocate_shared_memory(gl.float32, [CH, WG_ROWS], flat)
         maxima1 = gl.allocate_shared_memory(gl.float32, [CH, WG_ROWS], flat)
-        if CONSUMERS >= 3:
-            maxima2 = gl.allocate_shared_memory(gl.float32, [CH, WG_ROWS], flat)
-        if CONSUMERS == 4:
-            maxima3 = gl.allocate_shared_memory(gl.float32, [CH, WG_ROWS], flat)
+        maxima2 = gl.allocate_shared_memory(gl.float32, [CH, WG_ROWS], flat)
+        maxima3 = gl.allocate_shared_memory(gl.float32, [CH, WG_ROWS], flat)  # (4 consumers)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -311,63 +288,44 @@ def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
                              bt_ptr, out_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
                              stride_ob, num_requests, tile_begin, tile_end, b_first, r_first,
                              t_req0, t_next0, seq0, page0, bps, 0, H, BLOCK, SMALL_Q, STAGES,
-                             Q_IN_REGS, CONVERT, HALF_N)),
+                             Q_IN_REGS, CONVERT)),
                 (_consumer, (q_smem, q_bar, k_smem, ready, empty, maxima1, cu_ptr, seq_lens_ptr,
                              bt_ptr, out_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
                              stride_ob, num_requests, tile_begin, tile_end, b_first, r_first,
                              t_req0, t_next0, seq0, page0, bps, 1, H, BLOCK, SMALL_Q, STAGES,
-                             Q_IN_REGS, CONVERT, HALF_N)),
+                             Q_IN_REGS, CONVERT)),
                 (_consumer, (q_smem, q_bar, k_smem, ready, empty, maxima2, cu_ptr, seq_lens_ptr,
                              bt_ptr, out_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
                              stride_ob, num_requests, tile_begin, tile_end, b_first, r_first,
                              t_req0, t_next0, seq0, page0, bps, 2, H, BLOCK, SMALL_Q, STAGES,
-                             Q_IN_REGS, CONVERT, HALF_N)),
+                             Q_IN_REGS, CONVERT)),
                 (_consumer, (q_smem, q_bar, k_smem, ready, empty, maxima3, cu_ptr, seq_lens_ptr,
                              bt_ptr, out_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
                              stride_ob, num_requests, tile_begin, tile_end, b_first, r_first,
                              t_req0, t_next0, seq0, page0, bps, 3, H, BLOCK, SMALL_Q, STAGES,
-                             Q_IN_REGS, CONVERT, HALF_N)),
+                             Q_IN_REGS, CONVERT)),
                 (_producer, (k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr,
                              stride_btr, stride_btb, num_requests, tile_begin, tile_end, b_first,
                              r_first, t_req0, t_next0, seq0, page0, bps, BLOCK, SMALL_Q,
                              STAGES)),
             ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, 24])
-        elif CONSUMERS == 2:
-            # (128 rows: with a launch cap of 80 registers, two programs fit on an SM, so one's
-            # start runs beside the other's MMAs; api.py, ws_consumers)
-            gl.warp_specialize([
-                (_consumer, (q_smem, q_bar, k_smem, ready, empty, maxima0, cu_ptr, seq_lens_ptr,
-                             bt_ptr, out_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
-                             stride_ob, num_requests, tile_begin, tile_end, b_first, r_first,
-                             t_req0, t_next0, seq0, page0, bps, 0, H, BLOCK, SMALL_Q, STAGES,
-                             Q_IN_REGS, CONVERT, HALF_N)),
-                (_consumer, (q_smem, q_bar, k_smem, ready, empty, maxima1, cu_ptr, seq_lens_ptr,
-                             bt_ptr, out_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
-                             stride_ob, num_requests, tile_begin, tile_end, b_first, r_first,
-                             t_req0, t_next0, seq0, page0, bps, 1, H, BLOCK, SMALL_Q, STAGES,
-                             Q_IN_REGS, CONVERT, HALF_N)),
-                (_producer, (k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr,
-                             stride_btr, stride_btb, num_requests, tile_begin, tile_end, b_first,
-                             r_first, t_req0, t_next0, seq0, page0, bps, BLOCK, SMALL_Q,
-                             STAGES)),
-            ], [4, 1], [CONSUMER_REGS, 24])
         else:
             gl.warp_specialize([
                 (_consumer, (q_smem, q_bar, k_smem, ready, empty, maxima0, cu_ptr, seq_lens_ptr,
                              bt_ptr, out_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
                              stride_ob, num_requests, tile_begin, tile_end, b_first, r_first,
                              t_req0, t_next0, seq0, page0, bps, 0, H, BLOCK, SMALL_Q, STAGES,
-                             Q_IN_REGS, CONVERT, HALF_N)),
+                             Q_IN_REGS, CONVERT)),
                 (_consumer, (q_smem, q_bar, k_smem, ready, empty, maxima1, cu_ptr, seq_lens_ptr,
                              bt_ptr, out_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
                              stride_ob, num_requests, tile_begin, tile_end, b_first, r_first,
                              t_req0, t_next0, seq0, page0, bps, 1, H, BLOCK, SMALL_Q, STAGES,
-                             Q_IN_REGS, CONVERT, HALF_N)),
+                             Q_IN_REGS, CONVERT)),
                 (_consumer, (q_smem, q_bar, k_smem, ready, empty, maxima2, cu_ptr, seq_lens_ptr,
                              bt_ptr, out_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
                              stride_ob, num_requests, tile_begin, tile_end, b_first, r_first,
                              t_req0, t_next0, seq0, page0, bps, 2, H, BLOCK, SMALL_Q, STAGES,
-                             Q_IN_REGS, CONVERT, HALF_N)),
+                             Q_IN_REGS, CONVERT)),
                 (_producer, (k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr,
                              stride_btr, stride_btb, num_requests, tile_begin, tile_end, b_first,
                              r_first, t_req0, t_next0, seq0, page0, bps, BLOCK, SMALL_Q,
