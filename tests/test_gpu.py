@@ -260,11 +260,10 @@ def _short_rows_on(num_rows, heads, width, topk):
     return plan[-1] is not None
 
 
-@pytest.mark.parametrize("topk, init, local, heads, extra, tpr, interp", [
-    (16, 0, 1, 4, 0, 4, 0), (16, 1, 2, 4, 3, 1, 0), (4, 0, 1, 1, 1, 8, 0), (64, 2, 3, 2, 0, 4, 0),
-    (8, 1, 1, 4, 8, 2, 0), (16, 0, 1, 4, 0, 4, 8), (16, 1, 2, 4, 3, 1, 8), (64, 2, 3, 2, 0, 4, 8),
-    (8, 1, 1, 4, 8, 2, 2)])
-def test_short_rows_selection_exact(topk, init, local, heads, extra, tpr, interp, monkeypatch):
+@pytest.mark.parametrize("topk, init, local, heads, extra, tpr", [
+    (16, 0, 1, 4, 0, 4), (16, 1, 2, 4, 3, 1), (4, 0, 1, 1, 1, 8), (64, 2, 3, 2, 0, 4),
+    (8, 1, 1, 4, 8, 2)])
+def test_short_rows_selection_exact(topk, init, local, heads, extra, tpr, monkeypatch):
     """select_rows.py (tpr threads per row) against the reference selection from the same
     scores: a chunk with no context (rows of 1 to 6 blocks), a chunk after context, decode,
     verify, a request with q_len > seq_len and one with no token, padding tokens; integer
@@ -274,7 +273,6 @@ def test_short_rows_selection_exact(topk, init, local, heads, extra, tpr, interp
     from openmsa.ops.indexer import api
     from openmsa.ops.indexer import reference as indexer_ref
     monkeypatch.setitem(api.TUNING, "select_short_tpr", tpr)
-    monkeypatch.setitem(api.TUNING, "select_short_interp", interp)  # (interpolated steps)
     step = make_step([700, 300, 1, 4, 5, 0], [700, 5000, 3000, 2003, 3, 128], block_size=B,
                      extra_columns=extra, pad_tokens=3)
     width = step.block_table.shape[1]

@@ -84,18 +84,6 @@ def _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, t, BLOCK: gl.constexpr):
 
 
 @gluon.jit
-def _value_midpoint(lo, hi, mid):
-    """The key of the midpoint of the values of keys lo and hi where it lies strictly between
-    them, else mid. Not for every step: halving values toward a tie at 0.0 would take ~150
-    steps down the subnormals, where halving keys ends in 32."""
-    lo_v = _value(lo)
-    hi_v = _value(hi)
-    by_value = _key(lo_v * 0.5 + hi_v * 0.5)
-    finite = (gl.abs(lo_v) < float("inf")) & (gl.abs(hi_v) < float("inf"))
-    return gl.where(finite & (by_value > lo) & (by_value < hi), by_value, mid)
-
-
-@gluon.jit
 def _add(a, b):
     return a + b
 
@@ -113,8 +101,7 @@ def _short_rows_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_reque
                             stride_ok, H: gl.constexpr, TOPK: gl.constexpr, KP: gl.constexpr,
                             INIT: gl.constexpr, LOCAL: gl.constexpr, BLOCK: gl.constexpr,
                             G: gl.constexpr, W: gl.constexpr, VEC: gl.constexpr, TPR: gl.constexpr,
-                            num_warps: gl.constexpr, PDL: gl.constexpr = False,
-                            INTERP_STEPS: gl.constexpr = 0):
+                            num_warps: gl.constexpr, PDL: gl.constexpr = False):
     # a row's SEG = G * W blocks in TPR threads' registers, SEG / TPR contiguous ones each
     SEG: gl.constexpr = G * W
     row_l: gl.constexpr = gl.BlockedLayout([1, SEG // TPR], [32 // TPR, TPR], [num_warps, 1],
@@ -158,51 +145,32 @@ def _short_rows_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_reque
     high = gl.max(v, axis=1)  # (max and min skip NaN)
     # (-0.0 as +0.0: the key above -0.0's is +0.0, an equal value)
     hi = _key(gl.where(high == 0.0, 0.0, high)) + 1
-    if INTERP_STEPS > 0:
-        # lo: the smallest value, which all n - INIT - LOCAL searched values reach (c_lo);
-        # none reaches hi (c_hi)
-        lo = _key(gl.min(v, axis=1))
-        c_lo = n - INIT - LOCAL
-        c_hi = gl.zeros_like(n)
-    else:
-        # lo: the smallest of G >= K2 group maxima (each such group holds a value at least
-        # that large), over the groups holding a searched value when K2 of them do; else the
-        # smallest value
-        group_max = gl.max(gl.reshape(v, [ROWS, G, W]), axis=2)
-        groups = gl.convert_layout(gl.sum((group_max == group_max).to(gl.int32), axis=1), r_l)
-        low = gl.where(groups >= K2, gl.convert_layout(gl.min(group_max, axis=1), r_l),
-                       gl.min(v, axis=1))
-        lo = _key(low)
+    # lo: the smallest of G >= K2 group maxima (each such group holds a value at least that
+    # large), over the groups holding a searched value when K2 of them do; else the smallest
+    # value
+    group_max = gl.max(gl.reshape(v, [ROWS, G, W]), axis=2)
+    groups = gl.convert_layout(gl.sum((group_max == group_max).to(gl.int32), axis=1), r_l)
+    low = gl.where(groups >= K2, gl.convert_layout(gl.min(group_max, axis=1), r_l),
+                   gl.min(v, axis=1))
+    lo = _key(low)
     searching = (n > TOPK) & (K2 > 0) & (lo + 1 < hi)
     step = 0
     while gl.max(searching.to(gl.int32), axis=0) > 0:
         # (floor of (lo + hi) / 2 without overflow)
         mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)
-        if INTERP_STEPS > 0:
-            if step < INTERP_STEPS:
-                # the value where K2 of the interval's c_lo - c_hi values would lie above it,
-                # were they spread evenly over [lo, hi) (regula falsi on the count): 4.3 steps
-                # on average and 7.5 per 8-row warp (its slowest row) on the benchmark's
-                # no-context rows, against 5.6 and 9.0 for the value midpoints (offline model,
-                # docs/performance.md)
-                lo_v = _value(lo)
-                hi_v = _value(hi)
-                frac = gl.fdiv((K2 - c_hi).to(gl.float32), (c_lo - c_hi).to(gl.float32))
-                guess = _key(hi_v - (hi_v - lo_v) * frac)
-                finite = (gl.abs(lo_v) < float("inf")) & (gl.abs(hi_v) < float("inf"))
-                mid = gl.where(finite & (guess > lo) & (guess < hi), guess, mid)
-            elif step < INTERP_STEPS + VALUE_STEPS:
-                mid = _value_midpoint(lo, hi, mid)
-        elif step < VALUE_STEPS:
-            mid = _value_midpoint(lo, hi, mid)
+        if step < VALUE_STEPS:
+            # the values' midpoint; not for ever: halving values toward a tie at 0.0 would take
+            # ~150 steps down the subnormals, where halving keys ends in 32
+            lo_v = _value(lo)
+            hi_v = _value(hi)
+            by_value = _key(lo_v * 0.5 + hi_v * 0.5)
+            finite = (gl.abs(lo_v) < float("inf")) & (gl.abs(hi_v) < float("inf"))
+            mid = gl.where(finite & (by_value > lo) & (by_value < hi), by_value, mid)
         step += 1
         count = _count(v, gl.expand_dims(_value(mid), 1), "ge")
         reach = count >= K2
         lo = gl.where(searching & reach, mid, lo)
         hi = gl.where(searching & (reach == 0), mid, hi)
-        if INTERP_STEPS > 0:
-            c_lo = gl.where(searching & reach, count, c_lo)
-            c_hi = gl.where(searching & (reach == 0), count, c_hi)
         searching = searching & (count != K2) & (lo + 1 < hi)
     thresh = gl.expand_dims(_value(lo), 1)
     above = v > thresh
