@@ -18,6 +18,12 @@ whole 128-key blocks and 3 stages, 185 / 139 KB for bf16). Count before you meas
                                   # (path, blocks per program, scratch, warps[, chunk])
     python3 benchmarks/resources.py --sass sel:search,64,0,1   # + its search loops (those
                                   # with a warp-wide sum, REDUX)
+    python3 benchmarks/resources.py --sass rows:16,4,4,1   # the short-row selection (Gluon,
+                                  # select_rows.py: groups, blocks per group, threads per row,
+                                  # warps) and its search loop (the one with shuffles)
+
+With --sass each loop's line also counts its instructions on Hopper's ALU pipe (integer and
+logic operations, compares, selects, min/max: half rate, 2 warp instructions per cycle per SM).
 
 Programs per SM = min(65536 // (regs rounded up to 8 * 32 * warps), 228 KB // (smem + 1 KB)).
 """
@@ -71,8 +77,15 @@ def _loop_mix(sass: str, top: int = 12, marker: str = r"\b[HQ]?G?MMA"):
         # opcode without predicate and modifiers: LDS.U8 and LDS.128 both count as LDS
         ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
                                   for t in body)
-        result.append((len(body), ops.most_common(top), ops["BAR"]))
+        result.append((len(body), ops.most_common(top), ops["BAR"],
+                       sum(n for op, n in ops.items() if op in ALU_OPS)))
     return result
+
+
+# SASS opcodes that issue to the ALU pipe (the rest of the arithmetic, FFMA / FMUL / FADD /
+# IMAD / VIADD, to the FMA pipe)
+ALU_OPS = {"FSETP", "FSET", "FMNMX", "FSEL", "ISETP", "SEL", "LOP3", "SHF", "IADD3", "VIMNMX",
+           "PLOP3", "LEA", "IABS", "PRMT", "FLO", "POPC", "BREV", "P2R", "R2P"}
 
 
 def attention_resources(kv: str, sub: int, stages: int, warps: int, splits: int = 2,
@@ -144,7 +157,20 @@ def select_resources(path: str, seg: int, cap: int, warps: int, chunk: int = 0,
     return _compile(_segment_topk_kernel, constexprs, ptrs, 1, warps, sass, marker=r"\bREDUX")
 
 
-def _compile(fn, constexprs, pointers, stages, warps, sass, marker=r"\b[HQ]?G?MMA"):
+def short_rows_resources(g: int, w: int, tpr: int, warps: int, sass: bool = False):
+    """The selection of short rows (select_rows.py, Gluon): G groups of W blocks per row, TPR
+    threads per row, as api.py launches it for an 8K chunk with no context (PDL, 16-byte
+    loads); with `sass`, its search loop (the one whose counts cross threads: SHFL)."""
+    from openmsa.ops.indexer.select_rows import _short_rows_topk_kernel
+    ptrs = dict(scores_ptr="*fp32", cu_ptr="*i32", seq_lens_ptr="*i32", out_ptr="*i32")
+    constexprs = dict(H=4, TOPK=16, KP=16, INIT=0, LOCAL=1, BLOCK=128, G=g, W=w, VEC=4,
+                      TPR=tpr, PDL=True, stride_sb=1, stride_ok=1, num_warps=warps)
+    return _compile(_short_rows_topk_kernel, constexprs, ptrs, 1, warps, sass,
+                    marker=r"\bSHFL", gluon=True)
+
+
+def _compile(fn, constexprs, pointers, stages, warps, sass, marker=r"\b[HQ]?G?MMA",
+             gluon=False):
     # constexpr parameters left out take their defaults (as in a launch that does not pass
     # them), not a run-time int
     constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default},
@@ -154,8 +180,13 @@ def _compile(fn, constexprs, pointers, stages, warps, sass, marker=r"\b[HQ]?G?MM
                  for name in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
              if name not in constexprs and (name in pointers or name.startswith("stride"))}
-    src = ASTSource(fn=fn, signature=signature, attrs=attrs,
-                    constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    if gluon:
+        from triton.experimental.gluon._runtime import GluonASTSource
+        src = GluonASTSource(fn, signature,
+                             {(fn.arg_names.index(k),): v for k, v in constexprs.items()}, attrs)
+    else:
+        src = ASTSource(fn=fn, signature=signature, attrs=attrs,
+                        constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=warps, num_stages=stages,
                                            **({"maxnreg": int(os.environ["MAXNREG"])}
@@ -188,9 +219,10 @@ def _compile(fn, constexprs, pointers, stages, warps, sass, marker=r"\b[HQ]?G?MM
 
 
 def _print_loops(mix):
-    for count, ops, bars in mix or []:
+    for count, ops, bars, alu in mix or []:
         # each BAR stalls the whole program until its slowest warp arrives
-        print(f"      loop: {count} instructions per warp per iteration, {bars} BAR; {ops}")
+        print(f"      loop: {count} instructions per warp per iteration ({alu} on the ALU "
+              f"pipe), {bars} BAR; {ops}")
 
 
 if __name__ == "__main__":
@@ -207,6 +239,14 @@ if __name__ == "__main__":
                                                               decode=arg.startswith("idec:"))
             print(f"{arg[:4]:6s} {kv:5s} rows {rows} bps {bps} {stages:>6s} {warps:>5s}  {regs:9d} "
                   f"{spills:11d} {smem / 1024:7.1f} {per_sm:12d}", flush=True)
+            _print_loops(mix)
+            continue
+        if arg.startswith("rows:"):
+            g, w, tpr, warps = arg.split(":")[1].split(",")
+            regs, spills, smem, per_sm, mix = short_rows_resources(int(g), int(w), int(tpr),
+                                                                   int(warps), sass=want_sass)
+            print(f"rows   G {g} W {w} tpr {tpr} {warps:>5s}  {regs:9d} {spills:11d} "
+                  f"{smem / 1024:7.1f} {min(per_sm, 32):12d}", flush=True)
             _print_loops(mix)
             continue
         if arg.startswith("sel:"):

@@ -281,3 +281,8 @@ def test_resources_tool():
     assert 0 < regs <= 255
     regs, spills, _, _, loops = resources.select_resources("search", 64, 0, 1, sass=True)
     assert spills == 0 and loops, "no search loop (a REDUX in a backward branch) found"
+    # the short-row selection (Gluon): its search loop, and its ALU-pipe share counted
+    regs, spills, _, _, loops = resources.short_rows_resources(16, 4, 4, 1, sass=True)
+    assert spills == 0 and len(loops) == 1, "no search loop (a SHFL in a backward branch)"
+    count, _, _, alu = loops[0]
+    assert 0 < alu < count
