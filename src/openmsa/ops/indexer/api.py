@@ -469,6 +469,9 @@ def block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, b
             FlashInfer's max_seqlen_q). At most 16 (decode, speculative verify), a step of more
             than 16 tokens runs one launch instead of two. A speed hint only: were a request
             longer, its scores would still be exact (computed on the decode path, slowly).
+            Without it, a step of one request and more than 16 tokens runs the prefill (tile)
+            launch alone, right for a prefill chunk and slower for one decode or verify
+            request padded past 16 tokens, which the hint keeps on the decode path.
 
     Returns:
         fp32 [T, H, max_blocks], -inf past each token's causal blocks and for padding tokens.
