@@ -260,11 +260,14 @@ def _short_rows_on(num_rows, heads, width, topk):
     return plan[-1] is not None
 
 
-@pytest.mark.parametrize("topk, init, local, heads, extra, tpr, floats", [
-    (16, 0, 1, 4, 0, 4, False), (16, 1, 2, 4, 3, 1, False), (4, 0, 1, 1, 1, 8, False),
-    (64, 2, 3, 2, 0, 4, False), (8, 1, 1, 4, 8, 2, False), (16, 0, 1, 4, 0, 4, True),
-    (16, 1, 2, 4, 3, 1, True), (64, 2, 3, 2, 0, 4, True), (8, 1, 1, 4, 8, 2, True)])
-def test_short_rows_selection_exact(topk, init, local, heads, extra, tpr, floats, monkeypatch):
+@pytest.mark.parametrize("topk, init, local, heads, extra, tpr, floats, reverse", [
+    (16, 0, 1, 4, 0, 4, False, False), (16, 1, 2, 4, 3, 1, False, False),
+    (4, 0, 1, 1, 1, 8, False, False), (64, 2, 3, 2, 0, 4, False, False),
+    (8, 1, 1, 4, 8, 2, False, False), (16, 0, 1, 4, 0, 4, True, False),
+    (16, 1, 2, 4, 3, 1, True, True), (64, 2, 3, 2, 0, 4, True, False),
+    (8, 1, 1, 4, 8, 2, True, True), (16, 0, 1, 4, 0, 4, False, True)])
+def test_short_rows_selection_exact(topk, init, local, heads, extra, tpr, floats, reverse,
+                                    monkeypatch):
     """select_rows.py (tpr threads per row) against the reference selection from the same
     scores: a chunk with no context (rows of 1 to 6 blocks), a chunk after context, decode,
     verify, a request with q_len > seq_len and one with no token, padding tokens; integer
@@ -275,6 +278,7 @@ def test_short_rows_selection_exact(topk, init, local, heads, extra, tpr, floats
     from openmsa.ops.indexer import reference as indexer_ref
     monkeypatch.setitem(api.TUNING, "select_short_tpr", tpr)
     monkeypatch.setitem(api.TUNING, "select_short_float_counts", floats)
+    monkeypatch.setitem(api.TUNING, "select_short_reverse", reverse)
     step = make_step([700, 300, 1, 4, 5, 0], [700, 5000, 3000, 2003, 3, 128], block_size=B,
                      extra_columns=extra, pad_tokens=3)
     width = step.block_table.shape[1]

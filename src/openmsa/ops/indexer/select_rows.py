@@ -110,14 +110,20 @@ def _short_rows_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_reque
                             INIT: gl.constexpr, LOCAL: gl.constexpr, BLOCK: gl.constexpr,
                             G: gl.constexpr, W: gl.constexpr, VEC: gl.constexpr, TPR: gl.constexpr,
                             num_warps: gl.constexpr, PDL: gl.constexpr = False,
-                            FLOAT_COUNTS: gl.constexpr = False):
+                            FLOAT_COUNTS: gl.constexpr = False, REVERSE: gl.constexpr = False):
     # a row's SEG = G * W blocks in TPR threads' registers, SEG / TPR contiguous ones each
     SEG: gl.constexpr = G * W
     row_l: gl.constexpr = gl.BlockedLayout([1, SEG // TPR], [32 // TPR, TPR], [num_warps, 1],
                                            [1, 0])
     r_l: gl.constexpr = gl.SliceLayout(1, row_l)
     ROWS: gl.constexpr = 32 // TPR * num_warps
-    rows = gl.program_id(0) * ROWS + gl.arange(0, ROWS, layout=r_l)
+    pid = gl.program_id(0)
+    if REVERSE:
+        # the last rows first: in a chunk's token order a row's causal blocks grow with its
+        # token, so the programs of the longest rows start in the first wave and the last,
+        # partial wave holds the shortest (select_short_reverse)
+        pid = gl.num_programs(0) - 1 - pid
+    rows = pid * ROWS + gl.arange(0, ROWS, layout=r_l)
     t = rows // H
     h = rows % H
     b = gl.expand_dims(gl.arange(0, SEG, layout=gl.SliceLayout(0, row_l)), 0)
