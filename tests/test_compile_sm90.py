@@ -106,7 +106,8 @@ def test_short_rows_topk_kernel(g, w, vec, tpr, warps):
     from openmsa.ops.indexer.select_rows import _short_rows_topk_kernel as fn
     constexprs = dict(H=4, TOPK=min(16, g * w), KP=16, INIT=0, LOCAL=1, BLOCK=128, G=g, W=w,
                       VEC=vec, TPR=tpr, num_warps=warps, stride_sb=1, PDL=tpr == 4,
-                      FLOAT_COUNTS=vec == 4, REVERSE=warps == 1)
+                      FLOAT_COUNTS=vec == 4, REVERSE=warps == 1,
+                      LEAN=tpr != 2)
     signature = {n: "constexpr" if n in constexprs else "i32" for n in fn.arg_names}
     signature.update(scores_ptr=F32, out_ptr=I32, cu_ptr=I32, seq_lens_ptr=I32)
     aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]

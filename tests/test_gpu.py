@@ -260,14 +260,16 @@ def _short_rows_on(num_rows, heads, width, topk):
     return plan[-1] is not None
 
 
-@pytest.mark.parametrize("topk, init, local, heads, extra, tpr, floats, reverse", [
-    (16, 0, 1, 4, 0, 4, False, False), (16, 1, 2, 4, 3, 1, False, False),
-    (4, 0, 1, 1, 1, 8, False, False), (64, 2, 3, 2, 0, 4, False, False),
-    (8, 1, 1, 4, 8, 2, False, False), (16, 0, 1, 4, 0, 4, True, False),
-    (16, 1, 2, 4, 3, 1, True, True), (64, 2, 3, 2, 0, 4, True, False),
-    (8, 1, 1, 4, 8, 2, True, True), (16, 0, 1, 4, 0, 4, False, True)])
-def test_short_rows_selection_exact(topk, init, local, heads, extra, tpr, floats, reverse,
-                                    monkeypatch):
+_SHORT_KNOBS = [{}, dict(select_short_float_counts=True),
+                dict(select_short_float_counts=True, select_short_reverse=True,
+                     select_short_lean=True), dict(select_short_lean=True)]
+
+
+@pytest.mark.parametrize("knobs", range(len(_SHORT_KNOBS)))
+@pytest.mark.parametrize("topk, init, local, heads, extra, tpr", [
+    (16, 0, 1, 4, 0, 4), (16, 1, 2, 4, 3, 1), (4, 0, 1, 1, 1, 8), (64, 2, 3, 2, 0, 4),
+    (8, 1, 1, 4, 8, 2), (3, 1, 2, 2, 0, 4)])
+def test_short_rows_selection_exact(topk, init, local, heads, extra, tpr, knobs, monkeypatch):
     """select_rows.py (tpr threads per row) against the reference selection from the same
     scores: a chunk with no context (rows of 1 to 6 blocks), a chunk after context, decode,
     verify, a request with q_len > seq_len and one with no token, padding tokens; integer
@@ -277,8 +279,8 @@ def test_short_rows_selection_exact(topk, init, local, heads, extra, tpr, floats
     from openmsa.ops.indexer import api
     from openmsa.ops.indexer import reference as indexer_ref
     monkeypatch.setitem(api.TUNING, "select_short_tpr", tpr)
-    monkeypatch.setitem(api.TUNING, "select_short_float_counts", floats)
-    monkeypatch.setitem(api.TUNING, "select_short_reverse", reverse)
+    for knob, value in _SHORT_KNOBS[knobs].items():
+        monkeypatch.setitem(api.TUNING, knob, value)
     step = make_step([700, 300, 1, 4, 5, 0], [700, 5000, 3000, 2003, 3, 128], block_size=B,
                      extra_columns=extra, pad_tokens=3)
     width = step.block_table.shape[1]

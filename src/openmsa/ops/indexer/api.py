@@ -44,7 +44,8 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               select_group_bound=True, select_group_min_blocks=2048, select_group_pack=True,
               select_short_rows=True, select_short_max=64, select_short_warps=1,
               select_short_tpr=4, select_short_pdl=True, tile_one_request=True,
-              select_short_float_counts=False, select_short_reverse=False)
+              select_short_float_counts=False, select_short_reverse=False,
+              select_short_lean=False)
 # select_short_rows: on Hopper, a selection launch of many rows of at most select_short_max
 # blocks (a prefill chunk with little context, a large decode step at short context) runs
 # select_rows.py's Gluon kernel, a row in select_short_tpr threads (select_short_warps warps per
@@ -55,6 +56,8 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
 # _count: half of each count on the FMA pipe instead of all on the ALU pipe); not measured yet
 # select_short_reverse: that kernel's programs take their rows from the last (the longest rows
 # of a chunk first, the shortest in the last partial wave); not measured yet
+# select_short_lean: that kernel's masks with fewer instructions per value (an unsigned
+# compare for the searched blocks, a max for NaN, the pick as one compare); not measured yet
 # select_short_pdl: that launch is a programmatic dependent of the scoring launch before it
 # (request lookups first, then griddepcontrol.wait before the first score is read)
 # select_group_bound: rows of at least select_group_min_blocks blocks on the threshold path
@@ -447,7 +450,8 @@ def _select_plan(num_tokens, num_heads, max_blocks, topk, init_blocks, local_blo
                      TPR=min(TUNING["select_short_tpr"], width),
                      num_warps=TUNING["select_short_warps"],
                      FLOAT_COUNTS=TUNING["select_short_float_counts"],
-                     REVERSE=TUNING["select_short_reverse"])
+                     REVERSE=TUNING["select_short_reverse"],
+                     LEAN=TUNING["select_short_lean"])
         if TUNING["select_short_pdl"] and _pdl(device):
             short.update(PDL=True, launch_pdl=True)
     return next(plan_serials), num_segments, cap, kp, kwargs, merge_kwargs, group, short

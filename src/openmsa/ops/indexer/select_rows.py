@@ -110,7 +110,8 @@ def _short_rows_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_reque
                             INIT: gl.constexpr, LOCAL: gl.constexpr, BLOCK: gl.constexpr,
                             G: gl.constexpr, W: gl.constexpr, VEC: gl.constexpr, TPR: gl.constexpr,
                             num_warps: gl.constexpr, PDL: gl.constexpr = False,
-                            FLOAT_COUNTS: gl.constexpr = False, REVERSE: gl.constexpr = False):
+                            FLOAT_COUNTS: gl.constexpr = False, REVERSE: gl.constexpr = False,
+                            LEAN: gl.constexpr = False):
     # a row's SEG = G * W blocks in TPR threads' registers, SEG / TPR contiguous ones each
     SEG: gl.constexpr = G * W
     row_l: gl.constexpr = gl.BlockedLayout([1, SEG // TPR], [32 // TPR, TPR], [num_warps, 1],
@@ -142,10 +143,18 @@ def _short_rows_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_reque
     piece = (b // VEC) * VEC
     s = gl.load(row + b * stride_sb, mask=(piece < max_blocks) & (piece < n2),
                 other=float("-inf"))
-    forced = live & ((b < INIT) | (b >= n2 - LOCAL))
-    # the values searched: the scores of the causal blocks not forced (NaN as -inf); forced and
-    # absent blocks as NaN, which no comparison counts
-    v = gl.where(live & (forced == 0), gl.where(s != s, float("-inf"), s), float("nan"))
+    if LEAN:
+        # (select_short_lean: fewer instructions per value, each thread's 16 values written
+        # out one by one in SASS) searched: INIT <= b < n - LOCAL as one unsigned compare;
+        # NaN as -inf by a max, which ignores NaN
+        searched = ((b - INIT).to(gl.uint32, bitcast=True)
+                    < gl.maximum(n2 - (INIT + LOCAL), 0).to(gl.uint32, bitcast=True))
+        v = gl.where(searched, gl.maximum(s, float("-inf")), float("nan"))
+    else:
+        forced = live & ((b < INIT) | (b >= n2 - LOCAL))
+        # the values searched: the scores of the causal blocks not forced (NaN as -inf);
+        # forced and absent blocks as NaN, which no comparison counts
+        v = gl.where(live & (forced == 0), gl.where(s != s, float("-inf"), s), float("nan"))
 
     # a row of n > TOPK blocks picks its INIT + LOCAL forced blocks (n > TOPK >= INIT + LOCAL:
     # they are distinct) and the K2 best of the others: the values above the K2-th largest,
@@ -191,7 +200,17 @@ def _short_rows_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_reque
     above = v > thresh
     tied = v == thresh
     search = gl.expand_dims((n > TOPK) & (K2 > 0), 1)
-    picked = gl.where(gl.expand_dims(n > TOPK, 1), forced, live) | (search & (above | tied))
+    if LEAN:
+        # forced = live and not searched (v NaN: v < anything is false); a row of n <= TOPK
+        # takes all its live blocks (a threshold of -inf, which every searched value reaches)
+        if K2 > 0:
+            low_pick = gl.expand_dims(gl.where(n > TOPK, _value(lo), float("-inf")), 1)
+            picked = live & ((v < low_pick) == 0)
+        else:
+            picked = live & ((v != v) | (gl.expand_dims(n, 1) <= TOPK))
+        forced = live & (v != v)
+    else:
+        picked = gl.where(gl.expand_dims(n > TOPK, 1), forced, live) | (search & (above | tied))
     # more values equal to the K2-th largest than fit (a search that ended on adjacent keys,
     # not on a count of exactly K2): of those the lowest blocks. Rare on real scores, so the
     # running count in block order runs only in programs that hold such a row
@@ -202,9 +221,14 @@ def _short_rows_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_reque
             above | (tied & (_rank_in_order(tied.to(gl.int32)) <= need))))
     slot = _rank_in_order(picked.to(gl.int32)) - 1
     out_row = out_ptr + t.to(gl.int64) * stride_ot + h.to(gl.int64) * stride_oh
-    in_range = gl.expand_dims(rows < num_rows, 1)
-    gl.store(gl.expand_dims(out_row, 1) + slot * stride_ok, b + gl.zeros_like(slot),
-             mask=picked & in_range)
+    if LEAN:
+        # (rows past num_rows have n = 0: nothing live, nothing picked)
+        gl.store(gl.expand_dims(out_row, 1) + slot * stride_ok, b + gl.zeros_like(slot),
+                 mask=picked)
+    else:
+        in_range = gl.expand_dims(rows < num_rows, 1)
+        gl.store(gl.expand_dims(out_row, 1) + slot * stride_ok, b + gl.zeros_like(slot),
+                 mask=picked & in_range)
     # -1 after the picks, up to K: only rows of fewer than TOPK blocks (n > TOPK picks INIT +
     # LOCAL + K2 = TOPK blocks), so only in programs that hold one
     if gl.max(((n < TOPK) & (rows < num_rows)).to(gl.int32), axis=0) > 0:
