@@ -44,20 +44,17 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               select_group_bound=True, select_group_min_blocks=2048, select_group_pack=True,
               select_short_rows=True, select_short_max=64, select_short_warps=1,
               select_short_tpr=4, select_short_pdl=True, tile_one_request=True,
-              select_short_float_counts=False, select_short_reverse=False,
-              select_short_lean=False)
+              select_short_reverse=True)
 # select_short_rows: on Hopper, a selection launch of many rows of at most select_short_max
 # blocks (a prefill chunk with little context, a large decode step at short context) runs
 # select_rows.py's Gluon kernel, a row in select_short_tpr threads (select_short_warps warps per
 # program), instead of one warp per row. Measured (tune.py --only indexer-prefill, 51983df, one
 # call, interleaved): the selection of an 8K chunk with no context 22.5 -> 15.9 µs, the whole
 # select_blocks 57.6 -> 51.1 (fp8), 75.4 -> 67.7 (bf16); tpr 1 / 2 / 8: 18.5 / 17.0 / 16.4.
-# select_short_float_counts: that kernel counts with float compares and adds (select_rows.py,
-# _count: half of each count on the FMA pipe instead of all on the ALU pipe); not measured yet
-# select_short_reverse: that kernel's programs take their rows from the last (the longest rows
-# of a chunk first, the shortest in the last partial wave); not measured yet
-# select_short_lean: that kernel's masks with fewer instructions per value (an unsigned
-# compare for the searched blocks, a max for NaN, the pick as one compare); not measured yet
+# select_short_reverse: that kernel's programs take their rows from the last (a chunk's longest
+# rows first, the shortest in the last partial wave). Measured with the kernel's float counts
+# and lean masks (tune.py --only indexer-prefill, 08299b3, one call, interleaved, device µs):
+# 8K@0 fp8 45.9 -> 45.2, its selection 12.4 -> 12.1; without them 47.6 -> 47.4.
 # select_short_pdl: that launch is a programmatic dependent of the scoring launch before it
 # (request lookups first, then griddepcontrol.wait before the first score is read)
 # select_group_bound: rows of at least select_group_min_blocks blocks on the threshold path
@@ -449,9 +446,7 @@ def _select_plan(num_tokens, num_heads, max_blocks, topk, init_blocks, local_blo
                      BLOCK=block_size, G=g, W=width // g, VEC=4 if max_blocks % 4 == 0 else 1,
                      TPR=min(TUNING["select_short_tpr"], width),
                      num_warps=TUNING["select_short_warps"],
-                     FLOAT_COUNTS=TUNING["select_short_float_counts"],
-                     REVERSE=TUNING["select_short_reverse"],
-                     LEAN=TUNING["select_short_lean"])
+                     REVERSE=TUNING["select_short_reverse"])
         if TUNING["select_short_pdl"] and _pdl(device):
             short.update(PDL=True, launch_pdl=True)
     return next(plan_serials), num_segments, cap, kp, kwargs, merge_kwargs, group, short

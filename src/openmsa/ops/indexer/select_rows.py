@@ -46,22 +46,17 @@ def _value(key):
 
 
 @gluon.jit
-def _count(v, c, OP: gl.constexpr, FLOAT: gl.constexpr = False):
+def _count(v, c, OP: gl.constexpr):
     """Per row, how many of its values v compare OP ("ge" or "gt") to c (per row, [rows, 1]);
-    NaN never does. Written as PTX `set` (-1 or 0 per value) and a plain sum: summing the
-    comparisons as booleans lets LLVM pack them into bit masks for a popcount, ~5 PTX
-    instructions per value in the search's loop instead of 2. FLOAT: `set` to 1.0 or 0.0 and
-    a float sum (exact: at most 64 ones). ptxas makes the integer `set` an FSETP and a SEL per
-    value, summed by IADD3s, all on the ALU pipe (half rate), and the float one an FSET (ALU)
-    and an FADD (FMA pipe): the search loop's ALU instructions per step 73 -> 50 offline."""
-    if FLOAT:
-        hit = gl.inline_asm_elementwise(f"set.{OP}.f32.f32 $0, $1, $2;", "=f,f,f", [v, c],
-                                        dtype=gl.float32, is_pure=True, pack=1)
-        return gl.sum(hit, axis=1).to(gl.int32)
-    else:
-        hit = gl.inline_asm_elementwise(f"set.{OP}.s32.f32 $0, $1, $2;", "=r,r,r", [v, c],
-                                        dtype=gl.int32, is_pure=True, pack=1)
-        return -gl.sum(hit, axis=1)
+    NaN never does. Written as PTX `set` to 1.0 or 0.0 per value and a float sum (exact: at
+    most 64 ones): ptxas makes that an FSET (ALU pipe) and an FADD (FMA pipe) per value,
+    where `set` to an integer became an FSETP and a SEL summed by IADD3s, all on the ALU pipe
+    (half rate on Hopper, and what this kernel is bound by: Nsight Compute, 70% of its peak).
+    (A sum of the comparisons as booleans would let LLVM pack them into bit masks for a
+    popcount, ~5 PTX instructions per value instead of 2.)"""
+    hit = gl.inline_asm_elementwise(f"set.{OP}.f32.f32 $0, $1, $2;", "=f,f,f", [v, c],
+                                    dtype=gl.float32, is_pure=True, pack=1)
+    return gl.sum(hit, axis=1).to(gl.int32)
 
 
 @gluon.jit
@@ -110,8 +105,7 @@ def _short_rows_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_reque
                             INIT: gl.constexpr, LOCAL: gl.constexpr, BLOCK: gl.constexpr,
                             G: gl.constexpr, W: gl.constexpr, VEC: gl.constexpr, TPR: gl.constexpr,
                             num_warps: gl.constexpr, PDL: gl.constexpr = False,
-                            FLOAT_COUNTS: gl.constexpr = False, REVERSE: gl.constexpr = False,
-                            LEAN: gl.constexpr = False):
+                            REVERSE: gl.constexpr = True):
     # a row's SEG = G * W blocks in TPR threads' registers, SEG / TPR contiguous ones each
     SEG: gl.constexpr = G * W
     row_l: gl.constexpr = gl.BlockedLayout([1, SEG // TPR], [32 // TPR, TPR], [num_warps, 1],
@@ -143,18 +137,13 @@ def _short_rows_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_reque
     piece = (b // VEC) * VEC
     s = gl.load(row + b * stride_sb, mask=(piece < max_blocks) & (piece < n2),
                 other=float("-inf"))
-    if LEAN:
-        # (select_short_lean: fewer instructions per value, each thread's 16 values written
-        # out one by one in SASS) searched: INIT <= b < n - LOCAL as one unsigned compare;
-        # NaN as -inf by a max, which ignores NaN
-        searched = ((b - INIT).to(gl.uint32, bitcast=True)
-                    < gl.maximum(n2 - (INIT + LOCAL), 0).to(gl.uint32, bitcast=True))
-        v = gl.where(searched, gl.maximum(s, float("-inf")), float("nan"))
-    else:
-        forced = live & ((b < INIT) | (b >= n2 - LOCAL))
-        # the values searched: the scores of the causal blocks not forced (NaN as -inf);
-        # forced and absent blocks as NaN, which no comparison counts
-        v = gl.where(live & (forced == 0), gl.where(s != s, float("-inf"), s), float("nan"))
+    # the values searched: the scores of the causal blocks not forced, INIT <= b < n - LOCAL
+    # (one unsigned compare), NaN as -inf (a max ignores NaN); forced and absent blocks as NaN,
+    # which no comparison counts. (Each thread's values are separate registers in SASS, so an
+    # instruction per value saved here is 16 per thread: this kernel is ALU-bound.)
+    searched = ((b - INIT).to(gl.uint32, bitcast=True)
+                < gl.maximum(n2 - (INIT + LOCAL), 0).to(gl.uint32, bitcast=True))
+    v = gl.where(searched, gl.maximum(s, float("-inf")), float("nan"))
 
     # a row of n > TOPK blocks picks its INIT + LOCAL forced blocks (n > TOPK >= INIT + LOCAL:
     # they are distinct) and the K2 best of the others: the values above the K2-th largest,
@@ -191,44 +180,37 @@ def _short_rows_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_reque
             finite = (gl.abs(lo_v) < float("inf")) & (gl.abs(hi_v) < float("inf"))
             mid = gl.where(finite & (by_value > lo) & (by_value < hi), by_value, mid)
         step += 1
-        count = _count(v, gl.expand_dims(_value(mid), 1), "ge", FLOAT_COUNTS)
+        count = _count(v, gl.expand_dims(_value(mid), 1), "ge")
         reach = count >= K2
         lo = gl.where(searching & reach, mid, lo)
         hi = gl.where(searching & (reach == 0), mid, hi)
         searching = searching & (count != K2) & (lo + 1 < hi)
     thresh = gl.expand_dims(_value(lo), 1)
-    above = v > thresh
-    tied = v == thresh
-    search = gl.expand_dims((n > TOPK) & (K2 > 0), 1)
-    if LEAN:
-        # forced = live and not searched (v NaN: v < anything is false); a row of n <= TOPK
-        # takes all its live blocks (a threshold of -inf, which every searched value reaches)
-        if K2 > 0:
-            low_pick = gl.expand_dims(gl.where(n > TOPK, _value(lo), float("-inf")), 1)
-            picked = live & ((v < low_pick) == 0)
-        else:
-            picked = live & ((v != v) | (gl.expand_dims(n, 1) <= TOPK))
-        forced = live & (v != v)
+    # the forced blocks are the live ones not searched (v NaN, which no comparison passes); a
+    # row of n <= TOPK takes all its live blocks (a threshold of -inf, which every searched
+    # value reaches)
+    forced = live & (v != v)
+    if K2 > 0:
+        low_pick = gl.expand_dims(gl.where(n > TOPK, _value(lo), float("-inf")), 1)
+        picked = live & ((v < low_pick) == 0)
     else:
-        picked = gl.where(gl.expand_dims(n > TOPK, 1), forced, live) | (search & (above | tied))
+        picked = live & ((v != v) | (gl.expand_dims(n, 1) <= TOPK))
     # more values equal to the K2-th largest than fit (a search that ended on adjacent keys,
     # not on a count of exactly K2): of those the lowest blocks. Rare on real scores, so the
     # running count in block order runs only in programs that hold such a row
-    over = _count(v, thresh, "ge", FLOAT_COUNTS) > K2
+    over = _count(v, thresh, "ge") > K2
     if gl.max((((n > TOPK) & (K2 > 0)) & over).to(gl.int32), axis=0) > 0:
-        need = gl.expand_dims(K2 - _count(v, thresh, "gt", FLOAT_COUNTS), 1)
+        need = gl.expand_dims(K2 - _count(v, thresh, "gt"), 1)
+        above = v > thresh
+        tied = v == thresh
+        search = gl.expand_dims((n > TOPK) & (K2 > 0), 1)
         picked = gl.where(gl.expand_dims(n > TOPK, 1), forced, live) | (search & (
             above | (tied & (_rank_in_order(tied.to(gl.int32)) <= need))))
     slot = _rank_in_order(picked.to(gl.int32)) - 1
     out_row = out_ptr + t.to(gl.int64) * stride_ot + h.to(gl.int64) * stride_oh
-    if LEAN:
-        # (rows past num_rows have n = 0: nothing live, nothing picked)
-        gl.store(gl.expand_dims(out_row, 1) + slot * stride_ok, b + gl.zeros_like(slot),
-                 mask=picked)
-    else:
-        in_range = gl.expand_dims(rows < num_rows, 1)
-        gl.store(gl.expand_dims(out_row, 1) + slot * stride_ok, b + gl.zeros_like(slot),
-                 mask=picked & in_range)
+    # (rows past num_rows have n = 0: nothing live, nothing picked)
+    gl.store(gl.expand_dims(out_row, 1) + slot * stride_ok, b + gl.zeros_like(slot),
+             mask=picked)
     # -1 after the picks, up to K: only rows of fewer than TOPK blocks (n > TOPK picks INIT +
     # LOCAL + K2 = TOPK blocks), so only in programs that hold one
     if gl.max(((n < TOPK) & (rows < num_rows)).to(gl.int32), axis=0) > 0:
