@@ -93,7 +93,7 @@ def test_block_scores_ws_kernel(dtype, heads):
 
 @pytest.mark.parametrize("g, w, vec, tpr, warps", [(16, 4, 4, 4, 1), (16, 4, 4, 1, 1),
                                                   (16, 1, 4, 2, 2), (8, 1, 1, 4, 1),
-                                                  (64, 1, 4, 4, 1)])
+                                                  (64, 1, 4, 4, 1), (16, 64, 4, 32, 1)])
 def test_short_rows_topk_kernel(g, w, vec, tpr, warps):
     # the selection with a row in tpr threads (indexer/select_rows.py): a row's counts cross
     # only its threads (no shared memory with one warp, shuffles only with tpr > 1 or several

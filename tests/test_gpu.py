@@ -260,7 +260,7 @@ def _short_rows_on(num_rows, heads, width, topk):
     return plan[-1] is not None
 
 
-_SHORT_KNOBS = [{}, dict(select_short_reverse=False)]
+_SHORT_KNOBS = [{}, dict(select_short_reverse=False), dict(select_short_max=1024)]
 
 
 @pytest.mark.parametrize("knobs", range(len(_SHORT_KNOBS)))
@@ -273,16 +273,20 @@ def test_short_rows_selection_exact(topk, init, local, heads, extra, tpr, knobs,
     verify, a request with q_len > seq_len and one with no token, padding tokens; integer
     scores (ties the rule decides) with NaN, -inf, +inf and -0.0 among them, a row of one
     value; transposed scores and out (strided, and scalar loads where 4 does not divide the
-    width)."""
+    width); with select_short_max 1024, rows of up to ~940 blocks (16 or more per thread, a
+    warp per row)."""
     from openmsa.ops.indexer import api
     from openmsa.ops.indexer import reference as indexer_ref
     monkeypatch.setitem(api.TUNING, "select_short_tpr", tpr)
     for knob, value in _SHORT_KNOBS[knobs].items():
         monkeypatch.setitem(api.TUNING, knob, value)
-    step = make_step([700, 300, 1, 4, 5, 0], [700, 5000, 3000, 2003, 3, 128], block_size=B,
-                     extra_columns=extra, pad_tokens=3)
+    wide = "select_short_max" in _SHORT_KNOBS[knobs]
+    seq_lens = [700, 120000, 3000, 60000, 3, 128] if wide else [700, 5000, 3000, 2003, 3, 128]
+    step = make_step([700, 300, 1, 4, 5, 0], seq_lens, block_size=B, extra_columns=extra,
+                     pad_tokens=3)
     width = step.block_table.shape[1]
-    assert width <= 64 and _short_rows_on(step.num_tokens * heads, heads, width, topk)
+    assert (64 < width <= 1024) if wide else (width <= 64)
+    assert _short_rows_on(step.num_tokens * heads, heads, width, topk)
     g = torch.Generator().manual_seed(topk + extra)
     scores = torch.randint(-3, 4, (step.num_tokens, heads, width), generator=g).float()
     special = torch.rand(scores.shape, generator=g)

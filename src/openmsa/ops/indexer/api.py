@@ -444,7 +444,8 @@ def _select_plan(num_tokens, num_heads, max_blocks, topk, init_blocks, local_blo
         g = min(kp, width)
         short = dict(H=num_heads, TOPK=topk, KP=kp, INIT=init_blocks, LOCAL=local_blocks,
                      BLOCK=block_size, G=g, W=width // g, VEC=4 if max_blocks % 4 == 0 else 1,
-                     TPR=min(TUNING["select_short_tpr"], width),
+                     # (rows wider than 64 blocks: 16 blocks per thread, up to a warp)
+                     TPR=min(max(TUNING["select_short_tpr"], width // 16), 32, width),
                      num_warps=TUNING["select_short_warps"],
                      REVERSE=TUNING["select_short_reverse"])
         if TUNING["select_short_pdl"] and _pdl(device):
