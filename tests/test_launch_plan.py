@@ -71,32 +71,36 @@ def test_selection_layout_without_fill(monkeypatch):
 ])
 def test_selection_chunks(monkeypatch, tokens, blocks, chunk):
     """The search path reads its segments in chunks only in launches of >= select_chunk_min_waves
-    programs per SM (measured: a decode step's chunked reads cost 2-4 µs)."""
+    programs per SM (measured: a decode step's chunked reads cost 2-4 µs). (select.py's plan:
+    off Hopper, and on it for rows past select_short_max.)"""
     monkeypatch.setattr(indexer_api, "num_sms", lambda device: 132)
+    monkeypatch.setitem(indexer_api.TUNING, "select_short_rows", False)
     kwargs = indexer_api._select_plan(tokens, 4, blocks, 16, 0, 1, 128, CUDA)[4]
     assert kwargs["BY_SORT"] is False and kwargs["CH"] == chunk
 
 
 @pytest.mark.parametrize("tokens, blocks, topk, want", [
-    (8192, 64, 16, (16, 4, 4)),   # an 8K chunk with no context: the thread-per-row kernel
-    (4096, 50, 16, (16, 4, 1)),   # a width that 4 does not divide: scalar loads
-    (1024, 8, 16, (8, 1, 4)),     # fewer blocks than K: groups of one (the search never runs)
-    (2048, 64, 64, (64, 1, 4)),
-    (8192, 65, 16, None),         # past select_short_max
-    (8192, 1000, 16, None),       # after 120K
-    (16, 64, 16, None),           # a decode step of few rows: the sort path
+    (8192, 64, 16, (16, 4, 4, 4)),   # an 8K chunk with no context: 4 threads per row
+    (4096, 50, 16, (16, 4, 1, 4)),   # a width that 4 does not divide: scalar loads
+    (1024, 8, 16, (8, 1, 4, 4)),     # fewer blocks than K: groups of one (the search never runs)
+    (2048, 64, 64, (64, 1, 4, 4)),
+    (8192, 65, 16, (16, 8, 1, 8)),   # wider rows: 16 blocks per thread
+    (8192, 1000, 16, (16, 64, 4, 32)),  # after 120K: a warp per row, 32 blocks per thread
+    (8192, 1025, 16, None),          # past select_short_max
+    (16, 64, 16, None),              # a decode step of few rows: the sort path
 ])
 def test_short_rows_selection_plan(h200, monkeypatch, tokens, blocks, topk, want):
-    """Launches of many rows of at most 64 blocks select on Hopper with select_rows.py's kernel
-    (G groups of W blocks per thread, 16-byte loads when 4 divides the width); others, other
-    GPUs and select_short_rows off keep select.py's launches."""
+    """Launches of many rows of at most select_short_max blocks select on Hopper with
+    select_rows.py's kernel (G groups of W blocks, TPR threads per row, 16-byte loads when 4
+    divides the width); others, other GPUs and select_short_rows off keep select.py's
+    launches."""
     monkeypatch.setattr(indexer_api, "num_sms", lambda device: 132)
     monkeypatch.setattr(indexer_api, "capability", lambda device: (9, 0))
     monkeypatch.setattr(indexer_api, "gluon_hopper_available", lambda: True)
 
     def short():
         plan = indexer_api._select_plan(tokens, 4, blocks, topk, 0, 1, 128, CUDA)
-        return plan[-1] and (plan[-1]["G"], plan[-1]["W"], plan[-1]["VEC"])
+        return plan[-1] and (plan[-1]["G"], plan[-1]["W"], plan[-1]["VEC"], plan[-1]["TPR"])
     assert short() == want
     if want:
         monkeypatch.setitem(indexer_api.TUNING, "select_short_rows", False)

@@ -42,7 +42,7 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               ws_stages_16=3, ws_consumer_regs=112, ws_consumers=4, ws_q_in_regs=False,
               ws_maxima_convert=True, ws_skip_idle=True, ws_overlap=True,
               select_group_bound=True, select_group_min_blocks=2048, select_group_pack=True,
-              select_short_rows=True, select_short_max=64, select_short_warps=1,
+              select_short_rows=True, select_short_max=1024, select_short_warps=1,
               select_short_tpr=4, select_short_pdl=True, tile_one_request=True,
               select_short_reverse=True)
 # select_short_rows: on Hopper, a selection launch of many rows of at most select_short_max
@@ -51,6 +51,12 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
 # program), instead of one warp per row. Measured (tune.py --only indexer-prefill, 51983df, one
 # call, interleaved): the selection of an 8K chunk with no context 22.5 -> 15.9 µs, the whole
 # select_blocks 57.6 -> 51.1 (fp8), 75.4 -> 67.7 (bf16); tpr 1 / 2 / 8: 18.5 / 17.0 / 16.4.
+# Rows wider than 64 blocks lie 16 blocks per thread, up to a warp per row (1024 blocks: 32
+# per thread, 160 registers). select_short_max 64 -> 1024 (tune.py --only
+# indexer-prefill,indexer-decode, f727c10, one call, interleaved, device µs): 8K@120K fp8
+# 928.5 -> 900.6 (its selection 168.8 -> 138.0), bf16 1474.1 -> 1440.0; the 24 decode shapes
+# within -1.1% / +1.8% (B = 64 128K q_len 4 259.1 -> 260.8, B = 128 32K q_len 4 134.3 ->
+# 134.8, bf16 B = 32 128K q_len 4 255.0 -> 252.2).
 # select_short_reverse: that kernel's programs take their rows from the last (a chunk's longest
 # rows first, the shortest in the last partial wave). Measured with the kernel's float counts
 # and lean masks (tune.py --only indexer-prefill, 08299b3, one call, interleaved, device µs):
