@@ -9,7 +9,10 @@ rows of 1-64 blocks, and their selection took ~22 µs beside ~40 of scoring (doc
 "Indexer prefill"). Here a row of SEG <= 64 blocks lies in TPR threads (SEG / TPR contiguous
 blocks each: 16-byte loads), so a count is a sum inside each thread and log2(TPR) shuffles,
 and a warp searches 32 / TPR rows at once. Triton cannot be told to lay a tile out that way (it
-spreads a 64-wide row over 16 lanes), hence Gluon.
+spreads a 64-wide row over 16 lanes), hence Gluon. Wider rows (up to api.py's select_short_max,
+1024: a chunk after ~120K tokens) lie 16 blocks per thread up to a warp per row (32 blocks
+per thread at 1024), in one pass where select.py reads a row twice and searches it bit by bit
+with a warp-wide sum per step.
 
 The same selection as select.py (MSA-SPEC.md: forced init/local blocks, then the best by score,
 ties to the lower block, NaN as -inf, ascending ids, -1 padded), found differently: the forced
@@ -19,7 +22,7 @@ counts), by bisecting an interval of keys (floats as order-preserving ints) betw
 bound and the largest value, first at the interval's value midpoint (see the loop).
 
 Used on Hopper with the Gluon the other kernels are tested on (api.py, `_short_rows_eligible`),
-for launches of many rows (the threshold path) whose rows have at most 64 blocks; the
+for launches of many rows (the threshold path) whose rows have at most 1024 blocks; the
 interpreter and everything else keep select.py.
 """
 
