@@ -12,7 +12,14 @@ the kernel's search loop in numpy, row by row in lockstep, to count its steps: p
   (tried as select_short_interp: docs/performance.md, "What was tried").
 
     python3 benchmarks/select_steps_model.py      # ~10 s on 2 cores
+    python3 benchmarks/select_steps_model.py --wide   # rows of ~1000 blocks (after 120K)
+
+`--wide` models the chunk after 120K tokens (rows of 961-1024 blocks, a warp per row since
+select_short_max 1024; 1024 of its rows, every 32nd token) and compares the loop's lower
+bound, the smallest of G group maxima, with a tighter one, the K2-th largest group maximum.
 """
+
+import sys
 
 import numpy as np
 import torch
@@ -47,13 +54,16 @@ def value(k):
     return np.where(k < 0, k ^ 0x7FFFFFFF, k).astype(np.int32).view(np.float32)
 
 
-def search(v: np.ndarray, n: np.ndarray, interp_steps: int):
+def search(v: np.ndarray, n: np.ndarray, interp_steps: int, low=None):
     """Steps per row of the kernel's loop (interp_steps = 0: its midpoint schedule) and the
-    final lower bound's key."""
+    final lower bound's key; `low`: the loop's starting lower bound per row instead of the
+    kernel's."""
     masked = np.where(np.isnan(v), -np.inf, v)
     hi = key(np.where(masked.max(1) == 0, 0.0, masked.max(1))) + 1
     with np.errstate(invalid="ignore", divide="ignore"):
-        if interp_steps:
+        if low is not None:
+            lo = key(low)
+        elif interp_steps:
             lo = key(np.nanmin(np.where(np.isnan(v), np.inf, v), axis=1))
             c_lo, c_hi = n - INIT - LOCAL, np.zeros_like(n)
         else:
@@ -92,7 +102,52 @@ def search(v: np.ndarray, n: np.ndarray, interp_steps: int):
     return steps, lo
 
 
+def wide_rows(tokens: int = 256, context: int = 120 * 1024):
+    """Block scores [tokens * H, 1024] of `tokens` of an 8K chunk after `context` tokens (every
+    32nd token), and each row's causal block count."""
+    nb = 1024
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(nb * B, D, generator=g).to(torch.float8_e4m3fn).float()
+    q = torch.randn(tokens, H, D, generator=g).to(torch.float8_e4m3fn).float()
+    pos = context + torch.arange(tokens) * (T // tokens)
+    s = (q.reshape(-1, D) @ keys.T).view(tokens, H, nb * B)
+    s = s.masked_fill(torch.arange(nb * B)[None, None, :] > pos[:, None, None], float("-inf"))
+    n = (pos // B + 1)[:, None].expand(tokens, H).reshape(-1).numpy()
+    return s.view(tokens, H, nb, B).amax(-1).reshape(tokens * H, nb).numpy(), n
+
+
+def searched_values(rows, n):
+    b = np.arange(rows.shape[1])[None, :]
+    live = b < n[:, None]
+    forced = live & ((b < INIT) | (b >= n[:, None] - LOCAL))
+    v = np.where(live & ~forced, np.where(np.isnan(rows), -np.inf, rows), np.nan)
+    return v.astype(np.float32)
+
+
+def main_wide():
+    global G, W
+    rows, n = wide_rows()
+    v = searched_values(rows, n)
+    masked = np.where(np.isnan(v), -np.inf, v)
+    kth = -np.sort(-masked, axis=1)[:, K2 - 1]
+    for groups, bound in ((16, "min"), (64, "min"), (16, "kth"), (64, "kth"), (256, "kth")):
+        G, W = groups, v.shape[1] // groups
+        maxima = masked.reshape(-1, G, W).max(2)
+        low = maxima.min(1) if bound == "min" else -np.sort(-maxima, axis=1)[:, K2 - 1]
+        steps, lo = search(v, n, 0, None if bound == "min" else low)
+        with np.errstate(invalid="ignore"):
+            reach = (v >= value(lo)[:, None]).sum(1)
+            above = (v >= low[:, None]).sum(1)
+        ok = bool(((value(lo) == kth) | (reach == K2)).all())
+        name = "smallest" if bound == "min" else f"{K2}th largest"
+        print(f"lower bound: the {name} of {G} group maxima: {above.mean():.1f} values reach "
+              f"it, steps per row {steps.mean():.2f} (max {steps.max()}), thresholds exact: "
+              f"{ok}")
+
+
 def main():
+    if "--wide" in sys.argv:
+        return main_wide()
     rows = chunk_scores()
     n = np.arange(T * H) // H // B + 1
     b = np.arange(NB)[None, :]
