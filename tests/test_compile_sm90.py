@@ -128,12 +128,13 @@ def test_short_rows_topk_kernel(g, w, vec, tpr, warps):
 @pytest.mark.parametrize("dtype, sub, stages, group", [
     ("bf16", 64, 2, 16), ("fp16", 128, 1, 8), ("bf16", 64, 3, 16), ("fp8e4nv", 128, 1, 16),
     ("fp8e4nv", 128, 2, 8), ("bf16", 128, 21, 16), ("fp8e4nv", 128, 21, 16),
-    ("fp8qk", 128, 1, 16), ("fp8qk", 128, 21, 8)])
+    ("fp8qk", 128, 1, 16), ("fp8qk", 128, 21, 8), ("fp8ld", 128, 1, 16), ("fp8ld", 128, 21, 8)])
 def test_sparse_attention_tile_ws_kernel(dtype, sub, stages, group):
     # stages: one digit per ring (K, then V) where they differ; fp8qk: fp8 K/V with
-    # S = Q K^T as fp8 MMAs (FP8_QK)
-    fp8_qk = dtype == "fp8qk"
-    dtype = "fp8e4nv" if fp8_qk else dtype
+    # S = Q K^T as fp8 MMAs (FP8_QK); fp8ld: fp8 K/V loaded and converted by a producer
+    # warpgroup (FP8_LOADER)
+    fp8_qk, loader = dtype == "fp8qk", dtype == "fp8ld"
+    dtype = "fp8e4nv" if fp8_qk or loader else dtype
     # the Gluon prefill tiles (attention/prefill_ws.py) with the launch options api.py passes:
     # warp specialisation, 4-D TMA boxes and both wgmma forms (P from registers) lower for
     # sm_90, fp8 K/V through their fp16 copy; two programs fit on an SM (registers at launch,
@@ -148,31 +149,40 @@ def test_sparse_attention_tile_ws_kernel(dtype, sub, stages, group):
     box = [1, sub, 1, 128]
     layout = gl.NVMMASharedLayout.get_default_for(box, gdt)
     desc = f"tensordesc<{dtype}[1, {sub}, 1, 128],{layout!r}>"
-    constexprs = dict(NUM_KV_HEADS=4, G=group, GP=group, QT=64 // group, KP=16, BLOCK=128,
+    constexprs = dict(SUB=sub, D=128, NUM_KV_HEADS=4, G=group, GP=group, QT=64 // group, KP=16, BLOCK=128,
                       STAGES_K=stages // 10 or stages, STAGES_V=stages % 10,
                       KEYS_EARLY=stages != 2, HAS_SCALE=stages == 1, LAZY_MASK=stages != 3,
-                      PRODUCER_REGS=TUNING["ws_producer_regs"], FP8=dtype == "fp8e4nv",
-                      FP8_QK=fp8_qk, PDL=stages != 3, num_warps=4)
+                      PRODUCER_REGS=TUNING["ws_loader_regs" if loader else "ws_producer_regs"],
+                      FP8=dtype == "fp8e4nv", FP8_QK=fp8_qk, FP8_LOADER=loader,
+                      PDL=stages != 3, num_warps=4)
     signature = {n: "constexpr" if n in constexprs else "i32" for n in fn.arg_names}
-    signature.update(q_ptr=q_type, k_desc=desc, v_desc=desc, out_ptr=q_type,
+    src_type = "*fp8e4nv" if loader else desc
+    signature.update(q_ptr=q_type, k_src=src_type, v_src=src_type, out_ptr=q_type,
                      lse_ptr=F32, blocks_ptr=I32, union_ptr=I32, k_scale_ptr=F32,
                      v_scale_ptr=F32, sm_scale="fp32", **STEP)
     del signature["bt_ptr"]
+    # what a launch specialises on: 16-byte aligned caches, strides of 16 elements' multiples
+    # (the loader's 8-byte loads need it; without it they are byte loads and spill)
+    aligned = ("k_src", "v_src", "stride_kp", "stride_kb", "stride_kh", "stride_vp",
+               "stride_vb", "stride_vh") if loader else ()
     src = GluonASTSource(fn, signature,
-                         {(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+                         {(fn.arg_names.index(k),): v for k, v in constexprs.items()},
+                         {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in aligned})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=4, maxnreg=TUNING["ws_maxnreg"]))
     ptx = k.asm["ptx"]
-    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor.4d" in ptx
+    assert "wgmma.mma_async" in ptx and ("cp.async.bulk.tensor.4d" in ptx) != loader
     assert ("e4m3.e4m3" in ptx) == fp8_qk  # the fp8 MMAs of S = Q K^T
     # PDL: the per-token launch may start once every program has begun (api.py's ws_pdl)
     assert ("griddepcontrol.launch_dependents" in ptx) == (stages != 3)
     assert ".maxnreg 128" in ptx and ".reqntid 256" in ptx  # 2 x 256 x 128 = the SM's file
     assert k.metadata.shared <= 227 * 1024 // 2 - 1024
-    _assert_no_spills(ptx)
+    # (the loader's warpgroup at ws_loader_regs leaves the consumer 176 registers, where ptxas
+    # keeps 2-3 of its scalars on the stack: measured with them, api.py's ws_fp8_loader)
+    _assert_no_spills(ptx, 16 if loader else 0)
 
 
-def _assert_no_spills(ptx):
+def _assert_no_spills(ptx, allowed_bytes=0):
     import os
     import subprocess
     import tempfile
@@ -183,7 +193,9 @@ def _assert_no_spills(ptx):
         info = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o",
                                os.path.join(d, "k.cubin")], capture_output=True, text=True,
                               check=True).stderr
-    assert "0 bytes spill stores" in info, info
+    import re
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", info)]
+    assert spills and max(spills) <= allowed_bytes, info
 
 
 @pytest.mark.parametrize("by_sort", [False, True])

@@ -323,8 +323,9 @@ def test_attention_gluon_launch_descriptors(monkeypatch):
     q = torch.zeros(64, 64, 128, dtype=torch.bfloat16)
     out, lse = torch.zeros_like(q), torch.zeros(64, 64)
     i32 = torch.zeros(3, dtype=torch.int32)
+    kwargs = dict(QT=4, STAGES=2, FP8_LOADER=False)
     plan = SimpleNamespace(serial=7, tile_items=64, sm_scale=0.125,
-                           tile_ws=dict(sub=64, kwargs=dict(QT=4, STAGES=2)))
+                           tile_ws=dict(sub=64, kwargs=kwargs))
     attention_api._launch_tile_ws(q, k, v, i32, i32, out, lse, i32, i32, i32, i32, plan, False)
     k_desc, v_desc = seen["args"][1:3]
     for desc, tensor in ((k_desc, k), (v_desc, v)):
@@ -333,8 +334,14 @@ def test_attention_gluon_launch_descriptors(monkeypatch):
         assert list(desc.strides) == [4 * 128 * 256, 256, 128 * 256, 1]
         assert list(desc.block_shape) == [1, 64, 1, 128]
     assert v_desc.base.data_ptr() - k_desc.base.data_ptr() == 128 * 2
-    assert seen["grid"] == (64,) and seen["kwargs"] == dict(HAS_SCALE=False, QT=4, STAGES=2)
+    assert seen["grid"] == (64,) and seen["kwargs"] == dict(HAS_SCALE=False, **kwargs)
     assert seen["args"][11] == 0.125
+    # the caches' page, slot and head strides, K's then V's (what the fp8 loader reads)
+    assert seen["args"][-6:] == (4 * 128 * 256, 256, 128 * 256) * 2
+    # ws_fp8_loader: the views themselves instead of descriptors
+    kwargs["FP8_LOADER"] = True
+    attention_api._launch_tile_ws(q, k, v, i32, i32, out, lse, i32, i32, i32, i32, plan, False)
+    assert seen["args"][1] is k and seen["args"][2] is v
 
 
 @pytest.mark.parametrize("version, setting, want", [

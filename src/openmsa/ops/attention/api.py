@@ -80,7 +80,8 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
               tile_plan_warps=1, tile_ws=True, ws_sub=128, ws_stages=1, ws_lazy_mask=True,
               ws_maxnreg=128, ws_producer_regs=24, tile_ws_fp8=True,
               ws_stages_fp8=1, ws_keys_early=True, ws_stages_k=None, ws_stages_k_fp8=None,
-              ws_fp8_qk=False, ws_waste=3.5, ws_waste_fp8=2.0, ws_pdl=True)
+              ws_fp8_qk=False, ws_waste=3.5, ws_waste_fp8=2.0, ws_pdl=True,
+              ws_fp8_loader=False, ws_loader_regs=80)
 # tile_ws: on Hopper, 16-bit K/V tiles run prefill_ws.py's warp-specialised Gluon kernel where
 # the views allow TMA (_ws_eligible): ws_sub keys per step, ws_stages K/V buffers; ws_maxnreg
 # registers per thread at launch (128: two programs of 8 warps per SM), which the consumer
@@ -103,6 +104,9 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
 # 1224 after 128K; TP1 bf16 independent 3041 / 3085 and 5069 / 5162; shared rows 1-2% faster.
 # ws_fp8_qk: fp8 K/V tiles compute S = Q K^T as two fp8 MMAs from the key ring (q as e4m3 hi + lo
 # per row, prefill_ws.py's _split_q_rows) and convert only V to fp16
+# ws_fp8_loader: fp8 K/V tiles loaded from global memory by a producer warpgroup that converts
+# them to fp16 on the way into the rings (prefill_ws.py's _fp8_loader; ws_loader_regs its
+# registers), instead of TMA copies of fp8 tiles that the consumer converts itself
 # tile*: prefill steps first launch prefill.py's kernel over tiles of tile_rows // G tokens (the
 # union of their selections, taken on the device when union blocks x tokens <= tile_waste x the
 # tokens' selected blocks); the per-token kernel then does the tiles it left. Measured on 8K
@@ -348,13 +352,17 @@ def _launch_tile_ws(q, k_cache, v_cache, cu_seqlens_q, seq_lens, out, lse, block
     plan's cached launch like the Triton kernels (launch_planned): Triton's own launch path
     specialises every argument again per call."""
     from .prefill_ws import _sparse_attention_tile_ws_kernel
-    box = (1, plan.tile_ws["sub"], 1, k_cache.shape[3])
-    k_desc, v_desc = (tma_descriptor(c, c.shape, c.stride(), box) for c in (k_cache, v_cache))
+    if plan.tile_ws["kwargs"]["FP8_LOADER"]:
+        k_src, v_src = k_cache, v_cache  # (the loader warpgroup reads them itself)
+    else:
+        box = (1, plan.tile_ws["sub"], 1, k_cache.shape[3])
+        k_src, v_src = (tma_descriptor(c, c.shape, c.stride(), box) for c in (k_cache, v_cache))
     launch_planned(
         _sparse_attention_tile_ws_kernel, (plan.serial, 4), (plan.tile_items,),
-        q, k_desc, v_desc, cu_seqlens_q, seq_lens, out, lse, blocks, union, ks, vs,
+        q, k_src, v_src, cu_seqlens_q, seq_lens, out, lse, blocks, union, ks, vs,
         plan.sm_scale, seq_lens.shape[0], *q.stride(), *out.stride(), *lse.stride(),
-        HAS_SCALE=has_scale, **plan.tile_ws["kwargs"])
+        *k_cache.stride()[:3], *v_cache.stride()[:3], HAS_SCALE=has_scale,
+        **plan.tile_ws["kwargs"])
 
 
 # launch plans by call key: the tensors' shapes, strides, dtypes and devices, the other
@@ -453,9 +461,11 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
             num_stages=TUNING["tile_stages_fp8" if fp8 else "tile_stages"])
         plan.tile_ws = None
         if _ws_eligible(q, k_cache, v_cache, block_size, tile_qt * group_pad):
+            loader = fp8 and TUNING["ws_fp8_loader"] and not TUNING["ws_fp8_qk"]
             plan.tile_ws = dict(
                 sub=min(block_size, TUNING["ws_sub"]),
-                kwargs=dict(NUM_KV_HEADS=num_kv_heads, G=group, GP=group_pad, QT=tile_qt,
+                kwargs=dict(SUB=min(block_size, TUNING["ws_sub"]), D=head_dim,
+                            NUM_KV_HEADS=num_kv_heads, G=group, GP=group_pad, QT=tile_qt,
                             KP=plan.kp, BLOCK=block_size,
                             STAGES_K=TUNING["ws_stages_k_fp8" if fp8 else "ws_stages_k"]
                             or TUNING["ws_stages_fp8" if fp8 else "ws_stages"],
@@ -463,8 +473,9 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
                             LAZY_MASK=TUNING["ws_lazy_mask"], FP8=fp8,
                             FP8_QK=fp8 and TUNING["ws_fp8_qk"],
                             KEYS_EARLY=TUNING["ws_keys_early"],
-                            PRODUCER_REGS=TUNING["ws_producer_regs"], num_warps=4,
-                            maxnreg=TUNING["ws_maxnreg"]))
+                            PRODUCER_REGS=TUNING["ws_loader_regs" if loader else
+                                                 "ws_producer_regs"],
+                            FP8_LOADER=loader, num_warps=4, maxnreg=TUNING["ws_maxnreg"]))
         # the Gluon tiles' own union-size threshold (tile_waste's, per dtype: ws_waste)
         plan.ws_waste = float(TUNING["ws_waste_fp8" if fp8 else "ws_waste"])
         plan.ws_pdl = plan.tile_ws is not None and TUNING["ws_pdl"]

@@ -81,6 +81,69 @@ def _producer(k_desc, v_desc, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v
 
 
 @gluon.jit
+def _load_tile(base, off, stride_b, R: gl.constexpr):
+    """A [4 * R, D] fp8 tile from `base` (its first key) as its four row quarters, every load
+    issued before any is used; `off` the quarter's element offsets (one set of registers for
+    the four)."""
+    step = R * stride_b
+    return (gl.load(base + off), gl.load(base + step + off), gl.load(base + 2 * step + off),
+            gl.load(base + 3 * step + off))
+
+
+@gluon.jit
+def _store_tile(parts, ring, ready, SUB: gl.constexpr, D: gl.constexpr, R: gl.constexpr):
+    """The four fp8 quarters as fp16 into a ring buffer (one quarter's fp16 live at a time),
+    then its ready barrier once every warp's stores are visible to the MMAs."""
+    dst = ring.reshape([SUB, D])
+    dst.slice(0, R).store(parts[0].to(gl.float16))
+    dst.slice(R, R).store(parts[1].to(gl.float16))
+    dst.slice(2 * R, R).store(parts[2].to(gl.float16))
+    dst.slice(3 * R, R).store(parts[3].to(gl.float16))
+    fence_async_shared()
+    gl.thread_barrier()  # every warp's part written before the consumer's MMA reads it
+    mbarrier.arrive(ready, count=1)
+
+
+@gluon.jit
+def _fp8_loader(k_ptr, v_ptr, stride_kp, stride_kb, stride_kh, stride_vp, stride_vb,
+                stride_vh, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v, union_row,
+                num_steps, g, PARTS: gl.constexpr):
+    """FP8_LOADER's producer (one warpgroup): each step's fp8 K and V read from global memory
+    into registers, converted to fp16 and stored into the rings the consumer reads as if K/V
+    were 16-bit. Against the TMA producer and the consumer's own conversion, this takes the fp8
+    tile's trip through shared memory (its TMA write and the conversion's read, 64 of the 208 KB
+    a step moves there) and the conversion off the consumer's serial path. A tile's loads are
+    issued before waiting for its buffer: V_i's once K_i is stored (during S_{i-1}'s softmax
+    and P V), K_{i+1}'s once V_i is. Only one tile is in registers at a time: the consumer's
+    accumulator, S and P leave this warpgroup ~64-80 of the two programs' registers."""
+    SK: gl.constexpr = k_smem.shape[0]
+    SV: gl.constexpr = v_smem.shape[0]
+    SUB: gl.constexpr = k_smem.shape[2]
+    D: gl.constexpr = k_smem.shape[4]
+    R: gl.constexpr = SUB // 4
+    # 8 fp8 per thread: 16-byte fp16 stores, conflict-free in the swizzled tile (_to_f16)
+    c_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D, D // 8], [4, 1], [1, 0])
+    keys = gl.arange(0, R, layout=gl.SliceLayout(1, c_l))[:, None]
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, c_l))[None, :]
+    k_off = keys * stride_kb + d
+    v_off = keys * stride_vb + d
+    for i in range(num_steps):
+        page = gl.load(union_row + i // PARTS).to(gl.int64)
+        key0 = (i % PARTS) * SUB
+        parts = _load_tile(k_ptr + page * stride_kp + key0 * stride_kb + g * stride_kh, k_off,
+                           stride_kb, R)
+        s = i % SK
+        # the buffer's previous keys released by the consumer
+        mbarrier.wait(empty_k.index(s), ((i // SK) & 1) ^ 1, pred=i >= SK)
+        _store_tile(parts, k_smem.index(s), ready_k.index(s), SUB, D, R)
+        parts = _load_tile(v_ptr + page * stride_vp + key0 * stride_vb + g * stride_vh, v_off,
+                           stride_vb, R)
+        s = i % SV
+        mbarrier.wait(empty_v.index(s), ((i // SV) & 1) ^ 1, pred=i >= SV)
+        _store_tile(parts, v_smem.index(s), ready_v.index(s), SUB, D, R)
+
+
+@gluon.jit
 def _to_f16(src, dst, key0, keep, FP8_ZERO_TAIL: gl.constexpr,
             PIECES: gl.constexpr = 4):
     """An fp8 [SUB, D] tile of the ring as fp16 in `dst` (exact), its keys past `keep` as 0
@@ -210,11 +273,14 @@ def _consumer(q_smem, q_lo_smem, row_f_smem, k_smem, v_smem, kv16, ready_k, read
               t0, g, stride_ot, stride_oh, stride_od, stride_lt, stride_lh, G: gl.constexpr,
               GP: gl.constexpr, QT: gl.constexpr, N: gl.constexpr, BLOCK: gl.constexpr,
               PARTS: gl.constexpr, HAS_SCALE: gl.constexpr, LAZY_MASK: gl.constexpr,
-              FP8: gl.constexpr, FP8_QK: gl.constexpr, KEYS_EARLY: gl.constexpr):
+              CONVERT: gl.constexpr, FP8_QK: gl.constexpr, KEYS_EARLY: gl.constexpr):
     """One warpgroup, one step at a time: the tile's 64 rows over every step, then their
     output and LSE. KEYS_EARLY: a step's keys go back to the producer once S = Q K^T (or,
     fp8, their conversion) has read them, so the next step's keys load during this step's
     softmax and P V; otherwise together with its values, after P V (kept to measure).
+    CONVERT (fp8 K/V in the rings): the consumer converts each step's K, then V, into one fp16
+    tile before its MMA; otherwise the rings hold what the MMAs read (16-bit K/V, or fp8 K/V
+    converted by FP8_LOADER's producer).
     FP8_QK (fp8 K/V): S = Q K^T as two fp8 MMAs straight from the key ring, q's rows as
     e4m3 hi + lo parts scaled by a power of two per row (`row_f_smem` undoes it), so only V
     is converted."""
@@ -222,8 +288,8 @@ def _consumer(q_smem, q_lo_smem, row_f_smem, k_smem, v_smem, kv16, ready_k, read
     SV: gl.constexpr = v_smem.shape[0]
     SUB: gl.constexpr = k_smem.shape[2]
     D: gl.constexpr = k_smem.shape[4]
-    # P's dtype: V's in the MMA (fp8 V is converted to fp16)
-    dtype: gl.constexpr = gl.float16 if FP8 else q_smem.dtype
+    # P's dtype: V's in the MMA (fp8 V is converted to fp16, and q is then fp16)
+    dtype: gl.constexpr = gl.float16 if CONVERT else q_smem.dtype
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, SUB, 32 if FP8_QK else 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -252,7 +318,7 @@ def _consumer(q_smem, q_lo_smem, row_f_smem, k_smem, v_smem, kv16, ready_k, read
             if KEYS_EARLY:
                 mbarrier.arrive(empty_k.index(sk), count=1)
             sc = sc * row_f[:, None]  # a power of two per row: exact
-        elif FP8:
+        elif CONVERT:
             # fp8 K and V run the MMAs in fp16 (as prefill.py's F16_COMPUTE), converted
             # through one fp16 tile: K's now, V's after S = Q K^T has read it
             gl.thread_barrier()  # the last step's P @ V done in every warp
@@ -274,7 +340,7 @@ def _consumer(q_smem, q_lo_smem, row_f_smem, k_smem, v_smem, kv16, ready_k, read
         p_op = gl.convert_layout(p.to(dtype), p_l)
         sv = step % SV
         mbarrier.wait(ready_v.index(sv), (step // SV) & 1)
-        if FP8:
+        if CONVERT:
             # S = Q K^T (its fp16 K) and the last step's P @ V done in every warp
             gl.thread_barrier()
             if max_cut < key0 + SUB - 1:
@@ -289,7 +355,7 @@ def _consumer(q_smem, q_lo_smem, row_f_smem, k_smem, v_smem, kv16, ready_k, read
                 _zero_v_tail(v_t, key0, max_cut, v_l)
         acc = warpgroup_mma(p_op, v_t, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        if not FP8:
+        if not CONVERT:
             mbarrier.arrive(empty_v.index(sv), count=1)
         if not KEYS_EARLY:
             mbarrier.arrive(empty_k.index(sk), count=1)
@@ -298,10 +364,12 @@ def _consumer(q_smem, q_lo_smem, row_f_smem, k_smem, v_smem, kv16, ready_k, read
 
 
 @gluon.jit
-def _sparse_attention_tile_ws_kernel(q_ptr, k_desc, v_desc, cu_ptr, seq_lens_ptr, out_ptr,
+def _sparse_attention_tile_ws_kernel(q_ptr, k_src, v_src, cu_ptr, seq_lens_ptr, out_ptr,
                                      lse_ptr, blocks_ptr, union_ptr, k_scale_ptr, v_scale_ptr,
                                      sm_scale, num_requests, stride_qt, stride_qh, stride_qd,
                                      stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
+                                     stride_kp, stride_kb, stride_kh, stride_vp, stride_vb,
+                                     stride_vh, SUB: gl.constexpr, D: gl.constexpr,
                                      NUM_KV_HEADS: gl.constexpr, G: gl.constexpr,
                                      GP: gl.constexpr, QT: gl.constexpr, KP: gl.constexpr,
                                      BLOCK: gl.constexpr, STAGES_K: gl.constexpr,
@@ -309,14 +377,16 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_desc, v_desc, cu_ptr, seq_lens_ptr
                                      LAZY_MASK: gl.constexpr, FP8: gl.constexpr,
                                      FP8_QK: gl.constexpr, KEYS_EARLY: gl.constexpr,
                                      PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
-                                     PDL: gl.constexpr = False):
+                                     PDL: gl.constexpr = False,
+                                     FP8_LOADER: gl.constexpr = False):
+    """k_src / v_src: TMA descriptors of [SUB, D] boxes over the caches' [P, B, Hkv, D] views,
+    or with FP8_LOADER (fp8 K/V) the views themselves (their strides then read; a warpgroup
+    loads, converts and stores each step into fp16 rings, _fp8_loader)."""
     if PDL:
         # the per-token launch may start now (programmatic dependent launch; api.py's
         # ws_pdl): it takes effect once every program has passed here, and the two write
         # disjoint tokens, so the per-token kernel fills the SMs this launch's tail leaves idle
         launch_dependents()
-    SUB: gl.constexpr = k_desc.block_type.shape[1]
-    D: gl.constexpr = k_desc.block_type.shape[3]
     PARTS: gl.constexpr = BLOCK // SUB
     N: gl.constexpr = QT * KP
     item = gl.program_id(0)
@@ -378,11 +448,18 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_desc, v_desc, cu_ptr, seq_lens_ptr
                 q_smem.slice(h * HALF, HALF).store(q)
         qk_scale = gl.abs(qk_scale)
         fence_async_shared()
-        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES_K, 1, SUB, 1, D],
-                                           k_desc.layout)
-        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES_V, 1, SUB, 1, D],
-                                           v_desc.layout)
-        if FP8:
+        if FP8_LOADER:
+            # the rings in fp16, in the layout TMA would give a 16-bit box
+            ring_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, SUB, 1, D],
+                                                                        gl.float16)
+            k_smem = gl.allocate_shared_memory(gl.float16, [STAGES_K, 1, SUB, 1, D], ring_l)
+            v_smem = gl.allocate_shared_memory(gl.float16, [STAGES_V, 1, SUB, 1, D], ring_l)
+        else:
+            k_smem = gl.allocate_shared_memory(k_src.dtype, [STAGES_K, 1, SUB, 1, D],
+                                               k_src.layout)
+            v_smem = gl.allocate_shared_memory(v_src.dtype, [STAGES_V, 1, SUB, 1, D],
+                                               v_src.layout)
+        if FP8 and not FP8_LOADER:
             # the fp16 copy of the step's K, then of its V, that the MMAs read
             kv16 = gl.allocate_shared_memory(gl.float16, [SUB, D],
                                              gl.NVMMASharedLayout.get_default_for([SUB, D],
@@ -401,12 +478,27 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_desc, v_desc, cu_ptr, seq_lens_ptr
             mbarrier.init(empty_v.index(i), count=1)
         gl.thread_barrier()  # q's tile and the barriers visible to every warp
         num_steps = num_blocks * PARTS
-        gl.warp_specialize([
-            (_consumer, (q_smem, q_lo_smem, row_f_smem, k_smem, v_smem, kv16, ready_k,
-                         ready_v, empty_k, empty_v, union_row, num_steps, first_pos, qk_scale,
-                         v_scale_ptr, out_ptr, lse_ptr, t0, g, stride_ot, stride_oh, stride_od,
-                         stride_lt, stride_lh, G, GP, QT, N, BLOCK, PARTS, HAS_SCALE,
-                         LAZY_MASK, FP8, FP8_QK, KEYS_EARLY)),
-            (_producer, (k_desc, v_desc, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v,
-                         union_row, num_steps, g, PARTS)),
-        ], [1], [PRODUCER_REGS])
+        # (the consumer's arguments written out in both calls: a tuple held in a variable
+        # loses its constexprs)
+        CONVERT: gl.constexpr = FP8 and not FP8_LOADER
+        if FP8_LOADER:
+            gl.warp_specialize([
+                (_consumer, (q_smem, q_lo_smem, row_f_smem, k_smem, v_smem, kv16, ready_k,
+                             ready_v, empty_k, empty_v, union_row, num_steps, first_pos,
+                             qk_scale, v_scale_ptr, out_ptr, lse_ptr, t0, g, stride_ot,
+                             stride_oh, stride_od, stride_lt, stride_lh, G, GP, QT, N, BLOCK,
+                             PARTS, HAS_SCALE, LAZY_MASK, CONVERT, FP8_QK, KEYS_EARLY)),
+                (_fp8_loader, (k_src, v_src, stride_kp, stride_kb, stride_kh, stride_vp,
+                               stride_vb, stride_vh, k_smem, v_smem, ready_k, ready_v, empty_k,
+                               empty_v, union_row, num_steps, g, PARTS)),
+            ], [4], [PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_consumer, (q_smem, q_lo_smem, row_f_smem, k_smem, v_smem, kv16, ready_k,
+                             ready_v, empty_k, empty_v, union_row, num_steps, first_pos,
+                             qk_scale, v_scale_ptr, out_ptr, lse_ptr, t0, g, stride_ot,
+                             stride_oh, stride_od, stride_lt, stride_lh, G, GP, QT, N, BLOCK,
+                             PARTS, HAS_SCALE, LAZY_MASK, CONVERT, FP8_QK, KEYS_EARLY)),
+                (_producer, (k_src, v_src, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v,
+                             union_row, num_steps, g, PARTS)),
+            ], [1], [PRODUCER_REGS])
