@@ -79,9 +79,9 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
               tile_persistent=False, tile_persistent_fp8=True, tile_resident=2,
               tile_plan_warps=1, tile_ws=True, ws_sub=128, ws_stages=1, ws_lazy_mask=True,
               ws_maxnreg=128, ws_producer_regs=24, tile_ws_fp8=True,
-              ws_stages_fp8=1, ws_keys_early=True, ws_stages_k=None, ws_stages_k_fp8=None,
+              ws_stages_fp8=1, ws_keys_early=True, ws_stages_k=None, ws_stages_k_fp8=2,
               ws_fp8_qk=False, ws_waste=3.5, ws_waste_fp8=2.0, ws_pdl=True,
-              ws_fp8_loader=False, ws_loader_regs=80)
+              ws_fp8_loader=True, ws_loader_regs=80)
 # tile_ws: on Hopper, 16-bit K/V tiles run prefill_ws.py's warp-specialised Gluon kernel where
 # the views allow TMA (_ws_eligible): ws_sub keys per step, ws_stages K/V buffers; ws_maxnreg
 # registers per thread at launch (128: two programs of 8 warps per SM), which the consumer
@@ -106,7 +106,12 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
 # per row, prefill_ws.py's _split_q_rows) and convert only V to fp16
 # ws_fp8_loader: fp8 K/V tiles loaded from global memory by a producer warpgroup that converts
 # them to fp16 on the way into the rings (prefill_ws.py's _fp8_loader; ws_loader_regs its
-# registers), instead of TMA copies of fp8 tiles that the consumer converts itself
+# registers, which leaves the consumer 176: 64 spill the loader, 88 the consumer), instead of
+# TMA copies of fp8 tiles that the consumer converts itself; exact, as the consumer's own
+# conversion. Measured (tune.py --only attention-prefill, e51c538, one call, 8K chunks after
+# 8K, off / on / on with 2 key buffers, ws_stages_k_fp8=2): TP1 fp8 shared by 16 1540.9 /
+# 1376.4 / 1367.1 µs, with jitter 2085.7 / 1950.9 / 1903.6, TP4 with jitter 546.7 / 513.4 /
+# 509.2 (a second off / on pair in the same loop: 1540.9 / 1377.1); bf16 rows unchanged
 # tile*: prefill steps first launch prefill.py's kernel over tiles of tile_rows // G tokens (the
 # union of their selections, taken on the device when union blocks x tokens <= tile_waste x the
 # tokens' selected blocks); the per-token kernel then does the tiles it left. Measured on 8K
