@@ -81,7 +81,8 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
               ws_maxnreg=128, ws_producer_regs=24, tile_ws_fp8=True,
               ws_stages_fp8=1, ws_keys_early=True, ws_stages_k=None, ws_stages_k_fp8=2,
               ws_fp8_qk=False, ws_waste=3.5, ws_waste_fp8=2.0, ws_pdl=True,
-              ws_fp8_loader=True, ws_loader_regs=80)
+              ws_fp8_loader=True, ws_loader_regs=80,
+              ws_loader_ahead=False)
 # tile_ws: on Hopper, 16-bit K/V tiles run prefill_ws.py's warp-specialised Gluon kernel where
 # the views allow TMA (_ws_eligible): ws_sub keys per step, ws_stages K/V buffers; ws_maxnreg
 # registers per thread at launch (128: two programs of 8 warps per SM), which the consumer
@@ -111,7 +112,9 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
 # conversion. Measured (tune.py --only attention-prefill, e51c538, one call, 8K chunks after
 # 8K, off / on / on with 2 key buffers, ws_stages_k_fp8=2): TP1 fp8 shared by 16 1540.9 /
 # 1376.4 / 1367.1 µs, with jitter 2085.7 / 1950.9 / 1903.6, TP4 with jitter 546.7 / 513.4 /
-# 509.2 (a second off / on pair in the same loop: 1540.9 / 1377.1); bf16 rows unchanged
+# 509.2 (a second off / on pair in the same loop: 1540.9 / 1377.1); bf16 rows unchanged.
+# ws_loader_ahead (with 2 key buffers): the loader runs K one step ahead of V and loads each
+# page id an iteration early (prefill_ws.py's LOADER_AHEAD)
 # tile*: prefill steps first launch prefill.py's kernel over tiles of tile_rows // G tokens (the
 # union of their selections, taken on the device when union blocks x tokens <= tile_waste x the
 # tokens' selected blocks); the per-token kernel then does the tiles it left. Measured on 8K
@@ -467,20 +470,23 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
         plan.tile_ws = None
         if _ws_eligible(q, k_cache, v_cache, block_size, tile_qt * group_pad):
             loader = fp8 and TUNING["ws_fp8_loader"] and not TUNING["ws_fp8_qk"]
+            stages_k = (TUNING["ws_stages_k_fp8" if fp8 else "ws_stages_k"]
+                        or TUNING["ws_stages_fp8" if fp8 else "ws_stages"])
             plan.tile_ws = dict(
                 sub=min(block_size, TUNING["ws_sub"]),
                 kwargs=dict(SUB=min(block_size, TUNING["ws_sub"]), D=head_dim,
                             NUM_KV_HEADS=num_kv_heads, G=group, GP=group_pad, QT=tile_qt,
                             KP=plan.kp, BLOCK=block_size,
-                            STAGES_K=TUNING["ws_stages_k_fp8" if fp8 else "ws_stages_k"]
-                            or TUNING["ws_stages_fp8" if fp8 else "ws_stages"],
+                            STAGES_K=stages_k,
                             STAGES_V=TUNING["ws_stages_fp8" if fp8 else "ws_stages"],
                             LAZY_MASK=TUNING["ws_lazy_mask"], FP8=fp8,
                             FP8_QK=fp8 and TUNING["ws_fp8_qk"],
                             KEYS_EARLY=TUNING["ws_keys_early"],
                             PRODUCER_REGS=TUNING["ws_loader_regs" if loader else
                                                  "ws_producer_regs"],
-                            FP8_LOADER=loader, num_warps=4, maxnreg=TUNING["ws_maxnreg"]))
+                            FP8_LOADER=loader,
+                            LOADER_AHEAD=loader and TUNING["ws_loader_ahead"] and stages_k > 1,
+                            num_warps=4, maxnreg=TUNING["ws_maxnreg"]))
         # the Gluon tiles' own union-size threshold (tile_waste's, per dtype: ws_waste)
         plan.ws_waste = float(TUNING["ws_waste_fp8" if fp8 else "ws_waste"])
         plan.ws_pdl = plan.tile_ws is not None and TUNING["ws_pdl"]

@@ -107,7 +107,7 @@ def _store_tile(parts, ring, ready, SUB: gl.constexpr, D: gl.constexpr, R: gl.co
 @gluon.jit
 def _fp8_loader(k_ptr, v_ptr, stride_kp, stride_kb, stride_kh, stride_vp, stride_vb,
                 stride_vh, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v, union_row,
-                num_steps, g, PARTS: gl.constexpr):
+                num_steps, g, PARTS: gl.constexpr, AHEAD: gl.constexpr):
     """FP8_LOADER's producer (one warpgroup): each step's fp8 K and V read from global memory
     into registers, converted to fp16 and stored into the rings the consumer reads as if K/V
     were 16-bit. Against the TMA producer and the consumer's own conversion, this takes the fp8
@@ -116,8 +116,6 @@ def _fp8_loader(k_ptr, v_ptr, stride_kp, stride_kb, stride_kh, stride_vp, stride
     issued before waiting for its buffer: V_i's once K_i is stored (during S_{i-1}'s softmax
     and P V), K_{i+1}'s once V_i is. Only one tile is in registers at a time: the consumer's
     accumulator, S and P leave this warpgroup ~64-80 of the two programs' registers."""
-    SK: gl.constexpr = k_smem.shape[0]
-    SV: gl.constexpr = v_smem.shape[0]
     SUB: gl.constexpr = k_smem.shape[2]
     D: gl.constexpr = k_smem.shape[4]
     R: gl.constexpr = SUB // 4
@@ -127,20 +125,48 @@ def _fp8_loader(k_ptr, v_ptr, stride_kp, stride_kb, stride_kh, stride_vp, stride
     d = gl.arange(0, D, layout=gl.SliceLayout(0, c_l))[None, :]
     k_off = keys * stride_kb + d
     v_off = keys * stride_vb + d
-    for i in range(num_steps):
-        page = gl.load(union_row + i // PARTS).to(gl.int64)
-        key0 = (i % PARTS) * SUB
-        parts = _load_tile(k_ptr + page * stride_kp + key0 * stride_kb + g * stride_kh, k_off,
-                           stride_kb, R)
-        s = i % SK
-        # the buffer's previous keys released by the consumer
-        mbarrier.wait(empty_k.index(s), ((i // SK) & 1) ^ 1, pred=i >= SK)
-        _store_tile(parts, k_smem.index(s), ready_k.index(s), SUB, D, R)
-        parts = _load_tile(v_ptr + page * stride_vp + key0 * stride_vb + g * stride_vh, v_off,
-                           stride_vb, R)
-        s = i % SV
-        mbarrier.wait(empty_v.index(s), ((i // SV) & 1) ^ 1, pred=i >= SV)
-        _store_tile(parts, v_smem.index(s), ready_v.index(s), SUB, D, R)
+    if AHEAD:
+        # K one step ahead of V (K_0, K_1, V_0, K_2, V_1, ...), each page id loaded an
+        # iteration before its tile: a tile's loads start earlier before the consumer needs it.
+        # K_{i+1} waits for K_{i-1}'s buffer, which a consumer handing keys back after P V
+        # (not KEYS_EARLY) frees only after V_i: with one key buffer that would deadlock
+        gl.static_assert(k_smem.shape[0] >= 2, "LOADER_AHEAD needs two key buffers")
+        if num_steps > 0:
+            page_v = gl.load(union_row).to(gl.int64)
+            _load_convert(k_ptr, k_off, page_v, 0, stride_kp, stride_kb, stride_kh, g, k_smem,
+                          ready_k, empty_k, PARTS, R)
+            page_k = gl.load(union_row + gl.minimum(1, num_steps - 1) // PARTS).to(gl.int64)
+            for i in range(num_steps):
+                nxt = gl.load(union_row + gl.minimum(i + 2, num_steps - 1) // PARTS)
+                if i + 1 < num_steps:
+                    _load_convert(k_ptr, k_off, page_k, i + 1, stride_kp, stride_kb, stride_kh,
+                                  g, k_smem, ready_k, empty_k, PARTS, R)
+                _load_convert(v_ptr, v_off, page_v, i, stride_vp, stride_vb, stride_vh, g,
+                              v_smem, ready_v, empty_v, PARTS, R)
+                page_v = page_k
+                page_k = nxt.to(gl.int64)
+    else:
+        for i in range(num_steps):
+            page = gl.load(union_row + i // PARTS).to(gl.int64)
+            _load_convert(k_ptr, k_off, page, i, stride_kp, stride_kb, stride_kh, g, k_smem,
+                          ready_k, empty_k, PARTS, R)
+            _load_convert(v_ptr, v_off, page, i, stride_vp, stride_vb, stride_vh, g, v_smem,
+                          ready_v, empty_v, PARTS, R)
+
+
+@gluon.jit
+def _load_convert(ptr, off, page, step, stride_p, stride_b, stride_h, g, ring, ready, empty,
+                  PARTS: gl.constexpr, R: gl.constexpr):
+    """Step `step`'s K or V tile of `page` into its ring buffer as fp16: the loads issued, then
+    the wait for the consumer to release the buffer, then the stores and its ready barrier."""
+    S: gl.constexpr = ring.shape[0]
+    SUB: gl.constexpr = ring.shape[2]
+    D: gl.constexpr = ring.shape[4]
+    key0 = (step % PARTS) * SUB
+    parts = _load_tile(ptr + page * stride_p + key0 * stride_b + g * stride_h, off, stride_b, R)
+    s = step % S
+    mbarrier.wait(empty.index(s), ((step // S) & 1) ^ 1, pred=step >= S)
+    _store_tile(parts, ring.index(s), ready.index(s), SUB, D, R)
 
 
 @gluon.jit
@@ -378,7 +404,8 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_src, v_src, cu_ptr, seq_lens_ptr, 
                                      FP8_QK: gl.constexpr, KEYS_EARLY: gl.constexpr,
                                      PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
                                      PDL: gl.constexpr = False,
-                                     FP8_LOADER: gl.constexpr = False):
+                                     FP8_LOADER: gl.constexpr = False,
+                                     LOADER_AHEAD: gl.constexpr = False):
     """k_src / v_src: TMA descriptors of [SUB, D] boxes over the caches' [P, B, Hkv, D] views,
     or with FP8_LOADER (fp8 K/V) the views themselves (their strides then read; a warpgroup
     loads, converts and stores each step into fp16 rings, _fp8_loader)."""
@@ -490,7 +517,7 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_src, v_src, cu_ptr, seq_lens_ptr, 
                              PARTS, HAS_SCALE, LAZY_MASK, CONVERT, FP8_QK, KEYS_EARLY)),
                 (_fp8_loader, (k_src, v_src, stride_kp, stride_kb, stride_kh, stride_vp,
                                stride_vb, stride_vh, k_smem, v_smem, ready_k, ready_v, empty_k,
-                               empty_v, union_row, num_steps, g, PARTS)),
+                               empty_v, union_row, num_steps, g, PARTS, LOADER_AHEAD)),
             ], [4], [PRODUCER_REGS])
         else:
             gl.warp_specialize([
