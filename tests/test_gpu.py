@@ -478,7 +478,8 @@ def _mixed_tiles_chunk(heads, dtype):
     ((16, 1), FP8, "flash", dict(ws_fp8_loader=False)),
     ((64, 4), FP8, "packed", dict(ws_fp8_loader=False, ws_stages_k_fp8=1)),
     ((64, 4), FP8, "packed", dict(ws_loader_ahead=True)),
-    ((8, 1), FP8, "flash", dict(ws_loader_ahead=True, ws_keys_early=False))], ids=str)
+    ((8, 1), FP8, "flash", dict(ws_loader_ahead=True, ws_keys_early=False)),
+    ((16, 1), FP8, "packed", dict(ws_stages_k_fp8=1, ws_stages_fp8=2))], ids=str)
 def test_attention_prefill_gluon_tiles(heads, dtype, layout, knobs, monkeypatch):
     """The warp-specialised tile kernel (prefill_ws.py) against the reference and the Triton
     tile kernel: chunks with and without context, partial own blocks whose unwritten tail is NaN
