@@ -20,11 +20,15 @@ themselves (~470 of a 64-key step's ~540 instructions per warp are not the softm
 SASS), and its loads, MMAs and softmax run in series; here the copies cost the consumer nothing
 and two programs per SM (80 KB of shared memory each with the default 128-key steps on one
 stage) overlap one's softmax with the other's MMAs: 1619 -> 1271 µs for an 8K chunk at TP1,
-and 1266 -> 1120 with the keys handed back before P V (docs/performance.md). fp8 K/V are
-copied as fp8 and converted by the consumer into one fp16 tile before each MMA (the MMAs run
-in fp16 as prefill.py's F16_COMPUTE), in whole 128-key steps: neither a converter partition
-nor conversions beside the MMAs made them faster (docs/performance.md, "What was tried"); the
-conversion's stores free of bank conflicts (`_to_f16`) did, by 12-13%. FP8_QK (opt-in,
+and 1266 -> 1120 with the keys handed back before P V (docs/performance.md). fp8 K/V run the
+MMAs in fp16 (as prefill.py's F16_COMPUTE), in whole 128-key steps, converted on one of two
+paths. FP8_LOADER (the default, api.py's ws_fp8_loader): the producer is a warpgroup that
+loads each fp8 tile from global memory, converts it in registers and stores fp16 rings
+(`_fp8_loader`), so the consumer runs the 16-bit path unchanged: 1541 -> 1367 µs for an 8K
+chunk at TP1. Otherwise TMA copies fp8 tiles and the consumer converts each into one fp16
+tile before its MMA (`_to_f16`, its stores free of bank conflicts: 12-13% faster than
+before); a converter partition reading the fp8 ring and conversions beside the MMAs were not
+faster (docs/performance.md, "What was tried"). FP8_QK (opt-in,
 api.py's ws_fp8_qk) runs S = Q K^T as fp8 MMAs from the key ring instead (`_split_q_rows`) and
 converts only V: 18% faster before that fix, but Hopper's fp8 MMAs accumulate in reduced
 precision (S off by up to ~6e-4 of a row's largest |S|, benchmarks/probe_fp8_accum.py), so it
