@@ -151,8 +151,8 @@ def test_sparse_attention_tile_ws_kernel(dtype, sub, stages, group):
     box = [1, sub, 1, 128]
     layout = gl.NVMMASharedLayout.get_default_for(box, gdt)
     desc = f"tensordesc<{dtype}[1, {sub}, 1, 128],{layout!r}>"
-    constexprs = dict(SUB=sub, D=128, NUM_KV_HEADS=4, G=group, GP=group, QT=64 // group, KP=16, BLOCK=128,
-                      STAGES_K=stages // 10 or stages, STAGES_V=stages % 10,
+    constexprs = dict(SUB=sub, D=128, NUM_KV_HEADS=4, G=group, GP=group, QT=64 // group, KP=16,
+                      BLOCK=128, STAGES_K=stages // 10 or stages, STAGES_V=stages % 10,
                       KEYS_EARLY=stages != 2, HAS_SCALE=stages == 1, LAZY_MASK=stages != 3,
                       PRODUCER_REGS=TUNING["ws_loader_regs" if loader else "ws_producer_regs"],
                       FP8=dtype == "fp8e4nv", FP8_QK=fp8_qk, FP8_LOADER=loader,
