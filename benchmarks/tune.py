@@ -103,6 +103,9 @@ def main():
                    help="device µs (profiler), graph-replayed call µs, or both")
     p.add_argument("--context", type=int, default=8192,
                    help="attention-prefill: tokens of context before the 8192-token chunk")
+    p.add_argument("--cases", default="",
+                   help="attention-prefill: only the cases whose name contains this, e.g. "
+                        "'fp8'")
     args = p.parse_args()
     global METRIC, TIME_WRONG
     METRIC = args.metric
@@ -182,6 +185,8 @@ def _attention_prefill(args):
             ("m3-tp1", "fp8", 16, 0.0), ("m3-tp1", "fp8", 16, 0.2), ("m3-tp1", "fp8", 1, 0.0),
             ("m3-tp4", "bf16", 16, 0.0), ("m3-tp4", "bf16", 16, 0.2), ("m3-tp4", "bf16", 1, 0.0),
             ("m3-tp4", "fp8", 16, 0.2)):
+        if args.cases not in f"{model_name} {dname} s{shared} j{jitter}":
+            continue
         m = shapes.MODELS[model_name]
         q, packed, idx, cu, seq, table = run._attention_step(m, 1, args.context + 8192, 8192,
                                                              dname, shared=shared, jitter=jitter)

@@ -3,6 +3,9 @@
 # the GPU machine; results land in $OUT (the device tool brings them back).
 #   bash scripts/gpu_check.sh tests            # tier 2 + tier 1 on the GPU (168 tests; 502 s
 #                                              # at 3728589: give the call 600)
+#   bash scripts/gpu_check.sh tests-part I/N   # every N-th test of that tier from the I-th
+#                                              # (the whole tier took over 600 s at e0afd54 on
+#                                              # a fresh machine: two calls with 1/2 and 2/2)
 #   bash scripts/gpu_check.sh bench [args...]  # benchmarks/run.py with args
 #   bash scripts/gpu_check.sh tune [args...]   # benchmarks/tune.py with args (appends tune.log)
 #   bash scripts/gpu_check.sh probe [args...]  # benchmarks/probe_mma_overlap.py (Triton vs Gluon)
@@ -21,6 +24,13 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv | 
 case "$what" in
   tests)
     python3 -m pytest -q -x -m "gpu or interpret" tests "$@" 2>&1 | tee "$OUT/tests.log" ;;
+  tests-part)
+    part=${1%/*}; parts=${1#*/}; shift
+    python3 -m pytest -q --collect-only -m "gpu or interpret" tests 2>/dev/null | grep '::' \
+      > "$OUT/test-ids.txt"
+    mapfile -t ids < <(awk -v p="$part" -v n="$parts" '(NR - p) % n == 0' "$OUT/test-ids.txt")
+    echo "part $part of $parts: ${#ids[@]} tests" | tee "$OUT/tests-$part.log"
+    python3 -m pytest -q -x "${ids[@]}" "$@" 2>&1 | tee -a "$OUT/tests-$part.log" ;;
   bench)
     python3 benchmarks/run.py "$@" 2>&1 | tee "$OUT/bench.log" ;;
   tune)
