@@ -25,8 +25,9 @@ MMAs in fp16 (as prefill.py's F16_COMPUTE), in whole 128-key steps, converted on
 paths. FP8_LOADER (the default, api.py's ws_fp8_loader): the producer is a warpgroup that
 loads each fp8 tile from global memory, converts it in registers and stores fp16 rings
 (`_fp8_loader`), so the consumer runs the 16-bit path unchanged: 1541 -> 1367 µs for an 8K
-chunk at TP1. Otherwise TMA copies fp8 tiles and the consumer converts each into one fp16
-tile before its MMA (`_to_f16`, its stores free of bank conflicts: 12-13% faster than
+chunk at TP1, ~1358 with V's loads issued under K's stores (ws_loader_roll). Otherwise TMA
+copies fp8 tiles and the consumer converts each into one fp16 tile before its MMA (`_to_f16`,
+its stores free of bank conflicts: 12-13% faster than
 before); a converter partition reading the fp8 ring and conversions beside the MMAs were not
 faster (docs/performance.md, "What was tried"). FP8_QK (opt-in,
 api.py's ws_fp8_qk) runs S = Q K^T as fp8 MMAs from the key ring instead (`_split_q_rows`) and
@@ -131,51 +132,6 @@ def _store_tile_load(parts, ring, ready, nxt, off, stride_b, SUB: gl.constexpr, 
 
 
 @gluon.jit
-def _load_words(base, off, stride_w, R: gl.constexpr):
-    """_load_tile's four quarters as 32-bit words (4 fp8 each; `off` and `stride_w` in words)
-    from the fp8 address `base`."""
-    words = base.to(gl.pointer_type(gl.int32))
-    step = R * stride_w
-    return (gl.load(words + off), gl.load(words + step + off), gl.load(words + 2 * step + off),
-            gl.load(words + 3 * step + off))
-
-
-@gluon.jit
-def _words_to_f16(w):
-    """Words of 4 fp8 as words of 2 fp16 (exact, the conversion `.to(gl.float16)` emits), in a
-    [rows, 2 * words] tensor whose word 2c + h holds fp8 2h, 2h + 1 of word c."""
-    lo, hi = gl.inline_asm_elementwise(
-        "{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.rn.f16x2.e4m3x2 $0, l; "
-        "cvt.rn.f16x2.e4m3x2 $1, h; }", "=r,=r,r", [w], dtype=[gl.int32, gl.int32],
-        is_pure=True, pack=1)
-    both = gl.join(lo, hi)
-    return both.reshape([both.shape[0], 2 * both.shape[1]])
-
-
-@gluon.jit
-def _store_words_load(parts, ring, ready, nxt, off, stride_w, SUB: gl.constexpr,
-                      D: gl.constexpr, R: gl.constexpr):
-    """_store_tile_load for tiles held as words (_load_words): the ring seen as 32-bit words of
-    fp16 pairs (the same bytes and swizzle)."""
-    words_l: gl.constexpr = gl.NVMMASharedLayout(128, 32, 2)
-    dst = ring.reshape([SUB, D])._reinterpret(gl.int32, [SUB, D // 2], words_l)
-    words = nxt.to(gl.pointer_type(gl.int32))
-    step = R * stride_w
-    dst.slice(0, R).store(_words_to_f16(parts[0]))
-    n0 = gl.load(words + off)
-    dst.slice(R, R).store(_words_to_f16(parts[1]))
-    n1 = gl.load(words + step + off)
-    dst.slice(2 * R, R).store(_words_to_f16(parts[2]))
-    n2 = gl.load(words + 2 * step + off)
-    dst.slice(3 * R, R).store(_words_to_f16(parts[3]))
-    n3 = gl.load(words + 3 * step + off)
-    fence_async_shared()
-    gl.thread_barrier()  # every warp's part written before the consumer's MMA reads it
-    mbarrier.arrive(ready, count=1)
-    return (n0, n1, n2, n3)
-
-
-@gluon.jit
 def _fp8_loader(k_ptr, v_ptr, stride_kp, stride_kb, stride_kh, stride_vp, stride_vb,
                 stride_vh, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v, union_row,
                 num_steps, g, PARTS: gl.constexpr, AHEAD: gl.constexpr,
@@ -185,9 +141,10 @@ def _fp8_loader(k_ptr, v_ptr, stride_kp, stride_kb, stride_kh, stride_vp, stride
     were 16-bit. Against the TMA producer and the consumer's own conversion, this takes the fp8
     tile's trip through shared memory (its TMA write and the conversion's read, 64 of the 208 KB
     a step moves there) and the conversion off the consumer's serial path. A tile's loads are
-    issued before waiting for its buffer: V_i's once K_i is stored (during S_{i-1}'s softmax
-    and P V), K_{i+1}'s once V_i is. Only one tile is in registers at a time: the consumer's
-    accumulator, S and P leave this warpgroup ~64-80 of the two programs' registers."""
+    issued before waiting for its buffer: with ROLL (the default, api.py's ws_loader_roll)
+    V_i's a quarter at a time while K_i is stored, otherwise once K_i is; K_{i+1}'s once V_i
+    is stored. Only one tile is in registers at a time: the consumer's accumulator, S and P
+    leave this warpgroup ~64-80 of the two programs' registers."""
     SUB: gl.constexpr = k_smem.shape[2]
     D: gl.constexpr = k_smem.shape[4]
     R: gl.constexpr = SUB // 4
@@ -217,44 +174,12 @@ def _fp8_loader(k_ptr, v_ptr, stride_kp, stride_kb, stride_kh, stride_vp, stride
                               v_smem, ready_v, empty_v, PARTS, R)
                 page_v = page_k
                 page_k = nxt.to(gl.int64)
-    elif ROLL == 2:
-        # every tile's loads under the stores of the tile before it (K_i's carry V_i's loads,
-        # V_i's carry K_{i+1}'s), so the loader's chain per tile is the longer of its
-        # conversion and its load latency, not their sum. The tiles are loaded as 32-bit words
-        # (4 fp8 each) and converted by PTX: fp8 tensors carried through the loop would take a
-        # register per element and spill.
-        if num_steps > 0:
-            w_l: gl.constexpr = gl.BlockedLayout([1, 2], [32 * 8 // D, D // 8], [4, 1], [1, 0])
-            wk = gl.arange(0, R, layout=gl.SliceLayout(1, w_l))[:, None]
-            wd = gl.arange(0, D // 4, layout=gl.SliceLayout(0, w_l))[None, :]
-            # (the launch takes 16-byte multiples for every stride and base: words are exact)
-            kw_off = wk * (stride_kb // 4) + wd
-            vw_off = wk * (stride_vb // 4) + wd
-            page = gl.load(union_row).to(gl.int64)
-            parts = _load_words(k_ptr + page * stride_kp + g * stride_kh, kw_off,
-                                stride_kb // 4, R)
-            for i in range(num_steps):
-                key0 = (i % PARTS) * SUB
-                # (past the last step, its own K again: a load that lands inside the cache)
-                j = gl.minimum(i + 1, num_steps - 1)
-                nxt = gl.load(union_row + j // PARTS).to(gl.int64)
-                s = i % k_smem.shape[0]
-                mbarrier.wait(empty_k.index(s), ((i // k_smem.shape[0]) & 1) ^ 1,
-                              pred=i >= k_smem.shape[0])
-                parts = _store_words_load(parts, k_smem.index(s), ready_k.index(s),
-                                          v_ptr + page * stride_vp + key0 * stride_vb
-                                          + g * stride_vh, vw_off, stride_vb // 4, SUB, D, R)
-                s = i % v_smem.shape[0]
-                mbarrier.wait(empty_v.index(s), ((i // v_smem.shape[0]) & 1) ^ 1,
-                              pred=i >= v_smem.shape[0])
-                parts = _store_words_load(parts, v_smem.index(s), ready_v.index(s),
-                                          k_ptr + nxt * stride_kp + (j % PARTS) * SUB * stride_kb
-                                          + g * stride_kh, kw_off, stride_kb // 4, SUB, D, R)
-                page = nxt
     elif ROLL:
-        # V_i's loads issued a quarter at a time while K_i is converted and stored, so its load
-        # latency hides behind K's conversion. (K_{i+1}'s under V_i's stores would be carried
-        # through the loop, where Triton keeps fp8 elements one per register: they spill.)
+        # V_i's loads issued a quarter at a time while K_i is converted and stored, so part of
+        # their latency hides behind K's conversion (~1% faster, api.py). K_{i+1}'s under
+        # V_i's stores would be carried through the loop, where Triton keeps an fp8 tensor one
+        # element per register; carried as 32-bit words of 4, the loader still spilled ~130
+        # bytes of its loop invariants and was 17% slower (docs/performance.md)
         for i in range(num_steps):
             page = gl.load(union_row + i // PARTS).to(gl.int64)
             key0 = (i % PARTS) * SUB
@@ -531,7 +456,7 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_src, v_src, cu_ptr, seq_lens_ptr, 
                                      PDL: gl.constexpr = False,
                                      FP8_LOADER: gl.constexpr = False,
                                      LOADER_AHEAD: gl.constexpr = False,
-                                     LOADER_ROLL: gl.constexpr = 0):
+                                     LOADER_ROLL: gl.constexpr = False):
     """k_src / v_src: TMA descriptors of [SUB, D] boxes over the caches' [P, B, Hkv, D] views,
     or with FP8_LOADER (fp8 K/V) the views themselves (their strides then read; a warpgroup
     loads, converts and stores each step into fp16 rings, _fp8_loader)."""
