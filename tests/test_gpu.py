@@ -481,8 +481,6 @@ def _mixed_tiles_chunk(heads, dtype):
     ((8, 1), FP8, "flash", dict(ws_loader_ahead=True, ws_keys_early=False)),
     ((16, 1), FP8, "flash", dict(ws_loader_roll=False)),
     ((8, 1), FP8, "flash", dict(ws_loader_roll=False, ws_stages_k_fp8=1, ws_keys_early=False)),
-    ((64, 4), FP8, "packed", dict(ws_loader_wide=True)),
-    ((16, 1), FP8, "flash", dict(ws_loader_wide=True, ws_loader_roll=False, ws_stages_k_fp8=1)),
     ((16, 1), FP8, "packed", dict(ws_stages_k_fp8=1, ws_stages_fp8=2))], ids=str)
 def test_attention_prefill_gluon_tiles(heads, dtype, layout, knobs, monkeypatch):
     """The warp-specialised tile kernel (prefill_ws.py) against the reference and the Triton
@@ -496,7 +494,7 @@ def test_attention_prefill_gluon_tiles(heads, dtype, layout, knobs, monkeypatch)
     # loaded and converted to fp16 rings by a producer warpgroup (NaN tails included),
     # ws_fp8_loader=False: TMA copies of fp8 tiles that the consumer converts;
     # ws_loader_ahead: the loader's K a step ahead of its V; ws_loader_roll=False: its V's
-    # loads after K's stores, not under them; ws_loader_wide: its loads 16 bytes wide
+    # loads after K's stores, not under them
     for name, value in knobs.items():
         monkeypatch.setitem(api.TUNING, name, value)
     calls = []

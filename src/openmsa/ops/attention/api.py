@@ -82,7 +82,7 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
               ws_stages_fp8=1, ws_keys_early=True, ws_stages_k=None, ws_stages_k_fp8=2,
               ws_fp8_qk=False, ws_waste=3.5, ws_waste_fp8=2.0, ws_pdl=True,
               ws_fp8_loader=True, ws_loader_regs=80,
-              ws_loader_ahead=False, ws_loader_roll=True, ws_loader_wide=False)
+              ws_loader_ahead=False, ws_loader_roll=True)
 # tile_ws: on Hopper, 16-bit K/V tiles run prefill_ws.py's warp-specialised Gluon kernel where
 # the views allow TMA (_ws_eligible): ws_sub keys per step, ws_stages K/V buffers; ws_maxnreg
 # registers per thread at launch (128: two programs of 8 warps per SM), which the consumer
@@ -122,10 +122,6 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
 # 1902.3 / 1881.9, TP4 with jitter 509.7 / 501.9 and 509.7 / 505.2. K's loads under V's
 # stores as well (carried through the loop as 32-bit words, since fp8 tensors carried there
 # take a register per element) spilled ~130 bytes of the loader's invariants: 1603 µs.
-# ws_loader_wide: the loader's loads 16 bytes wide (two per thread and row quarter, at columns c
-# and c + D / 2, so its 16-byte fp16 stores stay free of bank conflicts; prefill_ws.py): half
-# the loads, the loader's code ~360 instructions against ~430 (offline SASS), 8-12 bytes of
-# spills against 16-20
 # tile*: prefill steps first launch prefill.py's kernel over tiles of tile_rows // G tokens (the
 # union of their selections, taken on the device when union blocks x tokens <= tile_waste x the
 # tokens' selected blocks); the per-token kernel then does the tiles it left. Measured on 8K
@@ -498,7 +494,6 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
                             FP8_LOADER=loader,
                             LOADER_AHEAD=loader and TUNING["ws_loader_ahead"] and stages_k > 1,
                             LOADER_ROLL=loader and TUNING["ws_loader_roll"],
-                            LOADER_WIDE=loader and TUNING["ws_loader_wide"],
                             num_warps=4, maxnreg=TUNING["ws_maxnreg"]))
         # the Gluon tiles' own union-size threshold (tile_waste's, per dtype: ws_waste)
         plan.ws_waste = float(TUNING["ws_waste_fp8" if fp8 else "ws_waste"])

@@ -135,7 +135,7 @@ def _store_tile_load(parts, ring, ready, nxt, off, stride_b, SUB: gl.constexpr, 
 def _fp8_loader(k_ptr, v_ptr, stride_kp, stride_kb, stride_kh, stride_vp, stride_vb,
                 stride_vh, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v, union_row,
                 num_steps, g, PARTS: gl.constexpr, AHEAD: gl.constexpr,
-                ROLL: gl.constexpr, WIDE: gl.constexpr):
+                ROLL: gl.constexpr):
     """FP8_LOADER's producer (one warpgroup): each step's fp8 K and V read from global memory
     into registers, converted to fp16 and stored into the rings the consumer reads as if K/V
     were 16-bit. Against the TMA producer and the consumer's own conversion, this takes the fp8
@@ -148,15 +148,8 @@ def _fp8_loader(k_ptr, v_ptr, stride_kp, stride_kb, stride_kh, stride_vp, stride
     SUB: gl.constexpr = k_smem.shape[2]
     D: gl.constexpr = k_smem.shape[4]
     R: gl.constexpr = SUB // 4
-    if WIDE:
-        # 16-byte loads: a thread's 16 fp8 of a row at columns c and c + D / 2 (two 16-byte
-        # loads), 4 threads per half row; a quarter warp's 16-byte stores then cover two rows'
-        # halves, 8 distinct 16-byte bank groups of the swizzled tile (a thread's 32 contiguous
-        # fp8 would put 8 lanes' stores in both 128-byte atoms of one row: 2-way conflicts)
-        c_l: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 32 // D, D // 32], [4, 1], [1, 0])
-    else:
-        # 8 fp8 per thread: 16-byte fp16 stores, conflict-free in the swizzled tile (_to_f16)
-        c_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D, D // 8], [4, 1], [1, 0])
+    # 8 fp8 per thread: 16-byte fp16 stores, conflict-free in the swizzled tile (_to_f16)
+    c_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D, D // 8], [4, 1], [1, 0])
     keys = gl.arange(0, R, layout=gl.SliceLayout(1, c_l))[:, None]
     d = gl.arange(0, D, layout=gl.SliceLayout(0, c_l))[None, :]
     k_off = keys * stride_kb + d
@@ -463,8 +456,7 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_src, v_src, cu_ptr, seq_lens_ptr, 
                                      PDL: gl.constexpr = False,
                                      FP8_LOADER: gl.constexpr = False,
                                      LOADER_AHEAD: gl.constexpr = False,
-                                     LOADER_ROLL: gl.constexpr = False,
-                                     LOADER_WIDE: gl.constexpr = False):
+                                     LOADER_ROLL: gl.constexpr = False):
     """k_src / v_src: TMA descriptors of [SUB, D] boxes over the caches' [P, B, Hkv, D] views,
     or with FP8_LOADER (fp8 K/V) the views themselves (their strides then read; a warpgroup
     loads, converts and stores each step into fp16 rings, _fp8_loader)."""
@@ -577,7 +569,7 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_src, v_src, cu_ptr, seq_lens_ptr, 
                 (_fp8_loader, (k_src, v_src, stride_kp, stride_kb, stride_kh, stride_vp,
                                stride_vb, stride_vh, k_smem, v_smem, ready_k, ready_v, empty_k,
                                empty_v, union_row, num_steps, g, PARTS, LOADER_AHEAD,
-                               LOADER_ROLL, LOADER_WIDE)),
+                               LOADER_ROLL)),
             ], [4], [PRODUCER_REGS])
         else:
             gl.warp_specialize([
