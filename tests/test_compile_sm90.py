@@ -129,14 +129,14 @@ def test_short_rows_topk_kernel(g, w, vec, tpr, warps):
     ("bf16", 64, 2, 16), ("fp16", 128, 1, 8), ("bf16", 64, 3, 16), ("fp8e4nv", 128, 1, 16),
     ("fp8e4nv", 128, 2, 8), ("bf16", 128, 21, 16), ("fp8e4nv", 128, 21, 16),
     ("fp8qk", 128, 1, 16), ("fp8qk", 128, 21, 8), ("fp8ld", 128, 1, 16), ("fp8ld", 128, 21, 8),
-    ("fp8ahead", 128, 21, 16), ("fp8roll", 128, 21, 16), ("fp8noroll", 128, 1, 8)])
+    ("fp8roll", 128, 21, 16), ("fp8noroll", 128, 1, 8)])
 def test_sparse_attention_tile_ws_kernel(dtype, sub, stages, group):
     # stages: one digit per ring (K, then V) where they differ; fp8qk: fp8 K/V with
     # S = Q K^T as fp8 MMAs (FP8_QK); fp8ld: fp8 K/V loaded and converted by a producer
-    # warpgroup (FP8_LOADER; fp8ahead: K a step ahead of V, LOADER_AHEAD; fp8roll / noroll:
-    # V's loads issued while K is stored or after, LOADER_ROLL; fp8ld: api.py's default)
-    fp8_qk, ahead = dtype == "fp8qk", dtype == "fp8ahead"
-    loader = ahead or dtype in ("fp8ld", "fp8roll", "fp8noroll")
+    # warpgroup (FP8_LOADER; fp8roll / noroll: V's loads issued while K is stored or after,
+    # LOADER_ROLL; fp8ld: api.py's default)
+    fp8_qk = dtype == "fp8qk"
+    loader = dtype in ("fp8ld", "fp8roll", "fp8noroll")
     roll, default_roll = dtype == "fp8roll", dtype == "fp8ld"
     dtype = "fp8e4nv" if fp8_qk or loader else dtype
     # the Gluon prefill tiles (attention/prefill_ws.py) with the launch options api.py passes:
@@ -158,7 +158,6 @@ def test_sparse_attention_tile_ws_kernel(dtype, sub, stages, group):
                       KEYS_EARLY=stages != 2, HAS_SCALE=stages == 1, LAZY_MASK=stages != 3,
                       PRODUCER_REGS=TUNING["ws_loader_regs" if loader else "ws_producer_regs"],
                       FP8=dtype == "fp8e4nv", FP8_QK=fp8_qk, FP8_LOADER=loader,
-                      LOADER_AHEAD=ahead,
                       LOADER_ROLL=roll or (default_roll and TUNING["ws_loader_roll"]),
                       PDL=stages != 3, num_warps=4)
     signature = {n: "constexpr" if n in constexprs else "i32" for n in fn.arg_names}

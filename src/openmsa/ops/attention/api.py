@@ -82,7 +82,7 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
               ws_stages_fp8=1, ws_keys_early=True, ws_stages_k=None, ws_stages_k_fp8=2,
               ws_fp8_qk=False, ws_waste=3.5, ws_waste_fp8=2.0, ws_pdl=True,
               ws_fp8_loader=True, ws_loader_regs=80,
-              ws_loader_ahead=False, ws_loader_roll=True)
+              ws_loader_roll=True)
 # tile_ws: on Hopper, 16-bit K/V tiles run prefill_ws.py's warp-specialised Gluon kernel where
 # the views allow TMA (_ws_eligible): ws_sub keys per step, ws_stages K/V buffers; ws_maxnreg
 # registers per thread at launch (128: two programs of 8 warps per SM), which the consumer
@@ -113,8 +113,6 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
 # 8K, off / on / on with 2 key buffers, ws_stages_k_fp8=2): TP1 fp8 shared by 16 1540.9 /
 # 1376.4 / 1367.1 µs, with jitter 2085.7 / 1950.9 / 1903.6, TP4 with jitter 546.7 / 513.4 /
 # 509.2 (a second off / on pair in the same loop: 1540.9 / 1377.1); bf16 rows unchanged.
-# ws_loader_ahead (with 2 key buffers): the loader runs K one step ahead of V and loads each
-# page id an iteration early (prefill_ws.py's LOADER_AHEAD)
 # ws_loader_roll: the loader issues V's loads a quarter at a time while it converts and stores
 # K (prefill_ws.py's _store_tile_load), instead of after. Measured (tune.py --only
 # attention-prefill --cases fp8, a4cc152, one call, 8K chunks after 8K, off / on, twice): TP1
@@ -492,7 +490,6 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
                             PRODUCER_REGS=TUNING["ws_loader_regs" if loader else
                                                  "ws_producer_regs"],
                             FP8_LOADER=loader,
-                            LOADER_AHEAD=loader and TUNING["ws_loader_ahead"] and stages_k > 1,
                             LOADER_ROLL=loader and TUNING["ws_loader_roll"],
                             num_warps=4, maxnreg=TUNING["ws_maxnreg"]))
         # the Gluon tiles' own union-size threshold (tile_waste's, per dtype: ws_waste)

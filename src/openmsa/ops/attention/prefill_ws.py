@@ -134,8 +134,7 @@ def _store_tile_load(parts, ring, ready, nxt, off, stride_b, SUB: gl.constexpr, 
 @gluon.jit
 def _fp8_loader(k_ptr, v_ptr, stride_kp, stride_kb, stride_kh, stride_vp, stride_vb,
                 stride_vh, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v, union_row,
-                num_steps, g, PARTS: gl.constexpr, AHEAD: gl.constexpr,
-                ROLL: gl.constexpr):
+                num_steps, g, PARTS: gl.constexpr, ROLL: gl.constexpr):
     """FP8_LOADER's producer (one warpgroup): each step's fp8 K and V read from global memory
     into registers, converted to fp16 and stored into the rings the consumer reads as if K/V
     were 16-bit. Against the TMA producer and the consumer's own conversion, this takes the fp8
@@ -154,27 +153,7 @@ def _fp8_loader(k_ptr, v_ptr, stride_kp, stride_kb, stride_kh, stride_vp, stride
     d = gl.arange(0, D, layout=gl.SliceLayout(0, c_l))[None, :]
     k_off = keys * stride_kb + d
     v_off = keys * stride_vb + d
-    if AHEAD:
-        # K one step ahead of V (K_0, K_1, V_0, K_2, V_1, ...), each page id loaded an
-        # iteration before its tile: a tile's loads start earlier before the consumer needs it.
-        # K_{i+1} waits for K_{i-1}'s buffer, which a consumer handing keys back after P V
-        # (not KEYS_EARLY) frees only after V_i: with one key buffer that would deadlock
-        gl.static_assert(k_smem.shape[0] >= 2, "LOADER_AHEAD needs two key buffers")
-        if num_steps > 0:
-            page_v = gl.load(union_row).to(gl.int64)
-            _load_convert(k_ptr, k_off, page_v, 0, stride_kp, stride_kb, stride_kh, g, k_smem,
-                          ready_k, empty_k, PARTS, R)
-            page_k = gl.load(union_row + gl.minimum(1, num_steps - 1) // PARTS).to(gl.int64)
-            for i in range(num_steps):
-                nxt = gl.load(union_row + gl.minimum(i + 2, num_steps - 1) // PARTS)
-                if i + 1 < num_steps:
-                    _load_convert(k_ptr, k_off, page_k, i + 1, stride_kp, stride_kb, stride_kh,
-                                  g, k_smem, ready_k, empty_k, PARTS, R)
-                _load_convert(v_ptr, v_off, page_v, i, stride_vp, stride_vb, stride_vh, g,
-                              v_smem, ready_v, empty_v, PARTS, R)
-                page_v = page_k
-                page_k = nxt.to(gl.int64)
-    elif ROLL:
+    if ROLL:
         # V_i's loads issued a quarter at a time while K_i is converted and stored, so part of
         # their latency hides behind K's conversion (~1% faster, api.py). K_{i+1}'s under
         # V_i's stores would be carried through the loop, where Triton keeps an fp8 tensor one
@@ -455,7 +434,6 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_src, v_src, cu_ptr, seq_lens_ptr, 
                                      PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
                                      PDL: gl.constexpr = False,
                                      FP8_LOADER: gl.constexpr = False,
-                                     LOADER_AHEAD: gl.constexpr = False,
                                      LOADER_ROLL: gl.constexpr = False):
     """k_src / v_src: TMA descriptors of [SUB, D] boxes over the caches' [P, B, Hkv, D] views,
     or with FP8_LOADER (fp8 K/V) the views themselves (their strides then read; a warpgroup
@@ -568,8 +546,7 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_src, v_src, cu_ptr, seq_lens_ptr, 
                              PARTS, HAS_SCALE, LAZY_MASK, CONVERT, FP8_QK, KEYS_EARLY)),
                 (_fp8_loader, (k_src, v_src, stride_kp, stride_kb, stride_kh, stride_vp,
                                stride_vb, stride_vh, k_smem, v_smem, ready_k, ready_v, empty_k,
-                               empty_v, union_row, num_steps, g, PARTS, LOADER_AHEAD,
-                               LOADER_ROLL)),
+                               empty_v, union_row, num_steps, g, PARTS, LOADER_ROLL)),
             ], [4], [PRODUCER_REGS])
         else:
             gl.warp_specialize([
