@@ -23,14 +23,15 @@ shift || true
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 case "$what" in
   tests)
-    python3 -m pytest -q -x -m "gpu or interpret" tests "$@" 2>&1 | tee "$OUT/tests.log" ;;
+    python3 -m pytest -q -x --durations=20 -m "gpu or interpret" tests "$@" 2>&1 \
+      | tee "$OUT/tests.log" ;;
   tests-part)
     part=${1%/*}; parts=${1#*/}; shift
     python3 -m pytest -q --collect-only -m "gpu or interpret" tests 2>/dev/null | grep '::' \
       > "$OUT/test-ids.txt"
     mapfile -t ids < <(awk -v p="$part" -v n="$parts" '(NR - p) % n == 0' "$OUT/test-ids.txt")
     echo "part $part of $parts: ${#ids[@]} tests" | tee "$OUT/tests-$part.log"
-    python3 -m pytest -q -x "${ids[@]}" "$@" 2>&1 | tee -a "$OUT/tests-$part.log" ;;
+    python3 -m pytest -q -x --durations=20 "${ids[@]}" "$@" 2>&1 | tee -a "$OUT/tests-$part.log" ;;
   bench)
     python3 benchmarks/run.py "$@" 2>&1 | tee "$OUT/bench.log" ;;
   tune)
