@@ -130,7 +130,7 @@ def test_short_rows_topk_kernel(g, w, vec, tpr, warps):
     ("fp8e4nv", 128, 2, 8), ("bf16", 128, 21, 16), ("fp8e4nv", 128, 21, 16),
     ("fp8qk", 128, 1, 16), ("fp8qk", 128, 21, 8), ("fp8ld", 128, 1, 16), ("fp8ld", 128, 21, 8),
     ("fp8roll", 128, 21, 16), ("fp8noroll", 128, 1, 8), ("bf16+q", 128, 21, 16),
-    ("fp16+q", 64, 2, 8)])
+    ("fp16+q", 64, 2, 8), ("fp8ld+q", 64, 32, 16)])
 def test_sparse_attention_tile_ws_kernel(dtype, sub, stages, group):
     # stages: one digit per ring (K, then V) where they differ; fp8qk: fp8 K/V with
     # S = Q K^T as fp8 MMAs (FP8_QK); fp8ld: fp8 K/V loaded and converted by a producer

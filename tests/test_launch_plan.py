@@ -275,15 +275,15 @@ def _kv_pair(layout="flash", dtype=torch.bfloat16, pages=300, kv_heads=4, dim=12
                                         ("odd_strides", False), ("dim256", False),
                                         ("sm100", False), ("off", False), ("no_gluon", False),
                                         ("block64", False), ("sub64", True),
-                                        ("fp8_sub64", False)])
+                                        ("fp8_sub64", True), ("fp8_odd_sub", False)])
 def test_attention_prefill_tiles_take_the_gluon_kernel_where_tma_can(monkeypatch, case, want):
     """The attention prefill tiles run prefill_ws.py's kernel on Hopper for 16-bit or fp8 K/V
     views a TMA descriptor describes (the flash layout and vLLM's packed one), 64-row tiles;
-    fp8 in whole-block steps only."""
+    fp8 in whole-block steps unless through the loader (ws_sub_fp8)."""
     monkeypatch.setattr(attention_api, "capability", lambda device: (9, 0))
     fp8 = torch.float8_e4m3fn
     dtype = {"fp16": torch.float16, "fp8": fp8, "fp8_off": fp8,
-             "fp8_sub64": fp8}.get(case, torch.bfloat16)
+             "fp8_sub64": fp8, "fp8_odd_sub": fp8}.get(case, torch.bfloat16)
     dim = {"dim64": 64, "dim256": 256}.get(case, 128)
     k, v = _kv_pair("packed" if case == "packed" else "odd" if case == "odd_strides" else "flash",
                     dtype, dim=dim)
@@ -297,10 +297,29 @@ def test_attention_prefill_tiles_take_the_gluon_kernel_where_tma_can(monkeypatch
         monkeypatch.setitem(attention_api.TUNING, "tile_ws_fp8", False)
     if case == "no_gluon":
         monkeypatch.setattr(attention_api, "gluon_hopper_available", lambda: False)
-    if case.endswith("sub64"):  # 64-key steps: 16-bit K/V only (wrong on fp8, api.py)
+    if case.endswith("sub64"):  # 64-key steps: 16-bit K/V, or fp8 through the loader
         monkeypatch.setitem(attention_api.TUNING, "ws_sub", 64)
+        monkeypatch.setitem(attention_api.TUNING, "ws_sub_fp8", 64)
+    if case == "fp8_odd_sub":  # steps that do not divide a block
+        monkeypatch.setitem(attention_api.TUNING, "ws_sub_fp8", 48)
     rows = 32 if case == "rows32" else 64
     assert attention_api._ws_eligible(q, k, v, 64 if case == "block64" else 128, rows) == want
+
+
+def test_attention_gluon_steps_per_dtype(monkeypatch):
+    """Keys per step of the Gluon tiles: ws_sub for 16-bit K/V; for fp8 K/V ws_sub_fp8 through
+    the loader, whole blocks through the forms that convert in the consumer (wrong on 64-key
+    steps, api.py)."""
+    for name, value in (("ws_sub", 64), ("ws_sub_fp8", 32)):
+        monkeypatch.setitem(attention_api.TUNING, name, value)
+    assert attention_api._ws_sub(False, 128) == 64
+    assert attention_api._ws_sub(True, 128) == 32
+    assert attention_api._ws_sub(True, 16) == 16
+    monkeypatch.setitem(attention_api.TUNING, "ws_fp8_qk", True)
+    assert attention_api._ws_sub(True, 128) == 128
+    monkeypatch.setitem(attention_api.TUNING, "ws_fp8_qk", False)
+    monkeypatch.setitem(attention_api.TUNING, "ws_fp8_loader", False)
+    assert attention_api._ws_sub(True, 128) == 128
 
 
 def test_attention_gluon_launch_descriptors(monkeypatch):

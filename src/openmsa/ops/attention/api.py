@@ -82,7 +82,7 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
               ws_stages_fp8=1, ws_keys_early=True, ws_stages_k=None, ws_stages_k_fp8=2,
               ws_fp8_qk=False, ws_waste=3.5, ws_waste_fp8=2.0, ws_pdl=True,
               ws_fp8_loader=True, ws_loader_regs=80,
-              ws_loader_roll=True, ws_q_regs=False)
+              ws_loader_roll=True, ws_q_regs=False, ws_sub_fp8=128)
 # tile_ws: on Hopper, 16-bit K/V tiles run prefill_ws.py's warp-specialised Gluon kernel where
 # the views allow TMA (_ws_eligible): ws_sub keys per step, ws_stages K/V buffers; ws_maxnreg
 # registers per thread at launch (128: two programs of 8 warps per SM), which the consumer
@@ -125,6 +125,9 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
 # more in the consumer: no spills offline with 16-bit K/V (the TMA producer leaves the consumer
 # more), 160 bytes with the fp8 loader at 128-key steps. Not yet measured: the check of
 # docs/performance.md's shared-memory-traffic lead (144 -> 128 KB per 16-bit step)
+# ws_sub_fp8: keys per step of fp8 tiles through the loader (others take whole blocks); at 64,
+# ws_q_regs fits the loader's consumer without spills (offline), also with 3 key and 2 value
+# buffers (96 KB: two programs per SM). Not yet measured on the GPU
 # tile*: prefill steps first launch prefill.py's kernel over tiles of tile_rows // G tokens (the
 # union of their selections, taken on the device when union blocks x tokens <= tile_waste x the
 # tokens' selected blocks); the per-token kernel then does the tiles it left. Measured on 8K
@@ -351,16 +354,26 @@ def _ws_eligible(q, k_cache, v_cache, block_size: int, rows: int) -> bool:
         return False
     if not gluon_hopper_available():
         return False
-    sub = min(block_size, TUNING["ws_sub"])
+    sub = _ws_sub(k_cache.dtype == FP8, block_size)
     if block_size % sub or sub % 16:
-        return False
-    # fp8 K/V only in whole-block steps: two fp8 forms on 64-key steps (exp/attn-ws-pipeline,
-    # exp/fp8-overlap) gave the same wrong outputs on the GPU, cause not found
-    if k_cache.dtype == FP8 and sub != block_size:
         return False
     size = k_cache.dtype.itemsize
     return all(c.stride(3) == 1 and all(st * size % 16 == 0 for st in c.stride()[:3])
                for c in (k_cache, v_cache))
+
+
+def _fp8_loader_on() -> bool:
+    return bool(TUNING["ws_fp8_loader"]) and not TUNING["ws_fp8_qk"]
+
+
+def _ws_sub(fp8: bool, block_size: int) -> int:
+    """Keys per step of the Gluon tiles: ws_sub, or for fp8 K/V ws_sub_fp8 through the loader
+    (its rings are 16-bit) and whole blocks otherwise: the fp8 forms that convert in the
+    consumer gave wrong outputs on 64-key steps (exp/attn-ws-pipeline, exp/fp8-overlap, the
+    same ones both; cause not found)."""
+    if fp8:
+        return block_size if not _fp8_loader_on() else min(block_size, TUNING["ws_sub_fp8"])
+    return min(block_size, TUNING["ws_sub"])
 
 
 def _launch_tile_ws(q, k_cache, v_cache, cu_seqlens_q, seq_lens, out, lse, blocks, union, ks,
@@ -479,12 +492,13 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
             num_stages=TUNING["tile_stages_fp8" if fp8 else "tile_stages"])
         plan.tile_ws = None
         if _ws_eligible(q, k_cache, v_cache, block_size, tile_qt * group_pad):
-            loader = fp8 and TUNING["ws_fp8_loader"] and not TUNING["ws_fp8_qk"]
+            loader = fp8 and _fp8_loader_on()
+            ws_sub = _ws_sub(fp8, block_size)
             stages_k = (TUNING["ws_stages_k_fp8" if fp8 else "ws_stages_k"]
                         or TUNING["ws_stages_fp8" if fp8 else "ws_stages"])
             plan.tile_ws = dict(
-                sub=min(block_size, TUNING["ws_sub"]),
-                kwargs=dict(SUB=min(block_size, TUNING["ws_sub"]), D=head_dim,
+                sub=ws_sub,
+                kwargs=dict(SUB=ws_sub, D=head_dim,
                             NUM_KV_HEADS=num_kv_heads, G=group, GP=group_pad, QT=tile_qt,
                             KP=plan.kp, BLOCK=block_size,
                             STAGES_K=stages_k,
