@@ -365,9 +365,9 @@ def _consumer(q_smem, q_lo_smem, row_f_smem, k_smem, v_smem, kv16, ready_k, read
     if Q_REGS:
         # q as the register operand of S = Q K^T: its 16 KB no longer read from shared memory
         # at every step, for 32 of the consumer's registers
-        q_op = q_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_l, k_width=2))
+        q_regs = q_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_l, k_width=2))
     else:
-        q_op = q_smem
+        q_regs = q_smem  # (unused)
     for step in range(num_steps):
         key0, cut_row, max_cut, min_cut = _step_cuts(union_row, step, rows, pos, first_pos, N,
                                                      BLOCK, PARTS, SUB, GP, QT)
@@ -393,6 +393,15 @@ def _consumer(q_smem, q_lo_smem, row_f_smem, k_smem, v_smem, kv16, ready_k, read
             sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
         else:
             k_t = k_smem.index(sk).reshape([SUB, D]).permute((1, 0))
+            if Q_REGS:
+                # a fresh copy of q's registers for this step's MMA: given the loop-invariant
+                # registers themselves, ptxas (12.8 here; CUDA 13.0's on the H200 computed
+                # wrong outputs too) put P into them at 128-key steps, so the next step's
+                # S = Q K^T read P; the copy costs 32 moves per step
+                q_op = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [q_regs],
+                                                 dtype=q_regs.dtype, is_pure=False, pack=2)
+            else:
+                q_op = q_smem
             sc = warpgroup_mma(q_op, k_t, zero, use_acc=False, is_async=True)
             sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
             if KEYS_EARLY:
