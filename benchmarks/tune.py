@@ -171,9 +171,8 @@ def _attention_prefill(args):
     tokens (8K unless told), with selections shared by runs of 16 tokens, shared with per-token
     jitter, and independent."""
     variants = pick(args, [dict(tile=False), {}, dict(tile_ws=False), dict(tile_ws_fp8=False),
-                           dict(ws_fp8_loader=True), dict(ws_q_regs=True),
-                           dict(ws_sub_fp8=64, ws_q_regs=True, ws_stages_k_fp8=3,
-                                ws_stages_fp8=2),
+                           dict(ws_fp8_loader=True),
+                           dict(ws_sub_fp8=64, ws_stages_k_fp8=3, ws_stages_fp8=2),
                            dict(ws_keys_early=False),
                            dict(ws_sub=64, ws_stages=2), dict(tile_lazy_mask=False),
                            dict(tile_persistent=True, tile_persistent_fp8=False),

@@ -478,11 +478,7 @@ def _mixed_tiles_chunk(heads, dtype):
     ((16, 1), FP8, "flash", dict(ws_fp8_loader=False)),
     ((64, 4), FP8, "packed", dict(ws_fp8_loader=False, ws_stages_k_fp8=1)),
     ((64, 4), FP8, "packed", dict(ws_loader_roll=False, ws_keys_early=False)),
-    ((64, 4), torch.bfloat16, "packed", dict(ws_q_regs=True)),
-    ((8, 1), torch.float16, "flash", dict(ws_q_regs=True, ws_sub=64, ws_stages=2)),
-    ((16, 1), FP8, "flash", dict(ws_q_regs=True)),
-    ((64, 4), FP8, "packed", dict(ws_sub_fp8=64, ws_q_regs=True, ws_stages_k_fp8=3,
-                                  ws_stages_fp8=2)),
+    ((64, 4), FP8, "packed", dict(ws_sub_fp8=64, ws_stages_k_fp8=3, ws_stages_fp8=2)),
     ((16, 1), FP8, "flash", dict(ws_sub_fp8=64)),
     ((16, 1), FP8, "flash", dict(ws_loader_roll=False)),
     ((8, 1), FP8, "flash", dict(ws_loader_roll=False, ws_stages_k_fp8=1, ws_keys_early=False)),
@@ -499,8 +495,7 @@ def test_attention_prefill_gluon_tiles(heads, dtype, layout, knobs, monkeypatch)
     # loaded and converted to fp16 rings by a producer warpgroup (NaN tails included),
     # ws_fp8_loader=False: TMA copies of fp8 tiles that the consumer converts;
     # ws_loader_roll=False: the loader's V loads after its K stores, not under them;
-    # ws_q_regs: q as the register operand of S = Q K^T; ws_sub_fp8=64: the loader's fp8
-    # tiles in 64-key steps
+    # ws_sub_fp8=64: the loader's fp8 tiles in 64-key steps
     for name, value in knobs.items():
         monkeypatch.setitem(api.TUNING, name, value)
     calls = []

@@ -82,7 +82,7 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
               ws_stages_fp8=1, ws_keys_early=True, ws_stages_k=None, ws_stages_k_fp8=2,
               ws_fp8_qk=False, ws_waste=3.5, ws_waste_fp8=2.0, ws_pdl=True,
               ws_fp8_loader=True, ws_loader_regs=80,
-              ws_loader_roll=True, ws_q_regs=False, ws_sub_fp8=128)
+              ws_loader_roll=True, ws_sub_fp8=128)
 # tile_ws: on Hopper, 16-bit K/V tiles run prefill_ws.py's warp-specialised Gluon kernel where
 # the views allow TMA (_ws_eligible): ws_sub keys per step, ws_stages K/V buffers; ws_maxnreg
 # registers per thread at launch (128: two programs of 8 warps per SM), which the consumer
@@ -120,14 +120,11 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
 # 1902.3 / 1881.9, TP4 with jitter 509.7 / 501.9 and 509.7 / 505.2. K's loads under V's
 # stores as well (carried through the loop as 32-bit words, since fp8 tensors carried there
 # take a register per element) spilled ~130 bytes of the loader's invariants: 1603 µs.
-# ws_q_regs: q as the register operand of S = Q K^T (16-bit rings: 16-bit K/V or the fp8
-# loader's), so the MMAs stop reading its 16 KB from shared memory every step; 32 registers
-# more in the consumer: no spills offline with 16-bit K/V (the TMA producer leaves the consumer
-# more), 160 bytes with the fp8 loader at 128-key steps. Not yet measured: the check of
-# docs/performance.md's shared-memory-traffic lead (144 -> 128 KB per 16-bit step)
-# ws_sub_fp8: keys per step of fp8 tiles through the loader (others take whole blocks); at 64,
-# ws_q_regs fits the loader's consumer without spills (offline), also with 3 key and 2 value
-# buffers (96 KB: two programs per SM). Not yet measured on the GPU
+# ws_sub_fp8: keys per step of fp8 tiles through the loader (others take whole blocks). 64
+# is correct on the GPU (its test cases, 055e2fa) and slower (tune.py --only attention-prefill,
+# c6ed071, one call, TP1
+# shared by 16 after 8K: 1364.0 -> 1596.8 µs, with jitter 1891.9 -> 2132.7, TP4 with jitter
+# 503.8 -> 557.0)
 # tile*: prefill steps first launch prefill.py's kernel over tiles of tile_rows // G tokens (the
 # union of their selections, taken on the device when union blocks x tokens <= tile_waste x the
 # tokens' selected blocks); the per-token kernel then does the tiles it left. Measured on 8K
@@ -510,7 +507,6 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
                                                  "ws_producer_regs"],
                             FP8_LOADER=loader,
                             LOADER_ROLL=loader and TUNING["ws_loader_roll"],
-                            Q_REGS=TUNING["ws_q_regs"] and (loader or not fp8),
                             num_warps=4, maxnreg=TUNING["ws_maxnreg"]))
         # the Gluon tiles' own union-size threshold (tile_waste's, per dtype: ws_waste)
         plan.ws_waste = float(TUNING["ws_waste_fp8" if fp8 else "ws_waste"])

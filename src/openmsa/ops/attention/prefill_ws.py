@@ -328,8 +328,7 @@ def _consumer(q_smem, q_lo_smem, row_f_smem, k_smem, v_smem, kv16, ready_k, read
               t0, g, stride_ot, stride_oh, stride_od, stride_lt, stride_lh, G: gl.constexpr,
               GP: gl.constexpr, QT: gl.constexpr, N: gl.constexpr, BLOCK: gl.constexpr,
               PARTS: gl.constexpr, HAS_SCALE: gl.constexpr, LAZY_MASK: gl.constexpr,
-              CONVERT: gl.constexpr, FP8_QK: gl.constexpr, KEYS_EARLY: gl.constexpr,
-              Q_REGS: gl.constexpr):
+              CONVERT: gl.constexpr, FP8_QK: gl.constexpr, KEYS_EARLY: gl.constexpr):
     """One warpgroup, one step at a time: the tile's 64 rows over every step, then their
     output and LSE. KEYS_EARLY: a step's keys go back to the producer once S = Q K^T (or,
     fp8, their conversion) has read them, so the next step's keys load during this step's
@@ -361,13 +360,6 @@ def _consumer(q_smem, q_lo_smem, row_f_smem, k_smem, v_smem, kv16, ready_k, read
     zero = gl.zeros([ROWS, SUB], gl.float32, layout=s_l)
     if FP8_QK:
         row_f = row_f_smem.load(gl.SliceLayout(1, s_l))
-    gl.static_assert(not (Q_REGS and (CONVERT or FP8_QK)), "Q_REGS: 16-bit rings only")
-    if Q_REGS:
-        # q as the register operand of S = Q K^T: its 16 KB no longer read from shared memory
-        # at every step, for 32 of the consumer's registers
-        q_regs = q_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_l, k_width=2))
-    else:
-        q_regs = q_smem  # (unused)
     for step in range(num_steps):
         key0, cut_row, max_cut, min_cut = _step_cuts(union_row, step, rows, pos, first_pos, N,
                                                      BLOCK, PARTS, SUB, GP, QT)
@@ -393,16 +385,7 @@ def _consumer(q_smem, q_lo_smem, row_f_smem, k_smem, v_smem, kv16, ready_k, read
             sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
         else:
             k_t = k_smem.index(sk).reshape([SUB, D]).permute((1, 0))
-            if Q_REGS:
-                # a fresh copy of q's registers for this step's MMA: given the loop-invariant
-                # registers themselves, ptxas (12.8 here; CUDA 13.0's on the H200 computed
-                # wrong outputs too) put P into them at 128-key steps, so the next step's
-                # S = Q K^T read P; the copy costs 32 moves per step
-                q_op = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [q_regs],
-                                                 dtype=q_regs.dtype, is_pure=False, pack=2)
-            else:
-                q_op = q_smem
-            sc = warpgroup_mma(q_op, k_t, zero, use_acc=False, is_async=True)
+            sc = warpgroup_mma(q_smem, k_t, zero, use_acc=False, is_async=True)
             sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
             if KEYS_EARLY:
                 mbarrier.arrive(empty_k.index(sk), count=1)
@@ -451,8 +434,7 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_src, v_src, cu_ptr, seq_lens_ptr, 
                                      PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
                                      PDL: gl.constexpr = False,
                                      FP8_LOADER: gl.constexpr = False,
-                                     LOADER_ROLL: gl.constexpr = False,
-                                     Q_REGS: gl.constexpr = False):
+                                     LOADER_ROLL: gl.constexpr = False):
     """k_src / v_src: TMA descriptors of [SUB, D] boxes over the caches' [P, B, Hkv, D] views,
     or with FP8_LOADER (fp8 K/V) the views themselves (their strides then read; a warpgroup
     loads, converts and stores each step into fp16 rings, _fp8_loader)."""
@@ -561,8 +543,7 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_src, v_src, cu_ptr, seq_lens_ptr, 
                              ready_v, empty_k, empty_v, union_row, num_steps, first_pos,
                              qk_scale, v_scale_ptr, out_ptr, lse_ptr, t0, g, stride_ot,
                              stride_oh, stride_od, stride_lt, stride_lh, G, GP, QT, N, BLOCK,
-                             PARTS, HAS_SCALE, LAZY_MASK, CONVERT, FP8_QK, KEYS_EARLY,
-                             Q_REGS)),
+                             PARTS, HAS_SCALE, LAZY_MASK, CONVERT, FP8_QK, KEYS_EARLY)),
                 (_fp8_loader, (k_src, v_src, stride_kp, stride_kb, stride_kh, stride_vp,
                                stride_vb, stride_vh, k_smem, v_smem, ready_k, ready_v, empty_k,
                                empty_v, union_row, num_steps, g, PARTS, LOADER_ROLL)),
@@ -573,8 +554,7 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_src, v_src, cu_ptr, seq_lens_ptr, 
                              ready_v, empty_k, empty_v, union_row, num_steps, first_pos,
                              qk_scale, v_scale_ptr, out_ptr, lse_ptr, t0, g, stride_ot,
                              stride_oh, stride_od, stride_lt, stride_lh, G, GP, QT, N, BLOCK,
-                             PARTS, HAS_SCALE, LAZY_MASK, CONVERT, FP8_QK, KEYS_EARLY,
-                             Q_REGS)),
+                             PARTS, HAS_SCALE, LAZY_MASK, CONVERT, FP8_QK, KEYS_EARLY)),
                 (_producer, (k_src, v_src, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v,
                              union_row, num_steps, g, PARTS)),
             ], [1], [PRODUCER_REGS])
