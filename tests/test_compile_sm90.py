@@ -129,15 +129,18 @@ def test_short_rows_topk_kernel(g, w, vec, tpr, warps):
     ("bf16", 64, 2, 16), ("fp16", 128, 1, 8), ("bf16", 64, 3, 16), ("fp8e4nv", 128, 1, 16),
     ("fp8e4nv", 128, 2, 8), ("bf16", 128, 21, 16), ("fp8e4nv", 128, 21, 16),
     ("fp8qk", 128, 1, 16), ("fp8qk", 128, 21, 8), ("fp8ld", 128, 1, 16), ("fp8ld", 128, 21, 8),
-    ("fp8roll", 128, 21, 16), ("fp8noroll", 128, 1, 8), ("fp8ld", 64, 32, 16)])
+    ("fp8roll", 128, 21, 16), ("fp8noroll", 128, 1, 8), ("fp8ld", 64, 32, 16),
+    ("fp8pair", 128, 21, 16), ("fp8pair", 128, 32, 8)])
 def test_sparse_attention_tile_ws_kernel(dtype, sub, stages, group):
     # stages: one digit per ring (K, then V) where they differ; fp8qk: fp8 K/V with
     # S = Q K^T as fp8 MMAs (FP8_QK); fp8ld: fp8 K/V loaded and converted by a producer
     # warpgroup (FP8_LOADER; fp8roll / noroll: V's loads issued while K is stored or after,
-    # LOADER_ROLL; fp8ld: api.py's default)
+    # LOADER_ROLL; fp8ld: api.py's default; fp8pair: two consumers of 64 rows over one
+    # loader, PAIR, one program per SM)
     fp8_qk = dtype == "fp8qk"
-    loader = dtype in ("fp8ld", "fp8roll", "fp8noroll")
-    roll, default_roll = dtype == "fp8roll", dtype == "fp8ld"
+    pair = dtype == "fp8pair"
+    loader = dtype in ("fp8ld", "fp8roll", "fp8noroll", "fp8pair")
+    roll, default_roll = dtype in ("fp8roll", "fp8pair"), dtype == "fp8ld"
     dtype = "fp8e4nv" if fp8_qk or loader else dtype
     # the Gluon prefill tiles (attention/prefill_ws.py) with the launch options api.py passes:
     # warp specialisation, 4-D TMA boxes and both wgmma forms (P from registers) lower for
@@ -153,13 +156,15 @@ def test_sparse_attention_tile_ws_kernel(dtype, sub, stages, group):
     box = [1, sub, 1, 128]
     layout = gl.NVMMASharedLayout.get_default_for(box, gdt)
     desc = f"tensordesc<{dtype}[1, {sub}, 1, 128],{layout!r}>"
-    constexprs = dict(SUB=sub, D=128, NUM_KV_HEADS=4, G=group, GP=group, QT=64 // group, KP=16,
+    rows = 128 if pair else 64
+    constexprs = dict(SUB=sub, D=128, NUM_KV_HEADS=4, G=group, GP=group, QT=rows // group, KP=16,
                       BLOCK=128, STAGES_K=stages // 10 or stages, STAGES_V=stages % 10,
                       KEYS_EARLY=stages != 2, HAS_SCALE=stages == 1, LAZY_MASK=stages != 3,
                       PRODUCER_REGS=TUNING["ws_loader_regs" if loader else "ws_producer_regs"],
                       FP8=dtype == "fp8e4nv", FP8_QK=fp8_qk, FP8_LOADER=loader,
                       LOADER_ROLL=roll or (default_roll and TUNING["ws_loader_roll"]),
-                      PDL=stages != 3, num_warps=4)
+                      PDL=stages != 3, num_warps=4, PAIR=pair,
+                      CONSUMER_REGS=TUNING["ws_pair_consumer_regs"] if pair else 0)
     signature = {n: "constexpr" if n in constexprs else "i32" for n in fn.arg_names}
     src_type = "*fp8e4nv" if loader else desc
     signature.update(q_ptr=q_type, k_src=src_type, v_src=src_type, out_ptr=q_type,
@@ -173,15 +178,20 @@ def test_sparse_attention_tile_ws_kernel(dtype, sub, stages, group):
     src = GluonASTSource(fn, signature,
                          {(fn.arg_names.index(k),): v for k, v in constexprs.items()},
                          {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in aligned})
+    maxnreg = TUNING["ws_pair_maxnreg" if pair else "ws_maxnreg"]
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=4, maxnreg=TUNING["ws_maxnreg"]))
+                       options=dict(num_warps=4, maxnreg=maxnreg))
     ptx = k.asm["ptx"]
     assert "wgmma.mma_async" in ptx and ("cp.async.bulk.tensor.4d" in ptx) != loader
     assert ("e4m3.e4m3" in ptx) == fp8_qk  # the fp8 MMAs of S = Q K^T
     # PDL: the per-token launch may start once every program has begun (api.py's ws_pdl)
     assert ("griddepcontrol.launch_dependents" in ptx) == (stages != 3)
-    assert ".maxnreg 128" in ptx and ".reqntid 256" in ptx  # 2 x 256 x 128 = the SM's file
-    assert k.metadata.shared <= 227 * 1024 // 2 - 1024
+    if pair:  # one program of 384 threads at 168 registers (the file holds 170)
+        assert ".maxnreg 168" in ptx and ".reqntid 384" in ptx
+        assert k.metadata.shared <= 227 * 1024 - 1024
+    else:
+        assert ".maxnreg 128" in ptx and ".reqntid 256" in ptx  # 2 x 256 x 128 = the file
+        assert k.metadata.shared <= 227 * 1024 // 2 - 1024
     # (the loader's warpgroup at ws_loader_regs leaves the consumer 176 registers, where ptxas
     # keeps 2-3 of its scalars on the stack: measured with them, api.py's ws_fp8_loader)
     # (LOADER_ROLL, the default, one scalar more: 20 bytes on some shapes)

@@ -456,7 +456,9 @@ def _mixed_tiles_chunk(heads, dtype):
                                  q_dtype=torch.bfloat16, cache_dtype=torch.bfloat16)
     idx = ref.select_blocks(qi, ci, step.cu_seqlens_q, step.seq_lens, step.block_table,
                             block_size=B)
-    run = api.TUNING["tile_rows"] // (num_heads // num_kv)
+    # (ws_pair: fp8 tiles of two consumers' tokens)
+    pair = api.TUNING["ws_pair"] and dtype == FP8
+    run = api.TUNING["tile_rows"] * (2 if pair else 1) // (num_heads // num_kv)
     shared = idx[:idx.shape[0] // run * run].view(-1, run, *idx.shape[1:])
     shared[::2] = shared[::2, :1].clone()
     q_dtype = torch.bfloat16 if dtype == FP8 else dtype
@@ -482,7 +484,10 @@ def _mixed_tiles_chunk(heads, dtype):
     ((16, 1), FP8, "flash", dict(ws_sub_fp8=64)),
     ((16, 1), FP8, "flash", dict(ws_loader_roll=False)),
     ((8, 1), FP8, "flash", dict(ws_loader_roll=False, ws_stages_k_fp8=1, ws_keys_early=False)),
-    ((16, 1), FP8, "packed", dict(ws_stages_k_fp8=1, ws_stages_fp8=2))], ids=str)
+    ((16, 1), FP8, "packed", dict(ws_stages_k_fp8=1, ws_stages_fp8=2)),
+    ((16, 1), FP8, "flash", dict(ws_pair=True)),
+    ((64, 4), FP8, "packed", dict(ws_pair=True, ws_stages_k_fp8=3, ws_stages_fp8=2)),
+    ((8, 1), FP8, "packed", dict(ws_pair=True, ws_keys_early=False))], ids=str)
 def test_attention_prefill_gluon_tiles(heads, dtype, layout, knobs, monkeypatch):
     """The warp-specialised tile kernel (prefill_ws.py) against the reference and the Triton
     tile kernel: chunks with and without context, partial own blocks whose unwritten tail is NaN
@@ -498,9 +503,9 @@ def test_attention_prefill_gluon_tiles(heads, dtype, layout, knobs, monkeypatch)
     # ws_sub_fp8=64: the loader's fp8 tiles in 64-key steps
     for name, value in knobs.items():
         monkeypatch.setitem(api.TUNING, name, value)
-    calls = []
+    calls = []  # the launches' per-tile union sizes (-1: a tile left to the per-token kernel)
     real = api._launch_tile_ws
-    monkeypatch.setattr(api, "_launch_tile_ws", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(api, "_launch_tile_ws", lambda *a: calls.append(a[7]) or real(*a))
     num_heads, num_kv = heads
     step, q, k, v, idx = _mixed_tiles_chunk(heads, dtype)
     shape, q_dtype = k.shape, q.dtype
@@ -521,7 +526,7 @@ def test_attention_prefill_gluon_tiles(heads, dtype, layout, knobs, monkeypatch)
         out = torch.full((num_heads, q.shape[0], 128), 7.0, device="cuda").to(q_dtype)
         got, lse = openmsa.sparse_attention(q.cuda(), kd, vd, *dargs, return_lse=True,
                                             out=out.transpose(0, 1), **scales)
-        assert calls
+        assert calls and all((blocks >= 0).any() for blocks in calls)  # tiles were taken
         if knobs.get("ws_fp8_qk"):
             # S from fp8 MMAs: Hopper's fp8 accumulation keeps ~6e-4 of a row's largest |S|
             # (benchmarks/probe_fp8_accum.py), past bf16 rounding on sharp rows: its own bound

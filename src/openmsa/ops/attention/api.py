@@ -82,7 +82,8 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
               ws_stages_fp8=1, ws_keys_early=True, ws_stages_k=None, ws_stages_k_fp8=2,
               ws_fp8_qk=False, ws_waste=3.5, ws_waste_fp8=2.0, ws_pdl=True,
               ws_fp8_loader=True, ws_loader_regs=80,
-              ws_loader_roll=True, ws_sub_fp8=128)
+              ws_loader_roll=True, ws_sub_fp8=128, ws_pair=False, ws_pair_maxnreg=168,
+              ws_pair_consumer_regs=208, ws_pair_plan_warps=4)
 # tile_ws: on Hopper, 16-bit K/V tiles run prefill_ws.py's warp-specialised Gluon kernel where
 # the views allow TMA (_ws_eligible): ws_sub keys per step, ws_stages K/V buffers; ws_maxnreg
 # registers per thread at launch (128: two programs of 8 warps per SM), which the consumer
@@ -122,9 +123,14 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
 # take a register per element) spilled ~130 bytes of the loader's invariants: 1603 µs.
 # ws_sub_fp8: keys per step of fp8 tiles through the loader (others take whole blocks). 64
 # is correct on the GPU (its test cases, 055e2fa) and slower (tune.py --only attention-prefill,
-# c6ed071, one call, TP1
-# shared by 16 after 8K: 1364.0 -> 1596.8 µs, with jitter 1891.9 -> 2132.7, TP4 with jitter
-# 503.8 -> 557.0)
+# c6ed071, one call, TP1 shared by 16 after 8K: 1364.0 -> 1596.8 µs, with jitter 1891.9 ->
+# 2132.7, TP4 with jitter 503.8 -> 557.0)
+# ws_pair: fp8 tiles through the loader (with ws_loader_roll) of twice the tokens, 128 rows in
+# two consumer warpgroups over one loader (prefill_ws.py's PAIR): the loader's loads,
+# conversions and fp16 stores per step serve twice the rows, for the union of twice the
+# tokens' selections. One program of 384 threads per SM at ws_pair_maxnreg registers; the
+# second consumer at ws_pair_consumer_regs, the first at what the loader's ws_loader_regs
+# leave (216); the plan launch of 128-entry unions on ws_pair_plan_warps warps.
 # tile*: prefill steps first launch prefill.py's kernel over tiles of tile_rows // G tokens (the
 # union of their selections, taken on the device when union blocks x tokens <= tile_waste x the
 # tokens' selected blocks); the per-token kernel then does the tiles it left. Measured on 8K
@@ -373,6 +379,11 @@ def _ws_sub(fp8: bool, block_size: int) -> int:
     return min(block_size, TUNING["ws_sub"])
 
 
+def _ws_pair(fp8: bool) -> bool:
+    """Whether fp8 tiles through the loader take two consumers per program (ws_pair, PAIR)."""
+    return fp8 and bool(TUNING["ws_pair"]) and _fp8_loader_on() and bool(TUNING["ws_loader_roll"])
+
+
 def _launch_tile_ws(q, k_cache, v_cache, cu_seqlens_q, seq_lens, out, lse, blocks, union, ks,
                     vs, plan, has_scale) -> None:
     """The Gluon tile launch (prefill_ws.py) with its TMA descriptors: K and V as their own
@@ -431,6 +442,10 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
     group_pad = max(1, _next_pow2(group))
     # (at most 16 tokens per tile: the plan keeps a bit per token beside 8 flag bits in an int32)
     tile_qt = min(TUNING["tile_rows"] // group_pad, 16) if prefill and TUNING["tile"] else 0
+    pair = (tile_qt > 1 and _ws_pair(k_cache.dtype == FP8) and 2 * tile_qt <= 16
+            and tile_qt * group_pad == 64 and _ws_eligible(q, k_cache, v_cache, block_size, 64))
+    if pair:
+        tile_qt *= 2  # two consumers' tokens per tile (prefill_ws.py's PAIR)
     ieee = q.dtype == torch.float32
     f16_compute = k_cache.dtype == FP8 and not ieee and TUNING["fp8_f16_compute"]
     v_pairs = f16_compute and TUNING["fp8_v_pairs"] and _reads_as_pairs(v_cache)
@@ -479,7 +494,8 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
             items, TUNING["tile_resident"] * num_sms(device) if device.type == "cuda" else 3)
         plan.plan_kwargs = dict(NUM_KV_HEADS=num_kv_heads, NUM_INDEX_HEADS=indices.shape[1],
                                 QT=tile_qt, BLOCK=block_size, TOPK=topk, KP=plan.kp,
-                                num_warps=TUNING["tile_plan_warps"])
+                                num_warps=TUNING["ws_pair_plan_warps" if pair else
+                                                 "tile_plan_warps"])
         plan.tile_kwargs = dict(
             NUM_KV_HEADS=num_kv_heads, G=group, GP=group_pad, QT=tile_qt, D=head_dim,
             BLOCK=block_size, KP=plan.kp,
@@ -488,7 +504,7 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
             PERSISTENT=persistent, num_warps=TUNING["tile_warps"],
             num_stages=TUNING["tile_stages_fp8" if fp8 else "tile_stages"])
         plan.tile_ws = None
-        if _ws_eligible(q, k_cache, v_cache, block_size, tile_qt * group_pad):
+        if pair or _ws_eligible(q, k_cache, v_cache, block_size, tile_qt * group_pad):
             loader = fp8 and _fp8_loader_on()
             ws_sub = _ws_sub(fp8, block_size)
             stages_k = (TUNING["ws_stages_k_fp8" if fp8 else "ws_stages_k"]
@@ -507,7 +523,10 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
                                                  "ws_producer_regs"],
                             FP8_LOADER=loader,
                             LOADER_ROLL=loader and TUNING["ws_loader_roll"],
-                            num_warps=4, maxnreg=TUNING["ws_maxnreg"]))
+                            PAIR=pair,
+                            CONSUMER_REGS=TUNING["ws_pair_consumer_regs"] if pair else 0,
+                            num_warps=4,
+                            maxnreg=TUNING["ws_pair_maxnreg" if pair else "ws_maxnreg"]))
         # the Gluon tiles' own union-size threshold (tile_waste's, per dtype: ws_waste)
         plan.ws_waste = float(TUNING["ws_waste_fp8" if fp8 else "ws_waste"])
         plan.ws_pdl = plan.tile_ws is not None and TUNING["ws_pdl"]

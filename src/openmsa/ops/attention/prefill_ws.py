@@ -110,6 +110,22 @@ def _store_tile(parts, ring, ready, SUB: gl.constexpr, D: gl.constexpr, R: gl.co
 
 
 @gluon.jit
+def _store_tile_tail(parts, ring, ready, key0, keep, SUB: gl.constexpr, D: gl.constexpr,
+                     R: gl.constexpr):
+    """_store_tile with the keys past `keep` (the last key any row of the tile sees, offsets in
+    the block) stored as 0: V's rows there may never have been written (NaN), and 0 * NaN in
+    P V would be NaN."""
+    c_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D, D // 8], [4, 1], [1, 0])
+    keys = key0 + gl.arange(0, R, layout=gl.SliceLayout(1, c_l))[:, None]
+    dst = ring.reshape([SUB, D])
+    for i in gl.static_range(4):
+        dst.slice(i * R, R).store(gl.where(keys + i * R <= keep, parts[i].to(gl.float16), 0.0))
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(ready, count=1)
+
+
+@gluon.jit
 def _store_tile_load(parts, ring, ready, nxt, off, stride_b, SUB: gl.constexpr, D: gl.constexpr,
                      R: gl.constexpr):
     """_store_tile with the next tile's loads (from `nxt`, its first key) interleaved: each
@@ -134,7 +150,9 @@ def _store_tile_load(parts, ring, ready, nxt, off, stride_b, SUB: gl.constexpr, 
 @gluon.jit
 def _fp8_loader(k_ptr, v_ptr, stride_kp, stride_kb, stride_kh, stride_vp, stride_vb,
                 stride_vh, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v, union_row,
-                num_steps, g, PARTS: gl.constexpr, ROLL: gl.constexpr):
+                num_steps, g, PARTS: gl.constexpr, ROLL: gl.constexpr, first_pos=0,
+                N: gl.constexpr = 0, BLOCK: gl.constexpr = 0, QT: gl.constexpr = 0,
+                ZERO_V_TAIL: gl.constexpr = False):
     """FP8_LOADER's producer (one warpgroup): each step's fp8 K and V read from global memory
     into registers, converted to fp16 and stored into the rings the consumer reads as if K/V
     were 16-bit. Against the TMA producer and the consumer's own conversion, this takes the fp8
@@ -143,7 +161,10 @@ def _fp8_loader(k_ptr, v_ptr, stride_kp, stride_kb, stride_kh, stride_vp, stride
     issued before waiting for its buffer: with ROLL (the default, api.py's ws_loader_roll)
     V_i's a quarter at a time while K_i is stored, otherwise once K_i is; K_{i+1}'s once V_i
     is stored. Only one tile is in registers at a time: the consumer's accumulator, S and P
-    leave this warpgroup ~64-80 of the two programs' registers."""
+    leave this warpgroup ~64-80 of the two programs' registers.
+    ZERO_V_TAIL (PAIR, with ROLL): V's keys past every one of the tile's QT tokens' cuts are
+    stored as 0 here, not by the consumers, which share the buffer."""
+    gl.static_assert(ROLL or not ZERO_V_TAIL, "ZERO_V_TAIL: the ROLL loop only")
     SUB: gl.constexpr = k_smem.shape[2]
     D: gl.constexpr = k_smem.shape[4]
     R: gl.constexpr = SUB // 4
@@ -173,7 +194,21 @@ def _fp8_loader(k_ptr, v_ptr, stride_kp, stride_kb, stride_kh, stride_vp, stride
             s = i % v_smem.shape[0]
             mbarrier.wait(empty_v.index(s), ((i // v_smem.shape[0]) & 1) ^ 1,
                           pred=i >= v_smem.shape[0])
-            _store_tile(parts, v_smem.index(s), ready_v.index(s), SUB, D, R)
+            if ZERO_V_TAIL:
+                # the tile's last token that selected the block sees the most of it
+                j = i // PARTS
+                bits = gl.load(union_row + 2 * N + j)
+                last = 0
+                for k in gl.static_range(1, QT):
+                    last += (bits >= (1 << k)).to(gl.int32)
+                keep = first_pos + last - gl.load(union_row + N + j) * BLOCK
+                if keep < key0 + SUB - 1:
+                    _store_tile_tail(parts, v_smem.index(s), ready_v.index(s), key0, keep, SUB,
+                                     D, R)
+                else:
+                    _store_tile(parts, v_smem.index(s), ready_v.index(s), SUB, D, R)
+            else:
+                _store_tile(parts, v_smem.index(s), ready_v.index(s), SUB, D, R)
     else:
         for i in range(num_steps):
             page = gl.load(union_row + i // PARTS).to(gl.int64)
@@ -244,14 +279,19 @@ def _split_q_rows(q, hi_smem, lo_smem, row_f_smem):
 
 @gluon.jit
 def _step_cuts(union_row, step, rows, pos, first_pos, N: gl.constexpr, BLOCK: gl.constexpr,
-               PARTS: gl.constexpr, SUB: gl.constexpr, GP: gl.constexpr, QT: gl.constexpr):
+               PARTS: gl.constexpr, SUB: gl.constexpr, GP: gl.constexpr, QT: gl.constexpr,
+               TOK0: gl.constexpr = 0, TILE_QT: gl.constexpr = 0):
     """A step's first key offset in its block and the causal cuts: per row the last visible
     offset in the block (-1: its token did not select the block), the largest cut of any row
-    and the smallest (-1 unless every token selected the block)."""
+    and the smallest (-1 unless every token selected the block). The rows are QT tokens from
+    the tile's TOK0-th (TILE_QT > QT: a tile of TILE_QT tokens shared by two consumers, PAIR);
+    first_pos is the first of them's position."""
     # the plan's slot of this step's block: block id and which tokens selected it
     j = step // PARTS
     base = gl.load(union_row + N + j) * BLOCK
     bits = gl.load(union_row + 2 * N + j)
+    if TILE_QT > QT:
+        bits = (bits >> TOK0) & ((1 << QT) - 1)
     cut_row = gl.where(((bits >> (rows // GP)) & 1) != 0, pos - base, -1)
     # tokens are consecutive positions, so the largest cut is the highest bit's token's
     last = 0
@@ -328,7 +368,8 @@ def _consumer(q_smem, q_lo_smem, row_f_smem, k_smem, v_smem, kv16, ready_k, read
               t0, g, stride_ot, stride_oh, stride_od, stride_lt, stride_lh, G: gl.constexpr,
               GP: gl.constexpr, QT: gl.constexpr, N: gl.constexpr, BLOCK: gl.constexpr,
               PARTS: gl.constexpr, HAS_SCALE: gl.constexpr, LAZY_MASK: gl.constexpr,
-              CONVERT: gl.constexpr, FP8_QK: gl.constexpr, KEYS_EARLY: gl.constexpr):
+              CONVERT: gl.constexpr, FP8_QK: gl.constexpr, KEYS_EARLY: gl.constexpr,
+              TOK0: gl.constexpr = 0, TILE_QT: gl.constexpr = 0):
     """One warpgroup, one step at a time: the tile's 64 rows over every step, then their
     output and LSE. KEYS_EARLY: a step's keys go back to the producer once S = Q K^T (or,
     fp8, their conversion) has read them, so the next step's keys load during this step's
@@ -338,7 +379,10 @@ def _consumer(q_smem, q_lo_smem, row_f_smem, k_smem, v_smem, kv16, ready_k, read
     converted by FP8_LOADER's producer).
     FP8_QK (fp8 K/V): S = Q K^T as two fp8 MMAs straight from the key ring, q's rows as
     e4m3 hi + lo parts scaled by a power of two per row (`row_f_smem` undoes it), so only V
-    is converted."""
+    is converted.
+    TILE_QT > QT (PAIR): this consumer's QT tokens are the tile's from the TOK0-th (t0 and
+    first_pos are theirs), beside another consumer's; the loader zeroes V's rows past every
+    row's cut then, since both read one V buffer."""
     SK: gl.constexpr = k_smem.shape[0]
     SV: gl.constexpr = v_smem.shape[0]
     SUB: gl.constexpr = k_smem.shape[2]
@@ -362,7 +406,8 @@ def _consumer(q_smem, q_lo_smem, row_f_smem, k_smem, v_smem, kv16, ready_k, read
         row_f = row_f_smem.load(gl.SliceLayout(1, s_l))
     for step in range(num_steps):
         key0, cut_row, max_cut, min_cut = _step_cuts(union_row, step, rows, pos, first_pos, N,
-                                                     BLOCK, PARTS, SUB, GP, QT)
+                                                     BLOCK, PARTS, SUB, GP, QT, TOK0,
+                                                     TILE_QT)
         sk = step % SK
         mbarrier.wait(ready_k.index(sk), (step // SK) & 1)
         if FP8_QK:
@@ -406,8 +451,9 @@ def _consumer(q_smem, q_lo_smem, row_f_smem, k_smem, v_smem, kv16, ready_k, read
             v_t = kv16
         else:
             v_t = v_smem.index(sv).reshape([SUB, D])
-            if max_cut < key0 + SUB - 1:
-                _zero_v_tail(v_t, key0, max_cut, v_l)
+            if TILE_QT <= QT:  # (PAIR: zeroed by the loader)
+                if max_cut < key0 + SUB - 1:
+                    _zero_v_tail(v_t, key0, max_cut, v_l)
         acc = warpgroup_mma(p_op, v_t, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         if not CONVERT:
@@ -434,10 +480,16 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_src, v_src, cu_ptr, seq_lens_ptr, 
                                      PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
                                      PDL: gl.constexpr = False,
                                      FP8_LOADER: gl.constexpr = False,
-                                     LOADER_ROLL: gl.constexpr = False):
+                                     LOADER_ROLL: gl.constexpr = False,
+                                     PAIR: gl.constexpr = False,
+                                     CONSUMER_REGS: gl.constexpr = 0):
     """k_src / v_src: TMA descriptors of [SUB, D] boxes over the caches' [P, B, Hkv, D] views,
     or with FP8_LOADER (fp8 K/V) the views themselves (their strides then read; a warpgroup
-    loads, converts and stores each step into fp16 rings, _fp8_loader)."""
+    loads, converts and stores each step into fp16 rings, _fp8_loader).
+    PAIR (FP8_LOADER with LOADER_ROLL; api.py's ws_pair): a tile of QT tokens, 128 rows, in
+    two consumer warpgroups of QT / 2 tokens each (the second a worker partition with
+    CONSUMER_REGS registers) over one loader's rings: the loader's loads and conversions per
+    step, and its registers, serve twice the rows. One program per SM (384 threads)."""
     if PDL:
         # the per-token launch may start now (programmatic dependent launch; api.py's
         # ws_pdl): it takes effect once every program has passed here, and the two write
@@ -445,6 +497,10 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_src, v_src, cu_ptr, seq_lens_ptr, 
         launch_dependents()
     PARTS: gl.constexpr = BLOCK // SUB
     N: gl.constexpr = QT * KP
+    gl.static_assert(not PAIR or (FP8_LOADER and LOADER_ROLL and QT % 2 == 0),
+                     "PAIR: the fp8 loader's ROLL loop, an even number of tokens")
+    CONS: gl.constexpr = 2 if PAIR else 1
+    QC: gl.constexpr = QT // CONS  # tokens per consumer
     item = gl.program_id(0)
     num_blocks = gl.load(blocks_ptr + item)
     # a tile the plan left (-1) is the per-token kernel's
@@ -468,7 +524,7 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_src, v_src, cu_ptr, seq_lens_ptr, 
         q_dtype: gl.constexpr = (gl.float8e4nv if FP8_QK else
                                  gl.float16 if FP8 else q_ptr.dtype.element_ty)
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, D], q_dtype)
-        q_smem = gl.allocate_shared_memory(q_dtype, [ROWS, D], q_layout)
+        q_smem = gl.allocate_shared_memory(q_dtype, [CONS * ROWS, D], q_layout)
         if FP8_QK:
             # q's low parts, and per row the power of two that undoes its scale
             q_lo_smem = gl.allocate_shared_memory(q_dtype, [ROWS, D], q_layout)
@@ -484,7 +540,7 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_src, v_src, cu_ptr, seq_lens_ptr, 
         q_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D, D // 8], [num_warps, 1],
                                              [1, 0])
         d = gl.arange(0, D, layout=gl.SliceLayout(0, q_l))
-        for h in gl.static_range(2):
+        for h in gl.static_range(2 * CONS):
             rows = h * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, q_l))
             tok = t0 + rows // GP
             head = g * G + rows % GP
@@ -526,18 +582,38 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_src, v_src, cu_ptr, seq_lens_ptr, 
         empty_k = gl.allocate_shared_memory(gl.int64, [STAGES_K, 1], mbarrier.MBarrierLayout())
         ready_v = gl.allocate_shared_memory(gl.int64, [STAGES_V, 1], mbarrier.MBarrierLayout())
         empty_v = gl.allocate_shared_memory(gl.int64, [STAGES_V, 1], mbarrier.MBarrierLayout())
+        # (a buffer is free once every consumer has released it)
         for i in gl.static_range(STAGES_K):
             mbarrier.init(ready_k.index(i), count=1)
-            mbarrier.init(empty_k.index(i), count=1)
+            mbarrier.init(empty_k.index(i), count=CONS)
         for i in gl.static_range(STAGES_V):
             mbarrier.init(ready_v.index(i), count=1)
-            mbarrier.init(empty_v.index(i), count=1)
+            mbarrier.init(empty_v.index(i), count=CONS)
         gl.thread_barrier()  # q's tile and the barriers visible to every warp
         num_steps = num_blocks * PARTS
         # (the consumer's arguments written out in both calls: a tuple held in a variable
         # loses its constexprs)
         CONVERT: gl.constexpr = FP8 and not FP8_LOADER
-        if FP8_LOADER:
+        if PAIR:
+            q_hi = q_smem.slice(ROWS, ROWS)
+            gl.warp_specialize([
+                (_consumer, (q_smem.slice(0, ROWS), q_lo_smem, row_f_smem, k_smem, v_smem, kv16,
+                             ready_k, ready_v, empty_k, empty_v, union_row, num_steps,
+                             first_pos, qk_scale, v_scale_ptr, out_ptr, lse_ptr, t0, g,
+                             stride_ot, stride_oh, stride_od, stride_lt, stride_lh, G, GP, QC, N,
+                             BLOCK, PARTS, HAS_SCALE, LAZY_MASK, CONVERT, FP8_QK, KEYS_EARLY, 0,
+                             QT)),
+                (_consumer, (q_hi, q_lo_smem, row_f_smem, k_smem, v_smem, kv16, ready_k,
+                             ready_v, empty_k, empty_v, union_row, num_steps, first_pos + QC,
+                             qk_scale, v_scale_ptr, out_ptr, lse_ptr, t0 + QC, g, stride_ot,
+                             stride_oh, stride_od, stride_lt, stride_lh, G, GP, QC, N, BLOCK,
+                             PARTS, HAS_SCALE, LAZY_MASK, CONVERT, FP8_QK, KEYS_EARLY, QC, QT)),
+                (_fp8_loader, (k_src, v_src, stride_kp, stride_kb, stride_kh, stride_vp,
+                               stride_vb, stride_vh, k_smem, v_smem, ready_k, ready_v, empty_k,
+                               empty_v, union_row, num_steps, g, PARTS, LOADER_ROLL, first_pos,
+                               N, BLOCK, QT, True)),
+            ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+        elif FP8_LOADER:
             gl.warp_specialize([
                 (_consumer, (q_smem, q_lo_smem, row_f_smem, k_smem, v_smem, kv16, ready_k,
                              ready_v, empty_k, empty_v, union_row, num_steps, first_pos,
