@@ -83,7 +83,8 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
               ws_fp8_qk=False, ws_waste=3.5, ws_waste_fp8=2.0, ws_pdl=True,
               ws_fp8_loader=True, ws_loader_regs=80,
               ws_loader_roll=True, ws_sub_fp8=128, ws_pair=False, ws_pair_maxnreg=168,
-              ws_pair_consumer_regs=208, ws_pair_plan_warps=4)
+              ws_pair_consumer_regs=208, ws_pair_plan_warps=4, ws_pair_loader_regs=80,
+              ws_pair_eager=False)
 # tile_ws: on Hopper, 16-bit K/V tiles run prefill_ws.py's warp-specialised Gluon kernel where
 # the views allow TMA (_ws_eligible): ws_sub keys per step, ws_stages K/V buffers; ws_maxnreg
 # registers per thread at launch (128: two programs of 8 warps per SM), which the consumer
@@ -130,7 +131,9 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
 # conversions and fp16 stores per step serve twice the rows, for the union of twice the
 # tokens' selections. One program of 384 threads per SM at ws_pair_maxnreg registers; the
 # second consumer at ws_pair_consumer_regs, the first at what the loader's ws_loader_regs
-# leave (216); the plan launch of 128-entry unions on ws_pair_plan_warps warps.
+# and ws_pair_loader_regs leave (216 at 208 and 80); the plan launch of 128-entry unions on
+# ws_pair_plan_warps warps. ws_pair_eager: the pair's loader issues V_i's loads with K_i's
+# (two tiles in flight; needs ~120 loader registers without spills, offline).
 # tile*: prefill steps first launch prefill.py's kernel over tiles of tile_rows // G tokens (the
 # union of their selections, taken on the device when union blocks x tokens <= tile_waste x the
 # tokens' selected blocks); the per-token kernel then does the tiles it left. Measured on 8K
@@ -519,11 +522,12 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
                             LAZY_MASK=TUNING["ws_lazy_mask"], FP8=fp8,
                             FP8_QK=fp8 and TUNING["ws_fp8_qk"],
                             KEYS_EARLY=TUNING["ws_keys_early"],
-                            PRODUCER_REGS=TUNING["ws_loader_regs" if loader else
+                            PRODUCER_REGS=TUNING["ws_pair_loader_regs" if pair else
+                                                 "ws_loader_regs" if loader else
                                                  "ws_producer_regs"],
                             FP8_LOADER=loader,
                             LOADER_ROLL=loader and TUNING["ws_loader_roll"],
-                            PAIR=pair,
+                            PAIR=pair, LOADER_EAGER=pair and TUNING["ws_pair_eager"],
                             CONSUMER_REGS=TUNING["ws_pair_consumer_regs"] if pair else 0,
                             num_warps=4,
                             maxnreg=TUNING["ws_pair_maxnreg" if pair else "ws_maxnreg"]))

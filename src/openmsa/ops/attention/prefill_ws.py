@@ -152,7 +152,7 @@ def _fp8_loader(k_ptr, v_ptr, stride_kp, stride_kb, stride_kh, stride_vp, stride
                 stride_vh, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v, union_row,
                 num_steps, g, PARTS: gl.constexpr, ROLL: gl.constexpr, first_pos=0,
                 N: gl.constexpr = 0, BLOCK: gl.constexpr = 0, QT: gl.constexpr = 0,
-                ZERO_V_TAIL: gl.constexpr = False):
+                ZERO_V_TAIL: gl.constexpr = False, EAGER: gl.constexpr = False):
     """FP8_LOADER's producer (one warpgroup): each step's fp8 K and V read from global memory
     into registers, converted to fp16 and stored into the rings the consumer reads as if K/V
     were 16-bit. Against the TMA producer and the consumer's own conversion, this takes the fp8
@@ -163,7 +163,9 @@ def _fp8_loader(k_ptr, v_ptr, stride_kp, stride_kb, stride_kh, stride_vp, stride
     is stored. Only one tile is in registers at a time: the consumer's accumulator, S and P
     leave this warpgroup ~64-80 of the two programs' registers.
     ZERO_V_TAIL (PAIR, with ROLL): V's keys past every one of the tile's QT tokens' cuts are
-    stored as 0 here, not by the consumers, which share the buffer."""
+    stored as 0 here, not by the consumers, which share the buffer. EAGER (with ROLL): V_i's
+    loads issued with K_i's, before waiting for K's buffer: two tiles' loads in flight, for
+    twice the registers (PAIR's loader may have them)."""
     gl.static_assert(ROLL or not ZERO_V_TAIL, "ZERO_V_TAIL: the ROLL loop only")
     SUB: gl.constexpr = k_smem.shape[2]
     D: gl.constexpr = k_smem.shape[4]
@@ -185,12 +187,19 @@ def _fp8_loader(k_ptr, v_ptr, stride_kp, stride_kb, stride_kh, stride_vp, stride
             key0 = (i % PARTS) * SUB
             parts = _load_tile(k_ptr + page * stride_kp + key0 * stride_kb + g * stride_kh,
                                k_off, stride_kb, R)
+            if EAGER:
+                parts_v = _load_tile(v_ptr + page * stride_vp + key0 * stride_vb
+                                     + g * stride_vh, v_off, stride_vb, R)
             s = i % k_smem.shape[0]
             mbarrier.wait(empty_k.index(s), ((i // k_smem.shape[0]) & 1) ^ 1,
                           pred=i >= k_smem.shape[0])
-            parts = _store_tile_load(parts, k_smem.index(s), ready_k.index(s),
-                                     v_ptr + page * stride_vp + key0 * stride_vb
-                                     + g * stride_vh, v_off, stride_vb, SUB, D, R)
+            if EAGER:
+                _store_tile(parts, k_smem.index(s), ready_k.index(s), SUB, D, R)
+                parts = parts_v
+            else:
+                parts = _store_tile_load(parts, k_smem.index(s), ready_k.index(s),
+                                         v_ptr + page * stride_vp + key0 * stride_vb
+                                         + g * stride_vh, v_off, stride_vb, SUB, D, R)
             s = i % v_smem.shape[0]
             mbarrier.wait(empty_v.index(s), ((i // v_smem.shape[0]) & 1) ^ 1,
                           pred=i >= v_smem.shape[0])
@@ -482,7 +491,8 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_src, v_src, cu_ptr, seq_lens_ptr, 
                                      FP8_LOADER: gl.constexpr = False,
                                      LOADER_ROLL: gl.constexpr = False,
                                      PAIR: gl.constexpr = False,
-                                     CONSUMER_REGS: gl.constexpr = 0):
+                                     CONSUMER_REGS: gl.constexpr = 0,
+                                     LOADER_EAGER: gl.constexpr = False):
     """k_src / v_src: TMA descriptors of [SUB, D] boxes over the caches' [P, B, Hkv, D] views,
     or with FP8_LOADER (fp8 K/V) the views themselves (their strides then read; a warpgroup
     loads, converts and stores each step into fp16 rings, _fp8_loader).
@@ -611,7 +621,7 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_src, v_src, cu_ptr, seq_lens_ptr, 
                 (_fp8_loader, (k_src, v_src, stride_kp, stride_kb, stride_kh, stride_vp,
                                stride_vb, stride_vh, k_smem, v_smem, ready_k, ready_v, empty_k,
                                empty_v, union_row, num_steps, g, PARTS, LOADER_ROLL, first_pos,
-                               N, BLOCK, QT, True)),
+                               N, BLOCK, QT, True, LOADER_EAGER)),
             ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
         elif FP8_LOADER:
             gl.warp_specialize([
