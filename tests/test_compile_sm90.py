@@ -130,17 +130,18 @@ def test_short_rows_topk_kernel(g, w, vec, tpr, warps):
     ("fp8e4nv", 128, 2, 8), ("bf16", 128, 21, 16), ("fp8e4nv", 128, 21, 16),
     ("fp8qk", 128, 1, 16), ("fp8qk", 128, 21, 8), ("fp8ld", 128, 1, 16), ("fp8ld", 128, 21, 8),
     ("fp8roll", 128, 21, 16), ("fp8noroll", 128, 1, 8), ("fp8ld", 64, 32, 16),
-    ("fp8pair", 128, 21, 16), ("fp8pair", 128, 32, 8)])
+    ("fp8pair", 128, 21, 16), ("fp8pair", 128, 32, 8), ("fp8paire", 128, 32, 16)])
 def test_sparse_attention_tile_ws_kernel(dtype, sub, stages, group):
     # stages: one digit per ring (K, then V) where they differ; fp8qk: fp8 K/V with
     # S = Q K^T as fp8 MMAs (FP8_QK); fp8ld: fp8 K/V loaded and converted by a producer
     # warpgroup (FP8_LOADER; fp8roll / noroll: V's loads issued while K is stored or after,
     # LOADER_ROLL; fp8ld: api.py's default; fp8pair: two consumers of 64 rows over one
-    # loader, PAIR, one program per SM)
+    # loader, PAIR, one program per SM; fp8paire: its loader's V loads with K's, LOADER_EAGER,
+    # at 120 loader and 192 consumer registers)
     fp8_qk = dtype == "fp8qk"
-    pair = dtype == "fp8pair"
-    loader = dtype in ("fp8ld", "fp8roll", "fp8noroll", "fp8pair")
-    roll, default_roll = dtype in ("fp8roll", "fp8pair"), dtype == "fp8ld"
+    pair, eager = dtype.startswith("fp8pair"), dtype == "fp8paire"
+    loader = dtype in ("fp8ld", "fp8roll", "fp8noroll") or pair
+    roll, default_roll = dtype in ("fp8roll",) or pair, dtype == "fp8ld"
     dtype = "fp8e4nv" if fp8_qk or loader else dtype
     # the Gluon prefill tiles (attention/prefill_ws.py) with the launch options api.py passes:
     # warp specialisation, 4-D TMA boxes and both wgmma forms (P from registers) lower for
@@ -160,11 +161,14 @@ def test_sparse_attention_tile_ws_kernel(dtype, sub, stages, group):
     constexprs = dict(SUB=sub, D=128, NUM_KV_HEADS=4, G=group, GP=group, QT=rows // group, KP=16,
                       BLOCK=128, STAGES_K=stages // 10 or stages, STAGES_V=stages % 10,
                       KEYS_EARLY=stages != 2, HAS_SCALE=stages == 1, LAZY_MASK=stages != 3,
-                      PRODUCER_REGS=TUNING["ws_loader_regs" if loader else "ws_producer_regs"],
+                      PRODUCER_REGS=(120 if eager else TUNING["ws_pair_loader_regs"] if pair
+                                     else TUNING["ws_loader_regs" if loader else
+                                                 "ws_producer_regs"]),
                       FP8=dtype == "fp8e4nv", FP8_QK=fp8_qk, FP8_LOADER=loader,
                       LOADER_ROLL=roll or (default_roll and TUNING["ws_loader_roll"]),
                       PDL=stages != 3, num_warps=4, PAIR=pair,
-                      CONSUMER_REGS=TUNING["ws_pair_consumer_regs"] if pair else 0)
+                      CONSUMER_REGS=(192 if eager else TUNING["ws_pair_consumer_regs"]
+                                     if pair else 0), LOADER_EAGER=eager)
     signature = {n: "constexpr" if n in constexprs else "i32" for n in fn.arg_names}
     src_type = "*fp8e4nv" if loader else desc
     signature.update(q_ptr=q_type, k_src=src_type, v_src=src_type, out_ptr=q_type,
