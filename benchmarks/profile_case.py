@@ -132,6 +132,10 @@ CASES = {
                                                        shared=16),
     "attn-fp8-tp1-prefill-shared": lambda: _attention("m3-tp1", "fp8", 1, 16384, 8192,
                                                       shared=16),
+    # the same after 128K, and with independent selections (the per-token launch's rows)
+    "attn-fp8-tp1-prefill-shared-128k": lambda: _attention("m3-tp1", "fp8", 1, 139264, 8192,
+                                                           shared=16),
+    "attn-fp8-tp1-prefill-indep": lambda: _attention("m3-tp1", "fp8", 1, 16384, 8192),
     "idx-fp8-b32-128k": lambda: _indexer("fp8", 32, 131072, 1, 4),
     "idx-fp8-b1-32k": lambda: _indexer("fp8", 1, 32768, 1, 4),
     "idx-fp8-b32-32k": lambda: _indexer("fp8", 32, 32768, 1, 4),
