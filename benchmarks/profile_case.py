@@ -186,16 +186,19 @@ def kernel_offsets_us(fn, iters: int = 20) -> dict[str, tuple[float, float]]:
 
 
 if __name__ == "__main__":
-    # OPENMSA_TUNING='{"ws_persistent": true}': knobs of the indexer's TUNING for this run (to
-    # profile a variant tune.py measured)
+    # OPENMSA_TUNING='{"ws_persistent": true}': knobs of the indexer's or the attention's
+    # TUNING for this run (to profile a variant tune.py measured; the indexer's first)
     if os.environ.get("OPENMSA_TUNING"):
         import json
 
+        from openmsa.ops.attention import api as attention_api
         from openmsa.ops.indexer import api as indexer_api
         for key, value in json.loads(os.environ["OPENMSA_TUNING"]).items():
-            if key not in indexer_api.TUNING:
-                raise KeyError(f"OPENMSA_TUNING: no indexer knob {key!r}")
-            indexer_api.TUNING[key] = value
+            tuning = next((t for t in (indexer_api.TUNING, attention_api.TUNING) if key in t),
+                          None)
+            if tuning is None:
+                raise KeyError(f"OPENMSA_TUNING: no indexer or attention knob {key!r}")
+            tuning[key] = value
     if sys.argv[1] == "--offsets":
         for name in sys.argv[2:]:
             parts = kernel_offsets_us(CASES[name]())
