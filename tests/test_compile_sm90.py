@@ -258,9 +258,10 @@ def test_attention_kernels(kv_type, splits, sub):
                   GUESS=True, SP=1 << (splits - 1).bit_length(), PDL=splits > 1,
                   STORE_LSE=splits == 1, LAZY_SUM=splits > 1, WAIT_TILES=splits == 1))
     assert ("griddepcontrol.wait" in k.asm["ptx"]) == (splits == 1)
-    _compile(_tile_plan_kernel, dict(idx_ptr=I32, blocks_ptr=I32, union_ptr=I32, **STEP),
-             dict(waste="fp32"), dict(NUM_KV_HEADS=4, NUM_INDEX_HEADS=4, QT=4, BLOCK=128,
-                                      TOPK=16, KP=16))
+    for qt, sorted_form in ((4, False), (8, True)):  # (the sort: ws_pair's 128 entries)
+        _compile(_tile_plan_kernel, dict(idx_ptr=I32, blocks_ptr=I32, union_ptr=I32, **STEP),
+                 dict(waste="fp32"), dict(NUM_KV_HEADS=4, NUM_INDEX_HEADS=4, QT=qt, BLOCK=128,
+                                          TOPK=16, KP=16, SORTED=sorted_form))
     _compile(_sparse_attention_tile_kernel,
              dict(q_ptr="*bf16", k_ptr=kv_type, v_ptr=kv_type, out_ptr="*bf16", lse_ptr=F32,
                   blocks_ptr=I32, union_ptr=I32, k_scale_ptr=F32, v_scale_ptr=F32, **STEP),

@@ -491,6 +491,51 @@ def test_sparse_attention_prefill_tiles_cap_at_16_tokens(kernel_device, monkeypa
     assert taken.shape == (3, 2) and taken[:2].all() and not taken[2].any()
 
 
+@pytest.mark.parametrize("qt, topk, alias", [(4, 4, False), (8, 4, True), (16, 3, False),
+                                              (8, 16, True)])
+def test_tile_plan_sorted_form_equals_pairs_form(kernel_device, qt, topk, alias):
+    """The prefill plan's two forms (prefill.py: _plan_union_pairs, N^2, and
+    _plan_union_sorted, a sort of the tile's N = QT * KP entries) give the same tiles taken and
+    the same unions (pages ascending, their block ids and token bits) on rows with -1,
+    out-of-range and repeated ids, shared and scattered pages, tiles straddling requests and,
+    with `alias`, a block table mapping two blocks to one page (those tiles are left)."""
+    from openmsa.ops.attention import prefill
+    g = torch.Generator().manual_seed(qt + topk)
+    q_lens, seq_lens = [3, 40, 1, 29], [300, 40 + 1000, 17, 29 + 60]
+    step = make_step(q_lens, seq_lens, block_size=B, generator=g)
+    if alias:
+        step.block_table[1, 3] = step.block_table[1, 2]
+    request, pos = token_layout(step.cu_seqlens_q, step.seq_lens, step.num_tokens)
+    idx = torch.randint(-2, 12, (step.num_tokens, 2, topk), generator=g, dtype=torch.int32)
+    idx[::3, :, :2] = 1  # shared pages, and a repeated id within one token
+    idx[5:9] = idx[5:6]  # a run of tokens with one selection
+    idx[:, :, -1] = torch.where(idx[:, :, -1] > 5, 10 ** 6, idx[:, :, -1])  # out of range
+    kp = triton.next_power_of_2(topk)
+    num_tiles = -(-step.num_tokens // qt)
+    d = _to(step, kernel_device)
+    results = []
+    # (waste 0.45 x qt: the union-size rule decides, over counts without repeated ids)
+    for waste, sorted_form in ((1e9, False), (1e9, True), (0.45 * qt, False), (0.45 * qt, True)):
+        blocks = torch.full((num_tiles, 2), -7, dtype=torch.int32, device=kernel_device)
+        union = torch.full((num_tiles * 2, 3, qt * kp), -7, dtype=torch.int32,
+                           device=kernel_device)
+        idx_d = idx.to(kernel_device)
+        prefill._tile_plan_kernel[(num_tiles, 2)](
+            idx_d, d.cu_seqlens_q, d.seq_lens, d.block_table, blocks, union, waste,
+            step.seq_lens.shape[0], *idx_d.stride(), *d.block_table.stride(), NUM_KV_HEADS=2,
+            NUM_INDEX_HEADS=2, QT=qt, BLOCK=B, TOPK=topk, KP=kp, SORTED=sorted_form,
+            num_warps=1 if qt * kp <= 64 else 2)
+        results.append((blocks.cpu(), union.cpu()))
+    (b0, u0), (b1, u1), (c0, _), (c1, _) = results
+    assert torch.equal(b0, b1) and torch.equal(c0, c1)
+    assert (b0 >= 0).any() and (b0 < 0).any() and (c0 >= 0).any()
+    assert ((b0 >= 0) & (c0 < 0)).any() or qt * topk > 32
+    for item, n in enumerate(b0.flatten().tolist()):
+        if n >= 0:
+            assert torch.equal(u0[item, :, :n], u1[item, :, :n]), item
+            assert bool((u0[item, 0, 1:n] > u0[item, 0, :n - 1]).all())  # pages ascending
+
+
 def _tiles_taken(idx, step, block, qt, num_kv_heads, waste):
     """[tiles, Hkv]: 1 where a tile of qt tokens lies in one request, no page of the union holds
     two of the tokens' selected blocks, and the union of their selected pages, times qt, is at

@@ -84,7 +84,7 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
               ws_fp8_loader=True, ws_loader_regs=80,
               ws_loader_roll=True, ws_sub_fp8=128, ws_pair=False, ws_pair_maxnreg=168,
               ws_pair_consumer_regs=208, ws_pair_plan_warps=4, ws_pair_loader_regs=80,
-              ws_pair_eager=False)
+              ws_pair_eager=False, tile_plan_sort_min=128)
 # tile_ws: on Hopper, 16-bit K/V tiles run prefill_ws.py's warp-specialised Gluon kernel where
 # the views allow TMA (_ws_eligible): ws_sub keys per step, ws_stages K/V buffers; ws_maxnreg
 # registers per thread at launch (128: two programs of 8 warps per SM), which the consumer
@@ -134,6 +134,10 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
 # and ws_pair_loader_regs leave (216 at 208 and 80); the plan launch of 128-entry unions on
 # ws_pair_plan_warps warps. ws_pair_eager: the pair's loader issues V_i's loads with K_i's
 # (two tiles in flight; needs ~120 loader registers without spills, offline).
+# tile_plan_sort_min: plans of at least this many entries (tokens x KP per tile) find their
+# union by sorting the entries (prefill.py's _plan_union_sorted) instead of comparing all
+# pairs, whose N^2 work took the 128-entry plan of ws_pair to 108-145 µs per 8K chunk (TP1,
+# 2-4 warps), against 40 for 64 entries.
 # tile*: prefill steps first launch prefill.py's kernel over tiles of tile_rows // G tokens (the
 # union of their selections, taken on the device when union blocks x tokens <= tile_waste x the
 # tokens' selected blocks); the per-token kernel then does the tiles it left. Measured on 8K
@@ -497,6 +501,7 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
             items, TUNING["tile_resident"] * num_sms(device) if device.type == "cuda" else 3)
         plan.plan_kwargs = dict(NUM_KV_HEADS=num_kv_heads, NUM_INDEX_HEADS=indices.shape[1],
                                 QT=tile_qt, BLOCK=block_size, TOPK=topk, KP=plan.kp,
+                                SORTED=tile_qt * plan.kp >= TUNING["tile_plan_sort_min"],
                                 num_warps=TUNING["ws_pair_plan_warps" if pair else
                                                  "tile_plan_warps"])
         plan.tile_kwargs = dict(

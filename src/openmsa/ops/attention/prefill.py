@@ -61,11 +61,25 @@ def _bit_or(a, b):
 
 
 @triton.jit
+def _segment_or(start_a, a, start_b, b):
+    """The combine of an OR scan that restarts where `start` is set (segments of a sorted run)."""
+    return start_a | start_b, tl.where(start_b != 0, b, a | b)
+
+
+@triton.jit
+def _shift(x, by: tl.constexpr):
+    """x[i - by] at i (clamped at the ends; the callers mask those positions)."""
+    n: tl.constexpr = x.shape[0]
+    i = tl.arange(0, n)
+    return tl.gather(x, tl.minimum(tl.maximum(i - by, 0), n - 1), 0)
+
+
+@triton.jit
 def _tile_plan_kernel(idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr, blocks_ptr, union_ptr, waste,
                       num_requests, stride_it, stride_ih, stride_ik, stride_btr, stride_btb,
                       NUM_KV_HEADS: tl.constexpr, NUM_INDEX_HEADS: tl.constexpr,
                       QT: tl.constexpr, BLOCK: tl.constexpr, TOPK: tl.constexpr,
-                      KP: tl.constexpr):
+                      KP: tl.constexpr, SORTED: tl.constexpr = False):
     tile = tl.program_id(0)
     g = tl.program_id(1)
     t0 = tile * QT
@@ -82,14 +96,29 @@ def _tile_plan_kernel(idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr, blocks_ptr, union_p
     e_pages = tl.load(bt_ptr + r.to(tl.int64) * stride_btr + tl.where(e_ok, e_ids, 0) * stride_btb,
                       mask=e_ok, other=-1)
     e_pages = tl.where(e_ok & (e_pages >= 0), e_pages, NO_PAGE)
+    live = e_pages != NO_PAGE
+    e_blk = tl.where(live, e_ids, -1)
+    item = tile * NUM_KV_HEADS + g
+    if SORTED:
+        _plan_union_sorted(e, e_pages, e_blk, live, whole, waste, blocks_ptr, union_ptr, item,
+                           QT, KP)
+    else:
+        _plan_union_pairs(e, e_pages, e_blk, live, whole, waste, blocks_ptr, union_ptr, item,
+                          QT, KP)
+
+
+@triton.jit
+def _plan_union_pairs(e, e_pages, e_blk, live, whole, waste, blocks_ptr, union_ptr, item,
+                      QT: tl.constexpr, KP: tl.constexpr):
+    """The tile's union from its [N, N] entry pairs (N = QT * KP): cheap for N = 64, ~4x the
+    time of _plan_union_sorted at 128 (pairs of tiles, api.py's ws_pair)."""
+    N: tl.constexpr = QT * KP
     # one OR-reduction over the [N, N] entry pairs answers, per entry i: bit 0, does an
     # earlier entry hold its page (then i is not the page's first); bit 1, does an earlier entry
     # of its own token (a repeated id, counted once); bit 2, does an entry hold its page under
     # another block id (a table mapping two of the request's blocks to one page would need two
     # causal cuts for one page: such a tile goes to the per-token kernel); bits 8 + k: did
     # token k select its page (QT <= 16, api.py caps it)
-    live = e_pages != NO_PAGE
-    e_blk = tl.where(live, e_ids, -1)
     earlier = e[None, :] < e[:, None]
     same = e_pages[None, :] == e_pages[:, None]
     same_tok = (e[None, :] // KP) == (e[:, None] // KP)
@@ -104,14 +133,47 @@ def _tile_plan_kernel(idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr, blocks_ptr, union_p
     num_blocks = tl.sum(first.to(tl.int32), axis=0)
     aliased = tl.max((live & ((flags & 4) != 0)).to(tl.int32), axis=0) > 0
     take = whole & (num_blocks * QT <= waste * useful) & ~aliased
-    item = tile * NUM_KV_HEADS + g
     tl.store(blocks_ptr + item, tl.where(take, num_blocks, -1))
     # the union, ascending by page: row 0 page ids, row 1 block ids, row 2 token bits
     rank = tl.sum((first[None, :] & (e_pages[None, :] < e_pages[:, None])).to(tl.int32), axis=1)
     slot = union_ptr + item.to(tl.int64) * (3 * N) + tl.where(first, rank, 0)
     tl.store(slot, e_pages, mask=take & first)
-    tl.store(slot + N, e_ids, mask=take & first)  # one block id per page (not aliased)
+    tl.store(slot + N, e_blk, mask=take & first)  # one block id per page (not aliased)
     tl.store(slot + 2 * N, flags >> 8, mask=take & first)
+
+
+@triton.jit
+def _plan_union_sorted(e, e_pages, e_blk, live, whole, waste, blocks_ptr, union_ptr, item,
+                       QT: tl.constexpr, KP: tl.constexpr):
+    """_plan_union_pairs's results from the entries sorted by (page, entry), O(N log^2 N)
+    instead of N^2: a page's entries are then one run, in token order, so each question is
+    about a neighbour (the run's first entry, a repeat of its token's id, another block id
+    under the page) and the tokens that selected a page are an OR over its run."""
+    N: tl.constexpr = QT * KP
+    key = tl.sort(e_pages.to(tl.int64) * N + e)  # NO_PAGE last
+    s_e = (key % N).to(tl.int32)
+    s_page = (key // N).to(tl.int32)
+    s_tok = s_e // KP
+    s_blk = tl.gather(e_blk, s_e, 0)
+    s_live = s_page != NO_PAGE
+    same_prev = (e > 0) & (_shift(s_page, 1) == s_page)
+    first = s_live & ~same_prev
+    last = s_live & ((e == N - 1) | (_shift(s_page, -1) != s_page))
+    repeat = same_prev & (_shift(s_tok, 1) == s_tok)
+    useful = tl.sum((s_live & ~repeat).to(tl.int32), axis=0)
+    num_blocks = tl.sum(first.to(tl.int32), axis=0)
+    aliased = tl.max((s_live & same_prev & (_shift(s_blk, 1) != s_blk)).to(tl.int32),
+                     axis=0) > 0
+    take = whole & (num_blocks * QT <= waste * useful) & ~aliased
+    tl.store(blocks_ptr + item, tl.where(take, num_blocks, -1))
+    # per run, the OR of its tokens' bits reaches its last entry; its slot is the run's rank
+    _, bits = tl.associative_scan((first.to(tl.int32), (1 << s_tok).to(tl.int32)), 0,
+                                  _segment_or)
+    rank = tl.cumsum(first.to(tl.int32), 0) - 1
+    slot = union_ptr + item.to(tl.int64) * (3 * N) + tl.where(last, rank, 0)
+    tl.store(slot, s_page, mask=take & last)
+    tl.store(slot + N, s_blk, mask=take & last)
+    tl.store(slot + 2 * N, bits, mask=take & last)
 
 
 @triton.jit
