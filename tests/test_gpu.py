@@ -403,16 +403,24 @@ def test_attention_m3_shapes(kv_dtype, heads):
     assert torch.equal(again, got)
 
 
+def _tile_tokens(kv_dtype, group):
+    """Tokens per prefill tile: tile_rows // G, twice that for fp8 tiles of two consumers
+    (api.py's ws_pair, up to 16 tokens)."""
+    from openmsa.ops.attention import api
+    qt = api.TUNING["tile_rows"] // group
+    return 2 * qt if kv_dtype == FP8 and 2 * qt <= 16 and api._ws_pair(True) else qt
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8])
 @pytest.mark.parametrize("heads", [(64, 4), (16, 1), (8, 1)])
 def test_attention_prefill_tiles_m3(kv_dtype, heads, monkeypatch):
     """A 2100-token chunk next to decode rows: every other run of a tile's length shares one
     selection (tiles the union kernel takes), the others keep their own (left to the per-token
-    kernel). A tile holds tile_rows // G tokens: 4 at G = 16, 8 at G = 8."""
+    kernel). A tile holds tile_rows // G tokens: 4 at G = 16, 8 at G = 8 (fp8: twice)."""
     from openmsa.ops.attention import api, prefill
     step, q, k, v, idx = _m3_attention_case(kv_dtype, *heads, context=11_000,
                                             q_lens=(3, 2100, 1))
-    run = api.TUNING["tile_rows"] // (heads[0] // heads[1])
+    run = _tile_tokens(kv_dtype, heads[0] // heads[1])
     # runs aligned with the tiles (packed tokens [i * run, (i + 1) * run)); the chunk's tokens
     # are 3 .. 2102
     first = -(-3 // run) * run
@@ -456,9 +464,7 @@ def _mixed_tiles_chunk(heads, dtype):
                                  q_dtype=torch.bfloat16, cache_dtype=torch.bfloat16)
     idx = ref.select_blocks(qi, ci, step.cu_seqlens_q, step.seq_lens, step.block_table,
                             block_size=B)
-    # (ws_pair: fp8 tiles of two consumers' tokens)
-    pair = api.TUNING["ws_pair"] and dtype == FP8
-    run = api.TUNING["tile_rows"] * (2 if pair else 1) // (num_heads // num_kv)
+    run = _tile_tokens(dtype, num_heads // num_kv)
     shared = idx[:idx.shape[0] // run * run].view(-1, run, *idx.shape[1:])
     shared[::2] = shared[::2, :1].clone()
     q_dtype = torch.bfloat16 if dtype == FP8 else dtype
@@ -485,9 +491,9 @@ def _mixed_tiles_chunk(heads, dtype):
     ((16, 1), FP8, "flash", dict(ws_loader_roll=False)),
     ((8, 1), FP8, "flash", dict(ws_loader_roll=False, ws_stages_k_fp8=1, ws_keys_early=False)),
     ((16, 1), FP8, "packed", dict(ws_stages_k_fp8=1, ws_stages_fp8=2)),
-    ((16, 1), FP8, "flash", dict(ws_pair=True)),
-    ((64, 4), FP8, "packed", dict(ws_pair=True, ws_stages_k_fp8=3, ws_stages_fp8=2)),
-    ((8, 1), FP8, "packed", dict(ws_pair=True, ws_keys_early=False))], ids=str)
+    ((16, 1), FP8, "flash", dict(ws_pair=False)), ((64, 4), FP8, "packed", dict(ws_pair=False)),
+    ((64, 4), FP8, "packed", dict(ws_pair_stages_k=2, ws_pair_stages_v=1, ws_pair_eager=True)),
+    ((8, 1), FP8, "packed", dict(ws_keys_early=False))], ids=str)
 def test_attention_prefill_gluon_tiles(heads, dtype, layout, knobs, monkeypatch):
     """The warp-specialised tile kernel (prefill_ws.py) against the reference and the Triton
     tile kernel: chunks with and without context, partial own blocks whose unwritten tail is NaN

@@ -82,9 +82,9 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
               ws_stages_fp8=1, ws_keys_early=True, ws_stages_k=None, ws_stages_k_fp8=2,
               ws_fp8_qk=False, ws_waste=3.5, ws_waste_fp8=2.0, ws_pdl=True,
               ws_fp8_loader=True, ws_loader_regs=80,
-              ws_loader_roll=True, ws_sub_fp8=128, ws_pair=False, ws_pair_maxnreg=168,
-              ws_pair_consumer_regs=208, ws_pair_plan_warps=4, ws_pair_loader_regs=80,
-              ws_pair_eager=False, tile_plan_sort_min=128)
+              ws_loader_roll=True, ws_sub_fp8=128, ws_pair=True, ws_pair_maxnreg=168,
+              ws_pair_consumer_regs=192, ws_pair_loader_regs=120, ws_pair_stages_k=3,
+              ws_pair_stages_v=2, ws_pair_eager=False, tile_plan_sort_min=1)
 # tile_ws: on Hopper, 16-bit K/V tiles run prefill_ws.py's warp-specialised Gluon kernel where
 # the views allow TMA (_ws_eligible): ws_sub keys per step, ws_stages K/V buffers; ws_maxnreg
 # registers per thread at launch (128: two programs of 8 warps per SM), which the consumer
@@ -129,15 +129,21 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
 # ws_pair: fp8 tiles through the loader (with ws_loader_roll) of twice the tokens, 128 rows in
 # two consumer warpgroups over one loader (prefill_ws.py's PAIR): the loader's loads,
 # conversions and fp16 stores per step serve twice the rows, for the union of twice the
-# tokens' selections. One program of 384 threads per SM at ws_pair_maxnreg registers; the
-# second consumer at ws_pair_consumer_regs, the first at what the loader's ws_loader_regs
-# and ws_pair_loader_regs leave (216 at 208 and 80); the plan launch of 128-entry unions on
-# ws_pair_plan_warps warps. ws_pair_eager: the pair's loader issues V_i's loads with K_i's
-# (two tiles in flight; needs ~120 loader registers without spills, offline).
+# tokens' selections. One program of 384 threads per SM at ws_pair_maxnreg registers: the
+# loader at ws_pair_loader_regs, the second consumer at ws_pair_consumer_regs, the first at
+# what is left (192); ws_pair_stages_k / _v key and value buffers (96 + 64 KB). Measured
+# (profile_case.py --breakdown, b2d05c8, one call, TP1 8K chunk, selections shared by 16, tile
+# kernel alone, off -> on): 1299.7 -> 1119.9 µs after 8K, 1365.5 -> 1283.7 after 128K. The
+# loader at 80 registers (consumers 216 / 208) and 2 + 1 buffers: 1335 µs after 8K, and
+# slower than off after 128K (1481 against 1428, tune.py, 7735b1b): one loader per SM keeps
+# half the loads in flight of two programs' loaders, which DRAM's latency after 128K exposes;
+# 120 registers let it overlap more. ws_pair_eager (V_i's loads issued with K_i's, two tiles
+# in flight) was no faster (1291 against 1280 µs, tune.py, 4f09a4f).
 # tile_plan_sort_min: plans of at least this many entries (tokens x KP per tile) find their
 # union by sorting the entries (prefill.py's _plan_union_sorted) instead of comparing all
-# pairs, whose N^2 work took the 128-entry plan of ws_pair to 108-145 µs per 8K chunk (TP1,
-# 2-4 warps), against 40 for 64 entries.
+# pairs (_plan_union_pairs, kept as the test's cross-check): measured (profile_case.py
+# --breakdown, b2d05c8, TP1 8K chunk) 39.9 -> 10.3 µs for 64-entry plans, and 108-145 -> 10.7
+# for ws_pair's 128-entry ones (N^2 work on 1-4 warps).
 # tile*: prefill steps first launch prefill.py's kernel over tiles of tile_rows // G tokens (the
 # union of their selections, taken on the device when union blocks x tokens <= tile_waste x the
 # tokens' selected blocks); the per-token kernel then does the tiles it left. Measured on 8K
@@ -502,8 +508,7 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
         plan.plan_kwargs = dict(NUM_KV_HEADS=num_kv_heads, NUM_INDEX_HEADS=indices.shape[1],
                                 QT=tile_qt, BLOCK=block_size, TOPK=topk, KP=plan.kp,
                                 SORTED=tile_qt * plan.kp >= TUNING["tile_plan_sort_min"],
-                                num_warps=TUNING["ws_pair_plan_warps" if pair else
-                                                 "tile_plan_warps"])
+                                num_warps=TUNING["tile_plan_warps"])
         plan.tile_kwargs = dict(
             NUM_KV_HEADS=num_kv_heads, G=group, GP=group_pad, QT=tile_qt, D=head_dim,
             BLOCK=block_size, KP=plan.kp,
@@ -515,7 +520,8 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
         if pair or _ws_eligible(q, k_cache, v_cache, block_size, tile_qt * group_pad):
             loader = fp8 and _fp8_loader_on()
             ws_sub = _ws_sub(fp8, block_size)
-            stages_k = (TUNING["ws_stages_k_fp8" if fp8 else "ws_stages_k"]
+            stages_k = (TUNING["ws_pair_stages_k"] if pair else
+                        TUNING["ws_stages_k_fp8" if fp8 else "ws_stages_k"]
                         or TUNING["ws_stages_fp8" if fp8 else "ws_stages"])
             plan.tile_ws = dict(
                 sub=ws_sub,
@@ -523,7 +529,8 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
                             NUM_KV_HEADS=num_kv_heads, G=group, GP=group_pad, QT=tile_qt,
                             KP=plan.kp, BLOCK=block_size,
                             STAGES_K=stages_k,
-                            STAGES_V=TUNING["ws_stages_fp8" if fp8 else "ws_stages"],
+                            STAGES_V=TUNING["ws_pair_stages_v" if pair else
+                                            "ws_stages_fp8" if fp8 else "ws_stages"],
                             LAZY_MASK=TUNING["ws_lazy_mask"], FP8=fp8,
                             FP8_QK=fp8 and TUNING["ws_fp8_qk"],
                             KEYS_EARLY=TUNING["ws_keys_early"],
