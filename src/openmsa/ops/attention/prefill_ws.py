@@ -25,7 +25,9 @@ MMAs in fp16 (as prefill.py's F16_COMPUTE), in whole 128-key steps, converted on
 paths. FP8_LOADER (the default, api.py's ws_fp8_loader): the producer is a warpgroup that
 loads each fp8 tile from global memory, converts it in registers and stores fp16 rings
 (`_fp8_loader`), so the consumer runs the 16-bit path unchanged: 1541 -> 1367 µs for an 8K
-chunk at TP1, ~1358 with V's loads issued under K's stores (ws_loader_roll). Otherwise TMA
+chunk at TP1, ~1358 with V's loads issued under K's stores (ws_loader_roll), and ~1139 with
+PAIR (api.py's ws_pair, the default for fp8): tiles of twice the tokens, two consumer
+warpgroups of 64 rows reading one loader's rings, one program per SM. Otherwise TMA
 copies fp8 tiles and the consumer converts each into one fp16 tile before its MMA (`_to_f16`,
 its stores free of bank conflicts: 12-13% faster than
 before); a converter partition reading the fp8 ring and conversions beside the MMAs were not
