@@ -296,7 +296,7 @@ def _step_cuts(union_row, step, rows, pos, first_pos, N: gl.constexpr, BLOCK: gl
     offset in the block (-1: its token did not select the block), the largest cut of any row
     and the smallest (-1 unless every token selected the block). The rows are QT tokens from
     the tile's TOK0-th (TILE_QT > QT: a tile of TILE_QT tokens shared by two consumers, PAIR);
-    first_pos is the first of them's position."""
+    first_pos is the position of the first of them."""
     # the plan's slot of this step's block: block id and which tokens selected it
     j = step // PARTS
     base = gl.load(union_row + N + j) * BLOCK
