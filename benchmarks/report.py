@@ -91,8 +91,8 @@ def main():
     if ap:
         print("| model | KV | context | selections | union of 4 tokens (blocks) | ours µs | "
               "TFLOP/s | % bf16 ceiling | plan / tile / per-token kernels µs | "
-              "per-token kernel only µs | speed-up | dense SDPA µs |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+              "per-token kernel only µs | speed-up | dense SDPA µs | SM MHz after |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in ap:
             pct = 100 * r["tflops"] / bf16 if bf16 else None
             print(f"| {r['model']} | {r['dtype']} | {_k(r['context'])} | {r['selections']} | "
@@ -100,7 +100,8 @@ def main():
                   f"{_f(pct, 0)} | {_f(r.get('attn-plan_us'), 0)} / "
                   f"{_f(r.get('attn-tile_us'), 0)} / {_f(r.get('attn_us'), 0)} | "
                   f"{_f(r['per_token_us'], 0)} | "
-                  f"{_f(r['per_token_us'] / r['us'], 2)} | {_f(r.get('dense_us'), 0)} |")
+                  f"{_f(r['per_token_us'] / r['us'], 2)} | {_f(r.get('dense_us'), 0)} | "
+                  f"{_f(r.get('sm_mhz'), 0)} |")
 
     for section in ("layer-decode", "layer-prefill"):
         lay = [r for r in rows if r["section"] == section]

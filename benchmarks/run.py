@@ -472,6 +472,21 @@ PREFILL_SELECTIONS = (("shared by 16", 16, 0.0), ("shared by 16, jitter 0.2", 16
                       ("independent", 1, 0.0))
 
 
+def sm_clock_mhz():
+    """The GPU's SM clock now, from nvidia-smi (None without it). Sampled right after a row's
+    timing loop, while the GPU still runs at that loop's clock: whether a slow row ran slower
+    clocks (the prefill table's rows after long ones, docs/performance.md). The device index
+    is torch's, which is nvidia-smi's unless CUDA_VISIBLE_DEVICES reorders them."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm",
+                              "--format=csv,noheader,nounits",
+                              "-i", str(torch.cuda.current_device())], capture_output=True,
+                             text=True, timeout=10)
+        return int(out.stdout.split()[0])
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
+
+
 def attention_prefill(args, fi):
     """Per chunk: the default path (union tiles where the device takes them, per-token for the
     rest) and the per-token kernel alone (TUNING tile=False), on three kinds of selections."""
@@ -493,8 +508,11 @@ def attention_prefill(args, fi):
                                                         out=out)
                 ours()
                 flops = 4 * model.num_heads * d * 16 * 128 * chunk
-                iters = max(5, args.iters // 4)
+                # (a call is 0.3-5 ms: --iters calls, at least 10, cost little; 5 left the
+                # median of the TP1 fp8 row after 8K 1274-1444 µs across three runs)
+                iters = max(10, args.iters)
                 dev = med(device_times_us(ours, iters))
+                mhz = sm_clock_mhz()
                 parts = {}
                 for name, us in kernel_breakdown_us(ours, iters).items():
                     parts[_short(name)] = parts.get(_short(name), 0.0) + us
@@ -511,7 +529,7 @@ def attention_prefill(args, fi):
                            union4=_mean_union(idx, 4), us=dev, tflops=flops / dev / 1e6,
                            pct_bf16_mm=100 * flops / dev / 1e6 / CEIL["bf16_tflops"]
                            if CEIL["bf16_tflops"] else None, per_token_us=per_token,
-                           max_diff_vs_per_token=same,
+                           max_diff_vs_per_token=same, sm_mhz=mhz,
                            **{f"{k}_us": v for k, v in parts.items()})
                 if dname == "bf16" and shared == 16 and jitter == 0.0:
                     row["dense_us"] = try_peer(lambda: _dense_prefill_us(model, context, chunk,

@@ -36,3 +36,26 @@ def test_split_calls_alternating_functions():
     assert ours == [11, 9]
     assert theirs == [12, 0]
     assert run.split_calls(events, 1) == [[11, 12, 9, 0]]
+
+
+def test_sm_clock_reads_nvidia_smi(monkeypatch):
+    """The prefill rows' clock column: nvidia-smi's SM clock for torch's device, None where
+    nvidia-smi is missing or says something else."""
+    import subprocess
+    from types import SimpleNamespace
+    seen = []
+
+    def fake(cmd, **kwargs):
+        seen.append(cmd)
+        return SimpleNamespace(stdout=reply)
+    monkeypatch.setattr(run.torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(subprocess, "run", fake)
+    reply = "1980\n"
+    assert run.sm_clock_mhz() == 1980 and seen[0][-2:] == ["-i", "3"]
+    reply = "[N/A]\n"
+    assert run.sm_clock_mhz() is None
+
+    def missing(cmd, **kwargs):
+        raise FileNotFoundError(cmd[0])
+    monkeypatch.setattr(subprocess, "run", missing)
+    assert run.sm_clock_mhz() is None
