@@ -130,7 +130,8 @@ def test_short_rows_topk_kernel(g, w, vec, tpr, warps):
     ("fp8e4nv", 128, 2, 8), ("bf16", 128, 21, 16), ("fp8e4nv", 128, 21, 16),
     ("fp8qk", 128, 1, 16), ("fp8qk", 128, 21, 8), ("fp8ld", 128, 1, 16), ("fp8ld", 128, 21, 8),
     ("fp8roll", 128, 21, 16), ("fp8noroll", 128, 1, 8), ("fp8ld", 64, 32, 16),
-    ("fp8pair", 128, 21, 16), ("fp8pair", 128, 32, 8), ("fp8paire", 128, 32, 16)])
+    ("fp8pair", 128, 21, 16), ("fp8pair", 128, 32, 8), ("fp8paire", 128, 32, 16),
+    ("bf16pair", 128, 32, 16), ("fp16pair", 128, 32, 8)])
 def test_sparse_attention_tile_ws_kernel(dtype, sub, stages, group):
     # stages: one digit per ring (K, then V) where they differ; fp8qk: fp8 K/V with
     # S = Q K^T as fp8 MMAs (FP8_QK); fp8ld: fp8 K/V loaded and converted by a producer
@@ -138,11 +139,12 @@ def test_sparse_attention_tile_ws_kernel(dtype, sub, stages, group):
     # LOADER_ROLL; fp8ld: api.py's default; fp8pair: two consumers of 64 rows over one
     # loader, PAIR, one program per SM; fp8paire: its loader's V loads with K's, LOADER_EAGER,
     # at 120 loader and 192 consumer registers)
+    # (bf16pair / fp16pair: 16-bit K/V in pairs over the TMA producer, ws_pair_16)
     fp8_qk = dtype == "fp8qk"
-    pair, eager = dtype.startswith("fp8pair"), dtype == "fp8paire"
-    loader = dtype in ("fp8ld", "fp8roll", "fp8noroll") or pair
-    roll, default_roll = dtype in ("fp8roll",) or pair, dtype == "fp8ld"
-    dtype = "fp8e4nv" if fp8_qk or loader else dtype
+    pair, eager = "pair" in dtype, dtype == "fp8paire"
+    loader = dtype in ("fp8ld", "fp8roll", "fp8noroll") or dtype.startswith("fp8pair")
+    roll, default_roll = dtype == "fp8roll" or dtype.startswith("fp8pair"), dtype == "fp8ld"
+    dtype = "fp8e4nv" if fp8_qk or loader else dtype.removesuffix("pair")
     # the Gluon prefill tiles (attention/prefill_ws.py) with the launch options api.py passes:
     # warp specialisation, 4-D TMA boxes and both wgmma forms (P from registers) lower for
     # sm_90, fp8 K/V through their fp16 copy; two programs fit on an SM (registers at launch,
@@ -161,9 +163,10 @@ def test_sparse_attention_tile_ws_kernel(dtype, sub, stages, group):
     constexprs = dict(SUB=sub, D=128, NUM_KV_HEADS=4, G=group, GP=group, QT=rows // group, KP=16,
                       BLOCK=128, STAGES_K=stages // 10 or stages, STAGES_V=stages % 10,
                       KEYS_EARLY=stages != 2, HAS_SCALE=stages == 1, LAZY_MASK=stages != 3,
-                      PRODUCER_REGS=(120 if eager else TUNING["ws_pair_loader_regs"] if pair
-                                     else TUNING["ws_loader_regs" if loader else
-                                                 "ws_producer_regs"]),
+                      PRODUCER_REGS=(120 if eager else TUNING["ws_pair_loader_regs"]
+                                     if pair and loader else
+                                     TUNING["ws_loader_regs" if loader else
+                                            "ws_producer_regs"]),
                       FP8=dtype == "fp8e4nv", FP8_QK=fp8_qk, FP8_LOADER=loader,
                       LOADER_ROLL=roll or (default_roll and TUNING["ws_loader_roll"]),
                       PDL=stages != 3, num_warps=4, PAIR=pair,

@@ -404,11 +404,11 @@ def test_attention_m3_shapes(kv_dtype, heads):
 
 
 def _tile_tokens(kv_dtype, group):
-    """Tokens per prefill tile: tile_rows // G, twice that for fp8 tiles of two consumers
-    (api.py's ws_pair, up to 16 tokens)."""
+    """Tokens per prefill tile: tile_rows // G, twice that for tiles of two consumers (api.py's
+    ws_pair for fp8, ws_pair_16 for 16-bit K/V; up to 16 tokens)."""
     from openmsa.ops.attention import api
     qt = api.TUNING["tile_rows"] // group
-    return 2 * qt if kv_dtype == FP8 and 2 * qt <= 16 and api._ws_pair(True) else qt
+    return 2 * qt if 2 * qt <= 16 and api._ws_pair(kv_dtype == FP8) else qt
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8])
@@ -493,7 +493,9 @@ def _mixed_tiles_chunk(heads, dtype):
     ((16, 1), FP8, "packed", dict(ws_stages_k_fp8=1, ws_stages_fp8=2)),
     ((16, 1), FP8, "flash", dict(ws_pair=False)), ((64, 4), FP8, "packed", dict(ws_pair=False)),
     ((64, 4), FP8, "packed", dict(ws_pair_stages_k=2, ws_pair_stages_v=1, ws_pair_eager=True)),
-    ((8, 1), FP8, "packed", dict(ws_keys_early=False))], ids=str)
+    ((8, 1), FP8, "packed", dict(ws_keys_early=False)),
+    ((64, 4), torch.bfloat16, "packed", dict(ws_pair_16=True)),
+    ((8, 1), torch.float16, "flash", dict(ws_pair_16=True, ws_keys_early=False))], ids=str)
 def test_attention_prefill_gluon_tiles(heads, dtype, layout, knobs, monkeypatch):
     """The warp-specialised tile kernel (prefill_ws.py) against the reference and the Triton
     tile kernel: chunks with and without context, partial own blocks whose unwritten tail is NaN

@@ -363,37 +363,40 @@ def test_attention_gluon_launch_descriptors(monkeypatch):
     assert seen["args"][1] is k and seen["args"][2] is v
 
 
-@pytest.mark.parametrize("case", ["fp8", "bf16", "off", "group4", "no_roll", "fp8_qk"])
+@pytest.mark.parametrize("case", ["fp8", "bf16", "off", "group4", "no_roll", "fp8_qk",
+                                  "bf16_pair"])
 def test_attention_prefill_fp8_tiles_in_pairs(h200, monkeypatch, case):
     """An 8K chunk of fp8 K/V on Hopper at G = 16: tiles of 8 tokens in two consumer
     warpgroups over one loader (ws_pair: PAIR, one 384-thread program per SM whose registers
     add up), the plan of 128 entries by a sort; 4-token tiles for bf16, with ws_pair off, when
     a pair would exceed 16 tokens (G = 4), and where the loader's ROLL loop or the loader
-    itself is off."""
+    itself is off; bf16 in pairs over the TMA producer with ws_pair_16."""
     from openmsa import support
     for module in (attention_api, support):
         monkeypatch.setattr(module, "capability", lambda device: (9, 0))
     monkeypatch.setattr(attention_api, "gluon_hopper_available", lambda: True)
     knob = dict(off=("ws_pair", False), no_roll=("ws_loader_roll", False),
-                fp8_qk=("ws_fp8_qk", True)).get(case)
+                fp8_qk=("ws_fp8_qk", True), bf16_pair=("ws_pair_16", True)).get(case)
     if knob:
         monkeypatch.setitem(attention_api.TUNING, *knob)
-    k, v = _kv_pair("packed", torch.bfloat16 if case == "bf16" else torch.float8_e4m3fn)
+    k, v = _kv_pair("packed", torch.bfloat16 if case.startswith("bf16")
+                    else torch.float8_e4m3fn)
     heads = 16 if case == "group4" else 64
     q = _OnCuda(torch.empty(8192, heads, 128, dtype=torch.bfloat16, device="meta"))
     idx = _OnCuda(torch.empty(8192, 4, 16, dtype=torch.int32, device="meta"))
     plan = attention_api._plan(q, k, v, idx, None, 128)
     ws = plan.tile_ws["kwargs"]
-    pair = case == "fp8"
+    pair = case in ("fp8", "bf16_pair")
     assert ws["PAIR"] == pair and plan.plan_kwargs["SORTED"]
     want_qt = 16 if case == "group4" else 8 if pair else 4
     assert plan.tile_qt == ws["QT"] == plan.plan_kwargs["QT"] == want_qt
     assert plan.tile_items == 8192 // want_qt * 4
     if pair:
         t = attention_api.TUNING
-        assert ws["maxnreg"] == t["ws_pair_maxnreg"] and ws["LOADER_ROLL"]
+        assert ws["maxnreg"] == t["ws_pair_maxnreg"] and ws["LOADER_ROLL"] == (case == "fp8")
         assert (ws["STAGES_K"], ws["STAGES_V"]) == (t["ws_pair_stages_k"], t["ws_pair_stages_v"])
-        assert ws["PRODUCER_REGS"] == t["ws_pair_loader_regs"]
+        assert ws["PRODUCER_REGS"] == t["ws_pair_loader_regs" if case == "fp8" else
+                                        "ws_producer_regs"]
         # the first consumer gets what the loader and the second leave of 3 x maxnreg
         first = 3 * ws["maxnreg"] - ws["PRODUCER_REGS"] - ws["CONSUMER_REGS"]
         assert first >= ws["CONSUMER_REGS"] and 3 * ws["maxnreg"] * 128 <= 65536

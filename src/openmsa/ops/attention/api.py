@@ -84,7 +84,7 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
               ws_fp8_loader=True, ws_loader_regs=80,
               ws_loader_roll=True, ws_sub_fp8=128, ws_pair=True, ws_pair_maxnreg=168,
               ws_pair_consumer_regs=192, ws_pair_loader_regs=120, ws_pair_stages_k=3,
-              ws_pair_stages_v=2, ws_pair_eager=False, tile_plan_sort_min=1)
+              ws_pair_stages_v=2, ws_pair_eager=False, tile_plan_sort_min=1, ws_pair_16=False)
 # tile_ws: on Hopper, 16-bit K/V tiles run prefill_ws.py's warp-specialised Gluon kernel where
 # the views allow TMA (_ws_eligible): ws_sub keys per step, ws_stages K/V buffers; ws_maxnreg
 # registers per thread at launch (128: two programs of 8 warps per SM), which the consumer
@@ -139,6 +139,10 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
 # half the loads in flight of two programs' loaders, which DRAM's latency after 128K exposes;
 # 120 registers let it overlap more. ws_pair_eager (V_i's loads issued with K_i's, two tiles
 # in flight) was no faster (1291 against 1280 µs, tune.py, 4f09a4f).
+# ws_pair_16 (off; built offline, not measured on the GPU): 16-bit K/V tiles in pairs too, the
+# TMA producer warp feeding both consumers, which zero V's unwritten tail themselves with the
+# tile's cut (equal writes). The lead: Nsight Compute has the bf16 tiles' L2 at 77.7% busy
+# (c6ed071), the TMA copies of 64 KB per step per 64 rows, which a pair halves per row.
 # tile_plan_sort_min: plans of at least this many entries (tokens x KP per tile) find their
 # union by sorting the entries (prefill.py's _plan_union_sorted) instead of comparing all
 # pairs (_plan_union_pairs, kept as the test's cross-check): measured (profile_case.py
@@ -393,8 +397,11 @@ def _ws_sub(fp8: bool, block_size: int) -> int:
 
 
 def _ws_pair(fp8: bool) -> bool:
-    """Whether fp8 tiles through the loader take two consumers per program (ws_pair, PAIR)."""
-    return fp8 and bool(TUNING["ws_pair"]) and _fp8_loader_on() and bool(TUNING["ws_loader_roll"])
+    """Whether the Gluon tiles take two consumers per program (PAIR): fp8 through the loader
+    (ws_pair), 16-bit K/V (ws_pair_16)."""
+    if not fp8:
+        return bool(TUNING["ws_pair_16"])
+    return bool(TUNING["ws_pair"]) and _fp8_loader_on() and bool(TUNING["ws_loader_roll"])
 
 
 def _launch_tile_ws(q, k_cache, v_cache, cu_seqlens_q, seq_lens, out, lse, blocks, union, ks,
@@ -534,8 +541,8 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
                             LAZY_MASK=TUNING["ws_lazy_mask"], FP8=fp8,
                             FP8_QK=fp8 and TUNING["ws_fp8_qk"],
                             KEYS_EARLY=TUNING["ws_keys_early"],
-                            PRODUCER_REGS=TUNING["ws_pair_loader_regs" if pair else
-                                                 "ws_loader_regs" if loader else
+                            PRODUCER_REGS=TUNING["ws_pair_loader_regs" if pair and loader
+                                                 else "ws_loader_regs" if loader else
                                                  "ws_producer_regs"],
                             FP8_LOADER=loader,
                             LOADER_ROLL=loader and TUNING["ws_loader_roll"],

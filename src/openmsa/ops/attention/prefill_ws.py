@@ -112,6 +112,18 @@ def _store_tile(parts, ring, ready, SUB: gl.constexpr, D: gl.constexpr, R: gl.co
 
 
 @gluon.jit
+def _tile_keep(union_row, j, first_pos, N: gl.constexpr, BLOCK: gl.constexpr,
+               QT: gl.constexpr):
+    """The last key offset in union slot j's block that any of the tile's QT tokens sees (its
+    last token that selected the block sees the most); first_pos: the tile's first token's."""
+    bits = gl.load(union_row + 2 * N + j)
+    last = 0
+    for k in gl.static_range(1, QT):
+        last += (bits >= (1 << k)).to(gl.int32)
+    return first_pos + last - gl.load(union_row + N + j) * BLOCK
+
+
+@gluon.jit
 def _store_tile_tail(parts, ring, ready, key0, keep, SUB: gl.constexpr, D: gl.constexpr,
                      R: gl.constexpr):
     """_store_tile with the keys past `keep` (the last key any row of the tile sees, offsets in
@@ -206,13 +218,7 @@ def _fp8_loader(k_ptr, v_ptr, stride_kp, stride_kb, stride_kh, stride_vp, stride
             mbarrier.wait(empty_v.index(s), ((i // v_smem.shape[0]) & 1) ^ 1,
                           pred=i >= v_smem.shape[0])
             if ZERO_V_TAIL:
-                # the tile's last token that selected the block sees the most of it
-                j = i // PARTS
-                bits = gl.load(union_row + 2 * N + j)
-                last = 0
-                for k in gl.static_range(1, QT):
-                    last += (bits >= (1 << k)).to(gl.int32)
-                keep = first_pos + last - gl.load(union_row + N + j) * BLOCK
+                keep = _tile_keep(union_row, i // PARTS, first_pos, N, BLOCK, QT)
                 if keep < key0 + SUB - 1:
                     _store_tile_tail(parts, v_smem.index(s), ready_v.index(s), key0, keep, SUB,
                                      D, R)
@@ -380,7 +386,8 @@ def _consumer(q_smem, q_lo_smem, row_f_smem, k_smem, v_smem, kv16, ready_k, read
               GP: gl.constexpr, QT: gl.constexpr, N: gl.constexpr, BLOCK: gl.constexpr,
               PARTS: gl.constexpr, HAS_SCALE: gl.constexpr, LAZY_MASK: gl.constexpr,
               CONVERT: gl.constexpr, FP8_QK: gl.constexpr, KEYS_EARLY: gl.constexpr,
-              TOK0: gl.constexpr = 0, TILE_QT: gl.constexpr = 0):
+              TOK0: gl.constexpr = 0, TILE_QT: gl.constexpr = 0,
+              LOADER_ZEROES: gl.constexpr = True):
     """One warpgroup, one step at a time: the tile's 64 rows over every step, then their
     output and LSE. KEYS_EARLY: a step's keys go back to the producer once S = Q K^T (or,
     fp8, their conversion) has read them, so the next step's keys load during this step's
@@ -392,8 +399,11 @@ def _consumer(q_smem, q_lo_smem, row_f_smem, k_smem, v_smem, kv16, ready_k, read
     e4m3 hi + lo parts scaled by a power of two per row (`row_f_smem` undoes it), so only V
     is converted.
     TILE_QT > QT (PAIR): this consumer's QT tokens are the tile's from the TOK0-th (t0 and
-    first_pos are theirs), beside another consumer's; the loader zeroes V's rows past every
-    row's cut then, since both read one V buffer."""
+    first_pos are theirs), beside another consumer's, both reading one V buffer: V's rows past
+    every row of the tile's cut are zeroed by the fp8 loader (LOADER_ZEROES) or, over TMA
+    copies, by both consumers with the tile's cut. Both then write the same values (the rows
+    past it as 0, the others as TMA wrote them), whichever runs first, so neither's P V can
+    see a NaN: a race between equal writes."""
     SK: gl.constexpr = k_smem.shape[0]
     SV: gl.constexpr = v_smem.shape[0]
     SUB: gl.constexpr = k_smem.shape[2]
@@ -462,9 +472,13 @@ def _consumer(q_smem, q_lo_smem, row_f_smem, k_smem, v_smem, kv16, ready_k, read
             v_t = kv16
         else:
             v_t = v_smem.index(sv).reshape([SUB, D])
-            if TILE_QT <= QT:  # (PAIR: zeroed by the loader)
+            if TILE_QT <= QT:
                 if max_cut < key0 + SUB - 1:
                     _zero_v_tail(v_t, key0, max_cut, v_l)
+            elif not LOADER_ZEROES:
+                keep = _tile_keep(union_row, step // PARTS, first_pos - TOK0, N, BLOCK, TILE_QT)
+                if keep < key0 + SUB - 1:
+                    _zero_v_tail(v_t, key0, keep, v_l)
         acc = warpgroup_mma(p_op, v_t, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         if not CONVERT:
@@ -498,10 +512,10 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_src, v_src, cu_ptr, seq_lens_ptr, 
     """k_src / v_src: TMA descriptors of [SUB, D] boxes over the caches' [P, B, Hkv, D] views,
     or with FP8_LOADER (fp8 K/V) the views themselves (their strides then read; a warpgroup
     loads, converts and stores each step into fp16 rings, _fp8_loader).
-    PAIR (FP8_LOADER with LOADER_ROLL; api.py's ws_pair): a tile of QT tokens, 128 rows, in
-    two consumer warpgroups of QT / 2 tokens each (the second a worker partition with
-    CONSUMER_REGS registers) over one loader's rings: the loader's loads and conversions per
-    step, and its registers, serve twice the rows. One program per SM (384 threads)."""
+    PAIR (fp8: FP8_LOADER with LOADER_ROLL, api.py's ws_pair; 16-bit: ws_pair_16): a tile of
+    QT tokens, 128 rows, in two consumer warpgroups of QT / 2 tokens each (the second a worker
+    partition with CONSUMER_REGS registers) over one producer's rings: the loader's loads and
+    conversions, or the TMA copies, per step serve twice the rows. One program per SM."""
     if PDL:
         # the per-token launch may start now (programmatic dependent launch; api.py's
         # ws_pdl): it takes effect once every program has passed here, and the two write
@@ -509,8 +523,8 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_src, v_src, cu_ptr, seq_lens_ptr, 
         launch_dependents()
     PARTS: gl.constexpr = BLOCK // SUB
     N: gl.constexpr = QT * KP
-    gl.static_assert(not PAIR or (FP8_LOADER and LOADER_ROLL and QT % 2 == 0),
-                     "PAIR: the fp8 loader's ROLL loop, an even number of tokens")
+    gl.static_assert(not PAIR or (QT % 2 == 0 and (not FP8 or (FP8_LOADER and LOADER_ROLL))),
+                     "PAIR: an even number of tokens; fp8 through the loader's ROLL loop")
     CONS: gl.constexpr = 2 if PAIR else 1
     QC: gl.constexpr = QT // CONS  # tokens per consumer
     item = gl.program_id(0)
@@ -606,7 +620,7 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_src, v_src, cu_ptr, seq_lens_ptr, 
         # (the consumer's arguments written out in both calls: a tuple held in a variable
         # loses its constexprs)
         CONVERT: gl.constexpr = FP8 and not FP8_LOADER
-        if PAIR:
+        if PAIR and FP8_LOADER:
             q_hi = q_smem.slice(ROWS, ROWS)
             gl.warp_specialize([
                 (_consumer, (q_smem.slice(0, ROWS), q_lo_smem, row_f_smem, k_smem, v_smem, kv16,
@@ -625,6 +639,26 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_src, v_src, cu_ptr, seq_lens_ptr, 
                                empty_v, union_row, num_steps, g, PARTS, LOADER_ROLL, first_pos,
                                N, BLOCK, QT, True, LOADER_EAGER)),
             ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+        elif PAIR:
+            # 16-bit K/V in pairs (api.py's ws_pair_16): the TMA producer warp feeds both
+            # consumers, which zero V's tail themselves
+            q_hi = q_smem.slice(ROWS, ROWS)
+            gl.warp_specialize([
+                (_consumer, (q_smem.slice(0, ROWS), q_lo_smem, row_f_smem, k_smem, v_smem, kv16,
+                             ready_k, ready_v, empty_k, empty_v, union_row, num_steps,
+                             first_pos, qk_scale, v_scale_ptr, out_ptr, lse_ptr, t0, g,
+                             stride_ot, stride_oh, stride_od, stride_lt, stride_lh, G, GP, QC, N,
+                             BLOCK, PARTS, HAS_SCALE, LAZY_MASK, CONVERT, FP8_QK, KEYS_EARLY, 0,
+                             QT, False)),
+                (_consumer, (q_hi, q_lo_smem, row_f_smem, k_smem, v_smem, kv16, ready_k,
+                             ready_v, empty_k, empty_v, union_row, num_steps, first_pos + QC,
+                             qk_scale, v_scale_ptr, out_ptr, lse_ptr, t0 + QC, g, stride_ot,
+                             stride_oh, stride_od, stride_lt, stride_lh, G, GP, QC, N, BLOCK,
+                             PARTS, HAS_SCALE, LAZY_MASK, CONVERT, FP8_QK, KEYS_EARLY, QC, QT,
+                             False)),
+                (_producer, (k_src, v_src, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v,
+                             union_row, num_steps, g, PARTS)),
+            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         elif FP8_LOADER:
             gl.warp_specialize([
                 (_consumer, (q_smem, q_lo_smem, row_f_smem, k_smem, v_smem, kv16, ready_k,
