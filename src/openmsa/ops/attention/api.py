@@ -139,10 +139,15 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
 # half the loads in flight of two programs' loaders, which DRAM's latency after 128K exposes;
 # 120 registers let it overlap more. ws_pair_eager (V_i's loads issued with K_i's, two tiles
 # in flight) was no faster (1291 against 1280 µs, tune.py, 4f09a4f).
-# ws_pair_16 (off; built offline, not measured on the GPU): 16-bit K/V tiles in pairs too, the
-# TMA producer warp feeding both consumers, which zero V's unwritten tail themselves with the
-# tile's cut (equal writes). The lead: Nsight Compute has the bf16 tiles' L2 at 77.7% busy
+# ws_pair_16 (off: correct on the GPU, slower): 16-bit K/V tiles in pairs too, the TMA
+# producer warp feeding both consumers, which zero V's unwritten tail themselves with the
+# tile's cut (equal writes). The lead was Nsight Compute's bf16 tiles' L2 at 77.7% busy
 # (c6ed071), the TMA copies of 64 KB per step per 64 rows, which a pair halves per row.
+# Measured (tune.py --only attention-prefill --cases bf16, 225ba77, one call, off / on twice):
+# TP1 shared by 16 after 8K 1069.7 / 1151.9 and 1069.7 / 1149.7 µs (+7.6%), after 128K
+# 1134.2 / 1159.2; TP4 278.2 / 298.8 and 299.8 / 319.7; every bf16 row slower. So the L2's
+# busy share was not what bounds the bf16 tiles: two programs of 64 rows per SM, each with
+# its own producer and barriers, overlap better than one program of 128 rows.
 # tile_plan_sort_min: plans of at least this many entries (tokens x KP per tile) find their
 # union by sorting the entries (prefill.py's _plan_union_sorted) instead of comparing all
 # pairs (_plan_union_pairs, kept as the test's cross-check): measured (profile_case.py
