@@ -9,6 +9,13 @@ import json
 import math
 
 
+def _gather(r):
+    """The per-token form's memory roof (run.py's gather_roof_us) and its read rate."""
+    if r.get("gather_us") is None:
+        return "-"
+    return f"{r['gather_us']:.0f} ({r['gather_tbs']:.2f})"
+
+
 def _f(v, digits=1):
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
@@ -91,8 +98,9 @@ def main():
     if ap:
         print("| model | KV | context | selections | union of 4 tokens (blocks) | ours µs | "
               "TFLOP/s | % bf16 ceiling | plan / tile / per-token kernels µs | "
-              "per-token kernel only µs | speed-up | dense SDPA µs | SM MHz after |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+              "per-token kernel only µs | speed-up | dense SDPA µs | SM MHz after | "
+              "gather roof µs (TB/s) |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in ap:
             pct = 100 * r["tflops"] / bf16 if bf16 else None
             print(f"| {r['model']} | {r['dtype']} | {_k(r['context'])} | {r['selections']} | "
@@ -101,7 +109,7 @@ def main():
                   f"{_f(r.get('attn-tile_us'), 0)} / {_f(r.get('attn_us'), 0)} | "
                   f"{_f(r['per_token_us'], 0)} | "
                   f"{_f(r['per_token_us'] / r['us'], 2)} | {_f(r.get('dense_us'), 0)} | "
-                  f"{_f(r.get('sm_mhz'), 0)} |")
+                  f"{_f(r.get('sm_mhz'), 0)} | {_gather(r)} |")
 
     for section in ("layer-decode", "layer-prefill"):
         lay = [r for r in rows if r["section"] == section]

@@ -524,12 +524,19 @@ def attention_prefill(args, fi):
                     same = float((out.float() - want.float()).abs().max())
                 finally:
                     attention_api.TUNING["tile"] = True
+                # the per-token form's memory roof on the same selections (rows the tiles
+                # cannot take: "Why unshared selections stay far below" in performance.md)
+                gather = gather_roof_us(k, v, idx, table, iters) if shared == 1 or jitter \
+                    else None
+                gather_bytes = chunk * model.num_kv_heads * idx.shape[2] * 128 * 2 * d \
+                    * packed.element_size()
                 row = dict(section="attention-prefill", model=model_name, dtype=dname,
                            context=context, T=chunk, selections=label,
                            union4=_mean_union(idx, 4), us=dev, tflops=flops / dev / 1e6,
                            pct_bf16_mm=100 * flops / dev / 1e6 / CEIL["bf16_tflops"]
                            if CEIL["bf16_tflops"] else None, per_token_us=per_token,
-                           max_diff_vs_per_token=same, sm_mhz=mhz,
+                           max_diff_vs_per_token=same, sm_mhz=mhz, gather_us=gather,
+                           gather_tbs=gather_bytes / gather / 1e6 if gather else None,
                            **{f"{k}_us": v for k, v in parts.items()})
                 if dname == "bf16" and shared == 16 and jitter == 0.0:
                     row["dense_us"] = try_peer(lambda: _dense_prefill_us(model, context, chunk,
@@ -537,6 +544,44 @@ def attention_prefill(args, fi):
                 record(**row)
                 del q, packed, idx
                 torch.cuda.empty_cache()
+
+
+@triton.jit
+def _bench_gather_kernel(k_ptr, v_ptr, idx_ptr, table_ptr, out_ptr, stride_kp, stride_kb,
+                         stride_kh, stride_vp, stride_vb, stride_vh, stride_it, stride_ih,
+                         HKV: tl.constexpr, HIDX: tl.constexpr, K: tl.constexpr,
+                         BLOCK: tl.constexpr, D: tl.constexpr):
+    """One program per (token, KV head): the K and V tiles of its K selected blocks, summed.
+    The reads of the per-token attention kernel without its math: that form's memory roof."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    rows = tl.arange(0, BLOCK)[:, None].to(tl.int64)
+    cols = tl.arange(0, D)[None, :]
+    acc = tl.zeros((BLOCK, D), tl.float32)
+    for j in range(K):
+        blk = tl.load(idx_ptr + t * stride_it + (h * HIDX // HKV) * stride_ih + j)
+        page = tl.load(table_ptr + blk).to(tl.int64)
+        acc += tl.load(k_ptr + page * stride_kp + h * stride_kh + rows * stride_kb
+                       + cols).to(tl.float32)
+        acc += tl.load(v_ptr + page * stride_vp + h * stride_vh + rows * stride_vb
+                       + cols).to(tl.float32)
+    tl.store(out_ptr + (t * HKV + h) * D + tl.arange(0, D), tl.sum(acc, 0))
+
+
+def gather_roof_us(k, v, idx, table, iters):
+    """Device µs of reading every (token, KV head)'s selected K/V blocks once (one request,
+    page table row 0, every entry valid): what the per-token kernel reads, at the rate a plain
+    gather gets. Its bytes: T * Hkv * K * 128 * 2 * D * bytes(kv)."""
+    t, hidx, kk = idx.shape
+    hkv, d = k.shape[2], k.shape[3]
+    assert k.stride(3) == 1 and v.stride(3) == 1 and table.stride(1) == 1
+    out = torch.empty(t, hkv, d, device=k.device, dtype=torch.float32)
+    fn = lambda: _bench_gather_kernel[(t, hkv)](  # noqa: E731
+        k, v, idx, table, out, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+        v.stride(2), idx.stride(0), idx.stride(1), HKV=hkv, HIDX=hidx, K=kk, BLOCK=k.shape[1],
+        D=d, num_warps=8, num_stages=3)
+    fn()
+    return med(device_times_us(fn, iters))
 
 
 def _mean_union(idx, qt):

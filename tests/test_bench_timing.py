@@ -59,3 +59,26 @@ def test_sm_clock_reads_nvidia_smi(monkeypatch):
         raise FileNotFoundError(cmd[0])
     monkeypatch.setattr(subprocess, "run", missing)
     assert run.sm_clock_mhz() is None
+
+
+@pytest.mark.interpret
+def test_gather_roof_reads_each_selected_block(kernel_device):
+    """run.py's gather roof reads, per (token, KV head), the K and V tiles of the selected blocks
+    through the page table (strided views of a packed cache, one index head per 2 KV heads):
+    its sums equal torch's over the same tiles, so the roof times the per-token kernel's
+    bytes."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(0)
+    pages, hkv, bs, d, t, hidx, kk = 6, 2, 16, 32, 5, 1, 3
+    packed = torch.randn(pages, hkv, bs, 2 * d, generator=g).to(kernel_device)
+    k = packed[..., :d].permute(0, 2, 1, 3)
+    v = packed[..., d:].permute(0, 2, 1, 3)
+    table = torch.randperm(pages, generator=g).int().view(1, pages).to(kernel_device)
+    idx = torch.randint(0, pages, (t, hidx, kk), generator=g).int().to(kernel_device)
+    out = torch.empty(t, hkv, d, device=kernel_device)
+    run._bench_gather_kernel[(t, hkv)](
+        k, v, idx, table, out, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+        v.stride(2), idx.stride(0), idx.stride(1), HKV=hkv, HIDX=hidx, K=kk, BLOCK=bs, D=d)
+    pg = table[0, idx[:, 0].long()].long()                      # [t, kk]
+    want = torch.stack([(k[pg, :, h] + v[pg, :, h]).sum((1, 2)) for h in range(hkv)], 1)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
