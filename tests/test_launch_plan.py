@@ -453,3 +453,21 @@ def test_attention_prefill_gluon_tiles_route(h200, monkeypatch, fp8):
     monkeypatch.setitem(attention_api.TUNING, "tile_ws", False)
     plan = attention_api._plan(q, k, v, idx, None, 128)
     assert attention_api._tile_route(plan, 4096, 4096) == (False, tile_waste, False)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_attention_prefill_per_token_stages(h200, monkeypatch, fp8):
+    """An 8K chunk's per-token launch (the tokens no tile takes) pipelines 3 stages of fp8 K/V
+    (prefill_stages_fp8) and 2 of 16-bit (prefill_stages); a decode step keeps `stages`."""
+    from openmsa import support
+    for module in (attention_api, support):
+        monkeypatch.setattr(module, "capability", lambda device: (9, 0))
+    k, v = _kv_pair("packed", torch.float8_e4m3fn if fp8 else torch.bfloat16)
+    t = attention_api.TUNING
+    for tokens, want in ((8192, t["prefill_stages_fp8" if fp8 else "prefill_stages"]),
+                         (8, t["stages"])):
+        q = _OnCuda(torch.empty(tokens, 64, 128, dtype=torch.bfloat16, device="meta"))
+        idx = _OnCuda(torch.empty(tokens, 4, 16, dtype=torch.int32, device="meta"))
+        plan = attention_api._plan(q, k, v, idx, None, 128)
+        assert plan.kwargs["num_stages"] == want
+    assert t["prefill_stages_fp8"] != t["prefill_stages"]  # else the case proves nothing

@@ -72,8 +72,8 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
               small_warps=8, fused_merge=True, fused_max_splits=4, merge_launch_keys=384,
               merge_launch_min_fill=0.75,
               prefill_min_tokens=2048, prefill_sub=64, prefill_sub_fp8=128, prefill_warps=4,
-              prefill_stages=2, fp8_f16_compute=True, fp8_v_pairs=True, request_guess=True,
-              pdl=True, lazy_row_sum=True, lazy_sum_maxnreg=168,
+              prefill_stages=2, prefill_stages_fp8=3, fp8_f16_compute=True, fp8_v_pairs=True,
+              request_guess=True, pdl=True, lazy_row_sum=True, lazy_sum_maxnreg=168,
               tile=True, tile_rows=64, tile_waste=2.0, tile_sub=64, tile_stages=2,
               tile_sub_fp8=128, tile_stages_fp8=2, tile_warps=4, tile_lazy_mask=True,
               tile_persistent=False, tile_persistent_fp8=True, tile_resident=2,
@@ -85,6 +85,14 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
               ws_loader_roll=True, ws_sub_fp8=128, ws_pair=True, ws_pair_maxnreg=168,
               ws_pair_consumer_regs=192, ws_pair_loader_regs=120, ws_pair_stages_k=3,
               ws_pair_stages_v=2, ws_pair_eager=False, tile_plan_sort_min=1, ws_pair_16=False)
+# prefill_stages_fp8: the per-token kernel's pipeline stages on prefill steps with fp8 K/V
+# (3 x 20 KB of 128-key K/V per program: still 3 programs per SM, which the 168-register cap
+# sets). Measured (tune.py --only attention-prefill, 8186176, one call, 2 -> 3 stages, the
+# 2-stage runs before and after): TP1 8K chunk of independent selections after 8K 2876.2 /
+# 2874.6 -> 2848.5 µs, jittered after 128K (no tiles taken) 2924.7 / 2924.6 -> 2875.7; 8 warps
+# 3693.9 / 3807.6 (slower). Nsight Compute (same call) has that kernel issue-bound rather than
+# memory-bound: issue slots 56% busy, the ALU pipe the busiest (50.8%), 0.92 eligible of 2.98
+# warps per scheduler, L2 56%.
 # tile_ws: on Hopper, 16-bit K/V tiles run prefill_ws.py's warp-specialised Gluon kernel where
 # the views allow TMA (_ws_eligible): ws_sub keys per step, ws_stages K/V buffers; ws_maxnreg
 # registers per thread at launch (128: two programs of 8 warps per SM), which the consumer
@@ -496,7 +504,8 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
     # the merge launch, if any, starts early (the decode launch triggers it)
     pdl = TUNING["pdl"] and device.type == "cuda" and splits > 1 and not fused
     warps = TUNING["prefill_warps" if prefill else "small_warps" if small else "warps"]
-    stages = TUNING["prefill_stages" if prefill else "stages"]
+    stages = TUNING[("prefill_stages_fp8" if k_cache.dtype == FP8 else "prefill_stages")
+                    if prefill else "stages"]
     if (not prefill and k_cache.dtype != FP8 and device.type == "cuda"
             and num_tokens * num_kv_heads * splits > TUNING["resident_16"] * num_sms(device)):
         # 16-bit K/V, more than one round of programs: fewer stages (see TUNING)
