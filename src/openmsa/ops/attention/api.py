@@ -85,16 +85,16 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
               ws_loader_roll=True, ws_sub_fp8=128, ws_pair=True, ws_pair_maxnreg=168,
               ws_pair_consumer_regs=192, ws_pair_loader_regs=120, ws_pair_stages_k=3,
               ws_pair_stages_v=2, ws_pair_eager=False, tile_plan_sort_min=1, ws_pair_16=False)
-# prefill_stages_fp8: the per-token kernel's pipeline stages on prefill steps with fp8 K/V
-# (72 KB of shared memory per program against 40 at 2 stages, `resources.py`: still 3 programs
-# per SM, which the 168-register cap sets). Measured (tune.py --only attention-prefill, 8186176, one call, 2 -> 3 stages, the
-# 2-stage runs before and after): TP1 8K chunk of independent selections after 8K 2876.2 /
-# 2874.6 -> 2848.5 µs, jittered after 128K (no tiles taken) 2924.7 / 2924.6 -> 2875.7; 8 warps
-# 3693.9 and 3807.6 (slower). Again with the knob (1405ef0, one call, 2 / 3 / 2 / 3 stages):
-# 2892.4 / 2871.3 / 2891.5 / 2872.4 µs and 2927.5 / 2875.8 / 2927.7 / 2879.0 (-0.7%, -1.7%).
-# Nsight Compute (8186176) has that kernel issue-bound rather than
-# memory-bound: issue slots 56% busy, the ALU pipe the busiest (50.8%), 0.92 eligible of 2.98
-# warps per scheduler, L2 56%.
+# prefill_stages_fp8: the per-token kernel's pipeline stages on prefill steps with fp8 K/V (72 KB
+# of shared memory per program against 40 at 2 stages, `resources.py`: still 3 programs per SM,
+# which the 168-register cap sets). Measured (tune.py --only attention-prefill, 8186176, one
+# call, 2 -> 3 stages, the 2-stage runs before and after): TP1 8K chunk of independent selections
+# after 8K 2876.2 / 2874.6 -> 2848.5 µs, jittered after 128K (no tiles taken) 2924.7 / 2924.6 ->
+# 2875.7; 8 warps 3693.9 and 3807.6 (slower). Again with the knob (1405ef0, one call, 2 / 3 / 2 /
+# 3 stages): 2892.4 / 2871.3 / 2891.5 / 2872.4 µs and 2927.5 / 2875.8 / 2927.7 / 2879.0 (-0.7%,
+# -1.7%). Nsight Compute (8186176) has that kernel issue-bound rather than memory-bound: issue
+# slots 56% busy, the ALU pipe the busiest (50.8%), 0.92 eligible of 2.98 warps per scheduler, L2
+# 56%.
 # tile_ws: on Hopper, 16-bit K/V tiles run prefill_ws.py's warp-specialised Gluon kernel where
 # the views allow TMA (_ws_eligible): ws_sub keys per step, ws_stages K/V buffers; ws_maxnreg
 # registers per thread at launch (128: two programs of 8 warps per SM), which the consumer
