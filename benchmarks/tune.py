@@ -104,8 +104,9 @@ def main():
     p.add_argument("--context", type=int, default=8192,
                    help="attention-prefill: tokens of context before the 8192-token chunk")
     p.add_argument("--cases", default="",
-                   help="attention-prefill: only the cases whose name contains this, e.g. "
-                        "'fp8'")
+                   help="attention-prefill: only the cases whose name ('m3-tp1 fp8 s16 j0.2': "
+                        "model, KV dtype, tokens sharing a selection, jitter) contains this, e.g. "
+                        "'fp8', or 'tp1 fp8 s1 j' (independent; 'fp8 s1' matches s16 too)")
     args = p.parse_args()
     global METRIC, TIME_WRONG
     METRIC = args.metric
