@@ -99,6 +99,13 @@ def _indexer(dname, batch, context, q_len, heads):
     return lambda: openmsa.select_blocks(q, cache, cu, seq, table, max_q_len=q_len)
 
 
+def _fi_indexer(dname, batch, context, q_len, heads):
+    """FlashInfer's indexer (msa_proxy_score + msa_topk_select) on _indexer's step, for
+    --offsets / --breakdown beside ours (needs `. .peers/env.sh`)."""
+    q, cache, cu, seq, table = run._index_step(batch, context, q_len, heads, run.DTYPES[dname])
+    return run._fi_select(run.load_flashinfer(), q, cache, cu, seq, table, q_len)
+
+
 def _layer(model_name, dname, batch, context):
     """One decode step of the sparse layer's attention part as an engine calls it: fused_prepare,
     select_blocks and sparse_attention (run.py's layer-decode rows)."""
@@ -150,6 +157,16 @@ CASES = {
     "idx-fp8-b32-16k": lambda: _indexer("fp8", 32, 16384, 1, 4),
     "idx-fp8-b8-128k": lambda: _indexer("fp8", 8, 131072, 1, 4),
     "idx-fp8-b1-1m": lambda: _indexer("fp8", 1, 1 << 20, 1, 4),
+    # rows the indexer decode table has at 1.03-1.09x FlashInfer's (619d50a), and FlashInfer's
+    # calls on the same steps: where the gap sits (scoring, or the selection after it)
+    "idx-fp8-b8-128k-tp4": lambda: _indexer("fp8", 8, 131072, 1, 1),
+    "idx-fp8-b1-128k-tp4": lambda: _indexer("fp8", 1, 131072, 1, 1),
+    "idx-fp8-b64-32k": lambda: _indexer("fp8", 64, 32768, 1, 4),
+    "fi-idx-fp8-b8-128k-tp4": lambda: _fi_indexer("fp8", 8, 131072, 1, 1),
+    "fi-idx-fp8-b1-128k-tp4": lambda: _fi_indexer("fp8", 1, 131072, 1, 1),
+    "fi-idx-fp8-b64-32k": lambda: _fi_indexer("fp8", 64, 32768, 1, 4),
+    "fi-idx-fp8-b128-32k-q4": lambda: _fi_indexer("fp8", 128, 32768, 4, 4),
+    "fi-idx-fp8-b8-128k": lambda: _fi_indexer("fp8", 8, 131072, 1, 4),
     # an 8K prefill chunk after 120K: each call launches the request (decode) scoring launch,
     # then the tile launch, so a profiler wanting the tile launch skips an odd count of
     # _block_scores launches (scripts/ncu_cases.sh: idx-fp8-prefill-120k:_block_scores:3)

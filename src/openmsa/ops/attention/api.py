@@ -46,6 +46,10 @@ __all__ = ["sparse_attention", "sparse_page_table"]
 # pdl: the merge launch (more than fused_max_splits splits) is a programmatic dependent launch
 # (CUDA only): it starts while the split programs run and waits for them before reading. Graph
 # call time about 1 µs lower at B = 1 (TP1 9.9 -> 8.9 µs, TP4 9.3 -> 8.1), equal at B = 8.
+# first_pdl: the split launch of a step without tiles (the call's first launch) is a
+# programmatic dependent of whatever kernel precedes the call on the stream, and waits
+# (griddepcontrol.wait) before anything else: its launch latency hides behind that kernel's
+# last programs (the indexer's first_pdl too). Not measured yet: off.
 # rounds_stages_16: 16-bit K/V decode grids of more than one round (1 program per SM) on 2
 # stages instead of 3: TP1 bf16 B = 128 145.7 -> 137.1 µs, B = 64 79.6 -> 75.6; single-round
 # grids lose with 2 (TP4 B = 64 28.6 -> 30.1), so they keep `stages`.
@@ -73,7 +77,8 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
               merge_launch_min_fill=0.75,
               prefill_min_tokens=2048, prefill_sub=64, prefill_sub_fp8=128, prefill_warps=4,
               prefill_stages=2, prefill_stages_fp8=3, fp8_f16_compute=True, fp8_v_pairs=True,
-              request_guess=True, pdl=True, lazy_row_sum=True, lazy_sum_maxnreg=168,
+              request_guess=True, pdl=True, first_pdl=False, lazy_row_sum=True,
+              lazy_sum_maxnreg=168,
               tile=True, tile_rows=64, tile_waste=2.0, tile_sub=64, tile_stages=2,
               tile_sub_fp8=128, tile_stages_fp8=2, tile_warps=4, tile_lazy_mask=True,
               tile_persistent=False, tile_persistent_fp8=True, tile_resident=2,
@@ -579,6 +584,9 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
         PTX=device.type == "cuda", GUESS=TUNING["request_guess"], SP=_next_pow2(splits),
         PDL=pdl, STORE_LSE=plan.store_lse, LAZY_SUM=lazy_sum, num_warps=warps,
         num_stages=stages)
+    if TUNING["first_pdl"] and device.type == "cuda" and tile_qt <= 1:
+        # no tile launch before it: the split launch is the call's first (see TUNING)
+        plan.kwargs.update(WAIT_PRIOR=True, launch_pdl=True)
     if (lazy_sum and prefill and TUNING["lazy_sum_maxnreg"] and device.type == "cuda"
             and v_pairs and group_pad <= 16 and sub == 128 and warps == 4):
         # the elementwise sum's [16, SUB] tile took fp8's 128-key, 4-warp program from 168 to

@@ -46,7 +46,14 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
                              TILE_QT: tl.constexpr, V_PAIRS: tl.constexpr, PTX: tl.constexpr,
                              GUESS: tl.constexpr, SP: tl.constexpr = 1,
                              PDL: tl.constexpr = False, STORE_LSE: tl.constexpr = True,
-                             LAZY_SUM: tl.constexpr = False, WAIT_TILES: tl.constexpr = False):
+                             LAZY_SUM: tl.constexpr = False, WAIT_TILES: tl.constexpr = False,
+                             WAIT_PRIOR: tl.constexpr = False):
+    if WAIT_PRIOR:
+        # a decode step's only (or first) launch, made a programmatic dependent of whatever
+        # kernel precedes the call on the stream (api.py's first_pdl): its programs may start
+        # while that kernel's last ones finish, which hides this launch's own latency; nothing
+        # is read or written before that kernel has finished and its writes are visible
+        gdc_wait()
     if PDL:
         # the merge launch may start now (programmatic dependent launch); it waits for this
         # launch to finish before it reads a partial

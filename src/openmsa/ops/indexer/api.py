@@ -33,7 +33,7 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               decode_keys_as_rows=True, prefill_rows=128, prefill_bps=32, prefill_warps=4,
               prefill_stages=2, prefill_warps_fp8=4, prefill_stages_fp8=3, select_warps=4,
               select_sort_waves=2, select_search_scale=1, select_scratch=64, select_segment=1024,
-              pdl=True, decode_pages_early=True, decode_one_loop=True,
+              pdl=True, first_pdl=False, decode_pages_early=True, decode_one_loop=True,
               decode_split_major=False, tile_quick_exit=True, tile_overlap=False,
               prefill_reverse_tiles=True, prefill_reverse_splits=False,
               prefill_split_major=False, select_chunk=128,
@@ -131,6 +131,11 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
 # starts while its predecessor runs and waits (griddepcontrol.wait) before reading its output,
 # which hides a launch's latency on the small decode steps: graph-replayed call time at B = 1
 # 9.6 -> 7.1 µs (32K fp8), 17.2 -> 13.5 (128K), 56.7 -> 50.2 (1M); device time unchanged.
+# first_pdl: the request launch (a decode or verify step's first) is a programmatic dependent
+# of whatever kernel precedes the call on the stream, and waits (griddepcontrol.wait) before
+# anything else: its programs may start while that kernel's last ones finish, which hides the
+# call's first launch latency (the 1.7-3.4 µs of idle a graph replay showed before it). Not
+# measured yet: off.
 
 
 def _programs_per_wave(device: torch.device) -> int:
@@ -221,12 +226,16 @@ def _scores_plan(index_q, index_cache, num_requests: int, max_blocks: int, block
     one_request = TUNING["tile_one_request"] and num_requests == 1 and not only_requests
     # (each launch with a serial number: launch_planned's key, see ops/common/launch.py; the
     # call key fixes every int and dtype the launches pass)
+    # first_pdl: the request launch, the op's first, as a programmatic dependent of the
+    # kernel before the call (see TUNING)
+    first_pdl = TUNING["first_pdl"] and common["PDL"]
     launches = [] if one_request else [(next(plan_serials), grid, dict(
         BPS=bps, TILE_MODE=False, ROWS_T=rows_t, **common, SMALL_Q=ANY_Q if any_q else SMALL_Q,
         KEYS_AS_ROWS=keys_as_rows, num_warps=TUNING["decode_warps"],
         num_stages=TUNING["decode_stages"], table_width=max_blocks,
         PAGES_EARLY=TUNING["decode_pages_early"], ONE_LOOP=TUNING["decode_one_loop"],
-        SPLIT_MAJOR=split_major))]
+        SPLIT_MAJOR=split_major,
+        **(dict(WAIT_PRIOR=True, launch_pdl=True) if first_pdl else {})))]
     # prefill chunks: tiles of packed tokens; with T <= SMALL_Q no request can be long
     if only_requests:
         return launches

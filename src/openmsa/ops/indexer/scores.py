@@ -142,7 +142,14 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                          ONE_LOOP: tl.constexpr = False, SPLIT_MAJOR: tl.constexpr = False,
                          QUICK_EXIT: tl.constexpr = False, WAIT_AT_END: tl.constexpr = False,
                          REVERSE_TILES: tl.constexpr = False,
-                         REVERSE_SPLITS: tl.constexpr = False):
+                         REVERSE_SPLITS: tl.constexpr = False,
+                         WAIT_PRIOR: tl.constexpr = False):
+    if WAIT_PRIOR:
+        # the op's first launch, made a programmatic dependent of whatever kernel precedes
+        # the call on the stream (api.py's first_pdl): its programs may start while that
+        # kernel's last ones finish, which hides this launch's own latency; nothing is read
+        # or written before that kernel has finished and its writes are visible
+        gdc_wait()
     if PDL:
         # the selection launch may start now (programmatic dependent launch): it takes effect
         # once every program of this launch has passed here, and the selection waits for this
