@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 import openmsa
 from openmsa import reference as ref
@@ -953,7 +954,6 @@ def _late_copy_kernel(src_ptr, dst_ptr, n, spin, BLOCK: tl.constexpr):
     """dst = src, written only after a long spin, by a kernel that lets its programmatic
     dependents start at once: a dependent that read dst before its gdc_wait would see the old
     values."""
-    from triton.language.extra.cuda import gdc_launch_dependents
     gdc_launch_dependents()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(src_ptr + offs, mask=offs < n, other=0)

@@ -77,7 +77,7 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
               merge_launch_min_fill=0.75,
               prefill_min_tokens=2048, prefill_sub=64, prefill_sub_fp8=128, prefill_warps=4,
               prefill_stages=2, prefill_stages_fp8=3, fp8_f16_compute=True, fp8_v_pairs=True,
-              request_guess=True, pdl=True, first_pdl=False, lazy_row_sum=True,
+              request_guess=True, pdl=True, first_pdl=True, lazy_row_sum=True,
               lazy_sum_maxnreg=168,
               tile=True, tile_rows=64, tile_waste=2.0, tile_sub=64, tile_stages=2,
               tile_sub_fp8=128, tile_stages_fp8=2, tile_warps=4, tile_lazy_mask=True,
