@@ -28,6 +28,9 @@ STEP = dict(cu_ptr=I32, seq_lens_ptr=I32, bt_ptr=I32)
 
 
 def _compile(fn, pointers, scalars, constexprs):
+    # a constexpr parameter left out takes its default, as at a runtime launch (not an i32)
+    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default},
+                  **constexprs}
     signature = {}
     for name in fn.arg_names:
         if name in constexprs:
@@ -59,6 +62,27 @@ def test_block_scores_kernel(tile_mode, q_type, c_type, early):
                   WAIT_AT_END=tile_mode and bool(early), SPLIT_MAJOR=tile_mode and bool(early),
                   REVERSE_TILES=tile_mode, REVERSE_SPLITS=tile_mode))
     assert ("griddepcontrol.wait" in k.asm["ptx"]) == (tile_mode and bool(early))
+
+
+def test_first_launches_wait_for_the_kernel_before():
+    # first_pdl (both api.py files): the decode split launch and the indexer's request launch
+    # start with griddepcontrol.wait, which the launches without it (above) must not have
+    step = dict(q_ptr="*bf16", out_ptr=F32, **STEP)
+    k = _compile(_block_scores_kernel, dict(step, cache_ptr="*bf16"), {},
+                 dict(H=4, HP=4, DI=128, DIP=128, BLOCK=128, BPS=16, SMALL_Q=16,
+                      TILE_MODE=False, ROWS_T=4, CAST_K=False, IEEE=False, KEYS_AS_ROWS=True,
+                      MAX_SKIPS_NAN=True, PDL=True, WAIT_PRIOR=True))
+    assert "griddepcontrol.wait" in k.asm["ptx"]
+    k = _compile(_sparse_attention_kernel,
+                 dict(step, k_ptr="*bf16", v_ptr="*bf16", idx_ptr=I32, out_ptr="*bf16",
+                      lse_ptr=F32, part_out_ptr=F32, counter_ptr=I32, tile_blocks_ptr=I32,
+                      k_scale_ptr=F32, v_scale_ptr=F32),
+                 dict(sm_scale="fp32"),
+                 dict(NUM_HEADS=64, NUM_KV_HEADS=4, NUM_INDEX_HEADS=4, G=16, M=16, D=128,
+                      BLOCK=128, TOPK=16, KP=16, SUB=128, STEPS=16, SPLITS=1, HAS_SCALE=False,
+                      IEEE=False, F16_COMPUTE=False, FUSED_MERGE=False, TILE_QT=0,
+                      V_PAIRS=False, PTX=True, GUESS=True, WAIT_PRIOR=True))
+    assert "griddepcontrol.wait" in k.asm["ptx"]
 
 
 @pytest.mark.parametrize("dtype, heads", [("fp8e4nv", 4), ("fp8e4nv", 1), ("bf16", 4)])
