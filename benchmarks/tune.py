@@ -39,6 +39,11 @@ def _cell(dev, call) -> str:
     return f"{dev if call is None else call:8.1f}"
 
 
+def wanted(args, name: str) -> bool:
+    """Whether --cases takes the case called `name` (every case without --cases)."""
+    return any(part in name for part in args.cases.split("|"))
+
+
 def sweep(name, tuning, variants, cases, iters):
     """Median time (see _cell) of each case under each variant; a variant whose output differs
     from the first variant's by more than bf16 rounding of the output prints "wrong" instead.
@@ -104,9 +109,12 @@ def main():
     p.add_argument("--context", type=int, default=8192,
                    help="attention-prefill: tokens of context before the 8192-token chunk")
     p.add_argument("--cases", default="",
-                   help="attention-prefill: only the cases whose name ('m3-tp1 fp8 s16 j0.2': "
-                        "model, KV dtype, tokens sharing a selection, jitter) contains this, e.g. "
-                        "'fp8', or 'tp1 fp8 s1 j' (independent; 'fp8 s1' matches s16 too)")
+                   help="only the cases whose name (as printed: 'm3-tp1 fp8 s16 j0.2' in "
+                        "attention-prefill, 'm3-tp4 fp8 B64 q1' in attention-fp8, 'dec fp8 B8 "
+                        "L128K q1 H1' in indexer-decode, 'prefill fp8 8K@120K' in "
+                        "indexer-prefill) contains one of these '|'-separated strings, e.g. "
+                        "'fp8', 'tp1 fp8 s1 j' (independent selections; 'fp8 s1' matches s16 "
+                        "too) or 'B8 L128K|B1 L128K'")
     args = p.parse_args()
     global METRIC, TIME_WRONG
     METRIC = args.metric
@@ -129,15 +137,18 @@ def main():
     m = shapes.MODELS["m3-tp1"]
     for dname, batch, q_len in (("fp8", 1, 1), ("fp8", 128, 1), ("bf16", 128, 1),
                                 ("fp8", 128, 4)):
+        if not wanted(args, f"dec {dname} B{batch} q{q_len}"):
+            continue
         q, packed, idx, cu, seq, table = run._attention_step(m, batch, 65536, q_len, dname)
         k, v = packed[..., :128].permute(0, 2, 1, 3), packed[..., 128:].permute(0, 2, 1, 3)
         cases.append((f"dec {dname} B{batch} q{q_len}",
                       (lambda q=q, k=k, v=v, idx=idx, cu=cu, seq=seq, table=table:
                        openmsa.sparse_attention(q, k, v, idx, cu, seq, table))))
-    q, packed, idx, cu, seq, table = run._attention_step(m, 1, 8192 + 8192, 8192, "bf16")
-    k, v = packed[..., :128].permute(0, 2, 1, 3), packed[..., 128:].permute(0, 2, 1, 3)
-    cases.append(("prefill bf16 8K@8K", lambda: openmsa.sparse_attention(q, k, v, idx, cu, seq,
-                                                                          table)))
+    if wanted(args, "prefill bf16 8K@8K"):
+        q, packed, idx, cu, seq, table = run._attention_step(m, 1, 8192 + 8192, 8192, "bf16")
+        k, v = packed[..., :128].permute(0, 2, 1, 3), packed[..., 128:].permute(0, 2, 1, 3)
+        cases.append(("prefill bf16 8K@8K", lambda: openmsa.sparse_attention(q, k, v, idx, cu,
+                                                                              seq, table)))
     sweep("attention", attention_api.TUNING, variants, cases, args.iters)
     del cases
     torch.cuda.empty_cache()
@@ -159,6 +170,8 @@ def _attention_fp8(args):
                 ("fp8", 8, 4, 65536), ("fp8", 10, 1, 65536), ("fp8", 64, 1, 65536),
                 ("fp8", 64, 4, 65536), ("fp8", 128, 1, 65536), ("fp8", 128, 4, 65536),
                 ("fp8", 1, 8192, 16384), ("bf16", 64, 1, 65536), ("bf16", 128, 1, 65536)):
+            if not wanted(args, f"{model_name} {dname} B{batch} q{q_len}"):
+                continue
             q, packed, idx, cu, seq, table = run._attention_step(m, batch, ctx, q_len, dname)
             k, v = packed[..., :128].permute(0, 2, 1, 3), packed[..., 128:].permute(0, 2, 1, 3)
             cases.append((f"{model_name} {dname} B{batch} q{q_len}",
@@ -187,7 +200,7 @@ def _attention_prefill(args):
             ("m3-tp1", "fp8", 16, 0.0), ("m3-tp1", "fp8", 16, 0.2), ("m3-tp1", "fp8", 1, 0.0),
             ("m3-tp4", "bf16", 16, 0.0), ("m3-tp4", "bf16", 16, 0.2), ("m3-tp4", "bf16", 1, 0.0),
             ("m3-tp4", "fp8", 16, 0.2)):
-        if args.cases not in f"{model_name} {dname} s{shared} j{jitter}":
+        if not wanted(args, f"{model_name} {dname} s{shared} j{jitter}"):
             continue
         m = shapes.MODELS[model_name]
         q, packed, idx, cu, seq, table = run._attention_step(m, 1, args.context + 8192, 8192,
@@ -221,6 +234,8 @@ def _indexer(args, only):
             ("fp8", 64, 131072, 4, 4), ("fp8", 8, 1 << 20, 4, 4), ("fp8", 128, 131072, 1, 4),
             ("bf16", 32, 131072, 4, 4), ("fp8", 32, 1 << 20, 4, 4), ("fp8", 128, 1 << 20, 1, 4),
             ("fp8", 64, 1 << 20, 4, 4), ("fp8", 128, 1 << 20, 4, 4)):
+        if not wanted(args, f"dec {dname} B{batch} L{ctx // 1024}K q{q_len} H{heads}"):
+            continue
         q, cache, cu, seq, table = run._index_step(batch, ctx, q_len, heads, run.DTYPES[dname])
         cases.append((f"dec {dname} B{batch} L{ctx // 1024}K q{q_len} H{heads}",
                       (lambda q=q, cache=cache, cu=cu, seq=seq, table=table, q_len=q_len:
@@ -245,15 +260,21 @@ def _indexer_prefill(args):
     cases = []
     for dname, ctx in (("fp8", 0), ("fp8", 120 * 1024), ("fp8", 1016 * 1024), ("bf16", 0),
                        ("bf16", 120 * 1024), ("bf16", 1016 * 1024)):
+        chunk = f"{dname} 8K@{ctx // 1024}K"
+        names = [f"prefill {chunk}"] + ([f"scores {chunk}"] if chunk == "fp8 8K@120K" else [])
+        names += [f"select {chunk}"] if dname == "fp8" else []
+        if not any(wanted(args, name) for name in names):
+            continue
         q, cache, cu, seq, table = run._index_step(1, ctx + 8192, 8192, 4, run.DTYPES[dname])
-        cases.append((f"prefill {dname} 8K@{ctx // 1024}K",
-                      (lambda q=q, cache=cache, cu=cu, seq=seq, table=table:
-                       openmsa.select_blocks(q, cache, cu, seq, table, max_q_len=8192))))
-        if dname == "fp8" and ctx == 120 * 1024:
-            cases.append((f"scores {dname} 8K@{ctx // 1024}K",
+        if wanted(args, f"prefill {chunk}"):
+            cases.append((f"prefill {chunk}",
+                          (lambda q=q, cache=cache, cu=cu, seq=seq, table=table:
+                           openmsa.select_blocks(q, cache, cu, seq, table, max_q_len=8192))))
+        if wanted(args, f"scores {chunk}") and chunk == "fp8 8K@120K":
+            cases.append((f"scores {chunk}",
                           (lambda q=q, cache=cache, cu=cu, seq=seq, table=table:
                            openmsa.block_scores(q, cache, cu, seq, table, max_q_len=8192))))
-        if dname == "fp8":
+        if wanted(args, f"select {chunk}") and dname == "fp8":
             scores = openmsa.block_scores(q, cache, cu, seq, table)
             out = torch.empty(q.shape[0], q.shape[1], 16, dtype=torch.int32, device="cuda")
 
@@ -261,7 +282,7 @@ def _indexer_prefill(args):
                 indexer_api.launch_select(scores, cu, seq, out, topk=16, init_blocks=0,
                                           local_blocks=1, block_size=128)
                 return out
-            cases.append((f"select 8K@{ctx // 1024}K", select_only))
+            cases.append((f"select {chunk}", select_only))
     sweep("indexer", indexer_api.TUNING, variants, cases, max(3, args.iters // 2))
 
 

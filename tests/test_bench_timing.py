@@ -82,3 +82,16 @@ def test_gather_roof_reads_each_selected_block(kernel_device):
     pg = table[0, idx[:, 0].long()].long()                      # [t, kk]
     want = torch.stack([(k[pg, :, h] + v[pg, :, h]).sum((1, 2)) for h in range(hkv)], 1)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
+
+
+def test_tune_cases_filter():
+    """tune.py --cases: '|'-separated substrings of the printed case names; none takes all."""
+    import argparse
+    tune = pytest.importorskip("tune")
+    rows = ["dec fp8 B8 L128K q1 H1", "dec fp8 B32 L128K q1 H4", "dec fp8 B1 L128K q4 H4",
+            "m3-tp1 fp8 s16 j0.2"]
+    pick = lambda cases: [r for r in rows if tune.wanted(argparse.Namespace(cases=cases), r)]  # noqa
+    assert pick("") == rows
+    assert pick("B8 L128K|B1 L128K") == [rows[0], rows[2]]
+    assert pick("s1 j") == []  # 's16 j' does not contain 's1 j'
+    assert pick("fp8 s1") == [rows[3]]
