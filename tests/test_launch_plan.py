@@ -37,6 +37,28 @@ def test_attention_split_count_without_the_merge_charge(h200, monkeypatch):
     # launch was charged (measured 13.1 µs against 12.4 with 4 fused splits)
 
 
+@pytest.mark.parametrize("pairs, steps, sub, resident, key_bytes, want", [
+    (128, 16, 128, 2, 256, 1),  # TP4 B=128 q_len 1: unsplit (measured 23.2 µs against 24.2)
+    (40, 16, 128, 2, 256, 3),   # TP1 B=10: 3 fused splits (13.4 against 15.0 for 6 + a launch)
+    (64, 16, 128, 2, 256, 4),   # TP4 B=64: 4 fused splits stay (16.0 against 16.8 for 2)
+    (32, 16, 128, 2, 256, 4),   # TP1 B=8: as the rounds cost
+    (16, 16, 128, 2, 256, 8),   # TP1 B=1 q_len 4: as the rounds cost
+    (4, 32, 64, 2, 256, 16),    # B=1, 64-key steps: as the rounds cost
+    (64, 16, 128, 1, 512, 2),   # bf16 TP4 B=64 (one program per SM): as the rounds cost
+    (128, 16, 128, 1, 512, 1),
+])
+def test_attention_split_count_modelled(h200, monkeypatch, pairs, steps, sub, resident,
+                                        key_bytes, want):
+    # split_cost "model" (off): bandwidth shared by an SM's programs, fixed and merge costs
+    monkeypatch.setitem(attention_api.TUNING, "split_cost", "model")
+    assert attention_api._num_splits(pairs, 1, steps, CUDA, resident, sub, key_bytes) == want
+    # without key_bytes (a caller that does not pass them) the rounds cost decides
+    monkeypatch.setitem(attention_api.TUNING, "split_cost", "rounds")
+    rounds = attention_api._num_splits(pairs, 1, steps, CUDA, resident, sub)
+    monkeypatch.setitem(attention_api.TUNING, "split_cost", "model")
+    assert attention_api._num_splits(pairs, 1, steps, CUDA, resident, sub) == rounds
+
+
 def test_attention_split_count_is_bounded_by_steps(h200):
     # never more splits than steps / min_steps_per_split, never fewer than one
     for pairs in (1, 3, 8, 33, 500, 5000):

@@ -74,7 +74,9 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
               rounds_stages_16=2,
               min_steps_per_split=2, warps=4, stages=3, small_pairs=8, small_sub=64,
               small_warps=8, fused_merge=True, fused_max_splits=4, merge_launch_keys=384,
-              merge_launch_min_fill=0.75,
+              merge_launch_min_fill=0.75, split_cost="rounds", split_fixed_us=5.6,
+              split_step_us=1.1, split_fused_us=2.4, split_launch_us=3.4,
+              split_per_split_us=0.1, split_copy_tbs=4.28,
               prefill_min_tokens=2048, prefill_sub=64, prefill_sub_fp8=128, prefill_warps=4,
               prefill_stages=2, prefill_stages_fp8=3, fp8_f16_compute=True, fp8_v_pairs=True,
               request_guess=True, pdl=True, first_pdl=True, lazy_row_sum=True,
@@ -218,7 +220,7 @@ def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def _num_splits(num_tokens: int, num_kv_heads: int, steps: int, device: torch.device,
-                resident: int, sub: int = 128) -> int:
+                resident: int, sub: int = 128, key_bytes: int = 0) -> int:
     """How many programs share one (token, KV head)'s steps; a function of shapes only, so a
     CUDA graph sees one grid.
 
@@ -248,8 +250,38 @@ def _num_splits(num_tokens: int, num_kv_heads: int, steps: int, device: torch.de
         return (-(-pairs * s // slots) * (-(-steps // s) + 1)
                 + (merge_launch if s > fused_max else 0.0))
 
+    if TUNING["split_cost"] == "model" and key_bytes:
+        cost = _modelled_time_us(pairs, steps, sub, key_bytes, slots, num_sms(device), fused_max)
+
     return min(range(1, max(1, steps // TUNING["min_steps_per_split"]) + 1),
                key=lambda s: (cost(s), s))
+
+
+def _modelled_time_us(pairs: int, steps: int, sub: int, key_bytes: int, slots: int, sms: int,
+                      fused_max: int):
+    """split_cost "model" (off until measured; TUNING split_*): a decode launch's time with s
+    splits, in µs. A program runs its e = steps / s steps of `sub` keys (key_bytes of K and V per
+    key) at split_step_us per 128 keys when alone, but an SM's programs share its bandwidth
+    (split_copy_tbs / SMs), so the busiest SM takes max(rounds x e steps' latency, its programs'
+    bytes at that bandwidth), plus split_fixed_us per round (launch, prologue, epilogue) and the
+    merge: split_fused_us when the last program merges, split_launch_us for a merge launch, and
+    split_per_split_us per partial. The `rounds` cost counts two co-resident programs as two
+    parallel slots; this one does not once they are bandwidth-bound, which is where splitting
+    only adds the merge (docs/performance.md, "What was tried": 128 pairs of fp8 K/V took 24.2
+    µs in 2 fused splits and 23.2 in one). Constants fitted to that call's fp8 rows (within ~1
+    µs of 9 measured rows, bf16 ones included)."""
+    step_bw = sub * key_bytes / (TUNING["split_copy_tbs"] * 1e6 / sms)  # µs per step per SM
+    step_lat = TUNING["split_step_us"] * sub / 128
+
+    def cost(s):
+        programs = pairs * s
+        per_sm, rounds, e = -(-programs // sms), -(-programs // slots), -(-steps // s)
+        t = rounds * TUNING["split_fixed_us"] + max(rounds * e * step_lat, per_sm * e * step_bw)
+        if s > 1:
+            t += (TUNING["split_fused_us"] if s <= fused_max else TUNING["split_launch_us"])
+            t += TUNING["split_per_split_us"] * s
+        return t
+    return cost
 
 
 def _reads_as_pairs(v_cache: torch.Tensor) -> bool:
@@ -494,9 +526,10 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
     lazy_sum = f16_compute and TUNING["lazy_row_sum"]
     # a prefill step's grid fills the GPU without splits; with tiles it takes none (a token the
     # tile kernel did is skipped by every split program, so nothing would merge its partials)
+    key_bytes = 2 * head_dim * k_cache.dtype.itemsize  # K and V per key (split_cost "model")
     splits = 1 if tile_qt > 1 else _num_splits(
         num_tokens, num_kv_heads, steps, device,
-        TUNING["resident" if k_cache.dtype == FP8 else "resident_16"], sub)
+        TUNING["resident" if k_cache.dtype == FP8 else "resident_16"], sub, key_bytes)
     if (v_pairs and not prefill and not small and device.type == "cuda"
             and num_tokens * num_kv_heads * splits > TUNING["resident"] * num_sms(device)):
         # more than one round of programs: 64-key steps, packed for 4 programs per SM (107
@@ -504,7 +537,7 @@ def _plan(q, k_cache, v_cache, indices, scale, block_size, return_lse=True) -> _
         sub = min(block_size, TUNING["rounds_sub"])
         steps = topk * (block_size // sub)
         splits = _num_splits(num_tokens, num_kv_heads, steps, device, TUNING["rounds_resident"],
-                             sub)
+                             sub, key_bytes)
     steps_per_split = -(-steps // splits)
     splits = -(-steps // steps_per_split)
     fused = TUNING["fused_merge"] and splits <= TUNING["fused_max_splits"]
