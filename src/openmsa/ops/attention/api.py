@@ -49,7 +49,9 @@ __all__ = ["sparse_attention", "sparse_page_table"]
 # first_pdl: the split launch of a step without tiles (the call's first launch) is a
 # programmatic dependent of whatever kernel precedes the call on the stream, and waits
 # (griddepcontrol.wait) before anything else: its launch latency hides behind that kernel's
-# last programs (the indexer's first_pdl too). Not measured yet: off.
+# last programs (the indexer's first_pdl too). Measured (tune.py --only attention-fp8 --metric
+# both, 0ed466c, one call, off / on / off / on): graph call of the 16 rows under 20 µs 2.2%
+# lower, -0.24 µs on average; device time equal.
 # rounds_stages_16: 16-bit K/V decode grids of more than one round (1 program per SM) on 2
 # stages instead of 3: TP1 bf16 B = 128 145.7 -> 137.1 µs, B = 64 79.6 -> 75.6; single-round
 # grids lose with 2 (TP4 B = 64 28.6 -> 30.1), so they keep `stages`.
@@ -268,8 +270,10 @@ def _modelled_time_us(pairs: int, steps: int, sub: int, key_bytes: int, slots: i
     split_per_split_us per partial. The `rounds` cost counts two co-resident programs as two
     parallel slots; this one does not once they are bandwidth-bound, which is where splitting
     only adds the merge (docs/performance.md, "What was tried": 128 pairs of fp8 K/V took 24.2
-    µs in 2 fused splits and 23.2 in one). Constants fitted to that call's fp8 rows (within ~1
-    µs of 9 measured rows, bf16 ones included)."""
+    µs in 2 fused splits and 23.2 in one). Constants fitted to that call: the modelled times are
+    within 0.7 µs of 7 of 12 measured rows (bf16 ones included) and 1-2.7 µs high on small
+    steps (their fixed cost is smaller); what decides is the order of split counts at one shape,
+    right on the three shapes measured both ways (128, 64 and 40 pairs)."""
     step_bw = sub * key_bytes / (TUNING["split_copy_tbs"] * 1e6 / sms)  # µs per step per SM
     step_lat = TUNING["split_step_us"] * sub / 128
 
