@@ -90,7 +90,9 @@ def test_tune_cases_filter():
     tune = pytest.importorskip("tune")
     rows = ["dec fp8 B8 L128K q1 H1", "dec fp8 B32 L128K q1 H4", "dec fp8 B1 L128K q4 H4",
             "m3-tp1 fp8 s16 j0.2"]
-    pick = lambda cases: [r for r in rows if tune.wanted(argparse.Namespace(cases=cases), r)]  # noqa
+
+    def pick(cases):
+        return [r for r in rows if tune.wanted(argparse.Namespace(cases=cases), r)]
     assert pick("") == rows
     assert pick("B8 L128K|B1 L128K") == [rows[0], rows[2]]
     assert pick("s1 j") == []  # 's16 j' does not contain 's1 j'
