@@ -149,7 +149,7 @@ def select_resources(path: str, seg: int, cap: int, warps: int, chunk: int = 0,
     warp-wide sum (the search steps)."""
     from openmsa.ops.indexer.select import _segment_topk_kernel
     ptrs = dict(scores_ptr="*fp32", cu_ptr="*i32", seq_lens_ptr="*i32", out_ptr="*i32",
-                cand_ptr="*i64", scratch_ptr="*i64")
+                cand_ptr="*i64", scratch_ptr="*i64", counter_ptr="*i32")
     # unit strides of a contiguous score tensor and output, as Triton specialises them at run
     # time (left as plain ints, every score's address is computed apart: ~20 more registers)
     constexprs = dict(TOPK=16, KP=16, INIT=0, LOCAL=1, BLOCK=128, SEG=seg, SINGLE=single,

@@ -250,7 +250,8 @@ def test_selection_kernels(by_sort):
     for single in (False, True):
         for cap, chunk in ((0, 0), (64, 0), (64, 128)):  # chunk: TUNING select_chunk
             _compile(_segment_topk_kernel, dict(scores_ptr=F32, cu_ptr=I32, seq_lens_ptr=I32,
-                                                out_ptr=I32, cand_ptr=I64, scratch_ptr=I64), {},
+                                                out_ptr=I32, cand_ptr=I64, scratch_ptr=I64,
+                                                counter_ptr=I32), {},
                      dict(TOPK=16, KP=16, INIT=0, LOCAL=1, BLOCK=128, SEG=1024, SINGLE=single,
                           BY_SORT=by_sort, CAP=cap, NG=64, PDL=single, CH=chunk))
     merge = _compile(_merge_topk_kernel, dict(cand_ptr=I64, cu_ptr=I32, seq_lens_ptr=I32,
@@ -259,6 +260,13 @@ def test_selection_kernels(by_sort):
                           PDL=by_sort))
     # a dependent launch waits for its predecessor before reading (and only then)
     assert ("griddepcontrol.wait" in merge.asm["ptx"]) == by_sort
+    if by_sort:  # the sort path's merge in the last segment program (select_sort_fused)
+        fused = _compile(_segment_topk_kernel, dict(scores_ptr=F32, cu_ptr=I32, seq_lens_ptr=I32,
+                                                    out_ptr=I32, cand_ptr=I64, scratch_ptr=I64,
+                                                    counter_ptr=I32), {},
+                         dict(TOPK=16, KP=16, INIT=0, LOCAL=1, BLOCK=128, SEG=256, SINGLE=False,
+                              BY_SORT=True, CAP=0, NG=64, PDL=True, FUSED=True, CANDP=64))
+        assert "atom" in fused.asm["ptx"]
     # the group-bound path (api.py, select_group_bound) at 1M tokens: 512 groups of 16 blocks
     from openmsa.ops.indexer.select import _group_bound_select_kernel, _group_max_kernel
     common = dict(TOPK=16, INIT=0, LOCAL=1, BLOCK=128, GS=16)

@@ -14,6 +14,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 import openmsa
 from openmsa import reference as ref
 from openmsa.batch import token_layout
+from openmsa.ops.common.counters import COUNTERS
 from openmsa.testing import (RecordingKernel, assert_close, make_step, random_index_inputs,
                              random_kv_cache)
 
@@ -728,7 +729,7 @@ def test_attention_fused_merge_graph_replay_and_two_streams():
     torch.cuda.synchronize()
     for a, b in outs:
         assert torch.equal(a, want1) and torch.equal(b, want2)
-    assert all(int(c.count_nonzero()) == 0 for c in attention_api._COUNTERS.values())
+    assert all(int(c.count_nonzero()) == 0 for c in COUNTERS.values())
 
 
 # ------------------------------------------------------------------------------ launches
@@ -1048,3 +1049,41 @@ def test_first_pdl_waits_for_the_kernel_before(op, monkeypatch):
         src.copy_(qq)
         graph.replay()
         check(qq)
+
+
+def test_select_sort_fused_merge_graph_replay(monkeypatch):
+    """select_sort_fused: a decode step whose rows of 1024 blocks take the sort path in 4
+    segments, merged by each row's last segment program, equals the merge launch's result,
+    eager and replayed in a CUDA graph with new lengths and queries; the arrival counters are
+    back to zero after each call."""
+    from openmsa.ops.indexer import api
+    torch.manual_seed(5)
+    num_req, width = 8, 1024
+    cache = torch.randn(num_req * width + 7, B, 128, device="cuda").to(FP8)
+    table = torch.randperm(num_req * width, device="cuda").view(num_req, width).int()
+    cu = torch.arange(num_req + 1, dtype=torch.int32, device="cuda")
+    seq = torch.full((num_req,), width * B, dtype=torch.int32, device="cuda")
+    q = torch.randn(num_req, 1, 128, device="cuda").to(FP8)
+    args = (q, cache, cu, seq, table)
+    monkeypatch.setitem(api.TUNING, "select_sort_fused", True)
+    plan = api._select_plan(num_req, 1, width, 16, 0, 1, B, torch.device("cuda"))
+    assert plan[1] > 1 and plan[4].get("FUSED")  # several segments, merged in the launch
+    out = torch.empty(num_req, 1, 16, dtype=torch.int32, device="cuda")
+
+    def unfused():
+        monkeypatch.setitem(api.TUNING, "select_sort_fused", False)
+        want = openmsa.select_blocks(*args, block_size=B, max_q_len=1)
+        monkeypatch.setitem(api.TUNING, "select_sort_fused", True)
+        return want
+    openmsa.select_blocks(*args, block_size=B, out=out, max_q_len=1)
+    assert torch.equal(out, unfused())
+    assert all(int(c.count_nonzero()) == 0 for c in COUNTERS.values())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        openmsa.select_blocks(*args, block_size=B, out=out, max_q_len=1)
+    for lens in ([width * B] * num_req, [5000, 131072, 40000, 2049, 99999, 128 * 700, 17, 6000]):
+        seq.copy_(torch.tensor(lens, dtype=torch.int32))
+        q.copy_(torch.randn(num_req, 1, 128, device="cuda").to(FP8))
+        graph.replay()
+        assert torch.equal(out, unfused())
+        assert all(int(c.count_nonzero()) == 0 for c in COUNTERS.values())

@@ -10,6 +10,7 @@ import triton.language as tl
 import openmsa
 from openmsa import reference as ref
 from openmsa.batch import token_layout
+from openmsa.ops.common.counters import COUNTERS
 from openmsa.ops.common.triton_utils import find_request, split_e4m3_pairs
 from openmsa.ops.indexer import api as indexer_api
 from openmsa.ops.indexer import reference as indexer_ref
@@ -90,15 +91,20 @@ CRAFTED = [float("-inf"), float("inf"), float("nan"), -0.0, 0.0, 1e-45, -1e-45, 
            1.0, 1.0000001, -1.0, -1.0000001, 2.0, 2.0]
 
 
-@pytest.mark.parametrize("by_sort, group_bound", [(False, True), (False, False), (True, False)])
+@pytest.mark.parametrize("by_sort, group_bound, fused", [(False, True, False),
+                                                         (False, False, False),
+                                                         (True, False, False),
+                                                         (True, False, True)])
 @pytest.mark.parametrize("topk, init, local, segment", [(4, 0, 1, None), (5, 1, 2, 8),
                                                         (16, 0, 1, None)])
 def test_selection_kernels_on_crafted_scores(kernel_device, topk, init, local, segment, by_sort,
-                                             group_bound, monkeypatch):
+                                             group_bound, fused, monkeypatch):
     """The selection launches alone on score rows drawn from CRAFTED (many exact ties, all-equal
     rows, all -inf rows, rows shorter and longer than topk, one segment or several), equal to
     the reference selection from the same scores; every path (threshold search per segment, or
-    for rows of several segments the group-bound path, and the bitonic sort)."""
+    for rows of several segments the group-bound path, and the bitonic sort, whose rows of
+    several segments the merge launch or, `fused`, their last segment program merges)."""
+    monkeypatch.setitem(indexer_api.TUNING, "select_sort_fused", fused)
     monkeypatch.setitem(indexer_api.TUNING, "select_sort_waves", 10**9 if by_sort else 0)
     monkeypatch.setitem(indexer_api.TUNING, "select_group_bound", group_bound)
     monkeypatch.setitem(indexer_api.TUNING, "select_group_min_blocks", 0)  # short rows too
@@ -114,7 +120,13 @@ def test_selection_kernels_on_crafted_scores(kernel_device, topk, init, local, s
     scores[0, 1] = float("-inf")
     scores[1, 2] = float("nan")
     scores[2, 0, ::3] = 3.4e38  # more top keys than topk, spread over segments
+    if fused and segment is not None:  # the path under test: several segments, no merge launch
+        plan = indexer_api._select_plan(step.num_tokens, 3, width, topk, init, local, B,
+                                        torch.device(kernel_device))
+        assert plan[1] > 1 and plan[4].get("FUSED")
     _check_selection_launch(kernel_device, step, scores, topk, init, local)
+    # every merger put its row's counter back (the next launch and graph replay need zeros)
+    assert all(int(c.count_nonzero()) == 0 for c in COUNTERS.values())
 
 
 @pytest.mark.parametrize("chunk, segment, group_bound", [(0, None, False), (128, None, False),
@@ -387,7 +399,7 @@ def test_sparse_attention_index_head_sharing_scales_and_noisy_rows(kernel_device
     assert torch.equal(alone, got)
     if fused_merge and kernel_device == "cuda":
         # every merging program put its arrival counter back: the next launch starts at 0
-        assert all(int(c.count_nonzero()) == 0 for c in attention_api._COUNTERS.values())
+        assert all(int(c.count_nonzero()) == 0 for c in COUNTERS.values())
 
 
 @pytest.mark.parametrize("waste, alias", [(0.0, False), (1.5, False), (1e9, False), (1e9, True)])

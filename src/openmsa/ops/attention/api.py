@@ -11,6 +11,7 @@ from ..._dispatch import next_pow2 as _next_pow2
 from ..._dispatch import (capability, gluon_hopper_available, num_sms, on_tensor_device,
                            scale_args, use_kernels)
 from ...support import attention_unsupported_reason
+from ..common.counters import arrival_counters
 from ..common.launch import (PlanCache, call_key, launch, launch_planned, plan_serials, scale_key,
                              tma_descriptor)
 from . import reference
@@ -194,32 +195,6 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
 # instructions of 64 x 64 compares per tile: one warp each (4 warps cost 115 µs per 8K chunk at
 # TP1, 3% of a chunk whose tiles all fall back, as they replicate the work).
 
-# arrival counters of the fused merge, one buffer per (device, stream): zeros between launches,
-# because each merging program resets its own counter; launches on one stream never overlap, and
-# a second stream (or a graph's forked stream) gets its own buffer. No buffer is ever freed: a
-# captured graph keeps using the address it saw, so a buffer outgrown by a larger step is retired
-# but kept. A buffer first made while a graph is being captured lives in the graph's pool and its
-# zero fill is replayed with the graph (correct, about a microsecond per replay): make one eager
-# call on the capturing stream first.
-_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []
-
-
-def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    if device.type != "cuda":
-        return torch.zeros(n, dtype=torch.int32, device=device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    # the raw query: torch.cuda.current_stream() builds a Stream object (8 µs on the H200
-    # machine's host, benchmarks/host_cost.py)
-    key = (index, torch._C._cuda_getCurrentRawStream(index))
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        if buf is not None:
-            _RETIRED.append(buf)
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
-
 
 def _num_splits(num_tokens: int, num_kv_heads: int, steps: int, device: torch.device,
                 resident: int, sub: int = 128, key_bytes: int = 0) -> int:
@@ -360,7 +335,8 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
         # allocation (the kernels find the LSEs after the T * Hq * splits * D outputs)
         part = torch.empty(num_tokens * num_heads * splits * (head_dim + 1),
                            dtype=torch.float32, device=device)
-        counters = _arrival_counters(device, num_tokens * num_kv_heads) if p.fused else lse
+        counters = (arrival_counters(device, num_tokens * num_kv_heads, "attention") if p.fused
+                    else lse)
     else:
         part = counters = lse
     has_scale, ks, vs = scale_args(k_scale, v_scale, device, lse)

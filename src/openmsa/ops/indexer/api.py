@@ -11,6 +11,7 @@ from ..._dispatch import next_pow2 as _next_pow2
 from ..._dispatch import (capability, gluon_hopper_available, num_sms, on_tensor_device,
                            use_kernels)
 from ...support import indexer_unsupported_reason
+from ..common.counters import arrival_counters
 from ..common.launch import (PlanCache, call_key, launch_planned, plan_serials,
                              tma_descriptor)
 from . import reference
@@ -33,7 +34,7 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
               decode_keys_as_rows=True, prefill_rows=128, prefill_bps=32, prefill_warps=4,
               prefill_stages=2, prefill_warps_fp8=4, prefill_stages_fp8=3, select_warps=4,
               select_sort_waves=2, select_search_scale=1, select_scratch=64, select_segment=1024,
-              pdl=True, first_pdl=False, decode_pages_early=True, decode_one_loop=True,
+              pdl=True, first_pdl=False, select_sort_fused=False, decode_pages_early=True, decode_one_loop=True,
               decode_split_major=False, tile_quick_exit=True, tile_overlap=False,
               prefill_reverse_tiles=True, prefill_reverse_splits=False,
               prefill_split_major=False, select_chunk=128,
@@ -131,6 +132,11 @@ TUNING = dict(decode_waves=2, decode_warps=4, decode_stages=3, decode_max_bps=64
 # starts while its predecessor runs and waits (griddepcontrol.wait) before reading its output,
 # which hides a launch's latency on the small decode steps: graph-replayed call time at B = 1
 # 9.6 -> 7.1 µs (32K fp8), 17.2 -> 13.5 (128K), 56.7 -> 50.2 (1M); device time unchanged.
+# select_sort_fused: on the sort path (few selection programs: decode at small batch), a row
+# cut into several segments is merged by its last segment program to finish (an arrival counter
+# per row, ops/common/counters.py) instead of a merge launch. The tail after the scoring launch
+# at TP4 B = 8 128K (profile_case.py --offsets, d09637e) was 2.4 µs of segment sorts and then
+# 1.5 µs of merge launch. Built, not measured: off.
 # first_pdl: the request launch (a decode or verify step's first) is a programmatic dependent
 # of whatever kernel precedes the call on the stream, and waits (griddepcontrol.wait) before
 # anything else: its programs may start while that kernel's last ones finish, which hides the
@@ -399,10 +405,13 @@ def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, loc
     # the call saves an allocation, ~3 µs of host time)
     scratch = cand if not cap else torch.empty((num_tokens, num_heads, segments, cap),
                                                dtype=torch.int64, device=scores.device)
+    fused = kwargs.get("FUSED", False)
+    counters = (arrival_counters(scores.device, num_tokens * num_heads, "select") if fused
+                else cand)  # (never touched without FUSED)
     launch_planned(_segment_topk_kernel, (serial, 0), (num_tokens, num_heads, segments),
-                   scores, cu_seqlens_q, seq_lens, out, cand, scratch, seq_lens.shape[0],
-                   segments, *scores.stride(), *out.stride(), **kwargs)
-    if segments > 1:
+                   scores, cu_seqlens_q, seq_lens, out, cand, scratch, counters,
+                   seq_lens.shape[0], segments, *scores.stride(), *out.stride(), **kwargs)
+    if segments > 1 and not fused:
         launch_planned(_merge_topk_kernel, (serial, 1), (num_tokens, num_heads),
                        cand, cu_seqlens_q, seq_lens, out, seq_lens.shape[0], segments,
                        *out.stride(), **merge_kwargs)
@@ -440,6 +449,9 @@ def _select_plan(num_tokens, num_heads, max_blocks, topk, init_blocks, local_blo
     kwargs = dict(TOPK=topk, KP=kp, INIT=init_blocks, LOCAL=local_blocks, BLOCK=block_size,
                   SEG=seg, SINGLE=single, BY_SORT=by_sort, CAP=cap, NG=groups, PDL=pdl, CH=chunk,
                   num_warps=warps, launch_pdl=pdl)
+    if by_sort and not single and TUNING["select_sort_fused"]:
+        # the last segment program of a row merges it: no merge launch (see TUNING)
+        kwargs.update(FUSED=True, CANDP=_next_pow2(num_segments * kp))
     merge_kwargs = dict(TOPK=topk, KP=kp, BLOCK=block_size, SEG=seg,
                         CANDP=_next_pow2(num_segments * kp), BY_SORT=by_sort, PDL=pdl,
                         num_warps=warps, launch_pdl=pdl)
