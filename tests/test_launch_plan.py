@@ -49,7 +49,7 @@ def test_attention_split_count_without_the_merge_charge(h200, monkeypatch):
 ])
 def test_attention_split_count_modelled(h200, monkeypatch, pairs, steps, sub, resident,
                                         key_bytes, want):
-    # split_cost "model" (off): bandwidth shared by an SM's programs, fixed and merge costs
+    # split_cost "model" (the default): bandwidth shared by an SM's programs, fixed and merge costs
     monkeypatch.setitem(attention_api.TUNING, "split_cost", "model")
     assert attention_api._num_splits(pairs, 1, steps, CUDA, resident, sub, key_bytes) == want
     # without key_bytes (a caller that does not pass them) the rounds cost decides

@@ -64,6 +64,13 @@ __all__ = ["sparse_attention", "sparse_page_table"]
 # instead of 8 and a merge launch: TP1 fp8 q_len 1 13.1 -> 12.4 µs, TP4 q_len 4 13.1 -> 12.4
 # (graph call 15.0 -> 13.2). The fused merge loads every split's LSE at once (one [M, SP]
 # load); measured alone it did not move the 8/16-split choice (fused_max_splits 8 or 16).
+# split_cost: "rounds" (the split count's cost in rounds of programs, _num_splits) or "model" (a
+# time in µs with bandwidth shared by an SM's programs, _modelled_time_us; split_* its constants).
+# Measured (tune.py --only attention-fp8 --metric both --cases 'B128 q1|B8 q4|B10|B64', e04c7d5,
+# one call, rounds / model / rounds / model, device µs): TP1 B = 10 14.8 / 14.7 -> 13.4 / 13.4
+# (graph call 17.0 -> 14.2), TP4 B = 128 q_len 1 23.7 / 24.0 -> 23.1 / 23.4, TP8 B = 128 q_len 1
+# 23.2 / 23.1 -> 22.8 / 22.9, TP1 B = 8 q_len 4 22.9 / 22.9 -> 23.1 / 23.0 (call 24.7 / 24.0 ->
+# 23.4 / 23.6); the rows whose split count it leaves alone within 0.5 µs. So "model".
 # lazy_row_sum: fp8 K/V sum the softmax denominator elementwise over a [M, SUB] tile and reduce
 # it once after the loop (decode.py, LAZY_SUM): a step's keys lie across the warps, so each
 # step's row sum was a shared-memory round trip with barriers (8 -> 5 barriers and 753 -> 723
@@ -77,7 +84,7 @@ TUNING = dict(sub=128, resident=2, resident_16=1, rounds_sub=64, rounds_resident
               rounds_stages_16=2,
               min_steps_per_split=2, warps=4, stages=3, small_pairs=8, small_sub=64,
               small_warps=8, fused_merge=True, fused_max_splits=4, merge_launch_keys=384,
-              merge_launch_min_fill=0.75, split_cost="rounds", split_fixed_us=5.6,
+              merge_launch_min_fill=0.75, split_cost="model", split_fixed_us=5.6,
               split_step_us=1.1, split_fused_us=2.4, split_launch_us=3.4,
               split_per_split_us=0.1, split_copy_tbs=4.28,
               prefill_min_tokens=2048, prefill_sub=64, prefill_sub_fp8=128, prefill_warps=4,
@@ -236,7 +243,7 @@ def _num_splits(num_tokens: int, num_kv_heads: int, steps: int, device: torch.de
 
 def _modelled_time_us(pairs: int, steps: int, sub: int, key_bytes: int, slots: int, sms: int,
                       fused_max: int):
-    """split_cost "model" (off until measured; TUNING split_*): a decode launch's time with s
+    """split_cost "model" (the default; TUNING split_*): a decode launch's time with s
     splits, in µs. A program runs its e = steps / s steps of `sub` keys (key_bytes of K and V per
     key) at split_step_us per 128 keys when alone, but an SM's programs share its bandwidth
     (split_copy_tbs / SMs), so the busiest SM takes max(rounds x e steps' latency, its programs'
