@@ -792,6 +792,8 @@ def main():
     args = parser.parse_args()
     globals()["FLUSH_MODE"] = args.flush
     globals()["OUT_DIR"] = args.out
+    if args.out is not None:
+        os.makedirs(args.out, exist_ok=True)  # (a new folder under $OUT, say)
     print(provenance(), flush=True)
     fi = None if args.no_peers else load_flashinfer()
     sections = args.sections.split(",")
