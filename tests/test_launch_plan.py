@@ -59,6 +59,27 @@ def test_attention_split_count_modelled(h200, monkeypatch, pairs, steps, sub, re
     assert attention_api._num_splits(pairs, 1, steps, CUDA, resident, sub) == rounds
 
 
+@pytest.mark.parametrize("tokens, heads, kv_heads, kv_dtype, want", [
+    (10, 64, 4, torch.float8_e4m3fn, 3),    # TP1 B=10: 3 fused splits (6 and a merge launch
+                                            # by rounds; measured 14.8 -> 13.4 µs)
+    (128, 16, 1, torch.float8_e4m3fn, 1),   # TP4 B=128 q_len 1: unsplit (23.7 -> 23.1 µs)
+    (32, 64, 4, torch.float8_e4m3fn, 1),    # TP1 B=8 q_len 4: unsplit
+    (64, 16, 1, torch.float8_e4m3fn, 4),    # TP4 B=64 q_len 1: 4 fused splits either way
+    (64, 16, 1, torch.bfloat16, 2),         # bf16, one program per SM: as the rounds cost
+])
+def test_attention_decode_plan_prices_splits_in_us(h200, monkeypatch, tokens, heads, kv_heads,
+                                                  kv_dtype, want):
+    """The default plan of a decode step (the split count _plan passes K/V's bytes per key to,
+    so split_cost "model" decides) on M3 shapes, from meta tensors on a stand-in H200."""
+    from openmsa import support
+    monkeypatch.setattr(support, "capability", lambda device: (9, 0))
+    assert attention_api.TUNING["split_cost"] == "model"
+    q = _OnCuda(torch.empty(tokens, heads, 128, dtype=torch.bfloat16, device="meta"))
+    kv = _OnCuda(torch.empty(64, 128, kv_heads, 128, dtype=kv_dtype, device="meta"))
+    indices = _OnCuda(torch.empty(tokens, kv_heads, 16, dtype=torch.int32, device="meta"))
+    assert attention_api._plan(q, kv, kv, indices, None, 128).splits == want
+
+
 def test_attention_split_count_is_bounded_by_steps(h200):
     # never more splits than steps / min_steps_per_split, never fewer than one
     for pairs in (1, 3, 8, 33, 500, 5000):
