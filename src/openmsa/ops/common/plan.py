@@ -1,0 +1,104 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The one shape of a launch plan, shared by every op.
+
+Each op has a frozen config dataclass (its knobs), a pure `plan(shape, device, config)` in its
+`plan.py` that returns a `LaunchPlan`, and an `api.py` that checks arguments, gets the plan
+(cached by call key, ops/common/launch.py's `PlanCache`) and runs it. A plan is a function of
+shapes, dtypes, device facts and the config only, never of tensor values: the same plan serves
+every replay of a CUDA graph, and the plan tests build shapes and `DeviceFacts` by hand.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
+
+import torch
+
+__all__ = ["DeviceFacts", "Launch", "LaunchPlan"]
+
+from .launch import launch_planned, plan_serials
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What a plan may know about the device: its kind, SM count and capability, whether the
+    Hopper Gluon kernels can run (Triton version, sm_90) and whether launches may be programmatic
+    dependents (CUDA only). CPU tensors (the interpreter) get 4 "SMs" so that grids stay small."""
+
+    kind: str = "cuda"
+    num_sms: int = 132
+    capability: tuple[int, int] = (9, 0)
+    gluon_hopper: bool = True
+
+    @property
+    def cuda(self) -> bool:
+        return self.kind == "cuda"
+
+    @property
+    def hopper(self) -> bool:
+        """sm_90 with the Gluon this project's Hopper kernels are tested on."""
+        return self.cuda and self.capability == (9, 0) and self.gluon_hopper
+
+    @staticmethod
+    def of(device: torch.device) -> "DeviceFacts":
+        return _facts(device.type, device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _facts(kind: str, index: int | None) -> DeviceFacts:
+    if kind != "cuda":
+        return DeviceFacts(kind=kind, num_sms=4, capability=(0, 0), gluon_hopper=False)
+    from ..._dispatch import capability, gluon_hopper_available, num_sms
+    device = torch.device(kind, index if index is not None else torch.cuda.current_device())
+    return DeviceFacts(kind=kind, num_sms=num_sms(device), capability=capability(device),
+                       gluon_hopper=gluon_hopper_available())
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: which of the op's kernels (a name its api maps to the function), the
+    grid, and the keyword arguments (constexprs and launch options such as num_warps)."""
+
+    kernel: str
+    grid: tuple[int, ...]
+    params: Mapping[str, Any] = field(default_factory=dict)
+    # launch_planned caches the compiled kernel's launch under this key, which stands for every
+    # int and constexpr the launch passes (serial numbers: never reused, unlike id())
+    key: int = field(default_factory=lambda: next(plan_serials), compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "grid", tuple(int(g) for g in self.grid))
+        object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
+
+    def run(self, fn, *args) -> None:
+        """fn[grid](*args, **params) through the launch cache keyed on this launch."""
+        launch_planned(fn, self.key, self.grid, *args, **self.params)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """A step's launches in order, and the sizes of the temporary buffers they share (named by
+    the op: scratch slots, segment counts)."""
+
+    launches: tuple[Launch, ...] = ()
+    sizes: Mapping[str, int] = field(default_factory=dict)
+
+    def __post_init__(self):
+        object.__setattr__(self, "launches", tuple(self.launches))
+        object.__setattr__(self, "sizes", MappingProxyType(dict(self.sizes)))
+
+    def __iter__(self):
+        return iter(self.launches)
+
+    def __len__(self) -> int:
+        return len(self.launches)
+
+    def kernels(self) -> tuple[str, ...]:
+        return tuple(launch.kernel for launch in self.launches)
+
+    def find(self, kernel: str) -> Launch | None:
+        """The first launch of `kernel`, or None."""
+        return next((launch for launch in self.launches if launch.kernel == kernel), None)
