@@ -8,7 +8,7 @@ the H200's measured ceilings, in one run.
 
 Times are medians. "device" is the kernels' own time per call (profiler, L2 flushed before each
 call); "call" is what an engine pays per call: CUDA-graph replay for openmsa, an eager call for
-FlashInfer (its calls cannot be captured). Each section checks correctness before timing.
+FlashInfer. Each section checks correctness before timing.
 """
 
 from __future__ import annotations
