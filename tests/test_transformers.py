@@ -6,6 +6,7 @@ weights; config and weight loading from transformers' layout. Skipped without tr
 
 import copy
 import gc
+import inspect
 
 import pytest
 import torch
@@ -56,6 +57,15 @@ def pair():
 
 def _prompt(n, seed):
     return torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+# the cache keyword: `cache` from transformers 5.2x on, `past_key_values` before
+CACHE = "cache" if "cache" in inspect.signature(MiniMaxM3VLForCausalLM.forward).parameters \
+    else "past_key_values"
+
+
+def _cache_of(output):
+    return getattr(output, "cache", None) or output.past_key_values
 
 
 def _close(a, b):
@@ -128,11 +138,10 @@ def test_forward_and_decode_logits_equal_transformers_eager(pair):
         r = ref(ids[:, :80], use_cache=True)
         o = m(ids[:, :80], use_cache=True)
         _close(o.logits, r.logits)
-        rc, oc = r.cache if hasattr(r, "cache") else r.past_key_values, \
-            o.cache if hasattr(o, "cache") else o.past_key_values
+        rc, oc = _cache_of(r), _cache_of(o)
         for t in range(80, 83):  # decode steps through the caches
-            r = ref(ids[:, t:t + 1], cache=rc, use_cache=True)
-            o = m(ids[:, t:t + 1], cache=oc, use_cache=True)
+            r = ref(ids[:, t:t + 1], **{CACHE: rc}, use_cache=True)
+            o = m(ids[:, t:t + 1], **{CACHE: oc}, use_cache=True)
             _close(o.logits, r.logits)
         # the selection matters here: attending to every block gives other logits
         dense = _model(index_topk_blocks=64)
@@ -268,10 +277,9 @@ def test_refusals(pair):
         use_openmsa(no_sparse)
     # a cache openmsa did not fill (here: transformers' own)
     with torch.no_grad():
-        theirs = ref(ids, use_cache=True)
-        cache = theirs.cache if hasattr(theirs, "cache") else theirs.past_key_values
+        cache = _cache_of(ref(ids, use_cache=True))
         with pytest.raises(ValueError, match="cache holds 20 tokens"):
-            m(ids[:, :1], cache=cache, use_cache=True)
+            m(ids[:, :1], **{CACHE: cache}, use_cache=True)
 
 
 def test_pages_are_reused_when_caches_go():
