@@ -209,6 +209,21 @@ def test_batched_padded_prompts_equal_each_prompt_alone(pair, chunks):
         assert out[i, n:].tolist() == alone[0, len(p):].tolist()
 
 
+def test_all_sparse_model_without_transformers_mask():
+    # every layer sparse: openmsa skips transformers' 4-D mask, padding still follows the rows
+    ref = _model(seed=4, layer_types=["minimax_m3_sparse"] * 3)
+    m = use_openmsa(copy.deepcopy(ref))
+    prompts = [_prompt(69, 12), _prompt(50, 13)]
+    ids, mask = _padded(prompts)
+    with torch.no_grad():
+        _close(m(prompts[0][None]).logits, ref(prompts[0][None]).logits)
+        batched = m(ids, attention_mask=mask).logits
+        _close(batched[1, ids.shape[1] - 50:], ref(prompts[1][None]).logits[0])
+    out = m.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    assert out[1, ids.shape[1]:].tolist() == \
+        ref.generate(prompts[1][None], max_new_tokens=5, do_sample=False)[0, 50:].tolist()
+
+
 def test_fp8_and_bf16_caches():
     ref = _model(seed=1)
     ids = _prompt(80, 8)[None]

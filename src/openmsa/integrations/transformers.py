@@ -432,6 +432,7 @@ def use_openmsa(model, *, kv_cache_dtype=None, index_cache_dtype=None, ops: str 
                          "'minimax_m3_sparse')")
     if num_pages:
         state._grow(num_pages)
+    all_sparse = len(state.layers) == len(text.layers)
 
     def pre_hook(module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -447,6 +448,9 @@ def use_openmsa(model, *, kv_cache_dtype=None, index_cache_dtype=None, ops: str 
         if cache is None and len(args) > 3:
             cache = args[3]
         state.begin_step(x.shape[0], x.shape[1], mask, cache)
+        if all_sparse and "attention_mask" in kwargs and not isinstance(mask, dict):
+            # no layer reads transformers' 4-D mask: skip building it ([B, 1, S, past + S])
+            return args, {**kwargs, "attention_mask": {"openmsa": None}}
         return None
 
     def post_hook(module, args, output):
