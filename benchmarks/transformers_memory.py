@@ -101,7 +101,12 @@ def build_model(args, path: str, tokens: int):
     cfg._attn_implementation = args.hf_attn
     torch.manual_seed(args.seed)
     dtype = getattr(torch, args.dtype)
-    model = MiniMaxM3VLForCausalLM(cfg).to(device=args.device, dtype=dtype).eval()
+    model = MiniMaxM3VLForCausalLM(cfg).eval()
+    rot = model.model.rotary_emb
+    freqs = rot.inv_freq.clone(), rot.original_inv_freq.clone()
+    model.to(device=args.device, dtype=dtype)
+    # keep the rotary frequencies fp32, as from_pretrained leaves them (.to(dtype) rounds them)
+    rot.inv_freq, rot.original_inv_freq = (f.to(args.device) for f in freqs)
     if path == "openmsa":
         from openmsa.integrations.transformers import use_openmsa
         pages = math.ceil((tokens + args.decode_steps + 1) / args.block) + 1

@@ -224,6 +224,20 @@ def test_all_sparse_model_without_transformers_mask():
         ref.generate(prompts[1][None], max_new_tokens=5, do_sample=False)[0, 50:].tolist()
 
 
+def test_bf16_model_and_exact_angles():
+    ref = _model(seed=5)
+    ids = _prompt(72, 14)[None]
+    with torch.no_grad():
+        want = ref(ids).logits
+        # exact angles: the same numbers as transformers' fp32 ones at these small positions
+        _close(use_openmsa(copy.deepcopy(ref), rope_angles="exact")(ids).logits, want)
+        # a bf16 model (whose .to() also rounded the rotary frequencies) still converts and runs
+        m = use_openmsa(copy.deepcopy(ref).to(torch.bfloat16))
+        got = m(ids).logits.float()
+    assert m._openmsa_state.kv_dtype == torch.bfloat16
+    assert (got - want).abs().max() < 0.2
+
+
 def test_fp8_and_bf16_caches():
     ref = _model(seed=1)
     ids = _prompt(80, 8)[None]

@@ -313,7 +313,9 @@ def _check_rope(config: MSAConfig, text_model) -> MSAConfig:
     if 2 * theirs.numel() != config.rotary_dim:
         config = replace(config, rotary_dim=2 * theirs.numel())
     ours = inv_freq(config, angles="fp32")
-    if not torch.allclose(ours, theirs, rtol=1e-6, atol=0) \
+    # `model.to(torch.bfloat16)` also casts the buffer: then it holds rounded frequencies
+    # (transformers rotates its full-attention layers with those; openmsa keeps the config's)
+    if not torch.allclose(ours, theirs, rtol=torch.finfo(rot.inv_freq.dtype).eps, atol=0) \
             or abs(attention_factor(config) - float(rot.attention_scaling)) > 1e-6:
         raise ValueError("use_openmsa: the model's rotary embedding (inverse frequencies or "
                          "attention factor) is not the one its config describes to openmsa")
