@@ -324,3 +324,36 @@ def test_pages_are_reused_when_caches_go():
         m(ids)  # a plain forward: its cache goes with its output, and its pages with it
     gc.collect()
     assert len(state.free) == state.num_pages
+
+
+# ------------------------------------------------------------------ GPU (tier 2)
+GPU_TEXT = dict(num_attention_heads=8, num_key_value_heads=2, head_dim=64, rotary_dim=32,
+                index_n_heads=2, index_head_dim=64, index_block_size=16)
+
+
+@pytest.mark.gpu
+def test_kernels_on_gpu_equal_transformers_when_every_block_is_selected():
+    """On CUDA the sparse layers run the Triton kernels; with top-32 over 19 blocks every block
+    is selected, so no near-tie can change a selection and the logits must be transformers'."""
+    ref = _model(seed=6, index_topk_blocks=32, **GPU_TEXT).cuda()
+    m = use_openmsa(copy.deepcopy(ref))
+    ids = _prompt(300, 15)[None].cuda()
+    with torch.no_grad():
+        torch.testing.assert_close(m(ids).logits, ref(ids).logits, atol=1e-2, rtol=1e-2)
+    assert m._openmsa_state.caches[1][0].is_cuda
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,kv,index", [(torch.bfloat16, "bf16", "fp8"),
+                                            (torch.bfloat16, "fp8", "fp8")])
+def test_kernels_on_gpu_generate_padded_batches(dtype, kv, index):
+    ref = _model(seed=7, index_topk_blocks=4, **GPU_TEXT)
+    m = use_openmsa(ref.to(device="cuda", dtype=dtype), kv_cache_dtype=kv,
+                    index_cache_dtype=index, max_chunk_tokens=128, prefill_chunk_size=256)
+    prompts = [_prompt(300, 16), _prompt(170, 17)]
+    ids, mask = _padded(prompts)
+    out = m.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=8, do_sample=False)
+    assert out.shape == (2, 308)
+    alone = m.generate(prompts[1][None].cuda(), max_new_tokens=8, do_sample=False)
+    # the same kernels on the same row: the first token (before any near-tie compounds) agrees
+    assert out[1, 300] == alone[0, 170]
