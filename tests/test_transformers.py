@@ -354,6 +354,8 @@ def test_kernels_on_gpu_generate_padded_batches(dtype, kv, index):
     ids, mask = _padded(prompts)
     out = m.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=8, do_sample=False)
     assert out.shape == (2, 308)
-    alone = m.generate(prompts[1][None].cuda(), max_new_tokens=8, do_sample=False)
-    # the same kernels on the same row: the first token (before any near-tie compounds) agrees
-    assert out[1, 300] == alone[0, 170]
+    with torch.no_grad():
+        batched = m(ids.cuda(), attention_mask=mask.cuda()).logits[1, -1].float()
+        alone = m(prompts[1][None].cuda()).logits[0, -1].float()
+    # the same row through other chunk boundaries: equal up to bf16 rounding
+    torch.testing.assert_close(batched, alone, atol=0.1, rtol=0.05)
