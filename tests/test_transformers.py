@@ -100,6 +100,10 @@ def test_from_hf_config_reads_transformers_configs_and_their_dicts():
     assert (got.factor, got.original_max_position_embeddings) == (2.0, 32)
 
 
+def test_public_name():
+    assert openmsa.integrations.transformers.use_openmsa is use_openmsa
+
+
 def test_from_hf_config_follows_the_width_transformers_rotates():
     # transformers rotates head_dim * partial_rotary_factor (1.0 when absent), not rotary_dim
     cfg = MiniMaxM3VLTextConfig(**{**TEXT, "partial_rotary_factor": 1.0})
