@@ -98,7 +98,9 @@ class _Step:
     past: int
     mask: torch.Tensor | None
     cache: Any
-    plan: tuple | None = None             # (real-token index, [(meta, start, end)])
+    chunks: list | None = None            # [(q_lens, seq_lens, table, start, end)] (host)
+    index: torch.Tensor | None = None     # the real tokens' rows of [batch * new tokens]
+    plans: dict = field(default_factory=dict)   # device -> (index, [(meta, start, end)])
 
 
 class _OpenMSAState:
@@ -122,7 +124,7 @@ class _OpenMSAState:
     # -------------------------------------------------------------- pages
     def _allocate(self, layer: int, pages: int):
         c, b = self.layers[layer].config, self.config.block_size
-        kw = dict(device=self.device)
+        kw = dict(device=self.layers[layer].qkv_weight.device)  # the layer's own GPU
         k = torch.zeros(pages, b, c.num_kv_heads, c.head_dim, dtype=self.kv_dtype, **kw)
         v = torch.zeros_like(k)
         ic = torch.zeros(pages, b, c.index_head_dim, dtype=self.index_dtype, **kw)
@@ -207,29 +209,40 @@ class _OpenMSAState:
         return session
 
     def plan(self, cache, device: torch.device) -> tuple:
+        """(index of the real tokens, [(metadata, start, end)] per chunk) on `device`: planned
+        once per step (the first sparse layer), the device metadata once per device."""
         step = self.step
         if step is None:
             raise RuntimeError("use_openmsa: a sparse layer ran outside its text model's forward")
-        if step.plan is not None:
-            if step.cache is not cache:
-                raise RuntimeError("use_openmsa: the sparse layers of one step saw different "
-                                   "caches")
-            return step.plan
+        if step.chunks is None:
+            self._plan_host(step, cache)
+        elif step.cache is not cache:
+            raise RuntimeError("use_openmsa: the sparse layers of one step saw different caches")
+        plan = step.plans.get(device)
+        if plan is None:
+            chunks = []
+            for q_lens, seq_lens, table, start, end in step.chunks:
+                planner = MSAPlanner(self.config, max_requests=len(q_lens),
+                                     max_tokens=end - start, max_blocks=table.shape[1],
+                                     device=device)
+                chunks.append((planner.plan(q_lens, seq_lens, table.to(device)), start, end))
+            plan = step.plans[device] = (step.index.to(device), chunks)
+        return plan
+
+    def _plan_host(self, step: _Step, cache) -> None:
         step.cache = cache
         session = self._session(step, cache)
         b, s = step.batch, step.new_tokens
         if step.mask is None:
-            real = torch.ones(b, s, dtype=torch.bool, device=device)
+            real = torch.ones(b, s, dtype=torch.bool)
         else:
-            real = step.mask[:, step.past:].to(device=device) != 0
-        index = real.reshape(-1).nonzero().squeeze(1)
+            real = step.mask[:, step.past:].cpu() != 0
         counts = real.sum(1).tolist()
         bs = self.config.block_size
         chunks = []
         # walk the packed tokens (row after row) in windows of max_chunk_tokens
         row, used = 0, 0  # tokens of `row` already planned
-        start = 0
-        total = int(sum(counts))
+        start, total = 0, int(sum(counts))
         while start < total:
             end = min(start + self.max_chunk_tokens, total)
             q_lens, seq_lens, tables = [], [], []
@@ -245,20 +258,18 @@ class _OpenMSAState:
                     r.pages.extend(self._take_pages(need))
                 q_lens.append(take)
                 seq_lens.append(r.length)
-                tables.append(r.pages)
+                tables.append(list(r.pages))
                 used += take
                 pos += take
             width = max(len(t) for t in tables)
             table = torch.full((len(tables), width), -1, dtype=torch.int32)
             for i, t in enumerate(tables):
                 table[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
-            planner = MSAPlanner(self.config, max_requests=len(q_lens), max_tokens=end - start,
-                                 max_blocks=width, device=device)
-            chunks.append((planner.plan(q_lens, seq_lens, table.to(device)), start, end))
+            chunks.append((q_lens, seq_lens, table, start, end))
             start = end
         session.columns += s
-        step.plan = (index, chunks)
-        return step.plan
+        step.index = real.reshape(-1).nonzero().squeeze(1)
+        step.chunks = chunks
 
 
 # ------------------------------------------------------------------------------ the layer
@@ -424,6 +435,9 @@ def use_openmsa(model, *, kv_cache_dtype=None, index_cache_dtype=None, ops: str 
             raise ValueError(f"use_openmsa: layer {i} is sparse in the config but its attention "
                              f"is {type(attn).__name__} without an indexer")
         w = attn.q_proj.weight
+        if type(w).__name__ == "DTensor":
+            raise ValueError("use_openmsa: tensor-parallel models (transformers' tp_plan) are not "
+                             "supported; openmsa's layer shards by itself (MSAAttention tp_size)")
         msa = MSAAttention(config, text.config.hidden_size, dtype=w.dtype, device=w.device,
                            ops=ops, index_query_dtype=iq_dtype)
         msa.load_checkpoint(attn.state_dict())
