@@ -44,7 +44,7 @@ def main():
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--kv-cache-dtype", default=None)
     p.add_argument("--index-cache-dtype", default=None)
-    p.add_argument("--prefill-chunk-size", type=int, default=None)
+    p.add_argument("--prefill-chunk-size", type=int, default=8192)
     args = p.parse_args()
 
     import transformers

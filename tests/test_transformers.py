@@ -242,6 +242,21 @@ def test_bf16_model_and_exact_angles():
     assert (got - want).abs().max() < 0.2
 
 
+def test_generate_prefills_long_prompts_in_chunks(pair):
+    ref, _ = pair
+    m = use_openmsa(copy.deepcopy(ref), prefill_chunk_size=16)
+    lengths = []
+    m.model.register_forward_pre_hook(
+        lambda mod, args, kw: lengths.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    ids = _prompt(70, 15)[None]
+    out = m.generate(ids, max_new_tokens=3, do_sample=False)
+    assert lengths == [16, 16, 16, 16, 6, 1, 1]
+    assert torch.equal(out, ref.generate(ids, max_new_tokens=3, do_sample=False))
+    lengths.clear()
+    m.generate(ids, max_new_tokens=1, do_sample=False, prefill_chunk_size=32)  # the call's own
+    assert lengths == [32, 32, 6]
+
+
 def test_fp8_and_bf16_caches():
     ref = _model(seed=1)
     ids = _prompt(80, 8)[None]
@@ -323,11 +338,15 @@ def test_pages_are_reused_when_caches_go():
     for _ in range(3):
         m.generate(ids, max_new_tokens=4, do_sample=False)
         gc.collect()
+        state.collect()  # (the next step does this too)
         assert len(state.free) == state.num_pages == 64 and not state.sessions
     with torch.no_grad():
-        m(ids)  # a plain forward: its cache goes with its output, and its pages with it
+        out = m(ids)  # a plain forward: its cache goes with its output, and its pages with it
+        assert len(state.free) < 64
+        del out
     gc.collect()
-    assert len(state.free) == state.num_pages
+    state.collect()
+    assert len(state.free) == state.num_pages == 64
 
 
 # ------------------------------------------------------------------ GPU (tier 2)

@@ -120,6 +120,9 @@ class _OpenMSAState:
         self.sessions: dict[int, tuple[weakref.ref, _Session]] = {}
         self.step: _Step | None = None
         self._temporary: _Session | None = None
+        # sessions whose cache was garbage collected; released at the next step or collect(),
+        # never inside the callback (which may run in the middle of a page allocation)
+        self._dead: list[int] = []
 
     # -------------------------------------------------------------- pages
     def _allocate(self, layer: int, pages: int):
@@ -159,9 +162,18 @@ class _OpenMSAState:
         if entry is not None:
             self._release(entry[1])
 
+    def collect(self) -> None:
+        """Release the pages of the sessions whose transformers cache is gone."""
+        while self._dead:
+            key = self._dead.pop()
+            entry = self.sessions.get(key)
+            if entry is not None and entry[0]() is None:
+                self._drop_session(key)
+
     # -------------------------------------------------------------- steps
     def begin_step(self, batch: int, new_tokens: int, mask, cache) -> None:
         self.end_step()
+        self.collect()
         past = 0
         if cache is not None:
             past = int(cache.get_seq_length())
@@ -195,7 +207,7 @@ class _OpenMSAState:
             if entry is not None:
                 self._drop_session(key)
             session = _Session([_Row() for _ in range(step.batch)])
-            self.sessions[key] = (weakref.ref(cache, lambda _, k=key: self._drop_session(k)),
+            self.sessions[key] = (weakref.ref(cache, lambda _, k=key: self._dead.append(k)),
                                   session)
         elif session is None or session.columns != step.past:
             have = "none" if session is None else session.columns
@@ -374,7 +386,7 @@ def _refuse_save(*args, **kwargs):
 
 def use_openmsa(model, *, kv_cache_dtype=None, index_cache_dtype=None, ops: str = "kernels",
                 rope_angles: str = "fp32", max_chunk_tokens: int = 8192,
-                prefill_chunk_size: int | None = None, num_pages: int | None = None,
+                prefill_chunk_size: int | None = 8192, num_pages: int | None = None,
                 index_query_dtype=None):
     """Run the sparse layers of a transformers MiniMax-M3 model on openmsa; returns the model.
 
@@ -388,9 +400,10 @@ def use_openmsa(model, *, kv_cache_dtype=None, index_cache_dtype=None, ops: str 
         rope_angles: "fp32" (default: angles as transformers forms them, so the sparse layers
             rotate as the model's full-attention layers do) or "exact" (float64 angles).
         max_chunk_tokens: the most tokens one openmsa step takes; longer inputs run in chunks.
-        prefill_chunk_size: when set, `generate` prefills the prompt through the whole model in
-            chunks of this many tokens (transformers' own `prefill_chunk_size`) unless the call
-            sets it; None leaves generate as it is.
+        prefill_chunk_size: `generate` prefills a longer prompt through the whole model in
+            chunks of this many tokens (transformers' own `prefill_chunk_size`, so that the
+            full-attention layers and MLPs hold one chunk at a time too), unless the call or the
+            generation config sets one; None: no chunking unless asked for.
         num_pages: pages of `block_size` tokens to allocate up front (the caches grow by
             doubling past that).
         index_query_dtype: the index query's dtype (None: the index cache's).
