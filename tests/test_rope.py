@@ -23,7 +23,8 @@ FAR = [524_288, 524_289, 700_001, 999_999, 1_000_003, 1_048_575]
 
 
 def _transformers_rotary(angles_cfg=RECIPE, head_dim=128, rotary=64):
-    tr = pytest.importorskip("transformers")
+    pytest.importorskip("transformers.models.minimax_m3_vl")
+    import transformers as tr
     tr.logging.set_verbosity_error()
     from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import (
         MiniMaxM3VLRotaryEmbedding)
@@ -94,7 +95,7 @@ def test_exact_angles_are_yarn_in_float64_and_fp32_is_up_to_0_06_rad_off_at_1m()
 def test_reference_prepare_applies_yarn_like_transformers_on_both_branches(angles):
     """fused_prepare's reference against transformers' own q/k norm + rotary at positions past
     512K, for q, the cached k, the index query and the cached index key."""
-    tr = pytest.importorskip("transformers")
+    pytest.importorskip("transformers.models.minimax_m3_vl")
     from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as mm
     emb, _ = _transformers_rotary()
     cfg = openmsa.MSAConfig(num_heads=4, num_kv_heads=2, num_index_heads=2, block_size=16,
