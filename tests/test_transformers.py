@@ -255,6 +255,9 @@ def test_generate_prefills_long_prompts_in_chunks(pair):
     lengths.clear()
     m.generate(ids, max_new_tokens=1, do_sample=False, prefill_chunk_size=32)  # the call's own
     assert lengths == [32, 32, 6]
+    lengths.clear()
+    m.generate(ids, max_new_tokens=1, do_sample=False, prefill_chunk_size=None)  # none
+    assert lengths == [70]
 
 
 def test_fp8_and_bf16_caches():

@@ -372,8 +372,9 @@ def _guard_generate(model, state: _OpenMSAState, prefill_chunk_size: int | None)
                              f"cache)")
         if kwargs.get("custom_generate") is not None:
             raise ValueError("use_openmsa: custom_generate is not supported")
-        if prefill_chunk_size is not None and opt("prefill_chunk_size") is None:
-            kwargs["prefill_chunk_size"] = prefill_chunk_size
+        if prefill_chunk_size is not None and "prefill_chunk_size" not in kwargs \
+                and getattr(gc, "prefill_chunk_size", None) is None:
+            kwargs["prefill_chunk_size"] = prefill_chunk_size  # (None in the call: no chunks)
         return generate(*args, **kwargs)
 
     model.generate = guarded
