@@ -152,6 +152,15 @@ def test_forward_and_decode_logits_equal_transformers_eager(pair):
         assert (dense(ids).logits - ref(ids).logits).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("local,topk", [(2, 4), (3, 5)])
+def test_other_local_and_topk_equal_transformers_eager(local, topk):
+    ref = _model(seed=8, index_local_blocks=local, index_topk_blocks=topk)
+    m = use_openmsa(copy.deepcopy(ref))
+    ids = _prompt(77, 18)[None]
+    with torch.no_grad():
+        _close(m(ids).logits, ref(ids).logits)
+
+
 def test_greedy_and_sampled_generate_equal_transformers_eager(pair):
     ref, m = pair
     ids = _prompt(75, 2)[None]
