@@ -322,8 +322,10 @@ def test_cache_write_kernels():
              dict(BLOCK=128, HKV=4, HKVP=4, D=128, DP=128, SATURATE=True, HAS_SCALE=True))
 
 
-@pytest.mark.parametrize("kv_type, index_type", [("*fp8e4nv", "*fp8e4nv"), ("*bf16", "*bf16")])
-def test_fused_prepare_kernel(kv_type, index_type):
+@pytest.mark.parametrize("kv_type, index_type, fp32_angles, rope_scale",
+                         [("*fp8e4nv", "*fp8e4nv", False, 1.0), ("*bf16", "*bf16", False, 1.0),
+                          ("*bf16", "*fp8e4nv", True, 1.0693147180559945)])  # fp32 form, YaRN
+def test_fused_prepare_kernel(kv_type, index_type, fp32_angles, rope_scale):
     from openmsa.ops.cache.prepare import _fused_prepare_kernel
 
     fp8 = kv_type == "*fp8e4nv"
@@ -336,7 +338,7 @@ def test_fused_prepare_kernel(kv_type, index_type):
              dict(HQ=64, HKV=4, H=4, D=128, DI=128, DP=128, DIP=128, ROT=64, NCOARSE=16384,
                   BLOCK=128, IBLOCK=128, HT=16, KV_SATURATE=fp8,
                   INDEX_SATURATE=index_type == "*fp8e4nv", IQ_SATURATE=index_type == "*fp8e4nv",
-                  HAS_SCALE=fp8))
+                  HAS_SCALE=fp8, FP32_ANGLES=fp32_angles, ROPE_SCALE=rope_scale))
 
 
 def test_resources_tool():

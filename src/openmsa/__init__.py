@@ -16,6 +16,14 @@ from .support import unsupported_reason
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name):
+    # `openmsa.integrations` (optional dependencies) is imported on first use only
+    if name == "integrations":
+        import importlib
+        return importlib.import_module(".integrations", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 __all__ = ["MSAConfig", "block_scores", "select_blocks", "sparse_attention", "sparse_page_table",
            "validate_batch", "write_index_cache", "write_kv_cache", "fused_prepare",
            "unsupported_reason", "reference", "MSAAttention", "MSAPlanner", "MSAMetadata",

@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
+
+from .rope import ROPE_ANGLES, YarnScaling, rope_scaling_from_hf
 
 __all__ = ["MSAConfig"]
 
@@ -18,6 +21,16 @@ _HF_SPARSE_KEYS = {
     "sparse_local_block": "local_blocks",
     "sparse_score_type": "score_type",
 }
+# transformers' flat text-config keys -> MSAConfig field (its config has no init blocks).
+_HF_FLAT_KEYS = {
+    "index_n_heads": "num_index_heads",
+    "index_head_dim": "index_head_dim",
+    "index_block_size": "block_size",
+    "index_topk_blocks": "topk_blocks",
+    "index_local_blocks": "local_blocks",
+}
+# transformers' `layer_types` entry of a sparse layer
+_HF_SPARSE_TYPE = "minimax_m3_sparse"
 # Top-level model keys -> MSAConfig field.
 _HF_MODEL_KEYS = {
     "num_attention_heads": "num_heads",
@@ -62,6 +75,11 @@ class MSAConfig:
     rms_norm_eps: float = 1e-6
     # which layers are sparse (None: every layer); filled from `sparse_attention_freq`
     sparse_layers: tuple[int, ...] | None = None
+    # RoPE scaling (None: plain RoPE at rope_theta); a dict is read as Hugging Face's rope dict
+    rope_scaling: YarnScaling | None = None
+    # "exact": angles in float64 (the default); "fp32": `position * inv_freq` in fp32, as
+    # transformers and vLLM form them (see rope.py and docs/design.md)
+    rope_angles: str = "exact"
 
     def __post_init__(self) -> None:
         for f in ("num_heads", "num_kv_heads", "head_dim", "num_index_heads", "index_head_dim",
@@ -93,6 +111,14 @@ class MSAConfig:
                              f"index_head_dim, got {self.rotary_dim}")
         if not self.rope_theta > 0 or not self.rms_norm_eps >= 0:
             raise ValueError("MSAConfig.rope_theta must be > 0 and rms_norm_eps >= 0")
+        if isinstance(self.rope_scaling, Mapping):
+            object.__setattr__(self, "rope_scaling", rope_scaling_from_hf(self.rope_scaling))
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, YarnScaling):
+            raise TypeError(f"MSAConfig.rope_scaling must be None, a YarnScaling or a rope dict, "
+                            f"got {type(self.rope_scaling).__name__}")
+        if self.rope_angles not in ROPE_ANGLES:
+            raise ValueError(f"MSAConfig.rope_angles must be one of {ROPE_ANGLES}, got "
+                             f"{self.rope_angles!r}")
 
     @property
     def group_size(self) -> int:
@@ -116,12 +142,21 @@ class MSAConfig:
 
     @classmethod
     def from_hf_config(cls, config: Any) -> "MSAConfig":
-        """Build from a Hugging Face config (a dict or a config object, top level or with the
-        model keys under `text_config`), reading `sparse_attention_config` as MSA-SPEC.md says.
+        """Build from a Hugging Face config: a dict or a config object, top level or with the
+        model keys under `text_config`, in either layout:
 
-        `sparse_attention_freq` is a list with one entry per layer (1 = sparse), or the int 1
-        (every layer sparse); any other int is rejected rather than guessed. Missing keys keep
-        M3's defaults.
+        * the checkpoint's `config.json`: `sparse_attention_config` as MSA-SPEC.md says
+          (`sparse_attention_freq`: a list with one entry per layer, 1 = sparse, or the int 1 for
+          every layer; any other int is rejected rather than guessed), `rope_theta`,
+          `rotary_dim` (or `partial_rotary_factor`), `rope_scaling`;
+        * transformers' `MiniMaxM3VLConfig` / `MiniMaxM3VLTextConfig` and their `to_dict()`:
+          flat `index_*` keys, `layer_types` ("minimax_m3_sparse" = sparse) and
+          `rope_parameters`. The rotary width is the one transformers rotates,
+          `head_dim * rope_parameters["partial_rotary_factor"]` (1.0 when absent); a
+          `rotary_dim` that disagrees is warned about and not used.
+
+        RoPE scaling (`rope_parameters` / `rope_scaling`): plain or YaRN; any other type or
+        parameter is refused by name. Missing keys keep M3's defaults.
         """
         text = _get(config, "text_config", None)
         if text is None:
@@ -129,9 +164,12 @@ class MSAConfig:
         sparse = _get(text, "sparse_attention_config", None)
         if sparse is None:
             sparse = _get(config, "sparse_attention_config", None)
-        if sparse is None:
-            raise ValueError("from_hf_config: no 'sparse_attention_config' found at the top level "
-                             "or under 'text_config'")
+        flat = {hf: _get(text, hf, None) for hf in _HF_FLAT_KEYS}
+        layer_types = _get(text, "layer_types", None)
+        if sparse is None and all(v is None for v in flat.values()) and layer_types is None:
+            raise ValueError("from_hf_config: found neither the checkpoint's "
+                             "'sparse_attention_config' nor transformers' flat index_* keys / "
+                             "'layer_types', at the top level or under 'text_config'")
         kw: dict[str, Any] = {}
         for hf, name in _HF_MODEL_KEYS.items():
             v = _get(text, hf, None)
@@ -141,11 +179,24 @@ class MSAConfig:
             hidden, heads = _get(text, "hidden_size", None), _get(text, "num_attention_heads", None)
             if hidden is not None and heads:
                 kw["head_dim"] = hidden // heads
-        for hf, name in _HF_SPARSE_KEYS.items():
-            v = _get(sparse, hf, None)
-            if v is not None:
-                kw[name] = v
-        freq = _get(sparse, "sparse_attention_freq", None)
+        rope_params = _get(text, "rope_parameters", None)
+        if rope_params is not None and not isinstance(rope_params, Mapping):
+            raise TypeError(f"from_hf_config: rope_parameters must be a dict, got "
+                            f"{type(rope_params).__name__}")
+        if "rope_theta" not in kw and rope_params is not None \
+                and rope_params.get("rope_theta") is not None:
+            kw["rope_theta"] = rope_params["rope_theta"]
+        for hf, name in _HF_FLAT_KEYS.items():
+            if flat[hf] is not None:
+                kw[name] = flat[hf]
+        if sparse is not None:
+            for hf, name in _HF_SPARSE_KEYS.items():
+                v = _get(sparse, hf, None)
+                if v is not None:
+                    kw[name] = v
+            freq = _get(sparse, "sparse_attention_freq", None)
+        else:
+            freq = None
         if freq is not None:
             if isinstance(freq, (list, tuple)):
                 kw["sparse_layers"] = tuple(i for i, f in enumerate(freq) if int(f) == 1)
@@ -154,10 +205,32 @@ class MSAConfig:
             else:
                 raise ValueError(f"from_hf_config: sparse_attention_freq must be a per-layer list "
                                  f"of 0/1 or the int 1, got {freq!r}")
-        if "rotary_dim" not in kw:
+        elif layer_types is not None:
+            unknown = sorted({t for t in layer_types} - {_HF_SPARSE_TYPE, "full_attention"})
+            if unknown:
+                raise ValueError(f"from_hf_config: layer_types {unknown} are not known to openmsa "
+                                 f"(only {_HF_SPARSE_TYPE!r} and 'full_attention')")
+            kw["sparse_layers"] = tuple(i for i, t in enumerate(layer_types)
+                                        if t == _HF_SPARSE_TYPE)
+        head_dim = kw.get("head_dim", cls.head_dim)
+        if rope_params is not None:
+            # transformers' layout: the width transformers' rotary embedding really rotates
+            width = int(head_dim * rope_params.get("partial_rotary_factor", 1.0))
+            if "rotary_dim" in kw and kw["rotary_dim"] != width:
+                warnings.warn(f"from_hf_config: rotary_dim={kw['rotary_dim']} but transformers "
+                              f"rotates {width} dims (head_dim {head_dim} x "
+                              f"rope_parameters['partial_rotary_factor']); openmsa follows "
+                              f"transformers", stacklevel=2)
+            kw["rotary_dim"] = width
+        elif "rotary_dim" not in kw:
             prf = _get(text, "partial_rotary_factor", None)
             if prf is not None:
-                kw["rotary_dim"] = int(kw.get("head_dim", cls.head_dim) * prf)
+                kw["rotary_dim"] = int(head_dim * prf)
+        scaling = rope_params if rope_params is not None else _get(text, "rope_scaling", None)
+        if scaling is None:
+            scaling = _get(config, "rope_scaling", None)
+        kw["rope_scaling"] = rope_scaling_from_hf(
+            scaling, _get(text, "max_position_embeddings", None))
         if "num_index_heads" not in kw and "num_kv_heads" in kw:
             kw["num_index_heads"] = kw["num_kv_heads"]
         return cls(**kw)

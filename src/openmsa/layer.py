@@ -29,6 +29,11 @@ from .plan import MSAMetadata
 __all__ = ["MSAAttention", "dense_paged_attention"]
 
 _NORMS = ("q_norm", "k_norm", "index_q_norm", "index_k_norm")
+# transformers' MiniMax-M3 names of the index branch's tensors (its `indexer` submodule)
+TRANSFORMERS_NAMES = {"index_q_proj.weight": "indexer.q_proj.weight",
+                      "index_k_proj.weight": "indexer.k_proj.weight",
+                      "index_q_norm.weight": "indexer.q_norm.weight",
+                      "index_k_norm.weight": "indexer.k_norm.weight"}
 
 
 # the public ops (Triton on CUDA, or on CPU under the interpreter); `reference` has the same names
@@ -96,13 +101,19 @@ class MSAAttention(nn.Module):
     @torch.no_grad()
     def load_checkpoint(self, state_dict: Mapping[str, torch.Tensor], prefix: str = "") -> None:
         """Load this rank's slice from a layer's unsharded checkpoint tensors, named as in the
-        model (`q_proj.weight`, ..., `index_k_norm.weight`, after `prefix`)."""
+        checkpoint (`q_proj.weight`, ..., `index_q_proj.weight`, `index_k_norm.weight`, after
+        `prefix`) or as in transformers' MiniMax-M3 (`indexer.q_proj.weight`, ...,
+        `indexer.k_norm.weight` for the index branch)."""
         shapes = self.checkpoint_shapes()
         w = {}
         for name, shape in shapes.items():
             key = prefix + name
             if key not in state_dict:
-                raise KeyError(f"checkpoint has no {key!r}")
+                alt = TRANSFORMERS_NAMES.get(name)
+                if alt is None or prefix + alt not in state_dict:
+                    also = f" (nor {prefix + alt!r})" if alt is not None else ""
+                    raise KeyError(f"checkpoint has no {key!r}{also}")
+                key = prefix + alt
             t = state_dict[key]
             if tuple(t.shape) != shape:
                 raise ValueError(f"{key} must be {shape}, got {tuple(t.shape)}")

@@ -5,9 +5,11 @@ TRITON_INTERPRET=1) or the reference (CPU)."""
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import torch
 
+from ... import rope
 from ..._checks import FP8, check_scale_arg
 from ..._dispatch import next_pow2 as _next_pow2
 from ..._dispatch import on_tensor_device, scale_args, use_kernels
@@ -73,11 +75,18 @@ PREPARE_HEAD_TILE = 16
 
 
 @functools.lru_cache(maxsize=16)
-def rope_table(rotary_dim: int, theta: float, device: str) -> torch.Tensor:
+def rope_table(rotary_dim: int, theta: float, device: str, rope_scaling=None,
+               rope_angles: str = "exact") -> torch.Tensor:
     """fp32 [1024 + ROPE_MAX_POSITION / 1024, rotary_dim]: row r < 1024 holds (cos | sin) of
-    r * inv_freq, row 1024 + h of h * 1024 * inv_freq; built in float64 once per device."""
-    half = max(rotary_dim // 2, 1)
-    inv_freq = theta ** (-torch.arange(0, half, dtype=torch.float64) * 2 / max(rotary_dim, 1))
+    r * inv_freq, row 1024 + h of h * 1024 * inv_freq; built in float64 once per device.
+    `rope_angles="fp32"`: one row, (the fp32 inverse frequencies | 0), for the kernel's fp32
+    product. inv_freq and YaRN (`rope_scaling`) as `openmsa.rope` computes them."""
+    spec = SimpleNamespace(rotary_dim=max(rotary_dim, 2), rope_theta=theta,
+                           rope_scaling=rope_scaling, rope_angles=rope_angles)
+    if rope_angles == "fp32":
+        f = rope.inv_freq(spec)
+        return torch.cat([f, torch.zeros_like(f)])[None, :].to(device)
+    inv_freq = rope.inv_freq(spec)[: max(rotary_dim // 2, 1)]
     steps = torch.cat([torch.arange(1024, dtype=torch.float64),
                        torch.arange(ROPE_MAX_POSITION // 1024, dtype=torch.float64) * 1024])
     ang = steps[:, None] * inv_freq[None, :]
@@ -158,12 +167,16 @@ def _prepare_plan(qkv, config, k_cache, index_cache, index_q_out) -> tuple:
     HAS_SCALE)."""
     hq, hkv, h = config.num_heads, config.num_kv_heads, config.num_index_heads
     d, di = config.head_dim, config.index_head_dim
-    table = rope_table(config.rotary_dim, float(config.rope_theta), str(qkv.device))
+    scaling, angles = getattr(config, "rope_scaling", None), getattr(config, "rope_angles", "exact")
+    table = rope_table(config.rotary_dim, float(config.rope_theta), str(qkv.device), scaling,
+                       angles)
     ht = min(PREPARE_HEAD_TILE, _next_pow2(max(hq, hkv, h)))
     tiles = -(-hq // ht) + -(-hkv // ht) + -(-h // ht) + 1
     iq_dtype = index_cache.dtype if index_q_out is None else index_q_out.dtype
     kwargs = dict(HQ=hq, HKV=hkv, H=h, D=d, DI=di, DP=_next_pow2(d), DIP=_next_pow2(di),
                   ROT=config.rotary_dim, NCOARSE=ROPE_MAX_POSITION // 1024,
+                  FP32_ANGLES=angles == "fp32",
+                  ROPE_SCALE=1.0 if scaling is None else float(scaling.mscale_factor),
                   BLOCK=k_cache.shape[1], IBLOCK=index_cache.shape[1], HT=ht,
                   KV_SATURATE=k_cache.dtype == FP8, INDEX_SATURATE=index_cache.dtype == FP8,
                   IQ_SATURATE=iq_dtype == FP8, num_warps=4)

@@ -13,6 +13,10 @@ Bytes per token: read the row (qkv dtype), write q, index_q, k, v, index_k: memo
 RoPE angles come from a two-level fp32 table built in float64 on the host (`rope_table`):
 angle(p) = angle(p mod 1024) + angle(1024 * (p div 1024)), combined with the angle-sum formulas.
 A single fp32 product p * inv_freq would be 0.06 rad off at p = 1M (one fp32 ulp of 1e6).
+With FP32_ANGLES (the config's `rope_angles="fp32"`) the table's first row holds the fp32 inverse
+frequencies instead and the angle is that fp32 product, as transformers and vLLM form it.
+The inverse frequencies may be YaRN's (`openmsa.rope`); ROPE_SCALE is YaRN's attention factor on
+cos and sin (1.0 without scaling).
 """
 
 import triton
@@ -26,7 +30,7 @@ ROPE_FINE = 1024  # rows of the fine table; positions split as p = hi * ROPE_FIN
 @triton.jit
 def _norm_rope(row_ptr, stride_c, col0, nheads, w_ptr, pos, table_ptr, eps,
                HT: tl.constexpr, DIM: tl.constexpr, DP: tl.constexpr, ROT: tl.constexpr,
-               NCOARSE: tl.constexpr):
+               NCOARSE: tl.constexpr, FP32_ANGLES: tl.constexpr, ROPE_SCALE: tl.constexpr):
     """Gemma RMSNorm then NeoX RoPE on the first ROT dims of heads [0, nheads) of a tile that
     starts at column col0 of a projection row; returns (fp32 [HT, DP], mask)."""
     h = tl.arange(0, HT)[:, None]
@@ -48,16 +52,25 @@ def _norm_rope(row_ptr, stride_c, col0, nheads, w_ptr, pos, table_ptr, eps,
         yp = xp * inv_rms[:, None] * (1.0 + wp)
         j = tl.where(d < HALF, d, d - HALF)
         p = tl.maximum(pos, 0)
-        lo = p % 1024
-        hi = tl.minimum(p // 1024, NCOARSE - 1)
-        fine = table_ptr + lo * ROT + j
-        coarse = table_ptr + (1024 + hi) * ROT + j
-        c1 = tl.load(fine, mask=rot, other=1.0)
-        s1 = tl.load(fine + HALF, mask=rot, other=0.0)
-        c2 = tl.load(coarse, mask=rot, other=1.0)
-        s2 = tl.load(coarse + HALF, mask=rot, other=0.0)
-        cos = c1 * c2 - s1 * s2
-        sin = s1 * c2 + c1 * s2
+        if FP32_ANGLES:
+            f = tl.load(table_ptr + j, mask=rot, other=0.0)
+            ang = p.to(tl.float32) * f
+            cos = tl.cos(ang)
+            sin = tl.sin(ang)
+        else:
+            lo = p % 1024
+            hi = tl.minimum(p // 1024, NCOARSE - 1)
+            fine = table_ptr + lo * ROT + j
+            coarse = table_ptr + (1024 + hi) * ROT + j
+            c1 = tl.load(fine, mask=rot, other=1.0)
+            s1 = tl.load(fine + HALF, mask=rot, other=0.0)
+            c2 = tl.load(coarse, mask=rot, other=1.0)
+            s2 = tl.load(coarse + HALF, mask=rot, other=0.0)
+            cos = c1 * c2 - s1 * s2
+            sin = s1 * c2 + c1 * s2
+        if ROPE_SCALE != 1.0:
+            cos = cos * ROPE_SCALE
+            sin = sin * ROPE_SCALE
         sign = tl.where(d < HALF, -1.0, 1.0)
         y = tl.where(rot, y * cos + sign * yp * sin, y)
     return y, mask
@@ -75,7 +88,8 @@ def _fused_prepare_kernel(
         stride_qt, stride_qh, stride_qd, stride_it, stride_ih, stride_id,
         HQ: tl.constexpr, HKV: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
         DI: tl.constexpr, DP: tl.constexpr, DIP: tl.constexpr, ROT: tl.constexpr,
-        NCOARSE: tl.constexpr, BLOCK: tl.constexpr, IBLOCK: tl.constexpr, HT: tl.constexpr,
+        NCOARSE: tl.constexpr, FP32_ANGLES: tl.constexpr, ROPE_SCALE: tl.constexpr,
+        BLOCK: tl.constexpr, IBLOCK: tl.constexpr, HT: tl.constexpr,
         KV_SATURATE: tl.constexpr, INDEX_SATURATE: tl.constexpr, IQ_SATURATE: tl.constexpr,
         HAS_SCALE: tl.constexpr):
     t = tl.program_id(0)
@@ -89,7 +103,7 @@ def _fused_prepare_kernel(
     if tile < NQ:
         h0 = tile * HT
         y, mask = _norm_rope(row, stride_xc, h0 * D, HQ - h0, qw_ptr, pos, table_ptr, eps,
-                             HT, D, DP, ROT, NCOARSE)
+                             HT, D, DP, ROT, NCOARSE, FP32_ANGLES, ROPE_SCALE)
         d = tl.arange(0, DP)[None, :]
         dst = q_out_ptr + t.to(tl.int64) * stride_qt + (h0 + hh) * stride_qh + d * stride_qd
         tl.store(dst, y.to(q_out_ptr.dtype.element_ty), mask=mask)
@@ -105,7 +119,7 @@ def _fused_prepare_kernel(
                 k_scale = tl.load(k_scale_ptr)
                 v_scale = tl.load(v_scale_ptr)
             k, mask = _norm_rope(row, stride_xc, (HQ + h0) * D, HKV - h0, kw_ptr, pos,
-                                 table_ptr, eps, HT, D, DP, ROT, NCOARSE)
+                                 table_ptr, eps, HT, D, DP, ROT, NCOARSE, FP32_ANGLES, ROPE_SCALE)
             d = tl.arange(0, DP)[None, :]
             dst = (k_cache_ptr + page * stride_kcp + off * stride_kcb + (h0 + hh) * stride_kch
                    + d * stride_kcd)
@@ -119,7 +133,7 @@ def _fused_prepare_kernel(
     elif tile < NQ + NKV + NI:
         h0 = (tile - NQ - NKV) * HT
         y, mask = _norm_rope(row, stride_xc, (HQ + 2 * HKV) * D + h0 * DI, H - h0, iqw_ptr, pos,
-                             table_ptr, eps, HT, DI, DIP, ROT, NCOARSE)
+                             table_ptr, eps, HT, DI, DIP, ROT, NCOARSE, FP32_ANGLES, ROPE_SCALE)
         d = tl.arange(0, DIP)[None, :]
         dst = iq_out_ptr + t.to(tl.int64) * stride_it + (h0 + hh) * stride_ih + d * stride_id
         tl.store(dst, saturate_to(y, iq_out_ptr.dtype.element_ty, IQ_SATURATE), mask=mask)
@@ -127,7 +141,7 @@ def _fused_prepare_kernel(
         slot = tl.load(index_slot_ptr + t).to(tl.int64)
         if slot >= 0:
             y, mask = _norm_rope(row, stride_xc, (HQ + 2 * HKV) * D + H * DI, 1, ikw_ptr, pos,
-                                 table_ptr, eps, HT, DI, DIP, ROT, NCOARSE)
+                                 table_ptr, eps, HT, DI, DIP, ROT, NCOARSE, FP32_ANGLES, ROPE_SCALE)
             d = tl.arange(0, DIP)[None, :]
             dst = (index_cache_ptr + (slot // IBLOCK) * stride_icp + (slot % IBLOCK) * stride_icb
                    + hh * 0 + d * stride_icd)

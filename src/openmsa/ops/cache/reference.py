@@ -4,8 +4,11 @@ PyTorch with fp32 math: the spec in code (see README.md beside this)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
+from ... import rope
 from ..._checks import FP8, check_scale_arg
 from .checks import check_index_write, check_kv_write
 
@@ -57,27 +60,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float
-               ) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float, *,
+               rope_scaling=None, rope_angles: str = "exact") -> torch.Tensor:
     """NeoX-style RoPE on the first `rotary_dim` dims of x [T, heads, dim], fp32.
 
-    Halves (x1, x2) of the rotary part turn by angle pos * theta^(-2i/rotary_dim).
+    Halves (x1, x2) of the rotary part turn by angle pos * inv_freq[i], inv_freq[i] =
+    theta^(-2i/rotary_dim) or its YaRN blend (`rope_scaling`, a YarnScaling), and cos / sin carry
+    YaRN's attention factor. `rope_angles`: "exact" (float64 angles) or "fp32" (transformers').
     """
     x = x.float()
     if rotary_dim == 0:
         return x
     half = rotary_dim // 2
-    inv_freq = theta ** (-torch.arange(0, half, device=x.device, dtype=torch.float64) * 2
-                         / rotary_dim)
-    # cos/sin in float64: at position 1M the angle is ~1e6 rad, where one fp32 ulp is 0.06 rad
-    ang = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # [T, half]
-    cos, sin = ang.cos().float()[:, None, :], ang.sin().float()[:, None, :]
+    spec = SimpleNamespace(rotary_dim=rotary_dim, rope_theta=theta, rope_scaling=rope_scaling,
+                           rope_angles=rope_angles)
+    cos, sin = rope.cos_sin(positions, spec)
+    cos, sin = cos[:, None, :], sin[:, None, :]
     x1, x2, rest = x[..., :half], x[..., half:rotary_dim], x[..., rotary_dim:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
 
 
 def prepare_index_qk(index_q, index_k, q_norm_weight, k_norm_weight, positions, *, rotary_dim,
-                     rope_theta, eps, cache_dtype):
+                     rope_theta, eps, cache_dtype, rope_scaling=None, rope_angles="exact"):
     """Index branch: per-head RMSNorm (own weights), partial RoPE, cast to the index cache dtype.
 
     Args:
@@ -86,21 +90,23 @@ def prepare_index_qk(index_q, index_k, q_norm_weight, k_norm_weight, positions, 
     Returns:
         (index_q [T, H, Di], index_k [T, Di]) in cache_dtype (fp8 saturating).
     """
-    q = apply_rope(rms_norm(index_q, q_norm_weight, eps), positions, rotary_dim, rope_theta)
+    kw = dict(rope_scaling=rope_scaling, rope_angles=rope_angles)
+    q = apply_rope(rms_norm(index_q, q_norm_weight, eps), positions, rotary_dim, rope_theta, **kw)
     k = apply_rope(rms_norm(index_k[:, None, :], k_norm_weight, eps), positions, rotary_dim,
-                   rope_theta)[:, 0]
+                   rope_theta, **kw)[:, 0]
     return to_cache_dtype(q, cache_dtype), to_cache_dtype(k, cache_dtype)
 
 
 def prepare_qkv(q, k, v, q_norm_weight, k_norm_weight, positions, *, rotary_dim, rope_theta, eps,
-                dtype):
+                dtype, rope_scaling=None, rope_angles="exact"):
     """Main branch: per-head RMSNorm of q and k, partial RoPE, v untouched; all cast to dtype.
 
     Args:
         q: [T, Hq, D]; k, v: [T, Hkv, D]; weights [D]; positions int [T].
     """
-    qq = apply_rope(rms_norm(q, q_norm_weight, eps), positions, rotary_dim, rope_theta)
-    kk = apply_rope(rms_norm(k, k_norm_weight, eps), positions, rotary_dim, rope_theta)
+    kw = dict(rope_scaling=rope_scaling, rope_angles=rope_angles)
+    qq = apply_rope(rms_norm(q, q_norm_weight, eps), positions, rotary_dim, rope_theta, **kw)
+    kk = apply_rope(rms_norm(k, k_norm_weight, eps), positions, rotary_dim, rope_theta, **kw)
     return qq.to(dtype), kk.to(dtype), v.to(dtype)
 
 
@@ -137,11 +143,14 @@ def fused_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_
     check_scale_arg("v_scale", v_scale, qkv.device)
     q, k, v, iq, ik = split_projection(qkv, config)
     pos = positions.long().clamp(min=0)
-    kw = dict(rotary_dim=config.rotary_dim, rope_theta=config.rope_theta, eps=config.rms_norm_eps)
+    rkw = dict(rope_scaling=getattr(config, "rope_scaling", None),
+               rope_angles=getattr(config, "rope_angles", "exact"))
+    kw = dict(rotary_dim=config.rotary_dim, rope_theta=config.rope_theta, eps=config.rms_norm_eps,
+              **rkw)
     qq = apply_rope(rms_norm(q, q_norm_weight, config.rms_norm_eps), pos, config.rotary_dim,
-                    config.rope_theta)
+                    config.rope_theta, **rkw)
     kk = apply_rope(rms_norm(k, k_norm_weight, config.rms_norm_eps), pos, config.rotary_dim,
-                    config.rope_theta)
+                    config.rope_theta, **rkw)
     iqq, ikk = prepare_index_qk(iq, ik, index_q_norm_weight, index_k_norm_weight, pos,
                                 cache_dtype=torch.float32, **kw)
     write_kv_cache(kk, v.float(), k_cache, v_cache, slot_mapping, k_scale=k_scale,
