@@ -20,8 +20,6 @@ import triton.language as tl
 
 from .write import saturate_to
 
-ROPE_FINE = 1024  # rows of the fine table; positions split as p = hi * ROPE_FINE + lo
-
 
 @triton.jit
 def _norm_rope(row_ptr, stride_c, col0, nheads, w_ptr, pos, table_ptr, eps,
