@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from openmsa import reference as ref
 from openmsa.batch import token_layout
-from openmsa.testing import make_step, random_kv_cache
+from helpers import make_step, random_kv_cache
 
 from brute import positions
 

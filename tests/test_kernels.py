@@ -14,7 +14,7 @@ from openmsa.ops.common.counters import COUNTERS
 from openmsa.ops.common.triton_utils import find_request, split_e4m3_pairs
 from openmsa.ops.indexer import api as indexer_api
 from openmsa.ops.indexer import reference as indexer_ref
-from openmsa.testing import (RecordingKernel, assert_close, assert_selection_near_optimal,
+from helpers import (RecordingKernel, assert_close, assert_selection_near_optimal,
                              make_step, nan_poison, random_index_inputs, random_kv_cache,
                              to_device)
 

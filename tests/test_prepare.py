@@ -10,7 +10,7 @@ import torch
 import openmsa
 from openmsa import reference as ref
 from openmsa._dispatch import INTERPRET
-from openmsa.testing import assert_close, nan_poison
+from helpers import assert_close, nan_poison
 
 FP8 = torch.float8_e4m3fn
 B = 16
