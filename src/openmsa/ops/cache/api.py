@@ -25,11 +25,11 @@ __all__ = ["write_index_cache", "write_kv_cache", "fused_prepare", "rope_table",
 _PLANS = PlanCache()
 
 
-def _check_config(config) -> CacheConfig:
+def _check_config(config, name: str = "config") -> CacheConfig:
     if config is None:
         return DEFAULT
     if not isinstance(config, CacheConfig):
-        raise TypeError(f"config must be an openmsa.ops.cache.plan.CacheConfig or None, got "
+        raise TypeError(f"{name} must be an openmsa.ops.cache.plan.CacheConfig or None, got "
                         f"{type(config).__name__}")
     return config
 
@@ -53,6 +53,7 @@ def write_index_cache(index_k, index_cache, slot_mapping, *, config: CacheConfig
     range-checked (a device value); they must lie in [0, P * B) or be negative.
     """
     if not use_kernels(index_k):
+        _check_config(config)
         return reference.write_index_cache(index_k, index_cache, slot_mapping)
     key = call_key((index_k, index_cache, slot_mapping), (config,))
     launches = _PLANS.get(key)
@@ -77,6 +78,7 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scal
     A slot < 0 is skipped. fp8 caches store x / scale saturated at +-448 (scale 1 when None).
     """
     if not use_kernels(k):
+        _check_config(config)
         return reference.write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale=k_scale,
                                         v_scale=v_scale)
     key = call_key((k, v, k_cache, v_cache, slot_mapping),
@@ -138,6 +140,7 @@ def fused_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_
         index_q_out's) dtype.
     """
     if not use_kernels(qkv):
+        _check_config(cache_config, "cache_config")
         return reference.fused_prepare(
             qkv, positions, config, q_norm_weight, k_norm_weight, index_q_norm_weight,
             index_k_norm_weight, k_cache, v_cache, slot_mapping, index_cache, index_slot_mapping,
@@ -150,9 +153,7 @@ def fused_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_
                     scale_key(v_scale), cache_config))
     planned = _PLANS.get(key)
     if planned is None:
-        if cache_config is not None and not isinstance(cache_config, CacheConfig):
-            raise TypeError(f"cache_config must be an openmsa.ops.cache.plan.CacheConfig or None, "
-                            f"got {type(cache_config).__name__}")
+        cache_config = _check_config(cache_config, "cache_config")
         check_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_norm_weight,
                       index_k_norm_weight, k_cache, v_cache, slot_mapping, index_cache,
                       index_slot_mapping, q_out, index_q_out)
@@ -165,7 +166,7 @@ def fused_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_
             index_cache.dtype if index_q_out is None else index_q_out.dtype,
             k_scale is not None or v_scale is not None)
         table = rope_table(config.rotary_dim, float(config.rope_theta), str(qkv.device))
-        planned = (plan(shape, DeviceFacts.of(qkv.device), cache_config or DEFAULT), table)
+        planned = (plan(shape, DeviceFacts.of(qkv.device), cache_config), table)
         _PLANS.put(key, planned)
     launches, table = planned
     num_tokens = qkv.shape[0]

@@ -103,6 +103,8 @@ def plan(shape, device: DeviceFacts, config: CacheConfig = DEFAULT) -> LaunchPla
     """The launches of one cache op call (none for an empty step). The kernels are the same on
     every device: `device` is taken for the shape every op's plan has."""
     del device
+    if not isinstance(shape, (IndexWriteShape, KVWriteShape, PrepareShape)):
+        raise TypeError(f"no cache plan for {type(shape).__name__}")
     if shape.num_tokens == 0:
         return LaunchPlan()
     if isinstance(shape, IndexWriteShape):
@@ -114,15 +116,12 @@ def plan(shape, device: DeviceFacts, config: CacheConfig = DEFAULT) -> LaunchPla
             BLOCK=shape.block_size, HKV=shape.num_kv_heads, HKVP=next_pow2(shape.num_kv_heads),
             D=shape.head_dim, DP=next_pow2(shape.head_dim),
             SATURATE=shape.cache_dtype == FP8, HAS_SCALE=shape.has_scale))])
-    if isinstance(shape, PrepareShape):
-        ht, tiles = _prepare_tiles(shape, config)
-        d, di = shape.head_dim, shape.index_head_dim
-        return LaunchPlan([Launch("fused_prepare", (shape.num_tokens, tiles), dict(
-            HAS_SCALE=shape.has_scale, HQ=shape.num_heads, HKV=shape.num_kv_heads,
-            H=shape.num_index_heads, D=d, DI=di, DP=next_pow2(d), DIP=next_pow2(di),
-            ROT=shape.rotary_dim, NCOARSE=ROPE_MAX_POSITION // ROPE_FINE,
-            BLOCK=shape.block_size, IBLOCK=shape.index_block_size, HT=ht,
-            KV_SATURATE=shape.kv_cache_dtype == FP8,
-            INDEX_SATURATE=shape.index_cache_dtype == FP8,
-            IQ_SATURATE=shape.index_q_dtype == FP8, num_warps=config.prepare_warps))])
-    raise TypeError(f"no cache plan for {type(shape).__name__}")
+    ht, tiles = _prepare_tiles(shape, config)
+    d, di = shape.head_dim, shape.index_head_dim
+    return LaunchPlan([Launch("fused_prepare", (shape.num_tokens, tiles), dict(
+        HAS_SCALE=shape.has_scale, HQ=shape.num_heads, HKV=shape.num_kv_heads,
+        H=shape.num_index_heads, D=d, DI=di, DP=next_pow2(d), DIP=next_pow2(di),
+        ROT=shape.rotary_dim, NCOARSE=ROPE_MAX_POSITION // ROPE_FINE,
+        BLOCK=shape.block_size, IBLOCK=shape.index_block_size, HT=ht,
+        KV_SATURATE=shape.kv_cache_dtype == FP8, INDEX_SATURATE=shape.index_cache_dtype == FP8,
+        IQ_SATURATE=shape.index_q_dtype == FP8, num_warps=config.prepare_warps))])
