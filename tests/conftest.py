@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Test tiers (STYLE.md): `reference` runs anywhere; `interpret` needs TRITON_INTERPRET=1 (set
+"""Test tiers (README.md, Test): `reference` runs anywhere; `interpret` needs TRITON_INTERPRET=1 (set
 before openmsa is imported, i.e. in the environment of the pytest run); `gpu` needs CUDA.
 
 The `kernel_device` fixture gives the device on which the public ops run the Triton kernels:

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Tier 0: the index-branch reference against brute force and MSA-SPEC.md's rules."""
+"""Tier 0: the index-branch reference against brute force and the rules of docs/spec.md."""
 
 import pytest
 import torch

@@ -326,7 +326,7 @@ def _attention_case(device, kv_dtype, layout, hq=8, hkv=2, h=2, d=64, seed=7, bl
 
 
 def _attention_dtype(device):
-    # the interpreter's bf16 arithmetic is wrong (STYLE.md), so it runs fp16
+    # the interpreter's bf16 arithmetic is wrong (docs/design.md, Triton interpreter limits), so it runs fp16
     return torch.bfloat16 if device == "cuda" else torch.float16
 
 

@@ -41,7 +41,8 @@ def _get(obj: Any, key: str, default: Any = None) -> Any:
 
 @dataclass(frozen=True)
 class MSAConfig:
-    """One sparse layer's configuration; defaults are MiniMax-M3's (see MSA-SPEC.md).
+    """One sparse layer's configuration; defaults are MiniMax-M3's (docs/spec.md, Symbols and
+    M3's values).
 
     Head counts are per rank: a tensor-parallel rank holds `num_heads / tp` query heads, and
     `num_kv_heads` and `num_index_heads` shrink with it (index head h serves KV head h).
@@ -117,7 +118,7 @@ class MSAConfig:
     @classmethod
     def from_hf_config(cls, config: Any) -> "MSAConfig":
         """Build from a Hugging Face config (a dict or a config object, top level or with the
-        model keys under `text_config`), reading `sparse_attention_config` as MSA-SPEC.md says.
+        model keys under `text_config`), reading `sparse_attention_config` (docs/spec.md, Symbols and M3's values).
 
         `sparse_attention_freq` is a list with one entry per layer (1 = sparse), or the int 1
         (every layer sparse); any other int is rejected rather than guessed. Missing keys keep
