@@ -18,7 +18,7 @@ A single fp32 product p * inv_freq would be 0.06 rad off at p = 1M (one fp32 ulp
 import triton
 import triton.language as tl
 
-from .write import saturate_to
+from .write import kv_scales, saturate_to
 
 
 @triton.jit
@@ -97,11 +97,7 @@ def _fused_prepare_kernel(
             h0 = (tile - NQ) * HT
             page = slot // BLOCK
             off = slot % BLOCK
-            k_scale = 1.0
-            v_scale = 1.0
-            if HAS_SCALE:
-                k_scale = tl.load(k_scale_ptr)
-                v_scale = tl.load(v_scale_ptr)
+            k_scale, v_scale = kv_scales(k_scale_ptr, v_scale_ptr, HAS_SCALE)
             k, mask = _norm_rope(row, stride_xc, (HQ + h0) * D, HKV - h0, kw_ptr, pos,
                                  table_ptr, eps, HT, D, DP, ROT, NCOARSE)
             d = tl.arange(0, DP)[None, :]
