@@ -3,7 +3,8 @@
 before openmsa is imported, i.e. in the environment of the pytest run); `gpu` needs CUDA.
 
 The `kernel_device` fixture gives the device on which the public ops run the Triton kernels:
-"cpu" under the interpreter, "cuda" on a GPU."""
+"cpu" under the interpreter, "cuda" on a GPU. This file applies to every folder below it
+(tests/ops, tests/plans), and puts tests/ on sys.path, so tests import `helpers` and `brute`."""
 
 import os
 
