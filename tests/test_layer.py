@@ -238,8 +238,8 @@ def _m3_tiny_model(ops, layers, topk=16, index_query_dtype=None):
 def test_m3_layer_end_to_end_long_prompt(kv_dtype, index_dtype, monkeypatch):
     """M3's attention geometry (TP4 rank): two 6K-token prompts prefilled in 2K chunks next to
     each other, then decode and verify steps; kernels vs the reference ops on the same GPU, the
-    reference replaying the kernels' (checked near-optimal) selections (test_layer.py says
-    why)."""
+    reference replaying the kernels' (checked near-optimal) selections
+    (run_kernels_against_reference says why)."""
     g = torch.Generator().manual_seed(0)
     a = torch.randint(0, 128, (6200,), generator=g).tolist()
     b = torch.randint(0, 128, (6100,), generator=g).tolist()
