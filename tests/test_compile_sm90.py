@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Every kernel compiles for Hopper (sm_90) through Triton's own compiler and ptxas, on a machine
 without a GPU: the interpreter tier checks what the kernels compute, this checks that the code the
-GPU runs can be built at M3's shapes (a frontend or register-allocation failure shows up here)."""
+GPU runs can be built at M3's shapes (a frontend or register-allocation failure shows up here).
+The helper is tests/helpers/sm90.py; an op whose tests live in tests/ops/ compiles its kernels
+there (the cache op's: tests/ops/test_cache.py)."""
 
 import os
 
