@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Named benchmark shapes, taken from MiniMax-M3's configuration (MSA-SPEC.md) and the issues'
+"""Named benchmark shapes, taken from MiniMax-M3's configuration (docs/spec.md) and the issues'
 grids. Scripts read these; nothing else hard-codes a shape."""
 
 from dataclasses import replace

@@ -1,9 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Sweep the launch knobs (ops/*/api.py TUNING) on a few representative shapes, printing the
-median device time of each variant; the winners go back into TUNING by hand, with the numbers
-in docs/performance.md.   python benchmarks/tune.py [--iters N]"""
+"""Sweep an op's launch knobs on a few representative shapes, printing the median device time of
+each variant; the winners go back into the op's config defaults (ops/<op>/plan.py) by hand, with
+the numbers in docs/performance.md.   python benchmarks/tune.py [--iters N]
+
+A variant is a dict of config fields: it runs as `dataclasses.replace(DEFAULT, **variant)`,
+passed to the op as its `config` (nothing global changes)."""
 
 import argparse
+import dataclasses
+import functools
 import json
 import os
 import sys
@@ -44,26 +49,33 @@ def wanted(args, name: str) -> bool:
     return any(part in name for part in args.cases.split("|"))
 
 
-def sweep(name, tuning, variants, cases, iters):
+def sweep(name, default, variants, cases, iters):
     """Median time (see _cell) of each case under each variant; a variant whose output differs
     from the first variant's by more than bf16 rounding of the output prints "wrong" instead.
-    The device times of a case's variants come from one profiled loop in which their calls
-    alternate (run.interleaved_device_times_us), so a change of the GPU's state
-    (docs/performance.md, "Why interleave") hits every variant alike."""
-    base = dict(tuning)
+    `default` is the op's default config (a frozen dataclass) and each case's function takes the
+    config to run with. The device times of a case's variants come from one profiled loop in
+    which their calls alternate (run.interleaved_device_times_us), so a change of the GPU's
+    state (docs/performance.md, "Why interleave") hits every variant alike."""
+    if dataclasses.is_dataclass(default):
+        def under(v, fn):
+            return functools.partial(fn, dataclasses.replace(default, **v))
+    else:
+        # (a section still sweeping a dict of module knobs, until it passes its op's config:
+        # the dict is restored after the sweep)
+        base = dict(default)
 
-    def under(v, fn):
-        def call():  # the knobs are read on the host at launch time
-            tuning.clear()
-            tuning.update(base, **v)
-            return fn()
-        return call
+        def under(v, fn):
+            def call():  # the knobs are read on the host at launch time
+                default.clear()
+                default.update(base, **v)
+                return fn()
+            return call
 
     for case_name, fn in cases:
         cells, ok, first, wrong = {}, [], None, set()
         for i, v in enumerate(variants):
-            f = under(v, fn)
             try:
+                f = under(v, fn)
                 got = f()
             except Exception as e:  # noqa: BLE001
                 cells[i] = f"  fail({type(e).__name__})"
@@ -89,17 +101,62 @@ def sweep(name, tuning, variants, cases, iters):
                 cells.setdefault(i, f"  fail({type(e).__name__})")
         print(f"{name:10s} {case_name:28s} " + " ".join(cells[i] for i in range(len(variants))),
               flush=True)
-    tuning.clear()
-    tuning.update(base)
+    if not dataclasses.is_dataclass(default):
+        default.clear()
+        default.update(base)
+
+
+def _cache_prepare(args):
+    """fused_prepare (CacheConfig): a decode step of 64 tokens and an 8K prefill chunk at M3's
+    TP1, TP4 and TP8 head counts, bf16 and fp8 caches."""
+    from openmsa.ops.cache import plan as cache_plan
+
+    variants = pick(args, [{}, dict(prepare_head_tile=8), dict(prepare_warps=8),
+                           dict(prepare_warps=2)])
+    print("cache prepare variants:", variants)
+    cases = []
+    for model_name in ("m3-tp1", "m3-tp4", "m3-tp8"):
+        cfg = shapes.MODELS[model_name]
+        for dname in ("bf16", "fp8"):
+            for tokens in (64, 8192):
+                case = f"prep {model_name} {dname} T{tokens}"
+                if not wanted(args, case):
+                    continue
+                cases.append((case, _prepare_case(cfg, run.DTYPES[dname], tokens)))
+    sweep("cache", cache_plan.DEFAULT, variants, cases, args.iters)
+
+
+def _prepare_case(cfg, dtype, tokens):
+    """A function of a CacheConfig running one fused_prepare of `tokens` tokens into caches of
+    `dtype` (one page per token block, slots in order); returns q."""
+    hq, hkv, h = cfg.num_heads, cfg.num_kv_heads, cfg.num_index_heads
+    d, di, bs = cfg.head_dim, cfg.index_head_dim, cfg.block_size
+    pages = -(-tokens // bs)
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d + (h + 1) * di, device="cuda",
+                      dtype=torch.bfloat16)
+    w = [torch.randn(n, device="cuda", dtype=torch.bfloat16) * 0.1 for n in (d, d, di, di)]
+    k_cache = torch.empty(pages, bs, hkv, d, device="cuda", dtype=dtype)
+    v_cache = torch.empty_like(k_cache)
+    index_cache = torch.empty(pages, bs, di, device="cuda", dtype=dtype)
+    positions = torch.arange(tokens, device="cuda", dtype=torch.int32) + 100000
+    slots = torch.arange(tokens, device="cuda", dtype=torch.int64)
+
+    def call(config):
+        q, _ = openmsa.fused_prepare(qkv, positions, cfg, *w, k_cache, v_cache, slots,
+                                     index_cache, slots, cache_config=config)
+        return q
+    return call
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--quick", action="store_true", help="the first two variants only")
-    p.add_argument("--only", default="attention-decode,indexer-decode,indexer-prefill")
+    p.add_argument("--only", default="attention-decode,indexer-decode,indexer-prefill",
+                   help="sections, of: attention-decode, attention-fp8, attention-prefill, "
+                        "indexer-decode, indexer-prefill, cache-prepare")
     p.add_argument("--variants", type=json.loads, default=None,
-                   help='a JSON list of TUNING overrides replacing every section\'s own list, '
+                   help='a JSON list of config overrides replacing every section\'s own list, '
                         'e.g. \'[{}, {"sub": 128}]\'')
     p.add_argument("--time-wrong", action="store_true",
                    help="time the variants whose output differs too (marked !): probes that "
@@ -121,7 +178,8 @@ def main():
     TIME_WRONG = args.time_wrong
     only = args.only.split(",")
     print(run.provenance(), flush=True)
-    for name, fn in (("attention-prefill", _attention_prefill), ("attention-fp8", _attention_fp8)):
+    for name, fn in (("attention-prefill", _attention_prefill), ("attention-fp8", _attention_fp8),
+                     ("cache-prepare", _cache_prepare)):
         if name in only:
             fn(args)
             only.remove(name)

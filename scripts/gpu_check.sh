@@ -8,7 +8,6 @@
 #                                              # a fresh machine: two calls with 1/2 and 2/2)
 #   bash scripts/gpu_check.sh bench [args...]  # benchmarks/run.py with args
 #   bash scripts/gpu_check.sh tune [args...]   # benchmarks/tune.py with args (appends tune.log)
-#   bash scripts/gpu_check.sh probe [args...]  # benchmarks/probe_mma_overlap.py (Triton vs Gluon)
 #   bash scripts/gpu_check.sh host [cases...]  # benchmarks/host_cost.py (eager calls' host time)
 # The device copy has no .git: write the commit first (`git rev-parse --short HEAD > REVISION`
 # and name REVISION in the call's carry) so the benchmark's provenance line names it.
@@ -36,8 +35,6 @@ case "$what" in
     python3 benchmarks/run.py "$@" 2>&1 | tee "$OUT/bench.log" ;;
   tune)
     python3 benchmarks/tune.py "$@" 2>&1 | tee -a "$OUT/tune.log" ;;
-  probe)
-    python3 benchmarks/probe_mma_overlap.py "$@" 2>&1 | tee "$OUT/probe.log" ;;
   host)
     python3 benchmarks/host_cost.py "$@" 2>&1 | tee -a "$OUT/host.log" ;;
   all)

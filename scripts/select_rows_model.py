@@ -3,14 +3,19 @@
 and its step counts. Runs on CPU in seconds; the Gluon kernel itself runs only on the GPU, so
 this is where a change to the search is tried before a device call.
 
-    PYTHONPATH=src python3 scripts/select_rows_model.py
+    PYTHONPATH=src python3 scripts/select_rows_model.py           # seconds
+    PYTHONPATH=src python3 scripts/select_rows_model.py --bench   # ~10 s
 
 Prints the number of mismatches with `reference.select_from_scores` on random rows (normal,
 integer and special values: NaN, +-inf, -0.0; topk, init, local and widths varied), then, per
 number of value-midpoint steps V (the kernel's VALUE_STEPS), the search's steps on rows of
 17-64 blocks: per row, and the largest of 8 consecutive rows (a warp of TPR = 4 threads per row
-runs until its slowest row ends).
+runs until its slowest row ends). `--bench` counts the same on the rows of the benchmark's
+no-context fp8 chunk (8192 tokens, 4 index heads, normal queries and keys cast to fp8, as
+benchmarks/run.py's _index_step draws them).
 """
+
+import sys
 
 import numpy as np
 import torch
@@ -78,7 +83,39 @@ def select_row(s, n, topk, init, local, groups, width, value_steps, steps_out):
     return out
 
 
+def chunk_scores(tokens=8192, heads=4, dim=128, block=128, seed=0) -> np.ndarray:
+    """[tokens * heads, tokens / block] block scores of one chunk with no context (blocks past a
+    token's causal count are -inf)."""
+    nb = tokens // block
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(nb * block, dim, generator=g).to(torch.float8_e4m3fn).float()
+    q = torch.randn(tokens, heads, dim, generator=g).to(torch.float8_e4m3fn).float()
+    pos = torch.arange(tokens)
+    out = torch.empty(tokens, heads, nb)
+    for c in range(0, tokens, 512):
+        s = (q[c:c + 512].reshape(-1, dim) @ keys.T).view(-1, heads, nb * block)
+        s = s.masked_fill(pos[None, None, :] > pos[c:c + 512, None, None], float("-inf"))
+        out[c:c + 512] = s.view(-1, heads, nb, block).amax(-1)
+    return out.reshape(tokens * heads, nb).numpy()
+
+
+def main_bench(heads=4, block=128):
+    rows = chunk_scores(heads=heads, block=block)
+    n = np.arange(rows.shape[0]) // heads // block + 1
+    steps = np.zeros(len(n), int)
+    for i in range(len(n)):
+        out = []
+        select_row(rows[i], int(n[i]), 16, 0, 1, 16, rows.shape[1] // 16, 8, out)
+        steps[i] = out[0] if out else 0
+    searched = n > 16
+    warp = steps.reshape(-1, 8).max(1)[searched.reshape(-1, 8).any(1)]
+    print(f"rows searched {searched.sum()}: steps per row {steps[searched].mean():.2f} (max "
+          f"{steps.max()}), per 8-row warp {warp.mean():.2f}")
+
+
 def main():
+    if "--bench" in sys.argv:
+        return main_bench()
     rng = np.random.default_rng(0)
     bad = trials = 0
     for trial in range(3000):

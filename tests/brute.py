@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Brute-force MSA in plain Python loops, one token, head and block at a time: the independent
-check of the reference on small cases (slow on purpose, written from MSA-SPEC.md's text)."""
+check of the reference on small cases (slow on purpose, written from docs/spec.md's text)."""
 
 import math
 

@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Test tiers (STYLE.md): `reference` runs anywhere; `interpret` needs TRITON_INTERPRET=1 (set
+"""Test tiers (README.md, Test): `reference` runs anywhere; `interpret` needs TRITON_INTERPRET=1 (set
 before openmsa is imported, i.e. in the environment of the pytest run); `gpu` needs CUDA.
 
 The `kernel_device` fixture gives the device on which the public ops run the Triton kernels:
-"cpu" under the interpreter, "cuda" on a GPU."""
+"cpu" under the interpreter, "cuda" on a GPU. This file applies to every folder below it
+(tests/ops, tests/plans), and puts tests/ on sys.path, so tests import `helpers` and `brute`."""
 
 import os
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Tier 0: the main-branch reference against dense attention and MSA-SPEC.md's rules."""
+"""Tier 0: the main-branch reference against dense attention and the rules of docs/spec.md."""
 
 import pytest
 import torch
@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from openmsa import reference as ref
 from openmsa.batch import token_layout
-from openmsa.testing import make_step, random_kv_cache
+from helpers import make_step, random_kv_cache
 
 from brute import positions
 

@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Every kernel compiles for Hopper (sm_90) through Triton's own compiler and ptxas, on a machine
 without a GPU: the interpreter tier checks what the kernels compute, this checks that the code the
-GPU runs can be built at M3's shapes (a frontend or register-allocation failure shows up here)."""
+GPU runs can be built at M3's shapes (a frontend or register-allocation failure shows up here).
+The helper is tests/helpers/sm90.py; an op whose tests live in tests/ops/ compiles its kernels
+there (the cache op's: tests/ops/test_cache.py)."""
 
 import os
 
@@ -14,32 +16,15 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
     pytest.skip("compilation needs the real compiler, not the interpreter", allow_module_level=True)
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
 from openmsa.ops.attention.decode import _merge_splits_kernel, _sparse_attention_kernel  # noqa
 from openmsa.ops.attention.page_table import _sparse_page_table_kernel  # noqa: E402
 from openmsa.ops.attention.prefill import _sparse_attention_tile_kernel, _tile_plan_kernel  # noqa
-from openmsa.ops.cache.write import _write_index_cache_kernel, _write_kv_cache_kernel  # noqa
 from openmsa.ops.indexer.scores import _block_scores_kernel  # noqa: E402
 from openmsa.ops.indexer.select import _merge_topk_kernel, _segment_topk_kernel  # noqa: E402
 
-I32, I64, F32 = "*i32", "*i64", "*fp32"
-STEP = dict(cu_ptr=I32, seq_lens_ptr=I32, bt_ptr=I32)
-
-
-def _compile(fn, pointers, scalars, constexprs):
-    # a constexpr parameter left out takes its default, as at a runtime launch (not an i32)
-    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default},
-                  **constexprs}
-    signature = {}
-    for name in fn.arg_names:
-        if name in constexprs:
-            signature[name] = "constexpr"
-        else:
-            signature[name] = pointers.get(name) or scalars.get(name, "i32")
-    src = ASTSource(fn=fn, signature=signature,
-                    constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32))
+from helpers.sm90 import F32, I32, I64, STEP  # noqa: E402,F401
+from helpers.sm90 import compile_sm90 as _compile  # noqa: E402
 
 
 @pytest.mark.parametrize("tile_mode, q_type, c_type, early", [(False, "*fp8e4nv", "*fp8e4nv", 0),
@@ -310,35 +295,6 @@ def test_attention_kernels(kv_type, splits, sub):
              dict(NUM_HEADS=64, D=128, SPLITS=2, SP=2, PDL=True, STORE_LSE=False))
     _compile(_sparse_page_table_kernel, dict(idx_ptr=I32, pages_ptr=I32, lens_ptr=I32, **STEP),
              {}, dict(NUM_KV_HEADS=4, NUM_INDEX_HEADS=4, TOPK=16, KP=16, BLOCK=128, SUB=16))
-
-
-def test_cache_write_kernels():
-    _compile(_write_index_cache_kernel, dict(src_ptr="*bf16", cache_ptr="*fp8e4nv",
-                                             slot_ptr=I64), {},
-             dict(BLOCK=128, DI=128, DIP=128, SATURATE=True))
-    _compile(_write_kv_cache_kernel, dict(k_ptr="*bf16", v_ptr="*bf16", k_cache_ptr="*fp8e4nv",
-                                          v_cache_ptr="*fp8e4nv", slot_ptr=I64,
-                                          k_scale_ptr=F32, v_scale_ptr=F32), {},
-             dict(BLOCK=128, HKV=4, HKVP=4, D=128, DP=128, SATURATE=True, HAS_SCALE=True))
-
-
-@pytest.mark.parametrize("kv_type, index_type, fp32_angles, rope_scale",
-                         [("*fp8e4nv", "*fp8e4nv", False, 1.0), ("*bf16", "*bf16", False, 1.0),
-                          ("*bf16", "*fp8e4nv", True, 1.0693147180559945)])  # fp32 form, YaRN
-def test_fused_prepare_kernel(kv_type, index_type, fp32_angles, rope_scale):
-    from openmsa.ops.cache.prepare import _fused_prepare_kernel
-
-    fp8 = kv_type == "*fp8e4nv"
-    _compile(_fused_prepare_kernel,
-             dict(qkv_ptr="*bf16", pos_ptr=I32, qw_ptr="*bf16", kw_ptr="*bf16", iqw_ptr="*bf16",
-                  ikw_ptr="*bf16", table_ptr=F32, k_cache_ptr=kv_type, v_cache_ptr=kv_type,
-                  slot_ptr=I64, index_cache_ptr=index_type, index_slot_ptr=I64,
-                  k_scale_ptr=F32, v_scale_ptr=F32, q_out_ptr="*bf16", iq_out_ptr=index_type),
-             dict(eps="fp32"),
-             dict(HQ=64, HKV=4, H=4, D=128, DI=128, DP=128, DIP=128, ROT=64, NCOARSE=16384,
-                  BLOCK=128, IBLOCK=128, HT=16, KV_SATURATE=fp8,
-                  INDEX_SATURATE=index_type == "*fp8e4nv", IQ_SATURATE=index_type == "*fp8e4nv",
-                  HAS_SCALE=fp8, FP32_ANGLES=fp32_angles, ROPE_SCALE=rope_scale))
 
 
 def test_resources_tool():

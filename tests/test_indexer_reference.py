@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Tier 0: the index-branch reference against brute force and MSA-SPEC.md's rules."""
+"""Tier 0: the index-branch reference against brute force and the rules of docs/spec.md."""
 
 import pytest
 import torch
@@ -7,7 +7,7 @@ import torch
 from openmsa import reference as ref
 from openmsa.batch import token_layout
 from openmsa.ops.indexer.reference import select_from_scores
-from openmsa.testing import make_step, random_index_inputs
+from helpers import make_step, random_index_inputs
 
 from brute import brute_scores, brute_select, positions
 

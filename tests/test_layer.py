@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The sparse layer: plan/run metadata, MSAAttention's checkpoint loading and tensor-parallel
 shards, and the small model end to end (kernels vs reference, sparse with every block selected vs
-dense attention). The GPU-only CUDA-graph test of a 4-layer stack is in test_gpu.py."""
+dense attention); on a GPU, M3's geometry with long prompts, a 4-layer stack captured in a CUDA
+graph, and the ops on another GPU than the current one."""
 
 import dataclasses
 
@@ -11,7 +12,8 @@ import torch
 import openmsa
 from openmsa.model import TinyMSAModel, ToyEngine, random_layer_checkpoint
 from openmsa.plan import MSAPlanner
-from openmsa.testing import make_step
+from helpers import (assert_close, make_step, random_index_inputs, random_kv_cache)
+from helpers.dense import DENSE_OPS
 
 FP8 = torch.float8_e4m3fn
 CFG = openmsa.MSAConfig(num_heads=4, num_kv_heads=2, head_dim=64, num_index_heads=2,
@@ -51,7 +53,7 @@ def run_kernels_against_reference(cfg, *, dtype, kv_dtype, index_dtype, device, 
     same inputs, then the reference model reuses it: everything else is compared tightly."""
     from openmsa import layer as layer_mod
     from openmsa.batch import token_layout
-    from openmsa.testing import assert_selection_near_optimal
+    from helpers import assert_selection_near_optimal
 
     recorded = []
     kernel_select = layer_mod.KERNEL_OPS.select_blocks
@@ -188,9 +190,9 @@ def test_model_with_every_block_selected_equals_dense_reference():
     steps = _schedule(*_prompts())
     kw = dict(dtype=torch.float32, kv_dtype=torch.float32, index_dtype=torch.float32,
               device="cpu", steps=steps)
-    _assert_logits_close(_run(cfg, "reference", **kw), _run(cfg, "dense", **kw), rel=1e-4)
+    _assert_logits_close(_run(cfg, "reference", **kw), _run(cfg, DENSE_OPS, **kw), rel=1e-4)
     # and with the real topk the selection matters: sparse differs from dense
-    sparse, dense = _run(CFG, "reference", **kw), _run(CFG, "dense", **kw)
+    sparse, dense = _run(CFG, "reference", **kw), _run(CFG, DENSE_OPS, **kw)
     assert (sparse[1] - dense[1]).abs().max() > 1e-2
 
 
@@ -220,4 +222,152 @@ def test_model_end_to_end_every_block_selected_equals_dense(kernel_device):
     dtype = torch.bfloat16 if kernel_device == "cuda" else torch.float16
     kw = dict(dtype=dtype, kv_dtype=dtype, index_dtype=dtype, steps=steps,
               device=kernel_device)
-    _assert_logits_close(_run(cfg, "kernels", **kw), _run(cfg, "dense", **kw))
+    _assert_logits_close(_run(cfg, "kernels", **kw), _run(cfg, DENSE_OPS, **kw))
+
+
+# ----------------------------------------------------------------------- GPU tier: M3 geometry
+def _m3_tiny_model(ops, layers, topk=16, index_query_dtype=None):
+    from openmsa.model import TinyMSAModel
+    cfg = dataclasses.replace(openmsa.MSAConfig().shard(4), topk_blocks=topk)  # 16 / 1 / 1 heads
+    return TinyMSAModel(cfg, ops=ops, num_layers=layers, hidden_size=256, device="cuda",
+                        index_query_dtype=index_query_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype, index_dtype", [(torch.bfloat16, FP8), (FP8, torch.bfloat16)])
+def test_m3_layer_end_to_end_long_prompt(kv_dtype, index_dtype, monkeypatch):
+    """M3's attention geometry (TP4 rank): two 6K-token prompts prefilled in 2K chunks next to
+    each other, then decode and verify steps; kernels vs the reference ops on the same GPU, the
+    reference replaying the kernels' (checked near-optimal) selections
+    (run_kernels_against_reference says why)."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(0, 128, (6200,), generator=g).tolist()
+    b = torch.randint(0, 128, (6100,), generator=g).tolist()
+    steps = [[(0, a[:2048])], [(0, a[2048:4096]), (1, b[:3000])],
+             [(0, a[4096:6000]), (1, b[3000:6000])], [(0, a[6000:6001]), (1, b[6000:6004])],
+             [(0, a[6001:6005]), (1, b[6004:6005])]]
+    cfg = openmsa.MSAConfig().shard(4)
+    got, want = run_kernels_against_reference(
+        cfg, dtype=torch.bfloat16, kv_dtype=kv_dtype, index_dtype=index_dtype, device="cuda",
+        steps=steps, pins=monkeypatch, engine=dict(num_pages=120, max_tokens=6000,
+                                                   max_blocks=64), hidden_size=256)
+    _assert_logits_close(got, want)
+
+
+@pytest.mark.gpu
+def test_m3_every_block_selected_equals_dense_long_prompt():
+    from openmsa.model import ToyEngine
+    g = torch.Generator().manual_seed(1)
+    a = torch.randint(0, 128, (5000,), generator=g).tolist()
+    steps = [[(0, a[:2500])], [(0, a[2500:4990])], [(0, a[4990:4991])], [(0, a[4991:4995])]]
+    out = {}
+    for name, ops in (("kernels", "kernels"), ("dense", DENSE_OPS)):
+        model = _m3_tiny_model(ops, layers=2, topk=64)  # 64 blocks x 128 >= 5000 tokens
+        eng = ToyEngine(model, num_pages=64, max_tokens=2500, max_blocks=64, device="cuda")
+        out[name] = [eng.step(s) for s in steps]
+    for i, (x, y) in enumerate(zip(out["kernels"], out["dense"])):
+        err = float((x - y).norm() / y.norm())
+        assert err < 2e-2, f"step {i}: relative error {err:.3g}"
+
+
+@pytest.mark.gpu
+def test_four_layer_decode_step_captured_in_a_cuda_graph():
+    """plan/run: a 4-layer stack's decode step (8 request slots, 8 tokens) is captured once, then
+    replayed for new tokens, new lengths, a verify request and padding; equal to eager runs."""
+    from openmsa.model import ToyEngine
+    model = _m3_tiny_model("kernels", layers=4)
+    eng = ToyEngine(model, num_pages=200, max_requests=8, max_tokens=2048, max_blocks=64,
+                    kv_dtype=torch.bfloat16, index_dtype=FP8, device="cuda")
+    g = torch.Generator().manual_seed(2)
+    lens = [3000, 130, 2049, 777]
+    for rid, n in enumerate(lens):  # prompts, eagerly, in chunks of up to 2048
+        toks = torch.randint(0, 128, (n,), generator=g).tolist()
+        for s in range(0, n, 2048):
+            eng.step([(rid, toks[s:s + 2048])])
+
+    def tokens(n):
+        return torch.randint(0, 128, (n,), generator=g).tolist()
+
+    pad = dict(pad_requests_to=8, pad_tokens_to=8)
+    meta, ids = eng.plan([(r, tokens(1)) for r in range(4)], **pad)
+    static_ids = ids.clone()
+    with torch.no_grad():
+        model(static_ids, meta, eng.caches)  # compile, outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_logits = model(static_ids, meta, eng.caches)
+    schedules = [[(r, tokens(1)) for r in range(4)],
+                 [(0, tokens(1)), (1, tokens(3)), (3, tokens(2))],   # verify rows, padding
+                 [(2, tokens(1))]]
+    for batch in schedules:
+        m2, ids2 = eng.plan(batch, **pad)
+        assert m2.positions.data_ptr() == meta.positions.data_ptr()
+        static_ids.copy_(ids2)
+        graph.replay()
+        replayed = static_logits.clone()
+        with torch.no_grad():
+            eager = model(ids2, m2, eng.caches)  # rewrites the same keys: idempotent
+        n = sum(len(t) for _, t in batch)
+        assert torch.isfinite(replayed[:n]).all()
+        torch.testing.assert_close(replayed[:n], eager[:n], atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_ops_follow_their_tensors_to_another_gpu():
+    """A process driving two GPUs calls the ops on tensors of cuda:1 while cuda:0 is current.
+    Triton launches on the current device, so each op makes its first argument's device current
+    for the call (as torch's own ops do) and leaves cuda:0 current after: the indexer, the
+    attention and the page table against the reference, the cache writes exactly, and a
+    two-layer model's prefill and decode steps (fused preparation, planner) equal to the same
+    steps run with cuda:1 current."""
+    from openmsa import reference as ref
+    B = 128
+    dev = torch.device("cuda:1")
+    torch.cuda.set_device(0)
+    step = make_step([1, 4, 40], [3000, 700, 1500], block_size=B, extra_columns=1)
+    d = dataclasses.replace(step, **{name: getattr(step, name).to(dev) for name in (
+        "cu_seqlens_q", "seq_lens", "block_table", "slot_mapping")})
+    args, dargs = ((step.cu_seqlens_q, step.seq_lens, step.block_table),
+                   (d.cu_seqlens_q, d.seq_lens, d.block_table))
+    q, c = random_index_inputs(step, num_heads=4, head_dim=128, block_size=B, q_dtype=FP8,
+                               cache_dtype=FP8, integer=True)
+    idx = openmsa.select_blocks(q.to(dev), c.to(dev), *dargs, block_size=B)
+    assert idx.device == dev and torch.cuda.current_device() == 0
+    assert torch.equal(idx.cpu(), ref.select_blocks(q, c, *args, block_size=B))
+    scores = openmsa.block_scores(q.to(dev), c.to(dev), *dargs, block_size=B)
+    assert torch.equal(scores.cpu(), ref.block_scores(q, c, *args, block_size=B))
+    k, v = random_kv_cache(step.num_pages, B, 4, 128, dtype=FP8)
+    qa = torch.randn(step.num_tokens, 64, 128).bfloat16()
+    got, lse = openmsa.sparse_attention(qa.to(dev), k.to(dev), v.to(dev), idx, *dargs,
+                                        return_lse=True)
+    want, want_lse = ref.sparse_attention(qa, k, v, idx.cpu(), *args, return_lse=True)
+    assert_close(got, want)
+    assert_close(lse, want_lse, torch.bfloat16)
+    pages, lens = openmsa.sparse_page_table(idx, *dargs, num_kv_heads=4, block_size=B)
+    want_pages, want_lens = ref.sparse_page_table(idx.cpu(), *args, num_kv_heads=4,
+                                                  block_size=B)
+    assert torch.equal(pages.cpu(), want_pages) and torch.equal(lens.cpu(), want_lens)
+    slots = torch.tensor([5, -1, 300, 7000], dtype=torch.int64)
+    x = torch.randn(4, 4, 128).bfloat16()
+    kc, vc = (torch.zeros(60, B, 4, 128, dtype=torch.bfloat16) for _ in range(2))
+    dkc, dvc = kc.to(dev), vc.to(dev)
+    ref.write_kv_cache(x, -x, kc, vc, slots)
+    openmsa.write_kv_cache(x.to(dev), -x.to(dev), dkc, dvc, slots.to(dev))
+    assert torch.equal(dkc.cpu(), kc) and torch.equal(dvc.cpu(), vc)
+    ic = torch.zeros(60, B, 128, dtype=torch.bfloat16)
+    dic = ic.to(dev)
+    ref.write_index_cache(x[:, 0], ic, slots)
+    openmsa.write_index_cache(x[:, 0].to(dev), dic, slots.to(dev))
+    assert torch.equal(dic.cpu(), ic)
+    assert torch.cuda.current_device() == 0
+    steps = [[(0, list(range(100)) * 3)], [(0, [5])], [(0, [6, 7, 8])]]
+    kw = dict(dtype=torch.bfloat16, kv_dtype=FP8, index_dtype=FP8, steps=steps,
+              engine=dict(num_pages=16, max_tokens=512, max_blocks=8), hidden_size=256)
+    cfg = openmsa.MSAConfig().shard(4)
+    other = _run(cfg, "kernels", device=dev, **kw)
+    assert torch.cuda.current_device() == 0
+    with torch.cuda.device(1):
+        same = _run(cfg, "kernels", device=dev, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(other, same))

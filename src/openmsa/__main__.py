@@ -7,6 +7,7 @@ import argparse
 import platform
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -31,6 +32,42 @@ def _env() -> None:
                   f"{'triton kernels' if reason is None else 'unsupported: ' + reason}")
     else:
         print("CUDA: not available (CUDA tensors would need a GPU)")
+
+
+def _dense_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, block_size,
+                     dtype=None):
+    """Dense causal GQA attention per request, through scaled_dot_product_attention over the
+    request's pages in `dtype` (q's by default): the demo's independent path, no openmsa op
+    involved. The lengths may be host lists (no sync). Padding tokens give 0."""
+    from torch.nn.attention.bias import causal_lower_right
+    dtype = dtype or q.dtype
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    group = q.shape[1] // hkv
+    out = torch.zeros_like(q, dtype=dtype)
+    cu, sl = (x.tolist() if isinstance(x, torch.Tensor) else x for x in (cu_seqlens_q, seq_lens))
+    for r in range(len(sl)):
+        ql, s_len = cu[r + 1] - cu[r], sl[r]
+        if ql == 0 or ql > s_len:
+            continue
+        nb = -(-s_len // block_size)
+        pages = block_table[r, :nb].long()
+        kk = k_cache[pages].reshape(nb * block_size, hkv, d)[:s_len].transpose(0, 1).to(dtype)
+        vv = v_cache[pages].reshape(nb * block_size, hkv, d)[:s_len].transpose(0, 1).to(dtype)
+        qq = q[cu[r]:cu[r + 1]].transpose(0, 1).to(dtype)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qq, kk.repeat_interleave(group, 0), vv.repeat_interleave(group, 0),
+            attn_mask=causal_lower_right(ql, s_len))
+        out[cu[r]:cu[r + 1]] = o.transpose(0, 1)
+    return out
+
+
+# MSAAttention's ops with dense attention in place of selection and sparse attention
+DENSE_OPS = SimpleNamespace(
+    fused_prepare=openmsa.reference.fused_prepare,
+    select_blocks=lambda *args, **kwargs: None,
+    sparse_attention=lambda q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, *,
+    block_size, **scales: _dense_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens,
+                                           block_table, block_size))
 
 
 def _demo(context: int | None, device: str | None) -> None:
@@ -101,22 +138,7 @@ def _demo(context: int | None, device: str | None) -> None:
     cu_host, sl_host = cu.tolist(), sl.tolist()
 
     def dense(dtype=dt):
-        # dense causal GQA attention per request, through scaled_dot_product_attention over the
-        # request's pages (an independent path: no openmsa op involved)
-        from torch.nn.attention.bias import causal_lower_right
-        out = torch.empty_like(qd, dtype=dtype)
-        for r in range(len(sl_host)):
-            ql, s_len = cu_host[r + 1] - cu_host[r], sl_host[r]
-            nb = -(-s_len // bs)
-            pages = table[r, :nb].long()
-            kk = k_cache[pages].reshape(nb * bs, hkv, d)[:s_len].transpose(0, 1).to(dtype)
-            vv = v_cache[pages].reshape(nb * bs, hkv, d)[:s_len].transpose(0, 1).to(dtype)
-            qq = qd[cu_host[r]:cu_host[r + 1]].transpose(0, 1).to(dtype)
-            o = torch.nn.functional.scaled_dot_product_attention(
-                qq, kk.repeat_interleave(cfg.group_size, 0),
-                vv.repeat_interleave(cfg.group_size, 0), attn_mask=causal_lower_right(ql, s_len))
-            out[cu_host[r]:cu_host[r + 1]] = o.transpose(0, 1)
-        return out
+        return _dense_attention(qd, k_cache, v_cache, cu_host, sl_host, table, bs, dtype)
 
     t0 = time.perf_counter()
     idx, out = sparse()
@@ -203,7 +225,7 @@ def _demo_model(device: str | None, prompt_len: int | None) -> None:
     full = dataclasses.replace(cfg, topk_blocks=min(64, pages))
     if pages <= 64:
         runs["all blocks selected"] = generate("kernels", full)
-        runs["dense attention"] = generate("dense", full)
+        runs["dense attention"] = generate(DENSE_OPS, full)
     against = {"openmsa ops": "reference ops", "all blocks selected": "dense attention"}
     for name, (toks, last, secs) in runs.items():
         note = ""

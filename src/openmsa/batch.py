@@ -1,13 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The layout of one forward step: packed query tokens, right-aligned against each request's KV.
+"""The layout of one forward step (docs/spec.md, Batch layout and Padding): packed query tokens,
+right-aligned against each request's KV.
 
 A step holds R requests and T query tokens. `cu_seqlens_q` (int32 [R+1]) gives token offsets and
 `seq_lens` (int32 [R]) the KV length after this step's tokens were written. Token i of request r
-sits at position p = seq_lens[r] - q_len[r] + i and sees keys 0..p.
+sits at position p = seq_lens[r] - q_len[r] + i and sees keys 0..p. A token at or past
+`cu_seqlens_q[R]` belongs to no request, and every token of a request with q_len > seq_len
+(malformed; rejected by `validate_batch`) sees nothing.
 
-Padding (decided here, MSA-SPEC.md leaves it implicit): a token at or past `cu_seqlens_q[R]`
-belongs to no request, and every token of a request with q_len > seq_len (malformed; rejected by
-`validate_batch`) sees nothing. Both produce -1 indices, zero output and -inf LSE.
+`token_layout` is the host-side request lookup, the one the references and the planner share
+(the kernels' device-side lookups are ops/common/triton_utils.py and gluon_utils.py).
 """
 
 from __future__ import annotations

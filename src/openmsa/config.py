@@ -54,7 +54,8 @@ def _get(obj: Any, key: str, default: Any = None) -> Any:
 
 @dataclass(frozen=True)
 class MSAConfig:
-    """One sparse layer's configuration; defaults are MiniMax-M3's (see MSA-SPEC.md).
+    """One sparse layer's configuration; defaults are MiniMax-M3's (docs/spec.md, Symbols and
+    M3's values).
 
     Head counts are per rank: a tensor-parallel rank holds `num_heads / tp` query heads, and
     `num_kv_heads` and `num_index_heads` shrink with it (index head h serves KV head h).
@@ -145,7 +146,7 @@ class MSAConfig:
         """Build from a Hugging Face config: a dict or a config object, top level or with the
         model keys under `text_config`, in either layout:
 
-        * the checkpoint's `config.json`: `sparse_attention_config` as MSA-SPEC.md says
+        * the checkpoint's `config.json`: `sparse_attention_config` (docs/spec.md, Symbols and M3's values)
           (`sparse_attention_freq`: a list with one entry per layer, 1 = sparse, or the int 1 for
           every layer; any other int is rejected rather than guessed), `rope_theta`,
           `rotary_dim` (or `partial_rotary_factor`), `rope_scaling`;

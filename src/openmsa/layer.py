@@ -26,7 +26,7 @@ from .ops.cache.api import fused_prepare
 from .ops.indexer.api import select_blocks
 from .plan import MSAMetadata
 
-__all__ = ["MSAAttention", "dense_paged_attention"]
+__all__ = ["MSAAttention"]
 
 _NORMS = ("q_norm", "k_norm", "index_q_norm", "index_k_norm")
 # transformers' MiniMax-M3 names of the index branch's tensors (its `indexer` submodule)
@@ -39,6 +39,19 @@ TRANSFORMERS_NAMES = {"index_q_proj.weight": "indexer.q_proj.weight",
 # the public ops (Triton on CUDA, or on CPU under the interpreter); `reference` has the same names
 KERNEL_OPS = SimpleNamespace(fused_prepare=fused_prepare, select_blocks=select_blocks,
                              sparse_attention=sparse_attention)
+_OP_NAMES = ("fused_prepare", "select_blocks", "sparse_attention")
+
+
+def _resolve_ops(ops):
+    if isinstance(ops, str):
+        if ops == "kernels":
+            return KERNEL_OPS
+        if ops == "reference":
+            return reference
+    elif all(callable(getattr(ops, name, None)) for name in _OP_NAMES):
+        return ops
+    raise ValueError(f"ops must be 'kernels', 'reference' or an object with "
+                     f"{', '.join(_OP_NAMES)}, got {ops!r}")
 
 
 class MSAAttention(nn.Module):
@@ -49,8 +62,9 @@ class MSAAttention(nn.Module):
         hidden_size: the model's hidden size.
         tp_size, tp_rank: this rank's slice of the heads.
         ops: "kernels" (the public ops: Triton on CUDA), "reference" (openmsa.reference, the
-            spec in PyTorch) or "dense" (the reference preparation, then dense causal attention
-            over the whole context: what sparsity is compared against).
+            spec in PyTorch), or any object with `fused_prepare`, `select_blocks` and
+            `sparse_attention` taking the public ops' arguments (the tests plug in dense
+            attention this way).
         index_query_dtype: the index query's dtype (None: the index cache's; a 16-bit type
             against an fp8 cache is allowed).
     """
@@ -64,8 +78,7 @@ class MSAAttention(nn.Module):
             raise TypeError(f"config must be an MSAConfig, got {type(config).__name__}")
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank must be in [0, tp_size={tp_size}), got {tp_rank}")
-        if ops not in ("kernels", "reference", "dense"):
-            raise ValueError(f"ops must be 'kernels', 'reference' or 'dense', got {ops!r}")
+        self._ops = _resolve_ops(ops)
         self.full_config = config
         self.config = cfg = config.shard(tp_size)
         self.tp_size, self.tp_rank, self.hidden_size = tp_size, tp_rank, hidden_size
@@ -143,7 +156,7 @@ class MSAAttention(nn.Module):
         [P, B, Di]. The step's keys are written into the caches before attention reads them.
         """
         cfg = self.config
-        ops = KERNEL_OPS if self.ops == "kernels" else reference
+        ops = self._ops
         k_cache, v_cache = kv_cache
         num_tokens = hidden.shape[0]
         qkv = F.linear(hidden, self.qkv_weight)
@@ -155,53 +168,12 @@ class MSAAttention(nn.Module):
             qkv, meta.positions, cfg, self.q_norm, self.k_norm, self.index_q_norm,
             self.index_k_norm, k_cache, v_cache, meta.slot_mapping, index_cache,
             meta.index_slot_mapping, k_scale=k_scale, v_scale=v_scale, index_q_out=iq_out)
-        if self.ops == "dense":
-            out = dense_paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
-                                        meta.block_table, block_size=cfg.block_size,
-                                        k_scale=k_scale, v_scale=v_scale)
-        else:
-            indices = ops.select_blocks(
-                index_q, index_cache, meta.cu_seqlens_q, meta.seq_lens, meta.index_block_table,
-                topk=cfg.topk_blocks, init_blocks=cfg.init_blocks,
-                local_blocks=cfg.local_blocks, block_size=cfg.block_size,
-                max_q_len=meta.max_q_len)
-            out = ops.sparse_attention(q, k_cache, v_cache, indices, meta.cu_seqlens_q,
-                                       meta.seq_lens, meta.block_table,
-                                       block_size=cfg.block_size, k_scale=k_scale,
-                                       v_scale=v_scale)
+        indices = ops.select_blocks(
+            index_q, index_cache, meta.cu_seqlens_q, meta.seq_lens, meta.index_block_table,
+            topk=cfg.topk_blocks, init_blocks=cfg.init_blocks, local_blocks=cfg.local_blocks,
+            block_size=cfg.block_size, max_q_len=meta.max_q_len)
+        out = ops.sparse_attention(q, k_cache, v_cache, indices, meta.cu_seqlens_q,
+                                   meta.seq_lens, meta.block_table, block_size=cfg.block_size,
+                                   k_scale=k_scale, v_scale=v_scale)
         return F.linear(out.reshape(num_tokens, self.q_size), self.o_weight)
 
-
-def _scale_value(s) -> float:
-    if s is None:
-        return 1.0
-    return float(s) if not isinstance(s, torch.Tensor) else float(s.reshape(()))
-
-
-def dense_paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, *,
-                          block_size, scale=None, k_scale=None, v_scale=None) -> torch.Tensor:
-    """Dense causal GQA attention over each request's whole paged context, through
-    scaled_dot_product_attention: the comparison path (one launch per request; it reads the
-    metadata on the host, so it synchronises). Padding tokens give 0."""
-    from torch.nn.attention.bias import causal_lower_right
-
-    out = torch.zeros_like(q)
-    cu, sl = cu_seqlens_q.tolist(), seq_lens.tolist()
-    hq, d = q.shape[1], q.shape[2]
-    hkv = k_cache.shape[2]
-    ks, vs = _scale_value(k_scale), _scale_value(v_scale)
-    for r in range(len(sl)):
-        ql, n = cu[r + 1] - cu[r], sl[r]
-        if ql == 0 or n == 0 or ql > n:
-            continue
-        nb = -(-n // block_size)
-        pages = block_table[r, :nb].long()
-        k = (k_cache[pages].float() * ks).reshape(nb * block_size, hkv, d)[:n]
-        v = (v_cache[pages].float() * vs).reshape(nb * block_size, hkv, d)[:n]
-        k = k.to(q.dtype).transpose(0, 1).repeat_interleave(hq // hkv, 0)
-        v = v.to(q.dtype).transpose(0, 1).repeat_interleave(hq // hkv, 0)
-        qq = q[cu[r]:cu[r + 1]].transpose(0, 1)
-        o = F.scaled_dot_product_attention(qq, k, v, attn_mask=causal_lower_right(ql, n),
-                                           scale=scale)
-        out[cu[r]:cu[r + 1]] = o.transpose(0, 1)
-    return out

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Every public op as pure PyTorch with fp32 math and the same signature: MSA-SPEC.md in code."""
+"""Every public op as pure PyTorch with fp32 math and the same signature: docs/spec.md in code."""
 
 from .batch import validate_batch
 from .ops.attention.reference import sparse_attention, sparse_page_table

@@ -22,9 +22,7 @@ cos and sin (1.0 without scaling).
 import triton
 import triton.language as tl
 
-from .write import saturate_to
-
-ROPE_FINE = 1024  # rows of the fine table; positions split as p = hi * ROPE_FINE + lo
+from .write import kv_scales, saturate_to
 
 
 @triton.jit
@@ -113,11 +111,7 @@ def _fused_prepare_kernel(
             h0 = (tile - NQ) * HT
             page = slot // BLOCK
             off = slot % BLOCK
-            k_scale = 1.0
-            v_scale = 1.0
-            if HAS_SCALE:
-                k_scale = tl.load(k_scale_ptr)
-                v_scale = tl.load(v_scale_ptr)
+            k_scale, v_scale = kv_scales(k_scale_ptr, v_scale_ptr, HAS_SCALE)
             k, mask = _norm_rope(row, stride_xc, (HQ + h0) * D, HKV - h0, kw_ptr, pos,
                                  table_ptr, eps, HT, D, DP, ROT, NCOARSE, FP32_ANGLES, ROPE_SCALE)
             d = tl.arange(0, DP)[None, :]

@@ -17,6 +17,17 @@ def saturate_to(x, dtype: tl.constexpr, SATURATE: tl.constexpr):
 
 
 @triton.jit
+def kv_scales(k_scale_ptr, v_scale_ptr, HAS_SCALE: tl.constexpr):
+    """The per-tensor scales of an fp8 main cache (the cache stores x / scale); 1.0 without."""
+    k_scale = 1.0
+    v_scale = 1.0
+    if HAS_SCALE:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+    return k_scale, v_scale
+
+
+@triton.jit
 def _write_index_cache_kernel(src_ptr, cache_ptr, slot_ptr, stride_st, stride_sd, stride_cp,
                               stride_cb, stride_cd, BLOCK: tl.constexpr, DI: tl.constexpr,
                               DIP: tl.constexpr, SATURATE: tl.constexpr):
@@ -55,11 +66,7 @@ def _write_kv_cache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_s
     if slot >= 0:
         page = slot // BLOCK
         offset = slot % BLOCK
-        k_scale = 1.0
-        v_scale = 1.0
-        if HAS_SCALE:
-            k_scale = tl.load(k_scale_ptr)
-            v_scale = tl.load(v_scale_ptr)
+        k_scale, v_scale = kv_scales(k_scale_ptr, v_scale_ptr, HAS_SCALE)
         _write_kv_row(k_ptr, k_cache_ptr, t, page, offset, k_scale, stride_kt, stride_kh,
                       stride_kd, stride_kcp, stride_kcb, stride_kch, stride_kcd, HKV, HKVP, D, DP,
                       SATURATE)

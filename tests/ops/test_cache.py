@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""fused_prepare: the one-launch norm + RoPE + cast + cache insertion against the reference
-(interpret/GPU tiers), the reference's RoPE at large positions, and its argument checks."""
+"""The cache op: write_index_cache, write_kv_cache and fused_prepare. The reference's rules
+(saturating casts, skipped slots, strided views, Gemma RMSNorm, NeoX RoPE at large positions),
+the kernels against the reference (interpret and GPU tiers, markers), the argument checks, and
+the kernels compiled for sm_90. The launch plans are tested in tests/plans/test_cache_plan.py."""
 
 import math
 
@@ -10,10 +12,103 @@ import torch
 import openmsa
 from openmsa import reference as ref
 from openmsa._dispatch import INTERPRET
-from openmsa.testing import assert_close, nan_poison
+from helpers import assert_close, nan_poison
+from helpers.sm90 import COMPILE_SKIP, F32, I32, I64, compile_sm90
 
 FP8 = torch.float8_e4m3fn
 B = 16
+
+
+# ---------------------------------------------------------------------- the reference's rules
+@pytest.mark.reference
+def test_index_write_saturates_and_skips_negative_slots():
+    cache = torch.zeros(3, 4, 8, dtype=FP8)
+    k = torch.tensor([[1000.0] * 4 + [-1000.0] * 4, [1.5] * 8, [7.0] * 8])
+    ref.write_index_cache(k, cache, torch.tensor([5, -1, 11]))
+    c = cache.float()
+    assert (c[1, 1, :4] == 448).all() and (c[1, 1, 4:] == -448).all()
+    assert (c[2, 3] == 7).all()
+    assert (c.flatten(0, 1)[[i for i in range(12) if i not in (5, 11)]] == 0).all()
+
+
+@pytest.mark.reference
+def test_index_write_keeps_nan():
+    cache = torch.zeros(1, 2, 2, dtype=FP8)
+    ref.write_index_cache(torch.tensor([[float("nan"), 3.0]]), cache, torch.tensor([1]))
+    assert math.isnan(float(cache[0, 1, 0].float())) and float(cache[0, 1, 1].float()) == 3
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("layout", ["flash", "vllm"])
+def test_kv_write_into_strided_views(layout):
+    pages, block, hkv, d = 3, 4, 2, 8
+    if layout == "flash":
+        kc, vc = torch.zeros(pages, block, hkv, d), torch.zeros(pages, block, hkv, d)
+    else:
+        packed = torch.zeros(pages, hkv, block, 2 * d)
+        kc, vc = packed[..., :d].permute(0, 2, 1, 3), packed[..., d:].permute(0, 2, 1, 3)
+    k, v = torch.randn(3, hkv, d), torch.randn(3, hkv, d)
+    ref.write_kv_cache(k, v, kc, vc, torch.tensor([6, -1, 0]))
+    assert torch.equal(kc[1, 2], k[0]) and torch.equal(vc[0, 0], v[2])
+    written = (kc != 0).any(-1).any(-1)  # [pages, block]: only slots 6 and 0
+    assert written.flatten().nonzero().flatten().tolist() == [0, 6]
+    if layout == "vllm":
+        assert torch.equal(packed[1, :, 2, :d], k[0]) and torch.equal(packed[1, :, 2, d:], v[0])
+
+
+@pytest.mark.reference
+def test_kv_write_fp8_scale():
+    kc, vc = torch.zeros(1, 2, 1, 4, dtype=FP8), torch.zeros(1, 2, 1, 4, dtype=FP8)
+    k = torch.full((1, 1, 4), 3.0)
+    ref.write_kv_cache(k, k, kc, vc, torch.tensor([1]), k_scale=0.5, v_scale=0.001)
+    assert (kc[0, 1].float() == 6).all() and (vc[0, 1].float() == 448).all()
+
+
+@pytest.mark.reference
+def test_rms_norm_is_gemma_style():
+    x = torch.randn(5, 3, 16)
+    w = torch.randn(16)
+    y = ref.rms_norm(x, w, 1e-6)
+    want = x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6) * (1 + w)
+    torch.testing.assert_close(y, want)
+
+
+@pytest.mark.reference
+def test_rope_neox_partial():
+    x = torch.randn(4, 2, 16)
+    pos = torch.tensor([0, 1, 5, 1000])
+    y = ref.apply_rope(x, pos, rotary_dim=8, theta=5e6)
+    assert torch.equal(y[0], x[0])  # position 0 is the identity
+    assert torch.equal(y[..., 8:], x[..., 8:])  # dims past rotary_dim are untouched
+    # pair i = (x[i], x[i+4]) turns by pos * theta^(-2i/8)
+    for t, p in enumerate(pos.tolist()):
+        for i in range(4):
+            a = p * 5e6 ** (-2 * i / 8)
+            c, s = math.cos(a), math.sin(a)
+            x1, x2 = x[t, :, i], x[t, :, i + 4]
+            torch.testing.assert_close(y[t, :, i], x1 * c - x2 * s, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(y[t, :, i + 4], x2 * c + x1 * s, atol=1e-5, rtol=1e-5)
+    # dot products depend on relative positions only
+    q, k = torch.randn(1, 1, 16), torch.randn(1, 1, 16)
+    d1 = (ref.apply_rope(q, torch.tensor([7]), 8, 1e4) * ref.apply_rope(k, torch.tensor([3]), 8,
+                                                                         1e4)).sum()
+    d2 = (ref.apply_rope(q, torch.tensor([104]), 8, 1e4) * ref.apply_rope(k, torch.tensor([100]),
+                                                                           8, 1e4)).sum()
+    torch.testing.assert_close(d1, d2, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.reference
+def test_prepare_index_qk_casts_to_cache_dtype():
+    q, k = torch.randn(3, 2, 16) * 100, torch.randn(3, 16) * 100
+    w = torch.zeros(16)
+    qq, kk = ref.prepare_index_qk(q, k, w, w, torch.arange(3), rotary_dim=8, rope_theta=5e6,
+                                  eps=1e-6, cache_dtype=FP8)
+    assert qq.dtype == FP8 and kk.dtype == FP8 and qq.shape == (3, 2, 16) and kk.shape == (3, 16)
+    # after RMSNorm every row has unit RMS (rotation keeps the norm)
+    torch.testing.assert_close(qq.float().pow(2).mean(-1), torch.ones(3, 2), atol=0.1, rtol=0.1)
+
+
+# ------------------------------------------------------------------ the fused preparation
 CFG = openmsa.MSAConfig(num_heads=8, num_kv_heads=2, head_dim=64, num_index_heads=2,
                         index_head_dim=64, block_size=B, rotary_dim=32, rope_theta=5e6)
 # positions across both RoPE table levels, including ~1M (coarse row 976) and padding (-1)
@@ -194,3 +289,79 @@ def test_fused_prepare_bits_at_m3_shapes(kv_dtype):
         assert differ < 0.01, f"{name}: {differ:.2%} of elements differ"
         _close(a, b, FP8 if name in ("index_q", "index_cache") or
                (name == "k_cache" and kv_dtype == FP8) else torch.bfloat16)
+
+
+# ------------------------------------------------------------------------- the cache writes
+@pytest.mark.interpret
+def test_cache_writes_match_reference(kernel_device):
+    g = torch.Generator().manual_seed(11)
+    slots = torch.tensor([5, -1, 17, 30, -3], dtype=torch.int64)
+    for dtype in (torch.float16, FP8):
+        # exact fp8 values: the interpreter's kernel-side fp32->fp8 rounding is unreliable
+        x = torch.randint(-20, 20, (5, 32), generator=g).float() * 32
+        want = torch.zeros(2, B, 32, dtype=dtype)
+        ref.write_index_cache(x, want, slots)
+        got = torch.zeros(2, B, 32, dtype=dtype, device=kernel_device)
+        openmsa.write_index_cache(x.to(kernel_device), got, slots.to(kernel_device))
+        assert torch.equal(got.cpu().float(), want.float())
+    packed = torch.zeros(2, 2, B, 2 * 64, dtype=torch.float16, device=kernel_device)
+    kc, vc = packed[..., :64].permute(0, 2, 1, 3), packed[..., 64:].permute(0, 2, 1, 3)
+    k, v = torch.randn(5, 2, 64, generator=g).half(), torch.randn(5, 2, 64, generator=g).half()
+    wk, wv = torch.zeros(2, B, 2, 64, dtype=torch.float16), torch.zeros(2, B, 2, 64,
+                                                                        dtype=torch.float16)
+    ref.write_kv_cache(k, v, wk, wv, slots)
+    openmsa.write_kv_cache(k.to(kernel_device), v.to(kernel_device), kc, vc,
+                           slots.to(kernel_device))
+    assert torch.equal(kc.cpu(), wk) and torch.equal(vc.cpu(), wv)
+
+
+# --------------------------------------------------------------------------- sm_90 compiles
+@pytest.mark.reference
+@pytest.mark.skipif(INTERPRET, reason=COMPILE_SKIP)
+def test_cache_write_kernels_compile_sm90():
+    from openmsa.ops.cache.write import _write_index_cache_kernel, _write_kv_cache_kernel
+
+    compile_sm90(_write_index_cache_kernel, dict(src_ptr="*bf16", cache_ptr="*fp8e4nv",
+                                             slot_ptr=I64), {},
+             dict(BLOCK=128, DI=128, DIP=128, SATURATE=True))
+    compile_sm90(_write_kv_cache_kernel, dict(k_ptr="*bf16", v_ptr="*bf16", k_cache_ptr="*fp8e4nv",
+                                          v_cache_ptr="*fp8e4nv", slot_ptr=I64,
+                                          k_scale_ptr=F32, v_scale_ptr=F32), {},
+             dict(BLOCK=128, HKV=4, HKVP=4, D=128, DP=128, SATURATE=True, HAS_SCALE=True))
+
+
+@pytest.mark.reference
+@pytest.mark.skipif(INTERPRET, reason=COMPILE_SKIP)
+@pytest.mark.parametrize("kv_type, index_type, fp32_angles, rope_scale",
+                         [("*fp8e4nv", "*fp8e4nv", False, 1.0), ("*bf16", "*bf16", False, 1.0),
+                          ("*bf16", "*fp8e4nv", True, 1.0693147180559945)])  # fp32 form, YaRN
+def test_fused_prepare_kernel_compiles_sm90(kv_type, index_type, fp32_angles, rope_scale):
+    from openmsa.ops.cache.prepare import _fused_prepare_kernel
+
+    fp8 = kv_type == "*fp8e4nv"
+    compile_sm90(_fused_prepare_kernel,
+             dict(qkv_ptr="*bf16", pos_ptr=I32, qw_ptr="*bf16", kw_ptr="*bf16", iqw_ptr="*bf16",
+                  ikw_ptr="*bf16", table_ptr=F32, k_cache_ptr=kv_type, v_cache_ptr=kv_type,
+                  slot_ptr=I64, index_cache_ptr=index_type, index_slot_ptr=I64,
+                  k_scale_ptr=F32, v_scale_ptr=F32, q_out_ptr="*bf16", iq_out_ptr=index_type),
+             dict(eps="fp32"),
+             dict(HQ=64, HKV=4, H=4, D=128, DI=128, DP=128, DIP=128, ROT=64, NCOARSE=16384,
+                  BLOCK=128, IBLOCK=128, HT=16, KV_SATURATE=fp8,
+                  INDEX_SATURATE=index_type == "*fp8e4nv", IQ_SATURATE=index_type == "*fp8e4nv",
+                  HAS_SCALE=fp8, FP32_ANGLES=fp32_angles, ROPE_SCALE=rope_scale))
+
+
+@pytest.mark.reference
+def test_launch_config_type_is_checked():
+    x = torch.zeros(2, 32)
+    cache = torch.zeros(2, B, 32)
+    slots = torch.tensor([0, -1])
+    with pytest.raises(TypeError, match="config"):
+        openmsa.write_index_cache(x, cache, slots, config=dict(prepare_warps=4))
+    with pytest.raises(TypeError, match="config"):
+        openmsa.write_kv_cache(x[:, None], x[:, None], cache[:, :, None], cache[:, :, None],
+                               slots, config="fast")
+    qkv, w, packed, kc, vc, ic, (pos, s, islots) = _case("cpu", torch.bfloat16,
+                                                          torch.bfloat16)
+    with pytest.raises(TypeError, match="cache_config"):
+        openmsa.fused_prepare(qkv, pos, CFG, *w, kc, vc, s, ic, islots, cache_config=CFG)

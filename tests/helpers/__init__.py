@@ -1,0 +1,12 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What the tests share (importable as `helpers`: tests/ is on sys.path through conftest.py):
+random steps and inputs (steps.py), the tolerance table and checks (checks.py), a recording
+stand-in for a kernel (recording.py) and the dense-attention comparison path (dense.py)."""
+
+from .checks import TOLERANCES, assert_close, assert_selection_near_optimal
+from .recording import RecordingKernel
+from .steps import Step, make_step, nan_poison, random_index_inputs, random_kv_cache, to_device
+
+__all__ = ["Step", "make_step", "TOLERANCES", "assert_close", "random_index_inputs",
+           "random_kv_cache", "to_device", "nan_poison", "assert_selection_near_optimal",
+           "RecordingKernel"]
