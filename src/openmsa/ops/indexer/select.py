@@ -221,17 +221,12 @@ def _chunked_select(row, seg_base, n, stride_sb, out_row, stride_ok, cand_row, s
 
 @triton.jit
 def _segment_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, cand_ptr, scratch_ptr,
-                         counter_ptr, num_requests, num_segments, stride_st, stride_sh,
-                         stride_sb, stride_ot, stride_oh, stride_ok, TOPK: tl.constexpr,
-                         KP: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
-                         BLOCK: tl.constexpr, SEG: tl.constexpr, SINGLE: tl.constexpr,
-                         BY_SORT: tl.constexpr, CAP: tl.constexpr, NG: tl.constexpr,
-                         PDL: tl.constexpr = False, CH: tl.constexpr = 0,
-                         FUSED: tl.constexpr = False, CANDP: tl.constexpr = 1):
-    """FUSED (the sort path with several segments; TUNING select_sort_fused): the last of a
-    row's segment programs to store its candidates merges the row (an arrival counter per row in
-    counter_ptr, put back to 0 by the merger), instead of _merge_topk_kernel's launch; CANDP:
-    the row's candidate slots (num_segments * KP) rounded up to a power of two."""
+                         num_requests, num_segments, stride_st, stride_sh, stride_sb, stride_ot,
+                         stride_oh, stride_ok, TOPK: tl.constexpr, KP: tl.constexpr,
+                         INIT: tl.constexpr, LOCAL: tl.constexpr, BLOCK: tl.constexpr,
+                         SEG: tl.constexpr, SINGLE: tl.constexpr, BY_SORT: tl.constexpr,
+                         CAP: tl.constexpr, NG: tl.constexpr, PDL: tl.constexpr = False,
+                         CH: tl.constexpr = 0):
     t = tl.program_id(0)
     h = tl.program_id(1)
     seg = tl.program_id(2)
@@ -270,22 +265,6 @@ def _segment_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, cand_ptr, sc
                 _write_ascending(out_row, stride_ok, best, TOPK, KP)
             else:
                 tl.store(cand_ptr + base + slots, best)
-                if FUSED:
-                    # every segment program of a row with n > TOPK comes here (those past the
-                    # row's blocks store empty candidates), so the num_segments-th arrival is
-                    # the last. The barrier orders every thread's candidate stores before the
-                    # counter's release; the acquire and the .cg loads (L2, not this SM's L1)
-                    # see the other programs' candidates (the attention's fused merge, decode.py)
-                    tl.debug_barrier()
-                    counter = counter_ptr + t.to(tl.int64) * num_heads + h
-                    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-                    if arrived == num_segments - 1:
-                        c = tl.arange(0, CANDP)
-                        row_cand = cand_ptr + (t.to(tl.int64) * num_heads + h) * num_segments * KP
-                        packed = tl.load(row_cand + c, mask=c < num_segments * KP,
-                                         other=EMPTY_KEY, cache_modifier=".cg")
-                        _write_ascending(out_row, stride_ok, tl.topk(packed, KP), TOPK, KP)
-                        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
         elif CAP > 0:
             # the K-th largest of NG group maxima bounds the answer from below (K groups hold a
             # key at least that large): only keys reaching it can be picked, usually a few dozen
@@ -346,7 +325,7 @@ def _merge_topk_kernel(cand_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_requests, nu
             _store_in_order(out_row, stride_ok, picked, unpack_block(packed), TOPK, KP)
 
 
-# The group-bound path for long rows (TUNING select_group_bound): a row of n blocks is read once
+# The group-bound path for long rows (plan.py, GROUP_MIN_BLOCKS): a row of n blocks is read once
 # by a wide, memory-bound launch that reduces it to ceil(n / GS) group maxima of keys, and one
 # program per row then needs two dependent reads instead of a chain per segment: the K-th largest
 # group maximum bounds the answer from below (K groups hold a key at least that large), so only
@@ -383,8 +362,7 @@ def _group_bound_select_kernel(scores_ptr, cu_ptr, seq_lens_ptr, gmax_ptr, out_p
                                stride_gh, stride_ot, stride_oh, stride_ok, TOPK: tl.constexpr,
                                KP: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
                                BLOCK: tl.constexpr, GS: tl.constexpr, NGP: tl.constexpr,
-                               CG: tl.constexpr, CAP: tl.constexpr, CH: tl.constexpr,
-                               PACK: tl.constexpr = True):
+                               CG: tl.constexpr, CAP: tl.constexpr, CH: tl.constexpr):
     """The top-K of row (t, h) from its NGP-padded group maxima (see above); scratch: CAP int64
     slots for this row (candidate group ids here, or the fallback's packed keys)."""
     t = tl.program_id(0)
@@ -423,7 +401,7 @@ def _group_bound_select_kernel(scores_ptr, cu_ptr, seq_lens_ptr, gmax_ptr, out_p
             # the CG * GS): packed into the scratch row (in block order) and searched there
             cand = (key >= bound) & (key != DEAD_KEY)
             n_cand = tl.sum(cand.to(tl.int32), axis=0)
-            if PACK & (n_cand <= CAP):
+            if n_cand <= CAP:
                 tl.debug_barrier()  # every thread has read the group ids the row held
                 tl.store(scratch_row + tl.cumsum(cand.to(tl.int32), axis=0) - 1,
                          pack_key(key, b), mask=cand)
