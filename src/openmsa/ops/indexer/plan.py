@@ -18,8 +18,8 @@ Selection (select.py, select_rows.py) then takes one of three forms by the shape
 
 * "select_short_rows" (Hopper): many rows of at most `select_short_max` blocks, a row in a few
   threads' registers.
-* "select_group_max" + "select_group_bound": many rows of at least GROUP_MIN_BLOCKS blocks
-  (prefill after a long context): 16-block group maxima bound the search.
+* "select_group_max" + "select_group_bound": many rows of at least `select_group_min_blocks`
+  blocks (prefill after a long context): 16-block group maxima bound the search.
 * "select_segments" (+ "select_merge" when a row has several segments): rows cut into segments
   of one program each, sorted (few programs: decode at small batch) or searched by threshold.
 
@@ -45,23 +45,25 @@ SMALL_Q = 16
 ANY_Q = 2 ** 30
 # (token, head) rows of the request launch's tensor-core tile (the MMA's smallest M)
 DECODE_ROWS = 16
-# the Triton tile launch's warps: 4 warps hold 2 programs per SM for 16-bit keys, and fp8 was
-# slower on 8 (docs/performance.md)
+# the request launch's warps and pipeline stages (a sweep of 4/8 warps and 2-4 stages found
+# nothing faster: docs/performance.md)
+DECODE_WARPS = 4
+DECODE_STAGES = 3
+# the Triton tile launch's warps, and its stages for a 16-bit and an fp8 cache: a 16-bit key
+# tile is twice the bytes, and 2 stages on 4 warps fit 2 programs per SM (docs/performance.md)
 PREFILL_WARPS = 4
+PREFILL_STAGES = 2
+PREFILL_STAGES_FP8 = 3
 # the sort path's warps (few programs, each one's latency is the step's)
 SORT_WARPS = 4
 # scratch slots of a threshold-path program on long segments (at least 4 * KP)
 SCRATCH_SLOTS = 64
-# blocks per chunk of the threshold path's read of a segment (fewer registers per program)
-SEARCH_CHUNK = 128
-# rows of at least this many blocks on the threshold path take the group-bound path
-GROUP_MIN_BLOCKS = 2048
-# blocks per group of the group-bound path, and groups per group-maxima program
+# the group-bound path: blocks per group, groups per group-maxima program, and its search's
+# chunk (blocks)
 GROUP_SIZE = 16
 GROUPS_PER_PROGRAM = 64
-# select_rows.py: threads per row (at least; wider rows take 16 blocks per thread up to a
-# warp) and warps per program
-SHORT_THREADS_PER_ROW = 4
+GROUP_CHUNK = 128
+# select_rows.py's warps per program
 SHORT_WARPS = 1
 
 
@@ -74,17 +76,10 @@ class IndexerConfig:
     decode_waves: int = 2
     # request launch: most blocks per split (long contexts, where splits would exceed the waves)
     decode_max_bps: int = 64
-    # request launch: warps and software-pipeline stages (every decode/verify step)
-    decode_warps: int = 4
-    decode_stages: int = 3
     # Triton tile launch: (token, head) rows per tile and blocks per split (prefill chunks off
     # Hopper, or where TMA cannot take the layouts)
     prefill_rows: int = 128
     prefill_bps: int = 32
-    # Triton tile launch: pipeline stages for a 16-bit and an fp8 cache (a 16-bit key tile is
-    # twice the bytes: 2 stages keep 2 programs per SM)
-    prefill_stages: int = 2
-    prefill_stages_fp8: int = 3
     # Gluon tile launch (Hopper prefill): programs per SM the grid is sized to, and key buffers
     # for an fp8 and a 16-bit cache
     ws_waves: int = 4
@@ -96,11 +91,21 @@ class IndexerConfig:
     # selection: below this many programs per SM the launch sorts (decode at small batch),
     # at or above it searches by threshold (prefill, large batches)
     select_sort_waves: int = 2
-    # selection: the threshold path reads its segments in chunks only from this many programs
-    # per SM (prefill chunks after a long context; a decode step's programs fit at once)
+    # selection: the threshold path reads a segment in chunks of this many blocks (0: at
+    # once), fewer registers per program ...
+    select_chunk: int = 128
+    # ... only in launches of at least this many programs per SM (prefill chunks after a long
+    # context; a decode step's programs fit at once, and there the chunks' serial loads cost)
     select_chunk_min_waves: int = 16
-    # selection on Hopper: rows of at most this many blocks take select_rows.py's kernel
+    # selection: rows of at least this many blocks on the threshold path take the group-bound
+    # path (prefill after a long context)
+    select_group_min_blocks: int = 2048
+    # selection on Hopper: rows of at most this many blocks (0: none) take select_rows.py's
+    # kernel (prefill chunks with up to ~120K of context, large decode steps at short context),
+    # a row in at least select_short_tpr threads (16 blocks per thread, up to a warp, on wider
+    # rows)
     select_short_max: int = 1024
+    select_short_tpr: int = 4
 
 
 DEFAULT = IndexerConfig()
@@ -188,8 +193,7 @@ def _scoring(shape: IndexerShape, device: DeviceFacts, config: IndexerConfig) ->
         launches.append(Launch("scores_request", (shape.num_requests, -(-shape.max_blocks // bps)),
                                dict(BPS=bps, TILE_MODE=False, ROWS_T=max(1, DECODE_ROWS // hp),
                                     **common, SMALL_Q=ANY_Q if any_q else SMALL_Q,
-                                    KEYS_AS_ROWS=not ieee, num_warps=config.decode_warps,
-                                    num_stages=config.decode_stages,
+                                    KEYS_AS_ROWS=not ieee, num_warps=DECODE_WARPS, num_stages=DECODE_STAGES,
                                     table_width=shape.max_blocks)))
     if only_requests:
         return launches
@@ -198,7 +202,7 @@ def _scoring(shape: IndexerShape, device: DeviceFacts, config: IndexerConfig) ->
     tile_small_q = 0 if one_request else SMALL_Q
     tile = dict(BPS=config.prefill_bps, TILE_MODE=True, ROWS_T=rows_t, **common,
                 SMALL_Q=tile_small_q, KEYS_AS_ROWS=False, num_warps=PREFILL_WARPS,
-                num_stages=config.prefill_stages_fp8 if fp8 else config.prefill_stages)
+                num_stages=PREFILL_STAGES_FP8 if fp8 else PREFILL_STAGES)
     tile_grid = (-(-num_tokens // rows_t), -(-shape.max_blocks // config.prefill_bps))
     if not ws_eligible(shape, device):
         launches.append(Launch("scores_tile", tile_grid, tile))
@@ -261,12 +265,12 @@ def _selection(shape: IndexerShape, device: DeviceFacts,
         # lie 16 blocks per thread, up to a warp
         width = max(next_pow2(max_blocks), 4)
         g = min(kp, width)
-        tpr = min(max(SHORT_THREADS_PER_ROW, width // 16), 32, width)
+        tpr = min(max(config.select_short_tpr, width // 16), 32, width)
         return [Launch("select_short_rows", (-(-rows // (32 // tpr * SHORT_WARPS)),),
                        dict(H=num_heads, TOPK=topk, KP=kp, INIT=init, LOCAL=local, BLOCK=block,
                             G=g, W=width // g, VEC=4 if max_blocks % 4 == 0 else 1, TPR=tpr,
                             num_warps=SHORT_WARPS, launch_pdl=True))], {}
-    if not by_sort and kp <= 32 and max_blocks >= GROUP_MIN_BLOCKS:
+    if not by_sort and kp <= 32 and max_blocks >= config.select_group_min_blocks:
         # select.py's group-bound path: at most 2 * KP reaching groups on the fast path
         groups = -(-max_blocks // GROUP_SIZE)
         common = dict(TOPK=topk, INIT=init, LOCAL=local, BLOCK=block, GS=GROUP_SIZE)
@@ -276,7 +280,7 @@ def _selection(shape: IndexerShape, device: DeviceFacts,
                        dict(**common, GB=GROUPS_PER_PROGRAM, num_warps=4)),
                 Launch("select_group_bound", (num_tokens, num_heads),
                        dict(**common, KP=kp, NGP=max(next_pow2(groups), 2 * kp), CG=2 * kp,
-                            CAP=cap, CH=SEARCH_CHUNK, num_warps=1))], \
+                            CAP=cap, CH=GROUP_CHUNK, num_warps=1))], \
             dict(groups=groups, group_scratch=cap)
     # programmatic dependent launch only for the few programs of the sort path: it hides a
     # launch latency there (small decode steps), while a many-program selection launched early
@@ -290,7 +294,7 @@ def _selection(shape: IndexerShape, device: DeviceFacts,
     # the scratch path read in chunks; a chunk holds whole groups, and a chunk of the NG
     # groups at least one
     wide = rows * num_segments >= config.select_chunk_min_waves * device.num_sms
-    chunk = SEARCH_CHUNK if cap and wide else 0
+    chunk = config.select_chunk if cap and wide else 0
     if chunk and (seg % chunk or chunk % (seg // groups) or seg // chunk > groups
                   or chunk >= seg):
         chunk = 0
