@@ -75,18 +75,24 @@ def _run_scores(launches: LaunchPlan, index_q, index_cache, cu_seqlens_q, seq_le
             launch.run(_block_scores_kernel, *args)
 
 
-def _run_ws(launch, index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores) -> None:
-    """The Gluon tile launch (scores_ws.py) with its TMA descriptors: q as [T * H, DI] rows in
-    64-row boxes, the cache as [pages * BLOCK, DI] rows in one-block boxes."""
-    from .scores_ws import WG_ROWS, _block_scores_ws_kernel
+def _ws_descriptors(index_q, index_cache) -> tuple:
+    """The Gluon tile launch's TMA descriptors: q as [T * H, DI] rows in 64-row boxes, the
+    cache as [pages * BLOCK, DI] rows in one-block boxes."""
+    from .scores_ws import WG_ROWS
     num_tokens, num_heads, head_dim = index_q.shape
     rows_q, rows_k = num_tokens * num_heads, index_cache.shape[0] * index_cache.shape[1]
-    q_desc = tma_descriptor(index_q, (rows_q, head_dim), (head_dim, 1),
-                            (WG_ROWS.value, head_dim))
-    k_desc = tma_descriptor(index_cache, (rows_k, head_dim), (head_dim, 1),
-                            (index_cache.shape[1], head_dim))
-    launch.run(_block_scores_ws_kernel, q_desc, k_desc, cu_seqlens_q, seq_lens, block_table,
-               scores, seq_lens.shape[0], num_tokens, *block_table.stride(), *scores.stride())
+    return (tma_descriptor(index_q, (rows_q, head_dim), (head_dim, 1),
+                           (WG_ROWS.value, head_dim)),
+            tma_descriptor(index_cache, (rows_k, head_dim), (head_dim, 1),
+                           (index_cache.shape[1], head_dim)))
+
+
+def _run_ws(launch, index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores) -> None:
+    """The Gluon tile launch (scores_ws.py)."""
+    from .scores_ws import _block_scores_ws_kernel
+    launch.run(_block_scores_ws_kernel, *_ws_descriptors(index_q, index_cache), cu_seqlens_q,
+               seq_lens, block_table, scores, seq_lens.shape[0], index_q.shape[0],
+               *block_table.stride(), *scores.stride())
 
 
 def _run_selection(launches: LaunchPlan, scores, cu_seqlens_q, seq_lens, out) -> None:
