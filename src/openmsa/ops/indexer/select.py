@@ -136,6 +136,17 @@ def _segment_keys(row, b, n, stride_sb, INIT: tl.constexpr, LOCAL: tl.constexpr)
 
 
 @triton.jit
+def _read_candidates(scratch_row, n_cand, CAP: tl.constexpr):
+    """The n_cand packed keys a program stored in its scratch row, as [CAP] packed keys
+    (EMPTY_KEY past n_cand) and their int32 keys (DEAD_KEY there); the barrier orders the
+    other threads' stores before the loads."""
+    tl.debug_barrier()  # the packed keys are read back by other threads
+    c = tl.arange(0, CAP)
+    packed = tl.load(scratch_row + c, mask=c < n_cand, other=EMPTY_KEY)
+    return packed, tl.where(packed == EMPTY_KEY, DEAD_KEY, (packed >> 32).to(tl.int32))
+
+
+@triton.jit
 def _chunked_select(row, seg_base, n, stride_sb, out_row, stride_ok, cand_row, scratch_row,
                     TOPK: tl.constexpr, KP: tl.constexpr, INIT: tl.constexpr,
                     LOCAL: tl.constexpr, SEG: tl.constexpr, CH: tl.constexpr,
@@ -165,10 +176,7 @@ def _chunked_select(row, seg_base, n, stride_sb, out_row, stride_ok, cand_row, s
         tl.store(scratch_row + slot, pack_key(key, b), mask=cand & (slot < CAP))
         n_cand += tl.sum(cand.to(tl.int32), axis=0)
     if n_cand <= CAP:
-        tl.debug_barrier()  # the packed keys are read back by other threads
-        c = tl.arange(0, CAP)
-        packed = tl.load(scratch_row + c, mask=c < n_cand, other=EMPTY_KEY)
-        ckey = tl.where(packed == EMPTY_KEY, DEAD_KEY, (packed >> 32).to(tl.int32))
+        packed, ckey = _read_candidates(scratch_row, n_cand, CAP)
         _write_picked(out_row, stride_ok, cand_row, _threshold_select(ckey, TOPK, KP),
                       packed, unpack_block(packed), TOPK, KP, SINGLE)
     else:
@@ -278,10 +286,7 @@ def _segment_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, cand_ptr, sc
                                              + seg) * CAP
                 tl.store(row_scratch + tl.cumsum(cand.to(tl.int32), axis=0) - 1,
                          pack_key(key, b), mask=cand)
-                tl.debug_barrier()  # the packed keys are read back by other threads
-                c = tl.arange(0, CAP)
-                packed = tl.load(row_scratch + c, mask=c < n_cand, other=EMPTY_KEY)
-                ckey = tl.where(packed == EMPTY_KEY, DEAD_KEY, (packed >> 32).to(tl.int32))
+                packed, ckey = _read_candidates(row_scratch, n_cand, CAP)
                 _write_picked(out_row, stride_ok, cand_ptr + base,
                               _threshold_select(ckey, TOPK, KP), packed,
                               unpack_block(packed), TOPK, KP, SINGLE)
@@ -405,10 +410,7 @@ def _group_bound_select_kernel(scores_ptr, cu_ptr, seq_lens_ptr, gmax_ptr, out_p
                 tl.debug_barrier()  # every thread has read the group ids the row held
                 tl.store(scratch_row + tl.cumsum(cand.to(tl.int32), axis=0) - 1,
                          pack_key(key, b), mask=cand)
-                tl.debug_barrier()  # the packed keys are read back by other threads
-                cs = tl.arange(0, CAP)
-                packed = tl.load(scratch_row + cs, mask=cs < n_cand, other=EMPTY_KEY)
-                ckey = tl.where(packed == EMPTY_KEY, DEAD_KEY, (packed >> 32).to(tl.int32))
+                packed, ckey = _read_candidates(scratch_row, n_cand, CAP)
                 _store_in_order(out_row, stride_ok, _threshold_select(ckey, TOPK, KP),
                                 unpack_block(packed), TOPK, KP)
             else:
