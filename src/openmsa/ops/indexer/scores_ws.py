@@ -12,9 +12,8 @@ prefill kernel uses: a program owns 256 (token, head) rows and one split of `bps
   the buffer back, and takes its rows' maxima. Nothing synchronises the four warpgroups, so
   while one takes maxima the others keep the tensor cores busy. Triton's loop cannot do this:
   its 4-warp programs wait for their own MMA, then reduce, and its 16-warp programs keep the
-  warpgroups in step (two CTA barriers per block); measured on the same loop
-  (`benchmarks/probe_mma_overlap.py`), 837 µs against Triton's 1058, and in the library an 8K
-  chunk after 120K scores in 814 µs against the Triton launch's 963 (docs/performance.md).
+  warpgroups in step (two CTA barriers per block), and were slower on the same loop
+  (docs/performance.md, "What was tried").
 * A consumer keeps its maxima in shared memory, [CH, 64] per warpgroup, and stores them as one
   tile every CH blocks, coalesced along the blocks as scores.py's tile is (read back a block
   row per warp instruction and converted to the store's layout in registers: reading the
@@ -23,9 +22,8 @@ prefill kernel uses: a program owns 256 (token, head) rows and one split of `bps
   start idles its SM, one program per SM leaving nothing to hide it behind. The start is three
   dependent memory round trips: the request lookup; one look at the window of requests, which
   also loads the first request's offsets, length and page id (a split past every request's
-  causal edge ends here); then the queries and the first keys together (the
-  consumers, not the whole program, wait for the queries). Measured: the no-context chunk's
-  scoring 34.8 -> 33.3 µs, the chunk after 120K 813 -> 795 (docs/performance.md).
+  causal edge ends here); then the queries and the first keys together (the consumers, not
+  the whole program, wait for the queries).
 
 Used when the index query and cache allow TMA (plan.py, `ws_eligible`): CUDA sm_90, a
 power-of-two number of heads, q rows [T * H, DI] and cache rows [pages * BLOCK, DI] each one
