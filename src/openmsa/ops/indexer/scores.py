@@ -1,17 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 """Triton kernel of block scoring: S[t, h, b] = max_{j in block b, j <= p} q[t, h] . key[j].
 
-One kernel, launched twice per step so that no host sync splits the batch:
+One kernel, launched twice per step so that no host sync splits the batch (plan.py chooses
+which of the two a step needs):
 
 * the "request" launch, grid (R, splits): program (r, s) reads blocks of split s of request r once
   and scores them for all of r's tokens (decode and speculative verify, q_len <= SMALL_Q) and all
-  index heads, in sub-tiles of Q_SUB tokens. This is the memory-bound decode path.
-* the "tile" launch, grid (ceil(T / Q_TILE), splits): program (i, s) takes packed tokens
-  [i*Q_TILE, (i+1)*Q_TILE) of every long request (q_len > SMALL_Q) overlapping them, a
-  Q_TILE*H-row tensor-core tile against each block of split s. This is the compute-bound prefill
-  path.
+  index heads, in sub-tiles of ROWS_T tokens. This is the memory-bound decode path.
+* the "tile" launch (TILE_MODE), grid (ceil(T / ROWS_T), splits): program (i, s) takes a tile of
+  ROWS_T packed tokens (the last tile first) of every long request (q_len > SMALL_Q)
+  overlapping it, a ROWS_T * H-row tensor-core tile against each block of split s. This is the
+  compute-bound prefill path.
 
-Each program writes its [rows, BLOCKS_PER_SPLIT] score tile once, so stores are coalesced along b.
+Each program writes its [rows, BPS] score tile once, so stores are coalesced along b.
 Bytes: the request launch reads sum_r nb_r * B * Di * bytes(cache) plus the tiny query and score
 traffic; that is the whole cost model of decode.
 """

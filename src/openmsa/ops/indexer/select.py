@@ -18,8 +18,8 @@ out in ascending order by a running count as well, so nothing is sorted. On long
 NG group maxima) are first packed into a CAP-slot scratch row, and the search runs on those few.
 That is the throughput path (prefill: tens of thousands of rows, one warp each). With few
 programs (decode at small batch) one program's latency matters instead, and Triton's bitonic
-`tl.topk` on the packed keys (no chain of row-wide counts) is faster: `BY_SORT`, chosen by the
-launcher from the program count.
+`tl.topk` on the packed keys (no chain of row-wide counts) is faster: `BY_SORT`, chosen by
+plan.py from the program count.
 Bytes: reads n * 4 bytes of scores per row (+ segments * KP * 8 of candidates), writes K * 4.
 """
 
