@@ -94,9 +94,14 @@ def graph_breakdown_us(fn, iters: int = 20) -> dict[str, float]:
     return result
 
 
+# the indexer's knobs for this run (OPENMSA_TUNING, below; None: its defaults)
+INDEXER_CONFIG = None
+
+
 def _indexer(dname, batch, context, q_len, heads):
     q, cache, cu, seq, table = run._index_step(batch, context, q_len, heads, run.DTYPES[dname])
-    return lambda: openmsa.select_blocks(q, cache, cu, seq, table, max_q_len=q_len)
+    return lambda: openmsa.select_blocks(q, cache, cu, seq, table, max_q_len=q_len,
+                                         config=INDEXER_CONFIG)
 
 
 def _fi_indexer(dname, batch, context, q_len, heads):
@@ -203,19 +208,24 @@ def kernel_offsets_us(fn, iters: int = 20) -> dict[str, tuple[float, float]]:
 
 
 if __name__ == "__main__":
-    # OPENMSA_TUNING='{"ws_persistent": true}': knobs of the indexer's or the attention's
+    # OPENMSA_TUNING='{"ws_waves": 2}': knobs of the indexer's IndexerConfig or the attention's
     # TUNING for this run (to profile a variant tune.py measured; the indexer's first)
     if os.environ.get("OPENMSA_TUNING"):
+        import dataclasses
         import json
 
         from openmsa.ops.attention import api as attention_api
-        from openmsa.ops.indexer import api as indexer_api
-        for key, value in json.loads(os.environ["OPENMSA_TUNING"]).items():
-            tuning = next((t for t in (indexer_api.TUNING, attention_api.TUNING) if key in t),
-                          None)
-            if tuning is None:
+        from openmsa.ops.indexer.plan import DEFAULT as INDEXER_DEFAULT
+        knobs = json.loads(os.environ["OPENMSA_TUNING"])
+        fields = {f.name for f in dataclasses.fields(INDEXER_DEFAULT)}
+        INDEXER_CONFIG = dataclasses.replace(
+            INDEXER_DEFAULT, **{k: v for k, v in knobs.items() if k in fields})
+        for key, value in knobs.items():
+            if key in fields:
+                continue
+            if key not in attention_api.TUNING:
                 raise KeyError(f"OPENMSA_TUNING: no indexer or attention knob {key!r}")
-            tuning[key] = value
+            attention_api.TUNING[key] = value
     if sys.argv[1] == "--offsets":
         for name in sys.argv[2:]:
             parts = kernel_offsets_us(CASES[name]())

@@ -127,17 +127,6 @@ def index_resources(kv: str, rows: int, bps: int, stages: int, warps: int, sass:
                       KEYS_AS_ROWS=decode,
                       MAX_SKIPS_NAN=nan,
                       stride_qd=1, stride_cd=1, stride_btb=1, stride_ob=1)
-    # the launch knobs as ops/indexer/api.py passes them today (TUNING)
-    from openmsa.ops.indexer.api import TUNING
-    if decode:
-        constexprs.update(PAGES_EARLY=TUNING["decode_pages_early"],
-                          ONE_LOOP=TUNING["decode_one_loop"],
-                          SPLIT_MAJOR=TUNING["decode_split_major"])
-    else:
-        constexprs.update(QUICK_EXIT=TUNING["tile_quick_exit"],
-                          SPLIT_MAJOR=TUNING["prefill_split_major"],
-                          REVERSE_TILES=TUNING["prefill_reverse_tiles"],
-                          REVERSE_SPLITS=TUNING["prefill_reverse_splits"])
     return _compile(_block_scores_kernel, constexprs, pointers, stages, warps, sass)
 
 
@@ -145,11 +134,11 @@ def select_resources(path: str, seg: int, cap: int, warps: int, chunk: int = 0,
                      single: bool = True, sass: bool = False):
     """The indexer's segment selection kernel: path 'search' (threshold, the many-program path)
     or 'sort' (bitonic), SEG blocks per program, a CAP-slot scratch row (0: none), read in
-    chunks of `chunk` blocks (TUNING select_chunk; 0: whole); with `sass`, the loops holding a
+    chunks of `chunk` blocks (IndexerConfig.select_chunk; 0: whole); with `sass`, the loops holding a
     warp-wide sum (the search steps)."""
     from openmsa.ops.indexer.select import _segment_topk_kernel
     ptrs = dict(scores_ptr="*fp32", cu_ptr="*i32", seq_lens_ptr="*i32", out_ptr="*i32",
-                cand_ptr="*i64", scratch_ptr="*i64", counter_ptr="*i32")
+                cand_ptr="*i64", scratch_ptr="*i64")
     # unit strides of a contiguous score tensor and output, as Triton specialises them at run
     # time (left as plain ints, every score's address is computed apart: ~20 more registers)
     constexprs = dict(TOPK=16, KP=16, INIT=0, LOCAL=1, BLOCK=128, SEG=seg, SINGLE=single,
@@ -160,12 +149,12 @@ def select_resources(path: str, seg: int, cap: int, warps: int, chunk: int = 0,
 
 def short_rows_resources(g: int, w: int, tpr: int, warps: int, sass: bool = False):
     """The selection of short rows (select_rows.py, Gluon): G groups of W blocks per row, TPR
-    threads per row, as api.py launches it for an 8K chunk with no context (PDL, 16-byte
+    threads per row, as plan.py launches it for an 8K chunk with no context (16-byte
     loads); with `sass`, its search loop (the one whose counts cross threads: SHFL)."""
     from openmsa.ops.indexer.select_rows import _short_rows_topk_kernel
     ptrs = dict(scores_ptr="*fp32", cu_ptr="*i32", seq_lens_ptr="*i32", out_ptr="*i32")
     constexprs = dict(H=4, TOPK=16, KP=16, INIT=0, LOCAL=1, BLOCK=128, G=g, W=w, VEC=4,
-                      TPR=tpr, PDL=True, stride_sb=1, stride_ok=1, num_warps=warps)
+                      TPR=tpr, stride_sb=1, stride_ok=1, num_warps=warps)
     return _compile(_short_rows_topk_kernel, constexprs, ptrs, 1, warps, sass,
                     marker=r"\bSHFL", gluon=True)
 

@@ -22,6 +22,7 @@ import shapes  # noqa: E402
 import openmsa  # noqa: E402
 from openmsa.ops.attention import api as attention_api  # noqa: E402
 from openmsa.ops.indexer import api as indexer_api  # noqa: E402
+from openmsa.ops.indexer.plan import DEFAULT as INDEXER_DEFAULT  # noqa: E402
 
 
 def pick(args, variants):
@@ -270,15 +271,23 @@ def _attention_prefill(args):
     sweep("attn-pre", attention_api.TUNING, variants, cases, max(3, args.iters // 2))
 
 
+def _indexer_config(knobs: dict):
+    """The indexer's config under the variant sweep() is timing: sweep() puts each variant's
+    knobs into `knobs` before the variant's calls, which pass this config (no module global
+    of the library changes)."""
+    return dataclasses.replace(INDEXER_DEFAULT, **knobs)
+
+
 def _indexer(args, only):
     if "indexer-decode" not in only:
         if "indexer-prefill" in only:
             _indexer_prefill(args)
         return
-    variants = pick(args, [{}, dict(decode_min_bps=2), dict(decode_min_bps=1),
-                           dict(decode_keys_as_rows=False), dict(decode_stages=4),
-                           dict(decode_stages=2), dict(decode_waves=8), dict(decode_warps=8)])
+    variants = pick(args, [{}, dict(decode_waves=8), dict(decode_waves=4),
+                           dict(decode_max_bps=32), dict(select_sort_waves=4),
+                           dict(select_chunk_min_waves=4)])
     print("indexer decode variants:", variants)
+    knobs = {}
     cases = []
     for dname, batch, ctx, q_len, heads in (
             ("fp8", 1, 32768, 1, 4), ("fp8", 1, 131072, 1, 4), ("fp8", 1, 1 << 20, 1, 4),
@@ -297,8 +306,9 @@ def _indexer(args, only):
         q, cache, cu, seq, table = run._index_step(batch, ctx, q_len, heads, run.DTYPES[dname])
         cases.append((f"dec {dname} B{batch} L{ctx // 1024}K q{q_len} H{heads}",
                       (lambda q=q, cache=cache, cu=cu, seq=seq, table=table, q_len=q_len:
-                       openmsa.select_blocks(q, cache, cu, seq, table, max_q_len=q_len))))
-    sweep("indexer", indexer_api.TUNING, variants, cases, args.iters)
+                       openmsa.select_blocks(q, cache, cu, seq, table, max_q_len=q_len,
+                                             config=_indexer_config(knobs)))))
+    sweep("indexer", knobs, variants, cases, args.iters)
     del cases
     torch.cuda.empty_cache()
     if "indexer-prefill" in only:
@@ -309,12 +319,13 @@ def _indexer_prefill(args):
     """The prefill tile launch's knobs on 8K chunks (no context, 120K, ~1M; max_q_len = 8192 as
     run.py passes it): select_blocks, and for fp8 at 120K block_scores alone (the scoring
     launch plus the score tensor's -inf fill) and the selection launches alone."""
-    # the Gluon tile launch (Hopper) against the Triton one, then the Gluon launch's knobs; the
-    # Triton launch's own knobs (prefill_rows, _bps, _warps, _stages) apply with prefill_ws off
-    variants = pick(args, [{}, dict(prefill_ws=False, prefill_ws_16=False), dict(ws_waves=2),
-                           dict(ws_waves=8), dict(ws_stages=4, ws_stages_16=2),
-                           dict(ws_consumers=3, ws_consumer_regs=160, ws_q_in_regs=True)])
+    # the Gluon tile launch's knobs (Hopper); the Triton tile launch's own (prefill_rows,
+    # prefill_bps) apply where the Gluon one is not planned
+    variants = pick(args, [{}, dict(ws_waves=2), dict(ws_waves=8),
+                           dict(ws_stages=4, ws_stages_16=2), dict(select_short_max=64),
+                           dict(select_group_min_blocks=1 << 30)])
     print("indexer prefill variants:", variants)
+    knobs = {}
     cases = []
     for dname, ctx in (("fp8", 0), ("fp8", 120 * 1024), ("fp8", 1016 * 1024), ("bf16", 0),
                        ("bf16", 120 * 1024), ("bf16", 1016 * 1024)):
@@ -327,21 +338,24 @@ def _indexer_prefill(args):
         if wanted(args, f"prefill {chunk}"):
             cases.append((f"prefill {chunk}",
                           (lambda q=q, cache=cache, cu=cu, seq=seq, table=table:
-                           openmsa.select_blocks(q, cache, cu, seq, table, max_q_len=8192))))
+                           openmsa.select_blocks(q, cache, cu, seq, table, max_q_len=8192,
+                                                 config=_indexer_config(knobs)))))
         if wanted(args, f"scores {chunk}") and chunk == "fp8 8K@120K":
             cases.append((f"scores {chunk}",
                           (lambda q=q, cache=cache, cu=cu, seq=seq, table=table:
-                           openmsa.block_scores(q, cache, cu, seq, table, max_q_len=8192))))
+                           openmsa.block_scores(q, cache, cu, seq, table, max_q_len=8192,
+                                                config=_indexer_config(knobs)))))
         if wanted(args, f"select {chunk}") and dname == "fp8":
             scores = openmsa.block_scores(q, cache, cu, seq, table)
             out = torch.empty(q.shape[0], q.shape[1], 16, dtype=torch.int32, device="cuda")
 
             def select_only(scores=scores, cu=cu, seq=seq, out=out):
                 indexer_api.launch_select(scores, cu, seq, out, topk=16, init_blocks=0,
-                                          local_blocks=1, block_size=128)
+                                          local_blocks=1, block_size=128,
+                                          config=_indexer_config(knobs))
                 return out
             cases.append((f"select {chunk}", select_only))
-    sweep("indexer", indexer_api.TUNING, variants, cases, max(3, args.iters // 2))
+    sweep("indexer", knobs, variants, cases, max(3, args.iters // 2))
 
 
 if __name__ == "__main__":

@@ -172,7 +172,7 @@ def test_reference_signatures_equal_public(name):
         return sig.replace(parameters=[
             p for p in sig.parameters.values()
             if not (p.kind is p.KEYWORD_ONLY and "Config" in str(p.annotation))])
-    assert without_launch_config(getattr(openmsa, name)) == inspect.signature(getattr(ref, name))
+    assert without_launch_config(getattr(openmsa, name)) == without_launch_config(getattr(ref, name))
 
 
 def test_unsupported_reason():

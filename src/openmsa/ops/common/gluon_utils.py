@@ -7,17 +7,47 @@ from triton.experimental.gluon import language as gl
 
 @gluon.jit
 def find_request(cu_ptr, num_requests, token):
-    """The smallest r with cu[r + 1] > token (R if none): triton_utils.find_request without
-    the guess."""
-    lo = 0
-    hi = num_requests
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if gl.load(cu_ptr + mid + 1) > token:
-            hi = mid
-        else:
-            lo = mid + 1
+    """The smallest r with cu[r + 1] > token (R if none), for one token or for each of a tensor
+    of tokens (a lane's own lookup): triton_utils.find_request without the guess. A tensor's
+    lookups halve their intervals in step, floor(log2(R)) + 1 times (which empties any interval
+    of R), each lane's load masked once its interval is empty."""
+    if token.type.is_block():
+        lo = gl.zeros_like(token)
+        hi = gl.zeros_like(token) + num_requests
+        steps = 0
+        left = num_requests
+        while left > 0:
+            left = left // 2
+            steps += 1
+        for _ in range(steps):
+            active = lo < hi
+            mid = (lo + hi) // 2
+            after = gl.load(cu_ptr + mid + 1, mask=active, other=0) > token
+            hi = gl.where(active & after, mid, hi)
+            lo = gl.where(active & (after == 0), mid + 1, lo)
+    else:
+        lo = 0
+        hi = num_requests
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if gl.load(cu_ptr + mid + 1) > token:
+                hi = mid
+            else:
+                lo = mid + 1
     return lo
+
+
+@gluon.jit
+def token_position(cu_ptr, seq_lens_ptr, num_requests, token):
+    """(request, position) of each packed token of a tensor, right-aligned in its request
+    (docs/spec.md, "Batch layout"); the position is -1 for padding: a token past cu[R], or any
+    token of a request with q_len > seq_len (triton_utils.token_position)."""
+    r = find_request(cu_ptr, num_requests, token)
+    real = r < num_requests
+    t_req = gl.load(cu_ptr + r, mask=real, other=0)
+    q_len = gl.load(cu_ptr + r + 1, mask=real, other=0) - t_req
+    seq_len = gl.load(seq_lens_ptr + r, mask=real, other=0)
+    return r, gl.where(real & (seq_len >= q_len), seq_len - q_len + (token - t_req), -1)
 
 
 @gluon.jit

@@ -7,6 +7,7 @@ import torch
 
 from ...batch import num_causal_blocks, token_layout
 from .checks import check_indexer_args, check_select_args
+from .plan import IndexerConfig
 
 __all__ = ["block_scores", "select_blocks", "select_from_scores"]
 
@@ -15,7 +16,7 @@ _CHUNK_ELEMENTS = 1 << 25
 
 
 def block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *,
-                 block_size=128, out=None, max_q_len=None):
+                 block_size=128, out=None, max_q_len=None, config: IndexerConfig | None = None):
     """S[t, h, b] = max over keys j <= p of block b of dot(index_q[t, h], key[j]), fp32.
 
     Args:
@@ -25,6 +26,7 @@ def block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *,
         out: optional fp32 [T, H, max_blocks] (any strides), written in place.
         max_q_len: optional host int, an expected bound on every request's q_len (FlashInfer's
             max_seqlen_q); only a speed hint for the kernels, never changes a result.
+        config: the kernels' launch knobs (plan.py); the reference has none, and ignores it.
 
     Returns:
         fp32 [T, H, max_blocks]; -inf for blocks past the token's causal blocks and for padding
@@ -72,7 +74,8 @@ def block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *,
 
 
 def select_from_scores(scores, position, *, topk, init_blocks, local_blocks, block_size):
-    """The selection rule of MSA-SPEC.md applied to a score tensor.
+    """The selection rule (docs/spec.md, "Selection: forced blocks and the tie rule") applied to a
+    score tensor.
 
     Args:
         scores: fp32 [T, H, max_blocks] (entries past a token's causal blocks are ignored).
@@ -109,9 +112,10 @@ def select_from_scores(scores, position, *, topk, init_blocks, local_blocks, blo
 
 
 def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, topk=16,
-                  init_blocks=0, local_blocks=1, block_size=128, out=None, max_q_len=None):
+                  init_blocks=0, local_blocks=1, block_size=128, out=None, max_q_len=None,
+                  config: IndexerConfig | None = None):
     """Top-`topk` blocks per (token, index head) by block_scores, with forced init/local blocks
-    (max_q_len: a speed hint, see block_scores).
+    (max_q_len, config: the kernels' hint and knobs, see block_scores).
 
     Returns:
         int32 [T, H, topk]: ascending block ids (logical, into the request's block table), -1

@@ -1,24 +1,25 @@
 # SPDX-License-Identifier: Apache-2.0
 """Triton kernel of block scoring: S[t, h, b] = max_{j in block b, j <= p} q[t, h] . key[j].
 
-One kernel, launched twice per step so that no host sync splits the batch:
+One kernel, launched twice per step so that no host sync splits the batch (plan.py chooses
+which of the two a step needs):
 
 * the "request" launch, grid (R, splits): program (r, s) reads blocks of split s of request r once
   and scores them for all of r's tokens (decode and speculative verify, q_len <= SMALL_Q) and all
-  index heads, in sub-tiles of Q_SUB tokens. This is the memory-bound decode path.
-* the "tile" launch, grid (ceil(T / Q_TILE), splits): program (i, s) takes packed tokens
-  [i*Q_TILE, (i+1)*Q_TILE) of every long request (q_len > SMALL_Q) overlapping them, a
-  Q_TILE*H-row tensor-core tile against each block of split s. This is the compute-bound prefill
-  path.
+  index heads, in sub-tiles of ROWS_T tokens. This is the memory-bound decode path.
+* the "tile" launch (TILE_MODE), grid (ceil(T / ROWS_T), splits): program (i, s) takes a tile of
+  ROWS_T packed tokens (the last tile first) of every long request (q_len > SMALL_Q)
+  overlapping it, a ROWS_T * H-row tensor-core tile against each block of split s. This is the
+  compute-bound prefill path.
 
-Each program writes its [rows, BLOCKS_PER_SPLIT] score tile once, so stores are coalesced along b.
+Each program writes its [rows, BPS] score tile once, so stores are coalesced along b.
 Bytes: the request launch reads sum_r nb_r * B * Di * bytes(cache) plus the tiny query and score
 traffic; that is the whole cost model of decode.
 """
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from ..common.triton_utils import find_request
 
@@ -138,68 +139,37 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                          TILE_MODE: tl.constexpr, ROWS_T: tl.constexpr, CAST_K: tl.constexpr,
                          IEEE: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
                          MAX_SKIPS_NAN: tl.constexpr, PDL: tl.constexpr = False,
-                         table_width=0, PAGES_EARLY: tl.constexpr = False,
-                         ONE_LOOP: tl.constexpr = False, SPLIT_MAJOR: tl.constexpr = False,
-                         QUICK_EXIT: tl.constexpr = False, WAIT_AT_END: tl.constexpr = False,
-                         REVERSE_TILES: tl.constexpr = False,
-                         REVERSE_SPLITS: tl.constexpr = False,
-                         WAIT_PRIOR: tl.constexpr = False):
-    if WAIT_PRIOR:
-        # the op's first launch, made a programmatic dependent of whatever kernel precedes
-        # the call on the stream (api.py's first_pdl): its programs may start while that
-        # kernel's last ones finish, which hides this launch's own latency; nothing is read
-        # or written before that kernel has finished and its writes are visible
-        gdc_wait()
+                         table_width=0):
     if PDL:
         # the selection launch may start now (programmatic dependent launch): it takes effect
         # once every program of this launch has passed here, and the selection waits for this
         # launch to finish before it reads a score
         gdc_launch_dependents()
-    if SPLIT_MAJOR:
-        # grid (splits, R or tiles): consecutive programs take consecutive splits of one
-        # request or tile
-        pid = tl.program_id(1)
-        split = tl.program_id(0)
-    else:
-        pid = tl.program_id(0)
-        split = tl.program_id(1)
-    # (tile launch) the last tile and/or the last split first: in a causal chunk later tokens
-    # see more blocks, so the longest programs start first and the short ones fill in behind
-    # them, instead of the longest starting last and running alone at the end
-    if REVERSE_TILES:
-        if SPLIT_MAJOR:
-            pid = tl.num_programs(1) - 1 - pid
-        else:
-            pid = tl.num_programs(0) - 1 - pid
-    if REVERSE_SPLITS:
-        if SPLIT_MAJOR:
-            split = tl.num_programs(0) - 1 - split
-        else:
-            split = tl.num_programs(1) - 1 - split
-    b_first = split * BPS
+    pid = tl.program_id(0)
+    b_first = tl.program_id(1) * BPS
     if TILE_MODE:
-        tile_begin = pid * ROWS_T
+        # the last tile first: in a causal chunk later tokens see more blocks, so the longest
+        # programs start first and the short ones fill in behind them, instead of the longest
+        # starting last and running alone at the end
+        tile_begin = (tl.num_programs(0) - 1 - pid) * ROWS_T
         tile_end = tl.minimum(tile_begin + ROWS_T, num_tokens)
-        if QUICK_EXIT:
-            # a decode or verify step of more than SMALL_Q tokens launches this too: one look at
-            # the next 2 * ROWS_T requests, loaded at once, usually shows that none of the tile's
-            # requests is long, and the program ends there instead of walking them one by one
-            # (each a dependent load)
-            r = find_request(cu_ptr, num_requests, tile_begin,
-                             (tile_begin.to(tl.int64) * num_requests // num_tokens).to(tl.int32))
-            rr = r + tl.arange(0, 2 * ROWS_T)
-            ok = rr < num_requests
-            t0 = tl.load(cu_ptr + rr, mask=ok, other=0)
-            t1 = tl.load(cu_ptr + rr + 1, mask=ok, other=0)
-            before = ok & (t0 < tile_end)
-            n_long = tl.sum((before & (t1 - t0 > SMALL_Q)).to(tl.int32), axis=0)
-            # cu is nondecreasing, so the requests starting before tile_end are a prefix of the
-            # window; if the prefix ends inside it, the window holds all of the tile's requests
-            seen_all = tl.sum(before.to(tl.int32), axis=0) < 2 * ROWS_T
-            if seen_all & (n_long == 0):
-                r = num_requests
-        else:
-            r = find_request(cu_ptr, num_requests, tile_begin)
+        # a decode or verify step of more than SMALL_Q tokens launches this too: one look at
+        # the next 2 * ROWS_T requests, loaded at once, usually shows that none of the tile's
+        # requests is long, and the program ends there instead of walking them one by one
+        # (each a dependent load)
+        r = find_request(cu_ptr, num_requests, tile_begin,
+                         (tile_begin.to(tl.int64) * num_requests // num_tokens).to(tl.int32))
+        rr = r + tl.arange(0, 2 * ROWS_T)
+        ok = rr < num_requests
+        t0 = tl.load(cu_ptr + rr, mask=ok, other=0)
+        t1 = tl.load(cu_ptr + rr + 1, mask=ok, other=0)
+        before = ok & (t0 < tile_end)
+        n_long = tl.sum((before & (t1 - t0 > SMALL_Q)).to(tl.int32), axis=0)
+        # cu is nondecreasing, so the requests starting before tile_end are a prefix of the
+        # window; if the prefix ends inside it, the window holds all of the tile's requests
+        seen_all = tl.sum(before.to(tl.int32), axis=0) < 2 * ROWS_T
+        if seen_all & (n_long == 0):
+            r = num_requests
         # every long request overlapping this tile of packed tokens
         while r < num_requests:
             t_req = tl.load(cu_ptr + r)
@@ -226,15 +196,12 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                 r += 1
     else:
         r = pid
-        if PAGES_EARLY:
-            # the split's page ids, masked by the table's width instead of the request's length,
-            # so that their load does not wait for seq_lens: one memory latency less before
-            # the first key load (entries past the request's blocks are read, never used)
-            cols = tl.arange(0, BPS)
-            pages = tl.load(bt_ptr + r.to(tl.int64) * stride_btr + (b_first + cols) * stride_btb,
-                            mask=b_first + cols < table_width, other=-1)
-        else:
-            pages = 0
+        # the split's page ids, masked by the table's width instead of the request's length, so
+        # that their load does not wait for seq_lens: one memory latency less before the first
+        # key load (entries past the request's blocks are read, never used)
+        cols = tl.arange(0, BPS)
+        pages = tl.load(bt_ptr + r.to(tl.int64) * stride_btr + (b_first + cols) * stride_btb,
+                        mask=b_first + cols < table_width, other=-1)
         t_req = tl.load(cu_ptr + r)
         t_next = tl.minimum(tl.load(cu_ptr + r + 1), num_tokens)
         q_len = tl.load(cu_ptr + r + 1) - t_req
@@ -248,9 +215,4 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                                    stride_qd, stride_cp, stride_cb, stride_cd, stride_btb,
                                    stride_ot, stride_oh, stride_ob, H, HP, DI, DIP, BLOCK,
                                    ROWS_T, BPS, CAST_K, IEEE, KEYS_AS_ROWS, MAX_SKIPS_NAN,
-                                   pages, PAGES_EARLY, ONE_LOOP)
-    if WAIT_AT_END:
-        # launched as a programmatic dependent of the request launch (the two write disjoint
-        # rows, so nothing here waits for it), this launch ends only after that one has: a
-        # launch that waits for this one then sees both launches' scores
-        gdc_wait()
+                                   pages, True, True)

@@ -4,7 +4,7 @@
 The same scores as scores.py's tile launch (S[t, h, b] = max over block b's causal keys of
 q[t, h] . key), for the tiles of packed tokens of long requests, in the shape FlashInfer's fp32
 prefill kernel uses: a program owns 256 (token, head) rows and one split of `bps` blocks, as four
-64-row consumer warpgroups and one producer warp (or three, 192 rows: ws_consumers).
+64-row consumer warpgroups and one producer warp.
 
 * The producer warp copies each block's keys (one [BLOCK, DI] tile of a page) into a ring of
   STAGES shared-memory buffers with TMA, ahead of the consumers.
@@ -12,22 +12,20 @@ prefill kernel uses: a program owns 256 (token, head) rows and one split of `bps
   the buffer back, and takes its rows' maxima. Nothing synchronises the four warpgroups, so
   while one takes maxima the others keep the tensor cores busy. Triton's loop cannot do this:
   its 4-warp programs wait for their own MMA, then reduce, and its 16-warp programs keep the
-  warpgroups in step (two CTA barriers per block); measured on the same loop
-  (`benchmarks/probe_mma_overlap.py`), 837 µs against Triton's 1058, and in the library an 8K
-  chunk after 120K scores in 814 µs against the Triton launch's 963 (docs/performance.md).
+  warpgroups in step (two CTA barriers per block), and were slower on the same loop
+  (docs/performance.md, "What was tried").
 * A consumer keeps its maxima in shared memory, [CH, 64] per warpgroup, and stores them as one
   tile every CH blocks, coalesced along the blocks as scores.py's tile is (read back a block
   row per warp instruction and converted to the store's layout in registers: reading the
   store's layout straight from the chunk hit each bank 8 times). So a split can be
-  long: the grid is sized to a few programs per SM (api.py, ws_waves), because a program's
+  long: the grid is sized to a few programs per SM (plan.py, ws_waves), because a program's
   start idles its SM, one program per SM leaving nothing to hide it behind. The start is three
   dependent memory round trips: the request lookup; one look at the window of requests, which
   also loads the first request's offsets, length and page id (a split past every request's
-  causal edge ends here, SKIP_IDLE); then the queries and the first keys together (the
-  consumers, not the whole program, wait for the queries). Measured: the no-context chunk's
-  scoring 34.8 -> 33.3 µs, the chunk after 120K 813 -> 795 (docs/performance.md).
+  causal edge ends here); then the queries and the first keys together (the consumers, not
+  the whole program, wait for the queries).
 
-Used when the index query and cache allow TMA (api.py, `_ws_eligible`): CUDA sm_90, a
+Used when the index query and cache allow TMA (plan.py, `ws_eligible`): CUDA sm_90, a
 power-of-two number of heads, q rows [T * H, DI] and cache rows [pages * BLOCK, DI] each one
 strided 2-D array with 16-byte aligned bases, BLOCK = DI = 128, and the Triton these Gluon
 kernels are tested on (`_dispatch.gluon_hopper_available`). Everything else, and the
@@ -46,6 +44,10 @@ from ..common.gluon_utils import find_request, launch_dependents, wait_prerequis
 # chunk is stored as one [CH, 64] tile)
 WG_ROWS = gl.constexpr(64)
 CH = gl.constexpr(32)
+# consumer warpgroups per program (three, 192 rows, were slower: docs/performance.md)
+CONSUMERS = gl.constexpr(4)
+# registers per consumer thread (setmaxnreg); the producer warp keeps 24
+CONSUMER_REGS = gl.constexpr(112)
 
 
 @gluon.jit
@@ -118,9 +120,8 @@ def _producer(k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr, stride
 def _consumer(q_smem, q_bar, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr,
               stride_btr, stride_btb, stride_ot, stride_oh, stride_ob, num_requests,
               tile_begin, tile_end, b_first, r_first, t_req, t_next, seq_len, page, bps, part,
-              H: gl.constexpr,
-              BLOCK: gl.constexpr, SMALL_Q: gl.constexpr, STAGES: gl.constexpr,
-              Q_IN_REGS: gl.constexpr, CONVERT: gl.constexpr):
+              H: gl.constexpr, BLOCK: gl.constexpr, SMALL_Q: gl.constexpr,
+              STAGES: gl.constexpr):
     """One warpgroup: rows [part * 64, part * 64 + 64) of the program's (token, head) rows;
     `mine`: its maxima of the current chunk of CH blocks, [CH, 64] in shared memory."""
     # one MMA instruction: 64 rows x BLOCK keys x 32 bytes of head dim
@@ -134,13 +135,7 @@ def _consumer(q_smem, q_bar, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, b
     out_l: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [1, 4], [0, 1])
     in_l: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])
     mbarrier.wait(q_bar, 0)  # the tile's query rows (the kernel's prologue issued them)
-    if Q_IN_REGS:
-        # the query rows in registers (the MMA's A operand), read once: each MMA then reads
-        # only its key tile from shared memory (16 registers a thread for fp8)
-        q_i = q_smem.index(part).load(gl.DotOperandLayout(
-            operand_index=0, parent=mma, k_width=32 // q_smem.dtype.primitive_bitwidth))
-    else:
-        q_i = q_smem.index(part)
+    q_i = q_smem.index(part)
     zero = gl.zeros([WG_ROWS, BLOCK], gl.float32, layout=mma)
     local = part * WG_ROWS + gl.arange(0, WG_ROWS, layout=rows_l)
     tok = tile_begin + local // H
@@ -184,13 +179,10 @@ def _consumer(q_smem, q_bar, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, b
                 # the same bytes as one [CH, 64] row-major tile (stored a block row at a time)
                 rows_major = mine._reinterpret(gl.float32, [CH, WG_ROWS], gl.SwizzledSharedLayout(
                     vec=1, per_phase=1, max_phase=1, order=[1, 0]))
-                if CONVERT:
-                    # read one block's 32 rows per warp instruction (32 banks: no conflict;
-                    # 8 blocks x 4 rows hit each bank 8 times), then into the store's layout
-                    # through the compiler's own conflict-free scratch
-                    tile = gl.convert_layout(rows_major.load(in_l), out_l)
-                else:
-                    tile = rows_major.load(out_l)
+                # read one block's 32 rows per warp instruction (32 banks: no conflict; the
+                # store's layout, 8 blocks x 4 rows, hit each bank 8 times), then into the
+                # store's layout through the compiler's own conflict-free scratch
+                tile = gl.convert_layout(rows_major.load(in_l), out_l)
                 ok = ((tok_o >= t_begin) & (tok_o < t_end))[None, :] & (cols_o <= c)[:, None]
                 dst = (out_ptr + tok_o.to(gl.int64)[None, :] * stride_ot
                        + head_o.to(gl.int64)[None, :] * stride_oh
@@ -206,23 +198,18 @@ def _consumer(q_smem, q_bar, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, b
 def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr,
                             num_requests, num_tokens, stride_btr, stride_btb, stride_ot,
                             stride_oh, stride_ob, bps, H: gl.constexpr, SMALL_Q: gl.constexpr,
-                            STAGES: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr, REVERSE_TILES: gl.constexpr,
-                            CONSUMERS: gl.constexpr, Q_IN_REGS: gl.constexpr,
-                            CONVERT: gl.constexpr, SKIP_IDLE: gl.constexpr,
-                            WAIT_AT_END: gl.constexpr, num_warps: gl.constexpr):
+                            STAGES: gl.constexpr, num_warps: gl.constexpr):
     BLOCK: gl.constexpr = k_desc.block_type.shape[0]
     DI: gl.constexpr = k_desc.block_type.shape[1]
     ROWS_T: gl.constexpr = WG_ROWS * CONSUMERS // H
-    if WAIT_AT_END:
-        # (with the PDL of api.py's plan) a selection launched as a programmatic dependent of
-        # this one (select_short_pdl) may start its request lookups now, on the SMs this
-        # launch's last wave leaves idle; it reads scores only after this launch has finished
-        launch_dependents()
+    # a selection launched as a programmatic dependent of this one may start its request
+    # lookups now, on the SMs this launch's last wave leaves idle; it reads scores only after
+    # this launch has finished (the wait at the end)
+    launch_dependents()
+    # the last tile first: later tokens see more blocks, so the longest programs start first
+    # (scores.py)
     pid = gl.program_id(0)
-    if REVERSE_TILES:
-        # later tokens see more blocks: the longest programs first (scores.py)
-        pid = gl.num_programs(0) - 1 - pid
+    pid = gl.num_programs(0) - 1 - pid
     b_first = gl.program_id(1) * bps
     tile_begin = pid * ROWS_T
     tile_end = gl.minimum(tile_begin + ROWS_T, num_tokens)
@@ -237,15 +224,14 @@ def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
     t1 = gl.load(cu_ptr + rr + 1, mask=in_range, other=0)
     before = in_range & (t0 < tile_end)
     work = before & (t1 - t0 > SMALL_Q)
-    if SKIP_IDLE:
-        # and a block of this split before the causal edge of the request's last token in
-        # the tile (_request_blocks' n > 0): the splits past the edge (3 of every 4 programs
-        # of the first tiles of a chunk with no context) end before loading their queries
-        seq = gl.load(seq_lens_ptr + rr, mask=in_range, other=0)
-        first_pos = seq - (t1 - t0)
-        t_last = gl.minimum(t1, tile_end) - 1
-        work = (work & (first_pos >= 0) & (gl.maximum(t0, tile_begin) <= t_last)
-                & (b_first < (first_pos + gl.maximum(t_last - t0, 0)) // BLOCK + 1))
+    # and a block of this split before the causal edge of the request's last token in the
+    # tile (_request_blocks' n > 0): the splits past the edge (3 of every 4 programs of the
+    # first tiles of a chunk with no context) end before loading their queries
+    seq = gl.load(seq_lens_ptr + rr, mask=in_range, other=0)
+    first_pos = seq - (t1 - t0)
+    t_last = gl.minimum(t1, tile_end) - 1
+    work = (work & (first_pos >= 0) & (gl.maximum(t0, tile_begin) <= t_last)
+            & (b_first < (first_pos + gl.maximum(t_last - t0, 0)) // BLOCK + 1))
     n_work = gl.sum(work.to(gl.int32), axis=0)
     # cu is nondecreasing: if the window's last request also starts before tile_end, there
     # may be more, so the tile is walked in full
@@ -282,57 +268,29 @@ def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
             tma.async_copy_global_to_shared(q_desc, [tile_begin * H + p * WG_ROWS, 0], q_bar,
                                             q_smem.index(p))
         # (written out per consumer: adding tuples here turns their constexprs into ints)
-        if CONSUMERS == 4:
-            gl.warp_specialize([
-                (_consumer, (q_smem, q_bar, k_smem, ready, empty, maxima0, cu_ptr, seq_lens_ptr,
-                             bt_ptr, out_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
-                             stride_ob, num_requests, tile_begin, tile_end, b_first, r_first,
-                             t_req0, t_next0, seq0, page0, bps, 0, H, BLOCK, SMALL_Q, STAGES,
-                             Q_IN_REGS, CONVERT)),
-                (_consumer, (q_smem, q_bar, k_smem, ready, empty, maxima1, cu_ptr, seq_lens_ptr,
-                             bt_ptr, out_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
-                             stride_ob, num_requests, tile_begin, tile_end, b_first, r_first,
-                             t_req0, t_next0, seq0, page0, bps, 1, H, BLOCK, SMALL_Q, STAGES,
-                             Q_IN_REGS, CONVERT)),
-                (_consumer, (q_smem, q_bar, k_smem, ready, empty, maxima2, cu_ptr, seq_lens_ptr,
-                             bt_ptr, out_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
-                             stride_ob, num_requests, tile_begin, tile_end, b_first, r_first,
-                             t_req0, t_next0, seq0, page0, bps, 2, H, BLOCK, SMALL_Q, STAGES,
-                             Q_IN_REGS, CONVERT)),
-                (_consumer, (q_smem, q_bar, k_smem, ready, empty, maxima3, cu_ptr, seq_lens_ptr,
-                             bt_ptr, out_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
-                             stride_ob, num_requests, tile_begin, tile_end, b_first, r_first,
-                             t_req0, t_next0, seq0, page0, bps, 3, H, BLOCK, SMALL_Q, STAGES,
-                             Q_IN_REGS, CONVERT)),
-                (_producer, (k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr,
-                             stride_btr, stride_btb, num_requests, tile_begin, tile_end, b_first,
-                             r_first, t_req0, t_next0, seq0, page0, bps, BLOCK, SMALL_Q,
-                             STAGES)),
-            ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, 24])
-        else:
-            gl.warp_specialize([
-                (_consumer, (q_smem, q_bar, k_smem, ready, empty, maxima0, cu_ptr, seq_lens_ptr,
-                             bt_ptr, out_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
-                             stride_ob, num_requests, tile_begin, tile_end, b_first, r_first,
-                             t_req0, t_next0, seq0, page0, bps, 0, H, BLOCK, SMALL_Q, STAGES,
-                             Q_IN_REGS, CONVERT)),
-                (_consumer, (q_smem, q_bar, k_smem, ready, empty, maxima1, cu_ptr, seq_lens_ptr,
-                             bt_ptr, out_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
-                             stride_ob, num_requests, tile_begin, tile_end, b_first, r_first,
-                             t_req0, t_next0, seq0, page0, bps, 1, H, BLOCK, SMALL_Q, STAGES,
-                             Q_IN_REGS, CONVERT)),
-                (_consumer, (q_smem, q_bar, k_smem, ready, empty, maxima2, cu_ptr, seq_lens_ptr,
-                             bt_ptr, out_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
-                             stride_ob, num_requests, tile_begin, tile_end, b_first, r_first,
-                             t_req0, t_next0, seq0, page0, bps, 2, H, BLOCK, SMALL_Q, STAGES,
-                             Q_IN_REGS, CONVERT)),
-                (_producer, (k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr,
-                             stride_btr, stride_btb, num_requests, tile_begin, tile_end, b_first,
-                             r_first, t_req0, t_next0, seq0, page0, bps, BLOCK, SMALL_Q,
-                             STAGES)),
-            ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
-    if WAIT_AT_END:
-        # launched as a programmatic dependent of the request launch (api.py, tile_overlap:
-        # the two write disjoint rows, so nothing above waits for it), this launch ends only
-        # after that one has: the selection launch, which waits for this one, sees both
-        wait_prerequisites()
+        gl.warp_specialize([
+            (_consumer, (q_smem, q_bar, k_smem, ready, empty, maxima0, cu_ptr, seq_lens_ptr,
+                         bt_ptr, out_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
+                         stride_ob, num_requests, tile_begin, tile_end, b_first, r_first,
+                         t_req0, t_next0, seq0, page0, bps, 0, H, BLOCK, SMALL_Q, STAGES)),
+            (_consumer, (q_smem, q_bar, k_smem, ready, empty, maxima1, cu_ptr, seq_lens_ptr,
+                         bt_ptr, out_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
+                         stride_ob, num_requests, tile_begin, tile_end, b_first, r_first,
+                         t_req0, t_next0, seq0, page0, bps, 1, H, BLOCK, SMALL_Q, STAGES)),
+            (_consumer, (q_smem, q_bar, k_smem, ready, empty, maxima2, cu_ptr, seq_lens_ptr,
+                         bt_ptr, out_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
+                         stride_ob, num_requests, tile_begin, tile_end, b_first, r_first,
+                         t_req0, t_next0, seq0, page0, bps, 2, H, BLOCK, SMALL_Q, STAGES)),
+            (_consumer, (q_smem, q_bar, k_smem, ready, empty, maxima3, cu_ptr, seq_lens_ptr,
+                         bt_ptr, out_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
+                         stride_ob, num_requests, tile_begin, tile_end, b_first, r_first,
+                         t_req0, t_next0, seq0, page0, bps, 3, H, BLOCK, SMALL_Q, STAGES)),
+            (_producer, (k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr,
+                         stride_btr, stride_btb, num_requests, tile_begin, tile_end, b_first,
+                         r_first, t_req0, t_next0, seq0, page0, bps, BLOCK, SMALL_Q,
+                         STAGES)),
+        ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, 24])
+    # launched as a programmatic dependent of the request launch (the two write disjoint rows,
+    # so nothing above waits for it), this launch ends only after that one has: the selection
+    # launch, which waits for this one, sees both (without a request launch it returns at once)
+    wait_prerequisites()

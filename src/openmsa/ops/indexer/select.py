@@ -18,8 +18,8 @@ out in ascending order by a running count as well, so nothing is sorted. On long
 NG group maxima) are first packed into a CAP-slot scratch row, and the search runs on those few.
 That is the throughput path (prefill: tens of thousands of rows, one warp each). With few
 programs (decode at small batch) one program's latency matters instead, and Triton's bitonic
-`tl.topk` on the packed keys (no chain of row-wide counts) is faster: `BY_SORT`, chosen by the
-launcher from the program count.
+`tl.topk` on the packed keys (no chain of row-wide counts) is faster: `BY_SORT`, chosen by
+plan.py from the program count.
 Bytes: reads n * 4 bytes of scores per row (+ segments * KP * 8 of candidates), writes K * 4.
 """
 
@@ -136,6 +136,17 @@ def _segment_keys(row, b, n, stride_sb, INIT: tl.constexpr, LOCAL: tl.constexpr)
 
 
 @triton.jit
+def _read_candidates(scratch_row, n_cand, CAP: tl.constexpr):
+    """The n_cand packed keys a program stored in its scratch row, as [CAP] packed keys
+    (EMPTY_KEY past n_cand) and their int32 keys (DEAD_KEY there); the barrier orders the
+    other threads' stores before the loads."""
+    tl.debug_barrier()  # the packed keys are read back by other threads
+    c = tl.arange(0, CAP)
+    packed = tl.load(scratch_row + c, mask=c < n_cand, other=EMPTY_KEY)
+    return packed, tl.where(packed == EMPTY_KEY, DEAD_KEY, (packed >> 32).to(tl.int32))
+
+
+@triton.jit
 def _chunked_select(row, seg_base, n, stride_sb, out_row, stride_ok, cand_row, scratch_row,
                     TOPK: tl.constexpr, KP: tl.constexpr, INIT: tl.constexpr,
                     LOCAL: tl.constexpr, SEG: tl.constexpr, CH: tl.constexpr,
@@ -165,10 +176,7 @@ def _chunked_select(row, seg_base, n, stride_sb, out_row, stride_ok, cand_row, s
         tl.store(scratch_row + slot, pack_key(key, b), mask=cand & (slot < CAP))
         n_cand += tl.sum(cand.to(tl.int32), axis=0)
     if n_cand <= CAP:
-        tl.debug_barrier()  # the packed keys are read back by other threads
-        c = tl.arange(0, CAP)
-        packed = tl.load(scratch_row + c, mask=c < n_cand, other=EMPTY_KEY)
-        ckey = tl.where(packed == EMPTY_KEY, DEAD_KEY, (packed >> 32).to(tl.int32))
+        packed, ckey = _read_candidates(scratch_row, n_cand, CAP)
         _write_picked(out_row, stride_ok, cand_row, _threshold_select(ckey, TOPK, KP),
                       packed, unpack_block(packed), TOPK, KP, SINGLE)
     else:
@@ -221,17 +229,12 @@ def _chunked_select(row, seg_base, n, stride_sb, out_row, stride_ok, cand_row, s
 
 @triton.jit
 def _segment_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, cand_ptr, scratch_ptr,
-                         counter_ptr, num_requests, num_segments, stride_st, stride_sh,
-                         stride_sb, stride_ot, stride_oh, stride_ok, TOPK: tl.constexpr,
-                         KP: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
-                         BLOCK: tl.constexpr, SEG: tl.constexpr, SINGLE: tl.constexpr,
-                         BY_SORT: tl.constexpr, CAP: tl.constexpr, NG: tl.constexpr,
-                         PDL: tl.constexpr = False, CH: tl.constexpr = 0,
-                         FUSED: tl.constexpr = False, CANDP: tl.constexpr = 1):
-    """FUSED (the sort path with several segments; TUNING select_sort_fused): the last of a
-    row's segment programs to store its candidates merges the row (an arrival counter per row in
-    counter_ptr, put back to 0 by the merger), instead of _merge_topk_kernel's launch; CANDP:
-    the row's candidate slots (num_segments * KP) rounded up to a power of two."""
+                         num_requests, num_segments, stride_st, stride_sh, stride_sb, stride_ot,
+                         stride_oh, stride_ok, TOPK: tl.constexpr, KP: tl.constexpr,
+                         INIT: tl.constexpr, LOCAL: tl.constexpr, BLOCK: tl.constexpr,
+                         SEG: tl.constexpr, SINGLE: tl.constexpr, BY_SORT: tl.constexpr,
+                         CAP: tl.constexpr, NG: tl.constexpr, PDL: tl.constexpr = False,
+                         CH: tl.constexpr = 0):
     t = tl.program_id(0)
     h = tl.program_id(1)
     seg = tl.program_id(2)
@@ -270,22 +273,6 @@ def _segment_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, cand_ptr, sc
                 _write_ascending(out_row, stride_ok, best, TOPK, KP)
             else:
                 tl.store(cand_ptr + base + slots, best)
-                if FUSED:
-                    # every segment program of a row with n > TOPK comes here (those past the
-                    # row's blocks store empty candidates), so the num_segments-th arrival is
-                    # the last. The barrier orders every thread's candidate stores before the
-                    # counter's release; the acquire and the .cg loads (L2, not this SM's L1)
-                    # see the other programs' candidates (the attention's fused merge, decode.py)
-                    tl.debug_barrier()
-                    counter = counter_ptr + t.to(tl.int64) * num_heads + h
-                    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-                    if arrived == num_segments - 1:
-                        c = tl.arange(0, CANDP)
-                        row_cand = cand_ptr + (t.to(tl.int64) * num_heads + h) * num_segments * KP
-                        packed = tl.load(row_cand + c, mask=c < num_segments * KP,
-                                         other=EMPTY_KEY, cache_modifier=".cg")
-                        _write_ascending(out_row, stride_ok, tl.topk(packed, KP), TOPK, KP)
-                        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
         elif CAP > 0:
             # the K-th largest of NG group maxima bounds the answer from below (K groups hold a
             # key at least that large): only keys reaching it can be picked, usually a few dozen
@@ -299,10 +286,7 @@ def _segment_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, cand_ptr, sc
                                              + seg) * CAP
                 tl.store(row_scratch + tl.cumsum(cand.to(tl.int32), axis=0) - 1,
                          pack_key(key, b), mask=cand)
-                tl.debug_barrier()  # the packed keys are read back by other threads
-                c = tl.arange(0, CAP)
-                packed = tl.load(row_scratch + c, mask=c < n_cand, other=EMPTY_KEY)
-                ckey = tl.where(packed == EMPTY_KEY, DEAD_KEY, (packed >> 32).to(tl.int32))
+                packed, ckey = _read_candidates(row_scratch, n_cand, CAP)
                 _write_picked(out_row, stride_ok, cand_ptr + base,
                               _threshold_select(ckey, TOPK, KP), packed,
                               unpack_block(packed), TOPK, KP, SINGLE)
@@ -346,7 +330,7 @@ def _merge_topk_kernel(cand_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_requests, nu
             _store_in_order(out_row, stride_ok, picked, unpack_block(packed), TOPK, KP)
 
 
-# The group-bound path for long rows (TUNING select_group_bound): a row of n blocks is read once
+# The group-bound path for long rows (plan.py, select_group_min_blocks): a row of n blocks is read once
 # by a wide, memory-bound launch that reduces it to ceil(n / GS) group maxima of keys, and one
 # program per row then needs two dependent reads instead of a chain per segment: the K-th largest
 # group maximum bounds the answer from below (K groups hold a key at least that large), so only
@@ -383,8 +367,7 @@ def _group_bound_select_kernel(scores_ptr, cu_ptr, seq_lens_ptr, gmax_ptr, out_p
                                stride_gh, stride_ot, stride_oh, stride_ok, TOPK: tl.constexpr,
                                KP: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
                                BLOCK: tl.constexpr, GS: tl.constexpr, NGP: tl.constexpr,
-                               CG: tl.constexpr, CAP: tl.constexpr, CH: tl.constexpr,
-                               PACK: tl.constexpr = True):
+                               CG: tl.constexpr, CAP: tl.constexpr, CH: tl.constexpr):
     """The top-K of row (t, h) from its NGP-padded group maxima (see above); scratch: CAP int64
     slots for this row (candidate group ids here, or the fallback's packed keys)."""
     t = tl.program_id(0)
@@ -423,14 +406,11 @@ def _group_bound_select_kernel(scores_ptr, cu_ptr, seq_lens_ptr, gmax_ptr, out_p
             # the CG * GS): packed into the scratch row (in block order) and searched there
             cand = (key >= bound) & (key != DEAD_KEY)
             n_cand = tl.sum(cand.to(tl.int32), axis=0)
-            if PACK & (n_cand <= CAP):
+            if n_cand <= CAP:
                 tl.debug_barrier()  # every thread has read the group ids the row held
                 tl.store(scratch_row + tl.cumsum(cand.to(tl.int32), axis=0) - 1,
                          pack_key(key, b), mask=cand)
-                tl.debug_barrier()  # the packed keys are read back by other threads
-                cs = tl.arange(0, CAP)
-                packed = tl.load(scratch_row + cs, mask=cs < n_cand, other=EMPTY_KEY)
-                ckey = tl.where(packed == EMPTY_KEY, DEAD_KEY, (packed >> 32).to(tl.int32))
+                packed, ckey = _read_candidates(scratch_row, n_cand, CAP)
                 _store_in_order(out_row, stride_ok, _threshold_select(ckey, TOPK, KP),
                                 unpack_block(packed), TOPK, KP)
             else:

@@ -9,19 +9,20 @@ rows of 1-64 blocks, and their selection took ~22 µs beside ~40 of scoring (doc
 "Indexer prefill"). Here a row of SEG <= 64 blocks lies in TPR threads (SEG / TPR contiguous
 blocks each: 16-byte loads), so a count is a sum inside each thread and log2(TPR) shuffles,
 and a warp searches 32 / TPR rows at once. Triton cannot be told to lay a tile out that way (it
-spreads a 64-wide row over 16 lanes), hence Gluon. Wider rows (up to api.py's select_short_max,
+spreads a 64-wide row over 16 lanes), hence Gluon. Wider rows (up to plan.py's select_short_max,
 1024: a chunk after ~120K tokens) lie 16 blocks per thread up to a warp per row (32 blocks
 per thread at 1024), in one pass where select.py reads a row twice and searches it bit by bit
 with a warp-wide sum per step.
 
-The same selection as select.py (MSA-SPEC.md: forced init/local blocks, then the best by score,
-ties to the lower block, NaN as -inf, ascending ids, -1 padded), found differently: the forced
+The same selection as select.py (docs/spec.md, "Selection: forced blocks and the tie rule":
+forced init/local blocks, then the best by score, ties to the lower block, NaN as -inf,
+ascending ids, -1 padded), found differently: the forced
 blocks are known from n, so only the K2 = TOPK - INIT - LOCAL best of the other blocks are
 searched for, on their float values with forced and absent blocks as NaN (which no comparison
 counts), by bisecting an interval of keys (floats as order-preserving ints) between a lower
 bound and the largest value, first at the interval's value midpoint (see the loop).
 
-Used on Hopper with the Gluon the other kernels are tested on (api.py, `_short_rows_eligible`),
+Used on Hopper with the Gluon the other kernels are tested on (plan.py, `_short_rows`),
 for launches of many rows (the threshold path) whose rows have at most 1024 blocks; the
 interpreter and everything else keep select.py.
 """
@@ -29,7 +30,7 @@ interpreter and everything else keep select.py.
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from ..common.gluon_utils import wait_prerequisites
+from ..common.gluon_utils import token_position, wait_prerequisites
 
 # steps of the search that bisect the interval's values before it bisects its keys
 VALUE_STEPS = gl.constexpr(8)
@@ -63,33 +64,6 @@ def _count(v, c, OP: gl.constexpr):
 
 
 @gluon.jit
-def _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, t, BLOCK: gl.constexpr):
-    """n = position // BLOCK + 1 of each packed token t (0 for padding: a token past cu[R], or
-    of a request with q_len > seq_len); triton_utils.token_position, one binary search per
-    thread over the R + 1 offsets."""
-    lo = gl.zeros_like(t)
-    hi = gl.zeros_like(t) + num_requests
-    # floor(log2(R)) + 1 halvings empty any interval of R
-    steps = 0
-    left = num_requests
-    while left > 0:
-        left = left // 2
-        steps += 1
-    for _ in range(steps):
-        active = lo < hi
-        mid = (lo + hi) // 2
-        after = gl.load(cu_ptr + mid + 1, mask=active, other=0) > t
-        hi = gl.where(active & after, mid, hi)
-        lo = gl.where(active & (after == 0), mid + 1, lo)
-    real = lo < num_requests
-    t_req = gl.load(cu_ptr + lo, mask=real, other=0)
-    q_len = gl.load(cu_ptr + lo + 1, mask=real, other=0) - t_req
-    seq_len = gl.load(seq_lens_ptr + lo, mask=real, other=0)
-    pos = gl.where(real & (seq_len >= q_len), seq_len - q_len + (t - t_req), -1)
-    return gl.where(pos >= 0, pos // BLOCK + 1, 0)
-
-
-@gluon.jit
 def _add(a, b):
     return a + b
 
@@ -107,33 +81,32 @@ def _short_rows_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_reque
                             stride_ok, H: gl.constexpr, TOPK: gl.constexpr, KP: gl.constexpr,
                             INIT: gl.constexpr, LOCAL: gl.constexpr, BLOCK: gl.constexpr,
                             G: gl.constexpr, W: gl.constexpr, VEC: gl.constexpr, TPR: gl.constexpr,
-                            num_warps: gl.constexpr, PDL: gl.constexpr = False,
-                            REVERSE: gl.constexpr = True):
+                            num_warps: gl.constexpr):
     # a row's SEG = G * W blocks in TPR threads' registers, SEG / TPR contiguous ones each
     SEG: gl.constexpr = G * W
     row_l: gl.constexpr = gl.BlockedLayout([1, SEG // TPR], [32 // TPR, TPR], [num_warps, 1],
                                            [1, 0])
     r_l: gl.constexpr = gl.SliceLayout(1, row_l)
     ROWS: gl.constexpr = 32 // TPR * num_warps
+    # the last rows first: in a chunk's token order a row's causal blocks grow with its token,
+    # so the programs of the longest rows start in the first wave and the last, partial wave
+    # holds the shortest
     pid = gl.program_id(0)
-    if REVERSE:
-        # the last rows first: in a chunk's token order a row's causal blocks grow with its
-        # token, so the programs of the longest rows start in the first wave and the last,
-        # partial wave holds the shortest (select_short_reverse)
-        pid = gl.num_programs(0) - 1 - pid
+    pid = gl.num_programs(0) - 1 - pid
     rows = pid * ROWS + gl.arange(0, ROWS, layout=r_l)
     t = rows // H
     h = rows % H
     b = gl.expand_dims(gl.arange(0, SEG, layout=gl.SliceLayout(0, row_l)), 0)
     row = gl.expand_dims(scores_ptr + t.to(gl.int64) * stride_st + h.to(gl.int64) * stride_sh, 1)
-    n = gl.where(rows < num_rows, _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, t, BLOCK),
-                 0)
+    real = rows < num_rows
+    # (one lookup per lane: each row's token)
+    _, pos = token_position(cu_ptr, seq_lens_ptr, num_requests, t)
+    n = gl.where(real, gl.where(pos >= 0, pos // BLOCK + 1, 0), 0)
     n2 = gl.expand_dims(n, 1)
     live = b < n2
-    if PDL:
-        # a programmatic dependent launch (api.py, select_short_pdl): the request lookup
-        # above ran beside the scoring launch; its scores are read only once it has finished
-        wait_prerequisites()
+    # a programmatic dependent launch of the scoring launch: the request lookup above ran
+    # beside it; its scores are read only once it has finished
+    wait_prerequisites()
     # whole VEC-block pieces (one 16-byte load each for VEC = 4: the mask is constant over a
     # piece, the tail's extra blocks are inside the row when VEC divides its width, and the
     # blocks past n ignore them); a causal count past the width reads nothing beyond it

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Tier 0: the index-branch reference against brute force and the rules of docs/spec.md."""
+"""Tier 0: the index-branch reference against brute force and the rules of docs/spec.md
+("Block score", "Selection: forced blocks and the tie rule", "Padding")."""
 
 import pytest
 import torch

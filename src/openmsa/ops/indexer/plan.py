@@ -1,0 +1,320 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The index branch's launch plan: which kernels score a step's blocks and select its top-k,
+with which grids and constexprs, as a pure function of the step's shape, the device's facts and
+an `IndexerConfig`.
+
+Scoring (scores.py, scores_ws.py) is one Triton kernel launched in two forms, so that no host
+synchronisation splits the batch:
+
+* "scores_request", grid (R, splits): the requests of q_len <= SMALL_Q (decode, speculative
+  verify), each split's keys read once for all of a request's tokens. Memory-bound.
+* "scores_tile", grid (token tiles, splits): the long requests (prefill chunks), a tile of
+  packed tokens against each block of a split. Compute-bound. On Hopper, where the layouts
+  allow TMA, it is the warp-specialised Gluon kernel instead ("scores_tile_ws"), planned with
+  its Triton form beside it ("scores_tile_unaligned"): exactly one of the two runs, the Gluon
+  one unless a base address is not 16-byte aligned (TMA cannot take it; api.py checks).
+
+Selection (select.py, select_rows.py) then takes one of three forms by the shape of its rows:
+
+* "select_short_rows" (Hopper): many rows of at most `select_short_max` blocks, a row in a few
+  threads' registers.
+* "select_group_max" + "select_group_bound": many rows of at least `select_group_min_blocks`
+  blocks (prefill after a long context): 16-block group maxima bound the search.
+* "select_segments" (+ "select_merge" when a row has several segments): rows cut into segments
+  of one program each, sorted (few programs: decode at small batch) or searched by threshold.
+
+The measurements behind each rule are in docs/performance.md ("What was tried").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..._checks import FP8, HALF
+from ..._dispatch import next_pow2
+from ..common.plan import DeviceFacts, Launch, LaunchPlan
+
+__all__ = ["IndexerConfig", "DEFAULT", "IndexerShape", "plan", "selection_plan", "selection_layout",
+           "ws_eligible", "SMALL_Q"]
+
+# requests with q_len <= SMALL_Q (decode, speculative verify) take the request launch
+SMALL_Q = 16
+# the request launch's q_len bound when the caller's max_q_len says no request is long
+ANY_Q = 2 ** 30
+# (token, head) rows of the request launch's tensor-core tile (the MMA's smallest M)
+DECODE_ROWS = 16
+# the request launch's warps and pipeline stages (a sweep of 4/8 warps and 2-4 stages found
+# nothing faster: docs/performance.md)
+DECODE_WARPS = 4
+DECODE_STAGES = 3
+# the Triton tile launch's warps, and its stages for a 16-bit and an fp8 cache: a 16-bit key
+# tile is twice the bytes, and 2 stages on 4 warps fit 2 programs per SM (docs/performance.md)
+PREFILL_WARPS = 4
+PREFILL_STAGES = 2
+PREFILL_STAGES_FP8 = 3
+# the sort path's warps (few programs, each one's latency is the step's)
+SORT_WARPS = 4
+# scratch slots of a threshold-path program on long segments (at least 4 * KP)
+SCRATCH_SLOTS = 64
+# the group-bound path: blocks per group, groups per group-maxima program, and its search's
+# chunk (blocks)
+GROUP_SIZE = 16
+GROUPS_PER_PROGRAM = 64
+GROUP_CHUNK = 128
+# select_rows.py's warps per program
+SHORT_WARPS = 1
+
+
+@dataclass(frozen=True)
+class IndexerConfig:
+    """Every launch knob of the index branch (benchmarks/tune.py varies them with
+    dataclasses.replace(DEFAULT, ...)). Defaults are the measured best on the H200."""
+
+    # request launch: programs per SM its splits aim for (decode/verify at small batch)
+    decode_waves: int = 2
+    # request launch: most blocks per split (long contexts, where splits would exceed the waves)
+    decode_max_bps: int = 64
+    # Triton tile launch: (token, head) rows per tile and blocks per split (prefill chunks off
+    # Hopper, or where TMA cannot take the layouts)
+    prefill_rows: int = 128
+    prefill_bps: int = 32
+    # Gluon tile launch (Hopper prefill): programs per SM the grid is sized to, and key buffers
+    # for an fp8 and a 16-bit cache
+    ws_waves: int = 4
+    ws_stages: int = 6
+    ws_stages_16: int = 3
+    # selection: blocks of a score row per program (rows longer than this are merged by a
+    # second launch: contexts past 128K)
+    select_segment: int = 1024
+    # selection: below this many programs per SM the launch sorts (decode at small batch),
+    # at or above it searches by threshold (prefill, large batches)
+    select_sort_waves: int = 2
+    # selection: the threshold path reads a segment in chunks of this many blocks (0: at
+    # once), fewer registers per program ...
+    select_chunk: int = 128
+    # ... only in launches of at least this many programs per SM (prefill chunks after a long
+    # context; a decode step's programs fit at once, and there the chunks' serial loads cost)
+    select_chunk_min_waves: int = 16
+    # selection: rows of at least this many blocks on the threshold path take the group-bound
+    # path (prefill after a long context)
+    select_group_min_blocks: int = 2048
+    # selection on Hopper: rows of at most this many blocks (0: none) take select_rows.py's
+    # kernel (prefill chunks with up to ~120K of context, large decode steps at short context),
+    # a row in at least select_short_tpr threads (16 blocks per thread, up to a warp, on wider
+    # rows)
+    select_short_max: int = 1024
+    select_short_tpr: int = 4
+
+
+DEFAULT = IndexerConfig()
+
+
+@dataclass(frozen=True)
+class IndexerShape:
+    """What the plan reads of a step. tma_rows: index_q is [T * H, DI] rows and index_cache is
+    [pages * BLOCK, DI] rows, each one strided 2-D array that TMA can describe (api.py).
+    topk None: scoring only (block_scores)."""
+
+    num_tokens: int
+    num_heads: int
+    head_dim: int
+    num_requests: int
+    max_blocks: int
+    block_size: int
+    q_dtype: torch.dtype
+    cache_dtype: torch.dtype
+    max_q_len: int | None = None
+    tma_rows: bool = False
+    topk: int | None = None
+    init_blocks: int = 0
+    local_blocks: int = 1
+
+
+def plan(shape: IndexerShape, device: DeviceFacts, config: IndexerConfig = DEFAULT) -> LaunchPlan:
+    """The step's launches in order: scoring, then (with topk) the selection; sizes: the
+    selection's temporary buffers (see _selection)."""
+    selection = selection_plan(shape, device, config)
+    return LaunchPlan((*_scoring(shape, device, config), *selection), selection.sizes)
+
+
+def selection_plan(shape: IndexerShape, device: DeviceFacts,
+                   config: IndexerConfig = DEFAULT) -> LaunchPlan:
+    """The selection's launches alone (none without topk or tokens), and its buffers' sizes."""
+    if shape.topk is None or shape.num_tokens == 0:
+        return LaunchPlan()
+    return LaunchPlan(*_selection(shape, device, config))
+
+
+def ws_eligible(shape: IndexerShape, device: DeviceFacts) -> bool:
+    """Whether the tile launch is scores_ws.py's Gluon kernel: Hopper, q and cache of one dtype
+    (fp8 or 16-bit), 128-key blocks, index head dim 128, a power-of-two number of heads, and
+    layouts TMA can describe (shape.tma_rows)."""
+    return (device.hopper and shape.q_dtype == shape.cache_dtype
+            and shape.q_dtype in (FP8, *HALF) and shape.block_size == 128
+            and shape.head_dim == 128 and shape.num_heads & (shape.num_heads - 1) == 0
+            and shape.tma_rows)
+
+
+def _scoring(shape: IndexerShape, device: DeviceFacts, config: IndexerConfig) -> list[Launch]:
+    """The request launch (unless the step is one request of more than SMALL_Q tokens) and,
+    unless every request is known to be short, the tile launch."""
+    num_tokens, num_heads = shape.num_tokens, shape.num_heads
+    if num_tokens == 0 or shape.num_requests == 0 or shape.max_blocks == 0:
+        return []
+    # a decode/verify step: one launch (the tile launch of a step of > SMALL_Q tokens costs a
+    # launch even when its programs find no long request)
+    only_requests = num_tokens <= SMALL_Q or (shape.max_q_len is not None
+                                              and shape.max_q_len <= SMALL_Q)
+    hp = next_pow2(num_heads)
+    ieee = shape.q_dtype == torch.float32
+    # the GPU's max skips NaN by itself; the interpreter's does not (see scores.py). PDL: the
+    # selection launch after this one starts early (programmatic dependent launch, CUDA only)
+    common = dict(H=num_heads, HP=hp, DI=shape.head_dim, DIP=max(16, next_pow2(shape.head_dim)),
+                  BLOCK=shape.block_size,
+                  CAST_K=shape.q_dtype in HALF and shape.cache_dtype == FP8, IEEE=ieee,
+                  MAX_SKIPS_NAN=device.cuda, PDL=device.cuda)
+    # skipped by the hint alone, the tile launch's requests go to the request launch, which then
+    # takes any q_len (ANY_Q); with T <= SMALL_Q no request can be longer, and the bound stays
+    any_q = only_requests and num_tokens > SMALL_Q
+    # one request in a step of more than SMALL_Q tokens: a prefill chunk (or a step of mostly
+    # padding tokens), so the tile launch takes it whatever its q_len, and the request launch,
+    # which would find nothing to do (~1 µs of device time), is not made
+    one_request = shape.num_requests == 1 and not only_requests
+    launches = []
+    if not one_request:
+        # enough splits of each request's blocks to fill the GPU
+        programs = device.num_sms * (config.decode_waves if device.cuda else 1)
+        splits = -(-programs // shape.num_requests)
+        bps = min(config.decode_max_bps, next_pow2(-(-shape.max_blocks // splits)))
+        # keys as the MMA's rows (see scores.py); the fp32 reference-precision path keeps the
+        # IEEE dot
+        launches.append(Launch("scores_request", (shape.num_requests, -(-shape.max_blocks // bps)),
+                               dict(BPS=bps, TILE_MODE=False, ROWS_T=max(1, DECODE_ROWS // hp),
+                                    **common, SMALL_Q=ANY_Q if any_q else SMALL_Q,
+                                    KEYS_AS_ROWS=not ieee, num_warps=DECODE_WARPS, num_stages=DECODE_STAGES,
+                                    table_width=shape.max_blocks)))
+    if only_requests:
+        return launches
+    fp8 = shape.cache_dtype == FP8
+    rows_t = max(1, config.prefill_rows // hp)
+    tile_small_q = 0 if one_request else SMALL_Q
+    tile = dict(BPS=config.prefill_bps, TILE_MODE=True, ROWS_T=rows_t, **common,
+                SMALL_Q=tile_small_q, KEYS_AS_ROWS=False, num_warps=PREFILL_WARPS,
+                num_stages=PREFILL_STAGES_FP8 if fp8 else PREFILL_STAGES)
+    tile_grid = (-(-num_tokens // rows_t), -(-shape.max_blocks // config.prefill_bps))
+    if not ws_eligible(shape, device):
+        launches.append(Launch("scores_tile", tile_grid, tile))
+        return launches
+    from .scores_ws import CH, CONSUMERS, WG_ROWS
+    rows_t = CONSUMERS.value * WG_ROWS.value // num_heads
+    tiles = -(-num_tokens // rows_t)
+    # splits for ws_waves programs per SM (one program fits on an SM), whole chunks of CH
+    splits = max(1, round(config.ws_waves * device.num_sms / tiles))
+    bps = -(-max(1, -(-shape.max_blocks // splits)) // CH.value) * CH.value
+    # a programmatic dependent of the request launch, waiting for it only at its end; alone,
+    # it is no dependent, but still lets the selection after it start early
+    launches.append(Launch("scores_tile_ws", (tiles, -(-shape.max_blocks // bps)),
+                           dict(bps=bps, H=num_heads, SMALL_Q=tile_small_q,
+                                STAGES=config.ws_stages if fp8 else config.ws_stages_16,
+                                num_warps=4, launch_pdl=not one_request)))
+    launches.append(Launch("scores_tile_unaligned", tile_grid, tile))
+    return launches
+
+
+def selection_layout(rows: int, max_blocks: int, kp: int, per_wave: int,
+                     config: IndexerConfig = DEFAULT) -> tuple[int, bool]:
+    """(blocks per selection program, whether the launch takes the sort path) for `rows` score
+    rows of max_blocks blocks."""
+
+    def segment(width):
+        return max(2 * kp, min(width, next_pow2(max(max_blocks, 1))))
+
+    def programs(width):
+        return rows * -(-max(max_blocks, 1) // segment(width))
+
+    # few programs (decode at small batch): a bitonic top-k on 4 warps has the shortest latency;
+    # many (prefill, large batches): the threshold search on one warp per row has the most
+    # throughput (select.py; docs/performance.md)
+    sort_limit = config.select_sort_waves * per_wave
+    if programs(config.select_segment) >= sort_limit:
+        return segment(config.select_segment), False
+    # few rows of many blocks (TP4 decode, B = 1 at 1M): shorter segments, as many programs as
+    # the sort path takes; each sort is shorter, a merge launch joins them
+    for width in (256, 512):
+        if width < segment(config.select_segment) and programs(width) < sort_limit:
+            return segment(width), True
+    return segment(config.select_segment), True
+
+
+def _selection(shape: IndexerShape, device: DeviceFacts,
+               config: IndexerConfig) -> tuple[list[Launch], dict]:
+    """The selection's launches and its buffers' sizes: "segments" per row, "candidates" (KP
+    packed keys per segment, with several segments), "scratch" (slots per segment program, 0:
+    none), "groups" and "group_scratch" (the group-bound path's maxima per row and slots per
+    row)."""
+    num_tokens, num_heads, max_blocks = shape.num_tokens, shape.num_heads, shape.max_blocks
+    topk, init, local, block = shape.topk, shape.init_blocks, shape.local_blocks, shape.block_size
+    rows = num_tokens * num_heads
+    kp = next_pow2(topk)
+    seg, by_sort = selection_layout(rows, max_blocks, kp, device.num_sms, config)
+    num_segments = -(-max(max_blocks, 1) // seg)
+    if _short_rows(device, max_blocks, kp, by_sort, config):
+        # select_rows.py: G >= K groups of W blocks bound the search; rows wider than 64 blocks
+        # lie 16 blocks per thread, up to a warp
+        width = max(next_pow2(max_blocks), 4)
+        g = min(kp, width)
+        tpr = min(max(config.select_short_tpr, width // 16), 32, width)
+        return [Launch("select_short_rows", (-(-rows // (32 // tpr * SHORT_WARPS)),),
+                       dict(H=num_heads, TOPK=topk, KP=kp, INIT=init, LOCAL=local, BLOCK=block,
+                            G=g, W=width // g, VEC=4 if max_blocks % 4 == 0 else 1, TPR=tpr,
+                            num_warps=SHORT_WARPS, launch_pdl=True))], {}
+    if not by_sort and kp <= 32 and max_blocks >= config.select_group_min_blocks:
+        # select.py's group-bound path: at most 2 * KP reaching groups on the fast path
+        groups = -(-max_blocks // GROUP_SIZE)
+        common = dict(TOPK=topk, INIT=init, LOCAL=local, BLOCK=block, GS=GROUP_SIZE)
+        cap = max(64, 2 * kp)
+        return [Launch("select_group_max",
+                       (num_tokens, num_heads, -(-groups // GROUPS_PER_PROGRAM)),
+                       dict(**common, GB=GROUPS_PER_PROGRAM, num_warps=4)),
+                Launch("select_group_bound", (num_tokens, num_heads),
+                       dict(**common, KP=kp, NGP=max(next_pow2(groups), 2 * kp), CG=2 * kp,
+                            CAP=cap, CH=GROUP_CHUNK, num_warps=1))], \
+            dict(groups=groups, group_scratch=cap)
+    # programmatic dependent launch only for the few programs of the sort path: it hides a
+    # launch latency there (small decode steps), while a many-program selection launched early
+    # cost a prefill chunk more than it hid (docs/performance.md)
+    pdl = device.cuda and by_sort
+    # the threshold path on long segments first packs the keys that can be picked into a
+    # scratch row of cap slots (select.py)
+    cap = 0 if by_sort or seg < 4 * next_pow2(max(SCRATCH_SLOTS, 4 * kp)) \
+        else next_pow2(max(SCRATCH_SLOTS, 4 * kp))
+    groups = max(64, 2 * kp)
+    # the scratch path read in chunks; a chunk holds whole groups, and a chunk of the NG
+    # groups at least one
+    wide = rows * num_segments >= config.select_chunk_min_waves * device.num_sms
+    chunk = config.select_chunk if cap and wide else 0
+    if chunk and (seg % chunk or chunk % (seg // groups) or seg // chunk > groups
+                  or chunk >= seg):
+        chunk = 0
+    launches = [Launch("select_segments", (num_tokens, num_heads, num_segments),
+                       dict(TOPK=topk, KP=kp, INIT=init, LOCAL=local, BLOCK=block, SEG=seg,
+                            SINGLE=num_segments == 1, BY_SORT=by_sort, CAP=cap, NG=groups,
+                            PDL=pdl, CH=chunk, num_warps=SORT_WARPS if by_sort else 1,
+                            launch_pdl=pdl))]
+    if num_segments > 1:
+        launches.append(Launch("select_merge", (num_tokens, num_heads),
+                               dict(TOPK=topk, KP=kp, BLOCK=block, SEG=seg,
+                                    CANDP=next_pow2(num_segments * kp), BY_SORT=by_sort, PDL=pdl,
+                                    num_warps=SORT_WARPS if by_sort else 1, launch_pdl=pdl)))
+    return launches, dict(segments=num_segments, candidates=kp, scratch=cap)
+
+
+def _short_rows(device: DeviceFacts, max_blocks: int, kp: int, by_sort: bool,
+                config: IndexerConfig) -> bool:
+    """Whether the selection runs select_rows.py's Gluon kernel: a launch of many rows (the
+    threshold path, not the few programs of the sort path) of at most select_short_max blocks,
+    on Hopper with the Gluon the Hopper kernels are tested on."""
+    return (device.hopper and not by_sort and max_blocks <= config.select_short_max
+            and kp <= 64)

@@ -1,0 +1,240 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The index branch's launch plan (ops/indexer/plan.py) as a pure function of step shapes and
+hand-made device facts: which launches a step gets, their grids and the constexprs the
+measured rules choose, on an H200's 132 SMs (the M3 shapes whose times chose the rules,
+docs/performance.md)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from openmsa.ops.common.plan import DeviceFacts
+from openmsa.ops.indexer.plan import (DEFAULT, SMALL_Q, IndexerConfig, IndexerShape, plan,
+                                      selection_layout, selection_plan)
+
+pytestmark = pytest.mark.reference
+
+FP8 = torch.float8_e4m3fn
+H200 = DeviceFacts(kind="cuda", num_sms=132, capability=(9, 0), gluon_hopper=True)
+CPU = DeviceFacts(kind="cpu", num_sms=4, capability=(0, 0), gluon_hopper=False)
+
+
+def _shape(tokens=8192, heads=4, requests=1, blocks=1024, dtype=FP8, cache_dtype=None, dim=128,
+           block=128, max_q_len=None, tma_rows=True, topk=None):
+    return IndexerShape(num_tokens=tokens, num_heads=heads, head_dim=dim, num_requests=requests,
+                        max_blocks=blocks, block_size=block, q_dtype=dtype,
+                        cache_dtype=cache_dtype or dtype, max_q_len=max_q_len,
+                        tma_rows=tma_rows, topk=topk)
+
+
+def test_config_lists_every_knob():
+    """A newcomer lists every knob of the op from one frozen dataclass of at most 15 fields;
+    a variant is a dataclasses.replace of DEFAULT."""
+    fields = dataclasses.fields(IndexerConfig)
+    assert len(fields) <= 15 and DEFAULT == IndexerConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        DEFAULT.select_segment = 1
+    assert dataclasses.replace(DEFAULT, ws_waves=2).ws_waves == 2
+
+
+@pytest.mark.parametrize("rows, blocks, want", [
+    (64, 1024, (256, True)),    # TP4 B=64 128K: 4 segments of 256 on the sort path
+    (128, 1024, (512, True)),   # TP1 B=32 128K: 256 programs stay under the sort path's 264
+    (4, 8192, (256, True)),     # B=1 at 1M: 128 programs
+    (128, 256, (256, True)),    # B=32 32K: a row is one segment
+    (2048, 256, (256, False)),  # B=128 32K q_len 4: the threshold search, one warp per row
+    (32768, 1000, (1024, False)),  # an 8K prefill chunk after 120K (4 heads)
+])
+def test_selection_layout(rows, blocks, want):
+    assert selection_layout(rows, blocks, 16, 132) == want
+
+
+@pytest.mark.parametrize("tokens, blocks, chunk", [
+    (128 * 4, 256, 0),     # TP1 B=128 32K q_len 4: 2048 programs, all resident unchunked
+    (64 * 4, 1024, 0),     # TP1 B=64 128K q_len 4: 1024 programs
+    (8 * 4, 8192, 0),      # TP1 1M B=8 q_len 4: 1024 programs (8 segments per row)
+    (128 * 4, 8192, 128),  # TP1 1M B=128 q_len 4: 16384 programs
+    (8192, 1000, 128),     # an 8K prefill chunk after 120K: 32768 programs
+])
+def test_selection_chunks(tokens, blocks, chunk):
+    """The search path reads its segments in chunks only in launches of >= select_chunk_min_waves
+    programs per SM (measured: a decode step's chunked reads cost 2-4 µs). (select.py's plan:
+    off Hopper, and on it for rows past select_short_max.)"""
+    for facts in (dataclasses.replace(H200, gluon_hopper=False),
+                  dataclasses.replace(H200, capability=(10, 0))):
+        # (the group-bound path is not what this pins)
+        config = dataclasses.replace(DEFAULT, select_group_min_blocks=1 << 30)
+        launch = selection_plan(_shape(tokens, blocks=blocks, topk=16), facts,
+                                config).find("select_segments")
+        assert launch.params["BY_SORT"] is False and launch.params["CH"] == chunk
+
+
+@pytest.mark.parametrize("tokens, blocks, topk, want", [
+    (8192, 64, 16, (16, 4, 4, 4)),   # an 8K chunk with no context: 4 threads per row
+    (4096, 50, 16, (16, 4, 1, 4)),   # a width that 4 does not divide: scalar loads
+    (1024, 8, 16, (8, 1, 4, 4)),     # fewer blocks than K: groups of one (the search never runs)
+    (2048, 64, 64, (64, 1, 4, 4)),
+    (8192, 65, 16, (16, 8, 1, 8)),   # wider rows: 16 blocks per thread
+    (8192, 1000, 16, (16, 64, 4, 32)),  # after 120K: a warp per row, 32 blocks per thread
+    (8192, 1025, 16, None),          # past select_short_max
+    (16, 64, 16, None),              # a decode step of few rows: the sort path
+])
+def test_short_rows_selection_plan(tokens, blocks, topk, want):
+    """Launches of many rows of at most select_short_max blocks select on Hopper with
+    select_rows.py's kernel (G groups of W blocks, TPR threads per row, 16-byte loads when 4
+    divides the width); others, other GPUs and select_short_max 0 keep select.py's
+    launches."""
+
+    def short(facts=H200, config=DEFAULT):
+        launch = selection_plan(_shape(tokens, blocks=blocks, topk=topk), facts,
+                                config).find("select_short_rows")
+        return launch and tuple(launch.params[k] for k in ("G", "W", "VEC", "TPR"))
+    assert short() == want
+    if want:
+        launch = selection_plan(_shape(tokens, blocks=blocks, topk=topk), H200, DEFAULT)
+        # 32 / TPR rows per warp, one warp per program; a programmatic dependent launch
+        assert launch.launches[0].grid == (-(-tokens * 4 // (32 // want[3])),)
+        assert launch.launches[0].params["launch_pdl"] and len(launch) == 1
+        assert short(config=dataclasses.replace(DEFAULT, select_short_max=0)) is None
+        assert short(facts=dataclasses.replace(H200, capability=(8, 0))) is None
+        assert short(facts=dataclasses.replace(H200, gluon_hopper=False)) is None
+
+
+def test_selection_forms_and_their_sizes():
+    """The three forms of the selection and the buffers api.py makes for them: segments (and
+    candidates with several), the group-bound path's maxima and scratch, none for short rows."""
+    # a decode step at 1M: 8 sort segments per row, merged
+    p = selection_plan(_shape(1, blocks=8192, topk=16), H200)
+    assert p.kernels() == ("select_segments", "select_merge")
+    assert dict(p.sizes) == dict(segments=32, candidates=16, scratch=0)
+    assert p.find("select_merge").params["PDL"] and p.find("select_segments").params["BY_SORT"]
+    # an 8K chunk after 1M: the group-bound path
+    p = selection_plan(_shape(8192, blocks=8192, topk=16), H200)
+    assert p.kernels() == ("select_group_max", "select_group_bound")
+    assert dict(p.sizes) == dict(groups=512, group_scratch=64)
+    assert p.find("select_group_max").grid == (8192, 4, 8)
+    # without the group-bound path: 1024-block segments searched with scratch rows
+    p = selection_plan(_shape(8192, blocks=8192, topk=16), H200,
+                       dataclasses.replace(DEFAULT, select_group_min_blocks=1 << 30))
+    assert p.kernels() == ("select_segments", "select_merge")
+    assert dict(p.sizes) == dict(segments=8, candidates=16, scratch=64)
+    assert not p.find("select_merge").params["PDL"]
+    # a short-row chunk: one launch, no buffers
+    assert dict(selection_plan(_shape(8192, blocks=64, topk=16), H200).sizes) == {}
+    # nothing to select
+    assert len(selection_plan(_shape(0, topk=16), H200)) == 0
+    assert len(selection_plan(_shape(8192), H200)) == 0
+
+
+@pytest.mark.parametrize("heads, want_grid, want_bps", [
+    (4, (128, 4), 256),   # TP1 8K chunk after 120K: 128 tiles of 64 tokens, ~4 programs per SM
+    (1, (32, 16), 64),    # TP4: 256 tokens per tile
+])
+def test_prefill_tile_launch_is_the_gluon_kernel_on_hopper(heads, want_grid, want_bps):
+    p = plan(_shape(heads=heads), H200)
+    assert p.kernels() == ("scores_tile_ws", "scores_tile_unaligned")
+    ws, triton_tile = p.launches
+    assert ws.grid == want_grid and ws.params["bps"] == want_bps
+    # the Triton tile launch beside it, for bases TMA cannot take
+    assert triton_tile.params["TILE_MODE"] and ws.key != triton_tile.key
+
+
+@pytest.mark.parametrize("tokens, requests, max_q_len, want", [
+    (8192, 1, None, ["tile"]),               # a one-request chunk: no request launch
+    (8192, 2, None, ["request", "tile"]),
+    (16, 1, None, ["request"]),              # T <= SMALL_Q: a decode or verify step
+    (64, 1, 4, ["request"]),                 # the caller's bound: every request short
+])
+def test_one_request_step_makes_the_tile_launch_only(tokens, requests, max_q_len, want):
+    """A step of one request and more than SMALL_Q tokens is scored by the tile launch alone,
+    which then takes any q_len (SMALL_Q 0) and is no programmatic dependent (nothing of ours
+    runs before it)."""
+    for dtype in (FP8, torch.float32):  # the Gluon launch, the Triton one
+        p = plan(_shape(tokens, requests=requests, blocks=64, dtype=dtype,
+                        max_q_len=max_q_len), H200)
+        kinds = ["request" if k == "scores_request" else "tile" for k in p.kernels()
+                 if k != "scores_tile_unaligned"]
+        assert kinds == want
+        tiles = [launch for launch in p if launch.kernel.startswith("scores_tile")]
+        if want == ["tile"]:
+            for launch in tiles:
+                assert launch.params["SMALL_Q"] == 0 and not launch.params.get("launch_pdl")
+        else:
+            for launch in tiles:
+                assert launch.params["SMALL_Q"] == SMALL_Q
+        if "request" in want and tiles and tiles[0].kernel == "scores_tile_ws":
+            assert tiles[0].params["launch_pdl"]  # a dependent of the request launch
+
+
+@pytest.mark.parametrize("case", ["heads3", "no_tma_rows", "mixed", "dim64", "block64", "sm100",
+                                  "no_gluon", "cpu"])
+def test_prefill_tile_launch_stays_triton(case):
+    """Layouts a TMA descriptor of rows cannot describe (api.py's tma_rows), other GPUs, a
+    Triton whose Gluon the kernel was not written for, the interpreter: the Triton tile
+    launch, same scores."""
+    shape, facts = _shape(), H200
+    if case == "heads3":
+        shape = _shape(heads=3)
+    elif case == "no_tma_rows":
+        shape = _shape(tma_rows=False)
+    elif case == "mixed":
+        shape = _shape(dtype=torch.bfloat16, cache_dtype=FP8)
+    elif case == "dim64":
+        shape = _shape(dim=64)
+    elif case == "block64":
+        shape = _shape(block=64)
+    elif case == "sm100":
+        facts = dataclasses.replace(H200, capability=(10, 0))
+    elif case == "no_gluon":
+        facts = dataclasses.replace(H200, gluon_hopper=False)
+    else:
+        facts = CPU
+    assert plan(shape, facts).kernels() == ("scores_tile",)
+
+
+@pytest.mark.parametrize("requests, blocks, want_bps, want_grid", [
+    (1, 1024, 4, (1, 256)),     # B = 1 at 128K: 264 splits wanted, a power of two of blocks
+    (1, 8192, 32, (1, 256)),    # B = 1 at 1M
+    (128, 256, 64, (128, 4)),   # B = 128 at 32K: 3 splits wanted, capped at decode_max_bps
+    (32, 8192, 64, (32, 128)),  # B = 32 at 1M
+])
+def test_request_launch_splits(requests, blocks, want_bps, want_grid):
+    """The request launch cuts each request's blocks into splits for decode_waves programs per
+    SM, a power of two of blocks each, at most decode_max_bps."""
+    (launch,) = plan(_shape(requests, requests=requests, blocks=blocks, max_q_len=1), H200)
+    assert launch.kernel == "scores_request"
+    assert launch.params["BPS"] == want_bps and launch.grid == want_grid
+    assert launch.params["KEYS_AS_ROWS"] and launch.params["PDL"]
+    assert launch.params["MAX_SKIPS_NAN"] and launch.params["table_width"] == blocks
+    # the interpreter: 4 "SMs", no programmatic dependent launches, NaN cleaned per key
+    (launch,) = plan(_shape(requests, requests=requests, blocks=blocks, max_q_len=1), CPU)
+    assert not launch.params["PDL"] and not launch.params["MAX_SKIPS_NAN"]
+    # fp32 queries keep the IEEE dot with the queries as rows
+    (launch,) = plan(_shape(requests, requests=requests, blocks=blocks, max_q_len=1,
+                            dtype=torch.float32), H200)
+    assert launch.params["IEEE"] and not launch.params["KEYS_AS_ROWS"]
+
+
+def test_hint_sends_every_request_to_the_request_launch():
+    """max_q_len <= SMALL_Q on a step of more than SMALL_Q tokens: one scoring launch, which then
+    takes any q_len (a wrong hint stays exact); no hint: the tile launch too."""
+    p = plan(_shape(21, requests=8, blocks=16, max_q_len=4), H200)
+    assert p.kernels() == ("scores_request",) and p.launches[0].params["SMALL_Q"] == 2 ** 30
+    p = plan(_shape(16, requests=8, blocks=16, max_q_len=4), H200)
+    assert p.launches[0].params["SMALL_Q"] == SMALL_Q
+    assert plan(_shape(21, requests=8, blocks=16), H200).kernels()[0] == "scores_request"
+    assert len(plan(_shape(21, requests=8, blocks=16), H200)) == 3  # + the Gluon pair
+
+
+def test_empty_steps_launch_nothing():
+    for shape in (_shape(0), _shape(requests=0), _shape(blocks=0)):
+        assert len(plan(shape, H200)) == 0
+
+
+def test_plans_are_pure():
+    """The same inputs give equal launches (kernels, grids, parameters); each plan's launches
+    have keys of their own (the launch cache's), so two plans never share one."""
+    a, b = plan(_shape(topk=16), H200), plan(_shape(topk=16), H200)
+    assert a.launches == b.launches and dict(a.sizes) == dict(b.sizes)
+    assert not {x.key for x in a} & {y.key for y in b}
