@@ -44,13 +44,13 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
                              SPLITS: tl.constexpr, HAS_SCALE: tl.constexpr, IEEE: tl.constexpr,
                              F16_COMPUTE: tl.constexpr, FUSED_MERGE: tl.constexpr,
                              TILE_QT: tl.constexpr, V_PAIRS: tl.constexpr, PTX: tl.constexpr,
-                             GUESS: tl.constexpr, SP: tl.constexpr = 1,
+                             SP: tl.constexpr = 1,
                              PDL: tl.constexpr = False, STORE_LSE: tl.constexpr = True,
                              LAZY_SUM: tl.constexpr = False, WAIT_TILES: tl.constexpr = False,
                              WAIT_PRIOR: tl.constexpr = False):
     if WAIT_PRIOR:
         # a decode step's only (or first) launch, made a programmatic dependent of whatever
-        # kernel precedes the call on the stream (api.py's first_pdl): its programs may start
+        # kernel precedes the call on the stream (plan.py): its programs may start
         # while that kernel's last ones finish, which hides this launch's own latency; nothing
         # is read or written before that kernel has finished and its writes are visible
         gdc_wait()
@@ -64,7 +64,7 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
     g64 = g.to(tl.int64)
     split = tl.program_id(2)
     if WAIT_TILES:
-        # launched as a programmatic dependent of the Gluon tile launch (api.py's ws_pdl),
+        # launched as a programmatic dependent of the Gluon tile launch (plan.py),
         # which may still run: the two write disjoint tokens and nothing here reads its
         # output, but this launch must not end before that one has (what follows on the stream
         # waits for this launch only). One program waiting is enough; the first holds one slot.
@@ -93,8 +93,8 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
                 + d[None, :] * stride_qd, mask=head_ok[:, None], other=0.0)  # [M, D]
 
     # the token's request, position and causal block count (0 for padding); requests of equal
-    # q_len hold token t in request t * R // T
-    guess = (t.to(tl.int64) * num_requests // tl.num_programs(0)).to(tl.int32) if GUESS else -1
+    # q_len hold token t in request t * R // T, checked before the search (find_request)
+    guess = (t.to(tl.int64) * num_requests // tl.num_programs(0)).to(tl.int32)
     r, pos = token_position(cu_ptr, seq_lens_ptr, num_requests, t, guess)
     n = tl.where(pos >= 0, pos // BLOCK + 1, 0)
     r_safe = tl.minimum(r, num_requests - 1).to(tl.int64)
