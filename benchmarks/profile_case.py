@@ -16,6 +16,7 @@ the flush kernel ends and how long it runs (medians): launch gaps and overlaps.
 `python3 benchmarks/profile_case.py --eager CASE...` prints the eager call's wall time and the
 host functions it spends it in (cProfile over 200 calls)."""
 
+import json
 import os
 import sys
 
@@ -36,7 +37,8 @@ def _attention(model_name, dname, batch, context, q_len, out=False, **selections
                                                          **selections)
     k, v = packed[..., :128].permute(0, 2, 1, 3), packed[..., 128:].permute(0, 2, 1, 3)
     o = torch.empty_like(q) if out else None
-    return lambda: openmsa.sparse_attention(q, k, v, idx, cu, seq, table, out=o)
+    config = run.attention_config(json.loads(os.environ.get("OPENMSA_ATTENTION_CONFIG", "{}")))
+    return lambda: openmsa.sparse_attention(q, k, v, idx, cu, seq, table, out=o, config=config)
 
 
 def _fi_attention(model_name, batch, context, q_len):
@@ -203,19 +205,15 @@ def kernel_offsets_us(fn, iters: int = 20) -> dict[str, tuple[float, float]]:
 
 
 if __name__ == "__main__":
-    # OPENMSA_TUNING='{"ws_persistent": true}': knobs of the indexer's or the attention's
-    # TUNING for this run (to profile a variant tune.py measured; the indexer's first)
+    # OPENMSA_TUNING='{"ws_persistent": true}': knobs of the indexer's TUNING for this run (to
+    # profile a variant tune.py measured); the attention's as OPENMSA_ATTENTION_CONFIG='{"tiles":
+    # false, "decode_fp8": {"sub": 64}}' (AttentionConfig fields, read by _attention)
     if os.environ.get("OPENMSA_TUNING"):
-        import json
-
-        from openmsa.ops.attention import api as attention_api
         from openmsa.ops.indexer import api as indexer_api
         for key, value in json.loads(os.environ["OPENMSA_TUNING"]).items():
-            tuning = next((t for t in (indexer_api.TUNING, attention_api.TUNING) if key in t),
-                          None)
-            if tuning is None:
-                raise KeyError(f"OPENMSA_TUNING: no indexer or attention knob {key!r}")
-            tuning[key] = value
+            if key not in indexer_api.TUNING:
+                raise KeyError(f"OPENMSA_TUNING: no indexer knob {key!r}")
+            indexer_api.TUNING[key] = value
     if sys.argv[1] == "--offsets":
         for name in sys.argv[2:]:
             parts = kernel_offsets_us(CASES[name]())

@@ -170,13 +170,7 @@ def _run(p: LaunchPlan, q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, bl
         gluon = p.find("tiles_gluon")
         if gluon is not None:
             from .prefill_ws import _sparse_attention_tile_ws_kernel
-            if gluon.params["FP8"]:
-                k_src, v_src = k_cache, v_cache  # (the loader warpgroup reads them itself)
-            else:
-                # one [SUB, D] tile of one page and KV head per copy
-                box = (1, gluon.params["SUB"], 1, head_dim)
-                k_src, v_src = (tma_descriptor(c, c.shape, c.stride(), box)
-                                for c in (k_cache, v_cache))
+            k_src, v_src = _tile_sources(gluon, k_cache, v_cache)
             gluon.run(_sparse_attention_tile_ws_kernel, q, k_src, v_src, cu_seqlens_q, seq_lens,
                       out, lse, blocks, union, ks, vs, sm_scale, num_requests, *q.stride(),
                       *out.stride(), *lse.stride(), *k_cache.stride()[:3],
@@ -197,6 +191,16 @@ def _run(p: LaunchPlan, q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, bl
     if merge is not None:
         merge.run(_merge_splits_kernel, part, out, lse, *out.stride(), *lse_strides)
     return (out, lse) if return_lse else out
+
+
+def _tile_sources(gluon, k_cache, v_cache):
+    """What the Gluon tiles read K and V from: for fp8 the views themselves (the loader
+    warpgroup reads them with their strides), else TMA descriptors of the caches' own
+    [pages, B, Hkv, D] views copying one [SUB, D] tile of one page and KV head."""
+    if gluon.params["FP8"]:
+        return k_cache, v_cache
+    box = (1, gluon.params["SUB"], 1, k_cache.shape[3])
+    return tuple(tma_descriptor(c, c.shape, c.stride(), box) for c in (k_cache, v_cache))
 
 
 @on_tensor_device

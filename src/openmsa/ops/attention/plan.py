@@ -16,7 +16,7 @@ each alignment gets its own cached plan.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -43,8 +43,9 @@ SPLIT_FUSED_US = 2.4
 SPLIT_LAUNCH_US = 3.4
 SPLIT_PER_SPLIT_US = 0.1
 SPLIT_COPY_TBS = 4.28
-# rows of a prefill tile (QT tokens x GP head slots): the matrix unit's M for one warpgroup; and
-# at most 16 tokens per tile (the plan keeps a bit per token beside 8 flag bits in an int32)
+# rows of a Gluon tile consumer (QT tokens x GP head slots): the matrix unit's M for one
+# warpgroup; and at most 16 tokens per tile (the plan keeps a bit per token beside 8 flag bits in
+# an int32)
 TILE_ROWS = 64
 TILE_MAX_TOKENS = 16
 # warps of the Triton tile kernel, of the tile plan (one warp: its ~1300 instructions of
@@ -79,6 +80,9 @@ class TokenForm:
 class TileForm:
     """The Triton tile kernel's form (prefill.py's _sparse_attention_tile_kernel)."""
 
+    # query rows per tile, QT tokens x GP padded heads (QT = rows // GP, at most 16); the Gluon
+    # tiles take the tokens of TILE_ROWS rows (PAIR: twice)
+    rows: int
     sub: int  # keys per loop step (capped at the block size)
     stages: int  # software pipeline stages
     persistent: bool  # TILE_RESIDENT programs per SM walking the items, else one per item
@@ -122,11 +126,11 @@ class AttentionConfig:
     # prefill steps' per-token kernel (tokens the tiles left, or every token without tiles)
     prefill_fp8: TokenForm = TokenForm(sub=128, maxnreg=168)
     prefill_16: TokenForm = TokenForm(sub=64, stages=2)
-    # prefill steps run tiles of TILE_ROWS // G tokens over the union of their selections
+    # prefill steps run tiles of tokens over the union of their selections
     tiles: bool = True
     # the Triton tile kernel per K/V dtype (also the fallback of the Gluon one)
-    tile_fp8: TileForm = TileForm(sub=128, stages=2, persistent=True, waste=2.0)
-    tile_16: TileForm = TileForm(sub=64, stages=2, persistent=False, waste=2.0)
+    tile_fp8: TileForm = TileForm(rows=64, sub=128, stages=2, persistent=True, waste=2.0)
+    tile_16: TileForm = TileForm(rows=64, sub=64, stages=2, persistent=False, waste=2.0)
     # the Gluon tile kernel on Hopper (None: the Triton one): 16-bit K/V through TMA copies,
     # fp8 K/V through a loader warpgroup that converts to fp16, and fp8 tiles of twice the
     # tokens in two consumer warpgroups over one loader (where G allows 2 x 64 rows)
@@ -236,7 +240,8 @@ def plan(shape: AttentionShape, device: DeviceFacts, config: AttentionConfig) ->
     gp = max(1, next_pow2(group))
     kp = next_pow2(s.topk)
 
-    tile_qt = min(TILE_ROWS // gp, TILE_MAX_TOKENS) if prefill and c.tiles else 0
+    tile = c.tile_fp8 if fp8 else c.tile_16
+    tile_qt = min(tile.rows // gp, TILE_MAX_TOKENS) if prefill and c.tiles else 0
     pair = (fp8 and tile_qt > 1 and 2 * tile_qt <= TILE_MAX_TOKENS and tile_qt * gp == TILE_ROWS
             and _gluon_sub(s, device, c.gluon_pair_fp8, TILE_ROWS) > 0)
     if pair:
@@ -271,7 +276,6 @@ def plan(shape: AttentionShape, device: DeviceFacts, config: AttentionConfig) ->
     route_gluon = False
     items = -(-t // tile_qt) * hkv if tiles else 0
     if tiles:
-        tile = c.tile_fp8 if fp8 else c.tile_16
         gluon = c.gluon_pair_fp8 if pair else c.gluon_fp8 if fp8 else c.gluon_16
         gluon_sub = _gluon_sub(s, device, gluon, TILE_ROWS if pair else tile_qt * gp)
         # TMA copies need aligned bases: a misaligned view takes the Triton tiles
