@@ -155,7 +155,7 @@ def _run(p: LaunchPlan, q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, bl
         part = counters = lse
     _, ks, vs = scale_args(k_scale, v_scale, device, lse)
     num_requests = seq_lens.shape[0]
-    blocks = lse
+    blocks = union = lse
     tile_qt = p.sizes["tile_tokens"]
     if tile_qt:
         # per (tile, KV head): the union's size (-1: not taken), then its page ids, block ids
@@ -164,32 +164,32 @@ def _run(p: LaunchPlan, q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, bl
                              device=device)
         union = torch.empty((p.sizes["tile_items"], 3, p.sizes["union_width"]),
                             dtype=torch.int32, device=device)
-        p.find("tile_plan").run(_tile_plan_kernel, indices, cu_seqlens_q, seq_lens, block_table,
-                                blocks, union, num_requests, *indices.stride(),
-                                *block_table.stride())
-        gluon = p.find("tiles_gluon")
-        if gluon is not None:
-            from .prefill_ws import _sparse_attention_tile_ws_kernel
-            k_src, v_src = _tile_sources(gluon, k_cache, v_cache)
-            gluon.run(_sparse_attention_tile_ws_kernel, q, k_src, v_src, cu_seqlens_q, seq_lens,
-                      out, lse, blocks, union, ks, vs, sm_scale, num_requests, *q.stride(),
-                      *out.stride(), *lse.stride(), *k_cache.stride()[:3],
-                      *v_cache.stride()[:3])
-        else:
-            p.find("tiles").run(_sparse_attention_tile_kernel, q, k_cache, v_cache,
-                                cu_seqlens_q, seq_lens, out, lse, blocks, union, ks, vs,
-                                sm_scale, num_requests, p.sizes["tile_items"], *q.stride(),
-                                *k_cache.stride(), *v_cache.stride(), *out.stride(),
-                                *lse.stride())
     lse_strides = lse.stride() if store_lse else (0, 0)
-    p.find("token").run(_sparse_attention_kernel, q, k_cache, v_cache, indices, cu_seqlens_q,
-                        seq_lens, block_table, out, lse, part, counters, blocks, ks, vs,
-                        sm_scale, num_requests, *q.stride(), *k_cache.stride(),
-                        *v_cache.stride(), *indices.stride(), *block_table.stride(),
-                        *out.stride(), *lse_strides)
-    merge = p.find("merge")
-    if merge is not None:
-        merge.run(_merge_splits_kernel, part, out, lse, *out.stride(), *lse_strides)
+    for launch in p.launches:
+        kernel = launch.kernel
+        if kernel == "token":
+            launch.run(_sparse_attention_kernel, q, k_cache, v_cache, indices, cu_seqlens_q,
+                       seq_lens, block_table, out, lse, part, counters, blocks, ks, vs,
+                       sm_scale, num_requests, *q.stride(), *k_cache.stride(),
+                       *v_cache.stride(), *indices.stride(), *block_table.stride(),
+                       *out.stride(), *lse_strides)
+        elif kernel == "merge":
+            launch.run(_merge_splits_kernel, part, out, lse, *out.stride(), *lse_strides)
+        elif kernel == "tile_plan":
+            launch.run(_tile_plan_kernel, indices, cu_seqlens_q, seq_lens, block_table, blocks,
+                       union, num_requests, *indices.stride(), *block_table.stride())
+        elif kernel == "tiles_gluon":
+            from .prefill_ws import _sparse_attention_tile_ws_kernel
+            k_src, v_src = _tile_sources(launch, k_cache, v_cache)
+            launch.run(_sparse_attention_tile_ws_kernel, q, k_src, v_src, cu_seqlens_q,
+                       seq_lens, out, lse, blocks, union, ks, vs, sm_scale, num_requests,
+                       *q.stride(), *out.stride(), *lse.stride(), *k_cache.stride()[:3],
+                       *v_cache.stride()[:3])
+        else:  # "tiles"
+            launch.run(_sparse_attention_tile_kernel, q, k_cache, v_cache, cu_seqlens_q,
+                       seq_lens, out, lse, blocks, union, ks, vs, sm_scale, num_requests,
+                       p.sizes["tile_items"], *q.stride(), *k_cache.stride(),
+                       *v_cache.stride(), *out.stride(), *lse.stride())
     return (out, lse) if return_lse else out
 
 

@@ -29,6 +29,21 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
+def scaled_q(q, sm_scale, k_scale_ptr, F16_COMPUTE: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """(q, the factor that takes q K^T to log2 units): with F16_COMPUTE (fp8 K/V) q pre-scaled
+    by sm_scale and rounded to fp16 (see the kernel below), else q as it is; times K's
+    dequantisation scale with HAS_SCALE."""
+    if F16_COMPUTE:
+        q = (q.to(tl.float32) * sm_scale).to(tl.float16)
+        qk_scale = LOG2E
+    else:
+        qk_scale = sm_scale * LOG2E
+    if HAS_SCALE:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+    return q, qk_scale
+
+
+@triton.jit
 def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr,
                              out_ptr, lse_ptr, part_out_ptr, counter_ptr,
                              tile_blocks_ptr, k_scale_ptr, v_scale_ptr, sm_scale, num_requests,
@@ -113,7 +128,7 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
     row_ok = in_range & ~dup & (row_pages >= 0)
     # a step reads its block id and page out of these rows (a sum over a one-hot pick: a
     # shuffle tree each); a skipped entry's page becomes -1, so the page's sign is its flag and
-    # a third sum is saved (fp8 64-key step 447 -> 424 instructions per warp, resources.py)
+    # a third sum is saved (fewer instructions per step, benchmarks/resources.py)
     row_pages = tl.where(row_ok, row_pages, -1)
 
     # fp8 K/V: the matrix unit runs in fp16. e4m3 -> fp16 is one hardware conversion per pair
@@ -121,13 +136,7 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
     # converting 2 * BLOCK * D values per block, not by the bytes). q is pre-scaled by sm_scale so
     # that only |q| > 65504 / sm_scale (7e5 at D = 128) could overflow fp16; fp16 keeps 3 more
     # mantissa bits of q and of P than bf16.
-    if F16_COMPUTE:
-        q = (q.to(tl.float32) * sm_scale).to(tl.float16)
-        qk_scale = LOG2E
-    else:
-        qk_scale = sm_scale * LOG2E
-    if HAS_SCALE:
-        qk_scale = qk_scale * tl.load(k_scale_ptr)
+    q, qk_scale = scaled_q(q, sm_scale, k_scale_ptr, F16_COMPUTE, HAS_SCALE)
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     if LAZY_SUM:

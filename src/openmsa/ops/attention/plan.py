@@ -16,6 +16,7 @@ each alignment gets its own cached plan.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -31,8 +32,8 @@ __all__ = ["AttentionConfig", "AttentionShape", "DEFAULT", "GluonForm", "TileFor
 # work to amortise
 MIN_STEPS_PER_SPLIT = 2
 # with at most this many splits the last split program of a (token, KV head) merges them (no
-# second launch: TP4 B = 64 24.7 -> 22.7 µs); with more, a merge launch is cheaper than that
-# program's serial merge (16 splits at B = 1: 8.5 -> 10.0 µs)
+# second launch); with more, a merge launch is cheaper than that program's serial merge
+# (docs/performance.md, "What was tried")
 FUSED_MAX_SPLITS = 4
 # the split-count model's constants (num_splits), fitted on an H200: a program's fixed cost per
 # round, one 128-key step's latency alone, the fused merge, the merge launch, each partial, and
@@ -48,8 +49,8 @@ SPLIT_COPY_TBS = 4.28
 # an int32)
 TILE_ROWS = 64
 TILE_MAX_TOKENS = 16
-# warps of the Triton tile kernel, of the tile plan (one warp: its ~1300 instructions of
-# compares per tile replicate across warps; 4 cost 115 µs per 8K chunk at TP1), of the merge
+# warps of the Triton tile kernel, of the tile plan (one warp: its compares per tile replicate
+# across more warps, which measured slower), of the merge
 TILE_WARPS = 4
 TILE_PLAN_WARPS = 1
 MERGE_WARPS = 4
@@ -142,6 +143,15 @@ class AttentionConfig:
                                                  producer_regs=120, consumer_regs=192,
                                                  waste=2.0)
 
+    def __hash__(self) -> int:
+        # computed once: the config is part of every call's plan key, and hashing 15 fields and
+        # their forms took ~7 µs per call
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+            object.__setattr__(self, "_hash", h)
+        return h
+
 
 DEFAULT = AttentionConfig()
 
@@ -184,8 +194,10 @@ def num_splits(pairs: int, steps: int, sub: int, key_bytes: int, resident: int,
     takes max(rounds x e steps' latency, its programs' bytes at that bandwidth), plus
     SPLIT_FIXED_US per round of `resident` programs per SM, and the merge: SPLIT_FUSED_US when
     the last program merges, SPLIT_LAUNCH_US for a merge launch, SPLIT_PER_SPLIT_US per partial.
-    Once co-resident programs are bandwidth-bound, splitting only adds the merge (128 pairs of
-    fp8 K/V: 24.2 µs in 2 fused splits, 23.2 in one). Off CUDA (the interpreter) 2 splits
+    Once co-resident programs are bandwidth-bound, splitting only adds the merge. The constants
+    were fitted to one measured call (docs/performance.md, "What was tried": the split count
+    priced in µs); what decides is the order of split counts at one shape. Off CUDA (the
+    interpreter) 2 splits
     whenever there are 4 steps, so that the merge is always exercised."""
     if not device.cuda:
         return 2 if steps >= 4 else 1

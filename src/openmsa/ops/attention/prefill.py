@@ -19,10 +19,9 @@ Three launches, all on fixed grids (no host synchronisation; CUDA-graph safe):
    = M rows against each union block.
 3. The per-token kernel (decode.py) with TILE_QT: skips tokens of taken tiles.
 The plan is its own light launch (one warp per item) because the tile kernel's registers and
-shared memory allow two programs per SM: planning inside it cost 3-4% of a chunk whose tiles all
-fall back, the separate plan ~1% (25 µs of an 8K chunk at TP1). The tile kernel itself is bound
-by the latency of its serial QK^T -> softmax -> PV chain, not by L2 (8-token tiles, half the
-reads, measured equal): docs/performance.md.
+shared memory allow two programs per SM: planning inside it cost more than the separate launch
+on chunks whose tiles all fall back. The tile kernel itself is bound by the latency of its
+serial QK^T -> softmax -> PV chain, not by L2 (docs/performance.md).
 
 Per union block, the rows whose token selected it see its keys up to their own causal cut; the
 other rows see none (p = 0). Keys past every row's cut are not loaded (the own block's tail may
@@ -36,6 +35,7 @@ import triton
 import triton.language as tl
 
 from ..common.triton_utils import tile_position
+from .decode import scaled_q
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -200,13 +200,7 @@ def _attend_tile(q_ptr, k_ptr, v_ptr, cu_ptr, seq_lens_ptr, out_ptr, lse_ptr, un
     q = tl.load(q_ptr + tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
                 + d[None, :] * stride_qd, mask=head_ok[:, None], other=0.0)  # [M, D]
     # fp8 K/V run the matrix unit in fp16, as in decode.py (why: there)
-    if F16_COMPUTE:
-        q = (q.to(tl.float32) * sm_scale).to(tl.float16)
-        qk_scale = LOG2E
-    else:
-        qk_scale = sm_scale * LOG2E
-    if HAS_SCALE:
-        qk_scale = qk_scale * tl.load(k_scale_ptr)
+    q, qk_scale = scaled_q(q, sm_scale, k_scale_ptr, F16_COMPUTE, HAS_SCALE)
     # the loop takes row maxima of the raw scores and applies the scale inside the exponent
     # (one FMA per score, not a multiply and an add); that needs a positive scale, so a
     # negative one moves its sign onto q (exact)
@@ -217,8 +211,7 @@ def _attend_tile(q_ptr, k_ptr, v_ptr, cu_ptr, seq_lens_ptr, out_ptr, lse_ptr, un
     acc = tl.zeros([M, D], tl.float32)
     for step in range(0, num_blocks * PARTS):
         # the plan's slot: page, block id and which tokens selected it, as scalars, so the
-        # step needs no reduction across the program (each one a barrier: reducing [M, KP]
-        # ids per step took 14 barriers per step where this takes 3, bf16 offline SASS)
+        # step needs no reduction across the program (each one a barrier)
         j = step // PARTS
         page = tl.load(union_row + j)
         base = tl.load(union_row + N + j) * BLOCK
@@ -237,8 +230,8 @@ def _attend_tile(q_ptr, k_ptr, v_ptr, cu_ptr, seq_lens_ptr, out_ptr, lse_ptr, un
         loaded = key_off <= max_cut
         p64 = page.to(tl.int64)
         # the page's address as one scalar, then 32-bit offsets inside it: one 64-bit add per
-        # address instead of 64-bit products and sums per term (604 -> 538 instructions per
-        # warp per bf16 step, 190 -> 172 registers; checks.py bounds the offsets)
+        # address instead of 64-bit products and sums per term (fewer instructions and
+        # registers; checks.py bounds the offsets)
         k = tl.load(k_ptr + (p64 * stride_kp + g64 * stride_kh)
                     + (key_off[:, None] * stride_kb + d[None, :] * stride_kd),
                     mask=loaded[:, None], other=0.0)  # [SUB, D]
