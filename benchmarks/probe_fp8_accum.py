@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """How exact is S = q . k on Hopper's fp8 tensor cores when q is split into e4m3 hi + lo parts
-(prefill_ws.py's `ws_fp8_qk`)?   python3 benchmarks/probe_fp8_accum.py
+(the attention tiles' fp8 S = Q K^T form, since deleted)?   python3 benchmarks/probe_fp8_accum.py
 
 q: bf16 [M, 128] rows of three magnitudes (0.25, 1, 3: heads differ), k: e4m3 [N, 128]. Each q
 row is scaled by a power of two (largest magnitude <= 224) and split as the kernel does; the
@@ -16,7 +16,7 @@ import torch
 
 
 def split_rows(q):
-    """q (fp32) as per-row power-of-two scale, e4m3 hi, e4m3 lo (as prefill_ws._split_q_rows)."""
+    """q (fp32) as per-row power-of-two scale, e4m3 hi, e4m3 lo (as that form did)."""
     amax = q.abs().amax(dim=1, keepdim=True)
     e = torch.floor(torch.log2(224.0 / amax)).clamp(-126, 126)
     qs = q * torch.exp2(e)
