@@ -109,7 +109,7 @@ class AttentionConfig:
     their results beyond rounding (the forms' key order within a row is fixed)."""
 
     # steps of at least this many tokens are prefill chunks: prefill forms, tiles, no decode
-    # splitting rules (2 stages cut an 8K chunk 6.2 -> 4.5 ms but cost fp8 decode 6%)
+    # splitting rules (the prefill forms' pipeline depth would slow decode steps)
     prefill_min_tokens: int = 2048
     # decode steps of at most this many (token, KV head) pairs (B = 1-8) take the `small` form
     small_pairs: int = 8
@@ -144,8 +144,8 @@ class AttentionConfig:
                                                  waste=2.0)
 
     def __hash__(self) -> int:
-        # computed once: the config is part of every call's plan key, and hashing 15 fields and
-        # their forms took ~7 µs per call
+        # computed once: the config is part of every call's plan key, and hashing every field
+        # and form again would cost each eager call several µs of host time
         h = self.__dict__.get("_hash")
         if h is None:
             h = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
