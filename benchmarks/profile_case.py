@@ -16,6 +16,7 @@ the flush kernel ends and how long it runs (medians): launch gaps and overlaps.
 `python3 benchmarks/profile_case.py --eager CASE...` prints the eager call's wall time and the
 host functions it spends it in (cProfile over 200 calls)."""
 
+import json
 import os
 import sys
 
@@ -36,7 +37,8 @@ def _attention(model_name, dname, batch, context, q_len, out=False, **selections
                                                          **selections)
     k, v = packed[..., :128].permute(0, 2, 1, 3), packed[..., 128:].permute(0, 2, 1, 3)
     o = torch.empty_like(q) if out else None
-    return lambda: openmsa.sparse_attention(q, k, v, idx, cu, seq, table, out=o)
+    config = run.attention_config(json.loads(os.environ.get("OPENMSA_ATTENTION_CONFIG", "{}")))
+    return lambda: openmsa.sparse_attention(q, k, v, idx, cu, seq, table, out=o, config=config)
 
 
 def _fi_attention(model_name, batch, context, q_len):
@@ -208,24 +210,15 @@ def kernel_offsets_us(fn, iters: int = 20) -> dict[str, tuple[float, float]]:
 
 
 if __name__ == "__main__":
-    # OPENMSA_TUNING='{"ws_waves": 2}': knobs of the indexer's IndexerConfig or the attention's
-    # TUNING for this run (to profile a variant tune.py measured; the indexer's first)
+    # OPENMSA_TUNING='{"ws_waves": 2}': IndexerConfig fields for this run (to profile a variant
+    # tune.py measured); the attention's as OPENMSA_ATTENTION_CONFIG='{"tiles": false}'
+    # (AttentionConfig fields, read by _attention)
     if os.environ.get("OPENMSA_TUNING"):
         import dataclasses
-        import json
 
-        from openmsa.ops.attention import api as attention_api
         from openmsa.ops.indexer.plan import DEFAULT as INDEXER_DEFAULT
-        knobs = json.loads(os.environ["OPENMSA_TUNING"])
-        fields = {f.name for f in dataclasses.fields(INDEXER_DEFAULT)}
-        INDEXER_CONFIG = dataclasses.replace(
-            INDEXER_DEFAULT, **{k: v for k, v in knobs.items() if k in fields})
-        for key, value in knobs.items():
-            if key in fields:
-                continue
-            if key not in attention_api.TUNING:
-                raise KeyError(f"OPENMSA_TUNING: no indexer or attention knob {key!r}")
-            attention_api.TUNING[key] = value
+        INDEXER_CONFIG = dataclasses.replace(INDEXER_DEFAULT,
+                                             **json.loads(os.environ["OPENMSA_TUNING"]))
     if sys.argv[1] == "--offsets":
         for name in sys.argv[2:]:
             parts = kernel_offsets_us(CASES[name]())

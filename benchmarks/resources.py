@@ -102,7 +102,7 @@ def attention_resources(kv: str, sub: int, stages: int, warps: int, splits: int 
     if tile:
         fn = _sparse_attention_tile_kernel
         # (the tile kernel reads the plan's union, not the selection or the block table)
-        constexprs = {k: v for k, v in dict(shared, GP=16, QT=qt, LAZY_MASK=True,
+        constexprs = {k: v for k, v in dict(shared, GP=16, QT=qt,
                                             PERSISTENT=False).items() if k in fn.arg_names}
     else:
         fn = _sparse_attention_kernel
@@ -110,7 +110,7 @@ def attention_resources(kv: str, sub: int, stages: int, warps: int, splits: int 
                           SPLITS=splits, SP=1 << (splits - 1).bit_length(),
                           FUSED_MERGE=True, TILE_QT=0,
                           V_PAIRS=kv == "fp8" and os.environ.get("V_PAIRS", "1") == "1",
-                          PTX=True, GUESS=True,
+                          PTX=True,
                           LAZY_SUM=os.environ.get("LAZY_SUM", "0") == "1")
     constexprs.update({name: 1 for name in UNIT_STRIDES if name in fn.arg_names})
     return _compile(fn, constexprs, pointers, stages, warps, sass)

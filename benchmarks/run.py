@@ -34,6 +34,20 @@ import openmsa  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 DTYPES = {"bf16": torch.bfloat16, "fp8": FP8}
+
+
+def attention_config(changes: dict | None = None):
+    """sparse_attention's AttentionConfig with `changes` (JSON-friendly: a form field, e.g.
+    decode_fp8, takes a dict of that form's fields, or None) over the default."""
+    import dataclasses
+
+    from openmsa.ops.attention.plan import DEFAULT
+    fields = {}
+    for name, value in (changes or {}).items():
+        if isinstance(value, dict):
+            value = dataclasses.replace(getattr(DEFAULT, name), **value)
+        fields[name] = value
+    return dataclasses.replace(DEFAULT, **fields)
 ROWS: list[dict] = []
 OUT_DIR: str | None = None  # main() sets it: where record() keeps bench.json current
 CEIL = {"copy_tbs": None, "bf16_tflops": None, "fp8_tflops": None}
@@ -489,8 +503,9 @@ def sm_clock_mhz():
 
 def attention_prefill(args, fi):
     """Per chunk: the default path (union tiles where the device takes them, per-token for the
-    rest) and the per-token kernel alone (TUNING tile=False), on three kinds of selections."""
-    from openmsa.ops.attention import api as attention_api
+    rest) and the per-token kernel alone (AttentionConfig tiles=False), on three kinds of
+    selections."""
+    per_token_config = attention_config(dict(tiles=False))
     grid = shapes.ATTENTION_PREFILL
     chunk = grid["chunk"]
     for model_name, model in _models(grid):
@@ -517,13 +532,11 @@ def attention_prefill(args, fi):
                 for name, us in kernel_breakdown_us(ours, iters).items():
                     parts[_short(name)] = parts.get(_short(name), 0.0) + us
                 want = out.clone()
-                attention_api.TUNING["tile"] = False
-                try:
-                    ours()
-                    per_token = med(device_times_us(ours, iters))
-                    same = float((out.float() - want.float()).abs().max())
-                finally:
-                    attention_api.TUNING["tile"] = True
+                alone = lambda: openmsa.sparse_attention(  # noqa: E731
+                    q, k, v, idx, cu, seq, table, out=out, config=per_token_config)
+                alone()
+                per_token = med(device_times_us(alone, iters))
+                same = float((out.float() - want.float()).abs().max())
                 # the per-token form's memory roof on the same selections (rows the tiles
                 # cannot take: "Why unshared selections stay far below" in performance.md)
                 gather = gather_roof_us(k, v, idx, table, iters) if shared == 1 or jitter \

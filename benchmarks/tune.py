@@ -20,7 +20,6 @@ import run  # noqa: E402
 import shapes  # noqa: E402
 
 import openmsa  # noqa: E402
-from openmsa.ops.attention import api as attention_api  # noqa: E402
 from openmsa.ops.indexer import api as indexer_api  # noqa: E402
 from openmsa.ops.indexer.plan import DEFAULT as INDEXER_DEFAULT  # noqa: E402
 
@@ -189,9 +188,13 @@ def main():
     if "attention-decode" not in only:
         return _indexer(args, only)
 
-    variants = pick(args, [{}, dict(sub=128, resident=2), dict(stages=4),
-                           dict(sub=32, stages=4, resident=4), dict(resident=2), dict(warps=8)])
+    # (attention variants: AttentionConfig changes, a form field as a dict of its fields)
+    variants = pick(args, [{}, dict(decode_16={"resident": 2}),
+                           dict(decode_fp8={"stages": 4}, decode_16={"stages": 4}),
+                           dict(decode_fp8={"sub": 32, "stages": 4, "resident": 4}),
+                           dict(decode_fp8={"warps": 8}, decode_16={"warps": 8})])
     print("attention variants:", variants)
+    knobs, config = _config_knobs()
     cases = []
     m = shapes.MODELS["m3-tp1"]
     for dname, batch, q_len in (("fp8", 1, 1), ("fp8", 128, 1), ("bf16", 128, 1),
@@ -202,25 +205,33 @@ def main():
         k, v = packed[..., :128].permute(0, 2, 1, 3), packed[..., 128:].permute(0, 2, 1, 3)
         cases.append((f"dec {dname} B{batch} q{q_len}",
                       (lambda q=q, k=k, v=v, idx=idx, cu=cu, seq=seq, table=table:
-                       openmsa.sparse_attention(q, k, v, idx, cu, seq, table))))
+                       openmsa.sparse_attention(q, k, v, idx, cu, seq, table,
+                                                config=config()))))
     if wanted(args, "prefill bf16 8K@8K"):
         q, packed, idx, cu, seq, table = run._attention_step(m, 1, 8192 + 8192, 8192, "bf16")
         k, v = packed[..., :128].permute(0, 2, 1, 3), packed[..., 128:].permute(0, 2, 1, 3)
-        cases.append(("prefill bf16 8K@8K", lambda: openmsa.sparse_attention(q, k, v, idx, cu,
-                                                                              seq, table)))
-    sweep("attention", attention_api.TUNING, variants, cases, args.iters)
+        cases.append(("prefill bf16 8K@8K", lambda: openmsa.sparse_attention(
+            q, k, v, idx, cu, seq, table, config=config())))
+    sweep("attention", knobs, variants, cases, args.iters)
     del cases
     torch.cuda.empty_cache()
     _indexer(args, only)
 
 
+def _config_knobs():
+    """(knobs, config): sweep() sets `knobs` (a local dict) to each variant's changes; config()
+    is the AttentionConfig they make (benchmarks/run.py's attention_config), passed per call."""
+    knobs = {}
+    return knobs, lambda: run.attention_config(knobs)
+
+
 def _attention_fp8(args):
     """fp8 K/V decode knobs (and the split count, on a few bf16 shapes too)."""
-    variants = pick(args, [{}, dict(request_guess=False), dict(fp8_v_pairs=False),
-                           dict(rounds_sub=128), dict(rounds_resident=3),
-                           dict(resident_16=2), dict(stages=4), dict(warps=8), dict(small_pairs=0),
-                           dict(fp8_f16_compute=False)])
+    variants = pick(args, [{}, dict(rounds_fp8={"sub": 128}), dict(rounds_fp8={"resident": 3}),
+                           dict(decode_16={"resident": 2}), dict(decode_fp8={"stages": 4}),
+                           dict(decode_fp8={"warps": 8}), dict(small_pairs=0)])
     print("attention fp8 variants:", variants)
+    knobs, config = _config_knobs()
     cases = []
     for model_name in ("m3-tp1", "m3-tp4", "m3-tp8"):
         m = shapes.MODELS[model_name]
@@ -235,24 +246,32 @@ def _attention_fp8(args):
             k, v = packed[..., :128].permute(0, 2, 1, 3), packed[..., 128:].permute(0, 2, 1, 3)
             cases.append((f"{model_name} {dname} B{batch} q{q_len}",
                           (lambda q=q, k=k, v=v, idx=idx, cu=cu, seq=seq, table=table:
-                           openmsa.sparse_attention(q, k, v, idx, cu, seq, table))))
-    sweep("attn-fp8", attention_api.TUNING, variants, cases, args.iters)
+                           openmsa.sparse_attention(q, k, v, idx, cu, seq, table,
+                                                    config=config()))))
+    sweep("attn-fp8", knobs, variants, cases, args.iters)
 
 
 def _attention_prefill(args):
     """The prefill knobs (chunks of >= prefill_min_tokens tokens) on 8K chunks after --context
     tokens (8K unless told), with selections shared by runs of 16 tokens, shared with per-token
     jitter, and independent."""
-    variants = pick(args, [dict(tile=False), {}, dict(tile_ws=False), dict(tile_ws_fp8=False),
-                           dict(ws_fp8_loader=True),
-                           dict(ws_sub_fp8=64, ws_stages_k_fp8=3, ws_stages_fp8=2),
-                           dict(ws_keys_early=False),
-                           dict(ws_sub=64, ws_stages=2), dict(tile_lazy_mask=False),
-                           dict(tile_persistent=True, tile_persistent_fp8=False),
-                           dict(tile_sub=128, tile_stages=2), dict(tile_sub_fp8=64,
-                                                                   tile_stages_fp8=3),
-                           dict(tile_rows=128, tile_warps=8), dict(tile_waste=3.0)])
+    # (the tile_* forms apply where the Triton tiles run: off Hopper, or with the Gluon forms
+    # None)
+    no_gluon = dict(gluon_16=None, gluon_fp8=None, gluon_pair_fp8=None)
+    variants = pick(args, [dict(tiles=False), {}, no_gluon,
+                           dict(gluon_fp8=None, gluon_pair_fp8=None),
+                           dict(gluon_pair_fp8={"sub": 64},
+                                gluon_fp8={"sub": 64, "stages_k": 3, "stages_v": 2}),
+                           dict(gluon_pair_fp8=None),
+                           dict(gluon_16={"sub": 64, "stages_k": 2, "stages_v": 2}),
+                           dict(no_gluon, tile_16={"persistent": True},
+                                tile_fp8={"persistent": False}),
+                           dict(no_gluon, tile_16={"sub": 128}),
+                           dict(no_gluon, tile_fp8={"sub": 64, "stages": 3}),
+                           dict(no_gluon, tile_16={"rows": 128}, tile_fp8={"rows": 128}),
+                           dict(no_gluon, tile_16={"waste": 3.0}, tile_fp8={"waste": 3.0})])
     print("attention prefill variants:", variants)
+    knobs, config = _config_knobs()
     cases = []
     for model_name, dname, shared, jitter in (
             ("m3-tp1", "bf16", 16, 0.0), ("m3-tp1", "bf16", 16, 0.2), ("m3-tp1", "bf16", 1, 0.0),
@@ -267,8 +286,9 @@ def _attention_prefill(args):
         k, v = packed[..., :128].permute(0, 2, 1, 3), packed[..., 128:].permute(0, 2, 1, 3)
         cases.append((f"{model_name} {dname} s{shared} j{jitter} U{run._mean_union(idx, 4):.1f}",
                       (lambda q=q, k=k, v=v, idx=idx, cu=cu, seq=seq, table=table:
-                       openmsa.sparse_attention(q, k, v, idx, cu, seq, table))))
-    sweep("attn-pre", attention_api.TUNING, variants, cases, max(3, args.iters // 2))
+                       openmsa.sparse_attention(q, k, v, idx, cu, seq, table,
+                                                config=config()))))
+    sweep("attn-pre", knobs, variants, cases, max(3, args.iters // 2))
 
 
 def _indexer_config(knobs: dict):

@@ -412,22 +412,9 @@ def test_gluon_launch_descriptors(dtype, heads):
 
 # ------------------------------------------------------------- compiled for sm_90 (no GPU)
 def _compile(fn, pointers, scalars, constexprs, gluon=False, options=None, attrs=None):
-    """fn compiled for sm_90 by Triton's own compiler and ptxas; a constexpr parameter left out
-    takes its default, as at a runtime launch (not an i32)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default},
-                  **constexprs}
-    signature = {name: "constexpr" if name in constexprs
-                 else pointers.get(name) or scalars.get(name, "i32") for name in fn.arg_names}
-    index = {(fn.arg_names.index(k),): v for k, v in constexprs.items()}
-    if gluon:
-        from triton.experimental.gluon._runtime import GluonASTSource
-        src = GluonASTSource(fn, signature, index, attrs or {})
-    else:
-        src = ASTSource(fn=fn, signature=signature, constexprs=index)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options or {})
+    from helpers.sm90 import compile_sm90
+    return compile_sm90(fn, pointers, scalars, constexprs, gluon=gluon, attrs=attrs,
+                        options=options)
 
 
 compiled = pytest.mark.skipif(INTERPRET, reason="compilation needs the real compiler")

@@ -29,6 +29,21 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
+def scaled_q(q, sm_scale, k_scale_ptr, F16_COMPUTE: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """(q, the factor that takes q K^T to log2 units): with F16_COMPUTE (fp8 K/V) q pre-scaled
+    by sm_scale and rounded to fp16 (see the kernel below), else q as it is; times K's
+    dequantisation scale with HAS_SCALE."""
+    if F16_COMPUTE:
+        q = (q.to(tl.float32) * sm_scale).to(tl.float16)
+        qk_scale = LOG2E
+    else:
+        qk_scale = sm_scale * LOG2E
+    if HAS_SCALE:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+    return q, qk_scale
+
+
+@triton.jit
 def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr,
                              out_ptr, lse_ptr, part_out_ptr, counter_ptr,
                              tile_blocks_ptr, k_scale_ptr, v_scale_ptr, sm_scale, num_requests,
@@ -44,13 +59,13 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
                              SPLITS: tl.constexpr, HAS_SCALE: tl.constexpr, IEEE: tl.constexpr,
                              F16_COMPUTE: tl.constexpr, FUSED_MERGE: tl.constexpr,
                              TILE_QT: tl.constexpr, V_PAIRS: tl.constexpr, PTX: tl.constexpr,
-                             GUESS: tl.constexpr, SP: tl.constexpr = 1,
+                             SP: tl.constexpr = 1,
                              PDL: tl.constexpr = False, STORE_LSE: tl.constexpr = True,
                              LAZY_SUM: tl.constexpr = False, WAIT_TILES: tl.constexpr = False,
                              WAIT_PRIOR: tl.constexpr = False):
     if WAIT_PRIOR:
         # a decode step's only (or first) launch, made a programmatic dependent of whatever
-        # kernel precedes the call on the stream (api.py's first_pdl): its programs may start
+        # kernel precedes the call on the stream (plan.py): its programs may start
         # while that kernel's last ones finish, which hides this launch's own latency; nothing
         # is read or written before that kernel has finished and its writes are visible
         gdc_wait()
@@ -64,7 +79,7 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
     g64 = g.to(tl.int64)
     split = tl.program_id(2)
     if WAIT_TILES:
-        # launched as a programmatic dependent of the Gluon tile launch (api.py's ws_pdl),
+        # launched as a programmatic dependent of the Gluon tile launch (plan.py),
         # which may still run: the two write disjoint tokens and nothing here reads its
         # output, but this launch must not end before that one has (what follows on the stream
         # waits for this launch only). One program waiting is enough; the first holds one slot.
@@ -93,8 +108,8 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
                 + d[None, :] * stride_qd, mask=head_ok[:, None], other=0.0)  # [M, D]
 
     # the token's request, position and causal block count (0 for padding); requests of equal
-    # q_len hold token t in request t * R // T
-    guess = (t.to(tl.int64) * num_requests // tl.num_programs(0)).to(tl.int32) if GUESS else -1
+    # q_len hold token t in request t * R // T, checked before the search (find_request)
+    guess = (t.to(tl.int64) * num_requests // tl.num_programs(0)).to(tl.int32)
     r, pos = token_position(cu_ptr, seq_lens_ptr, num_requests, t, guess)
     n = tl.where(pos >= 0, pos // BLOCK + 1, 0)
     r_safe = tl.minimum(r, num_requests - 1).to(tl.int64)
@@ -113,7 +128,7 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
     row_ok = in_range & ~dup & (row_pages >= 0)
     # a step reads its block id and page out of these rows (a sum over a one-hot pick: a
     # shuffle tree each); a skipped entry's page becomes -1, so the page's sign is its flag and
-    # a third sum is saved (fp8 64-key step 447 -> 424 instructions per warp, resources.py)
+    # a third sum is saved (fewer instructions per step, benchmarks/resources.py)
     row_pages = tl.where(row_ok, row_pages, -1)
 
     # fp8 K/V: the matrix unit runs in fp16. e4m3 -> fp16 is one hardware conversion per pair
@@ -121,13 +136,7 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
     # converting 2 * BLOCK * D values per block, not by the bytes). q is pre-scaled by sm_scale so
     # that only |q| > 65504 / sm_scale (7e5 at D = 128) could overflow fp16; fp16 keeps 3 more
     # mantissa bits of q and of P than bf16.
-    if F16_COMPUTE:
-        q = (q.to(tl.float32) * sm_scale).to(tl.float16)
-        qk_scale = LOG2E
-    else:
-        qk_scale = sm_scale * LOG2E
-    if HAS_SCALE:
-        qk_scale = qk_scale * tl.load(k_scale_ptr)
+    q, qk_scale = scaled_q(q, sm_scale, k_scale_ptr, F16_COMPUTE, HAS_SCALE)
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     if LAZY_SUM:

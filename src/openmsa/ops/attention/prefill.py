@@ -19,10 +19,9 @@ Three launches, all on fixed grids (no host synchronisation; CUDA-graph safe):
    = M rows against each union block.
 3. The per-token kernel (decode.py) with TILE_QT: skips tokens of taken tiles.
 The plan is its own light launch (one warp per item) because the tile kernel's registers and
-shared memory allow two programs per SM: planning inside it cost 3-4% of a chunk whose tiles all
-fall back, the separate plan ~1% (25 µs of an 8K chunk at TP1). The tile kernel itself is bound
-by the latency of its serial QK^T -> softmax -> PV chain, not by L2 (8-token tiles, half the
-reads, measured equal): docs/performance.md.
+shared memory allow two programs per SM: planning inside it cost more than the separate launch
+on chunks whose tiles all fall back. The tile kernel itself is bound by the latency of its
+serial QK^T -> softmax -> PV chain, not by L2 (docs/performance.md).
 
 Per union block, the rows whose token selected it see its keys up to their own causal cut; the
 other rows see none (p = 0). Keys past every row's cut are not loaded (the own block's tail may
@@ -35,24 +34,12 @@ per token.
 import triton
 import triton.language as tl
 
-from ..common.triton_utils import find_request
+from ..common.triton_utils import tile_position
+from .decode import scaled_q
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 NO_PAGE: tl.constexpr = tl.constexpr(2**31 - 1)
-
-
-@triton.jit
-def _tile_first_position(cu_ptr, seq_lens_ptr, num_requests, t0, QT: tl.constexpr):
-    """(request, position of token t0, whole): whole when tokens [t0, t0+QT) all lie in one
-    request whose positions are valid (q_len <= seq_len)."""
-    r = find_request(cu_ptr, num_requests, t0)
-    r_safe = tl.minimum(r, num_requests - 1)
-    t_req = tl.load(cu_ptr + r_safe)
-    t_next = tl.load(cu_ptr + r_safe + 1)
-    seq_len = tl.load(seq_lens_ptr + r_safe)
-    whole = (r < num_requests) & (t0 + QT <= t_next) & (seq_len >= t_next - t_req)
-    return r_safe, seq_len - (t_next - t_req) + (t0 - t_req), whole
 
 
 @triton.jit
@@ -75,16 +62,17 @@ def _shift(x, by: tl.constexpr):
 
 
 @triton.jit
-def _tile_plan_kernel(idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr, blocks_ptr, union_ptr, waste,
+def _tile_plan_kernel(idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr, blocks_ptr, union_ptr,
                       num_requests, stride_it, stride_ih, stride_ik, stride_btr, stride_btb,
-                      NUM_KV_HEADS: tl.constexpr, NUM_INDEX_HEADS: tl.constexpr,
+                      waste, NUM_KV_HEADS: tl.constexpr, NUM_INDEX_HEADS: tl.constexpr,
                       QT: tl.constexpr, BLOCK: tl.constexpr, TOPK: tl.constexpr,
-                      KP: tl.constexpr, SORTED: tl.constexpr = False):
+                      KP: tl.constexpr):
+    # (waste after the strides: the launch plan passes it by keyword with the constexprs)
     tile = tl.program_id(0)
     g = tl.program_id(1)
     t0 = tile * QT
     N: tl.constexpr = QT * KP
-    r, first_pos, whole = _tile_first_position(cu_ptr, seq_lens_ptr, num_requests, t0, QT)
+    r, first_pos, whole = tile_position(cu_ptr, seq_lens_ptr, num_requests, t0, QT)
     ih = g * NUM_INDEX_HEADS // NUM_KV_HEADS
     # the tile's selections as N = QT * KP entries (token-major): page ids, NO_PAGE where the
     # entry is < 0, beyond the token's causal blocks, or maps to a negative page
@@ -99,56 +87,21 @@ def _tile_plan_kernel(idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr, blocks_ptr, union_p
     live = e_pages != NO_PAGE
     e_blk = tl.where(live, e_ids, -1)
     item = tile * NUM_KV_HEADS + g
-    if SORTED:
-        _plan_union_sorted(e, e_pages, e_blk, live, whole, waste, blocks_ptr, union_ptr, item,
-                           QT, KP)
-    else:
-        _plan_union_pairs(e, e_pages, e_blk, live, whole, waste, blocks_ptr, union_ptr, item,
-                          QT, KP)
+    _plan_union(e, e_pages, e_blk, live, whole, waste, blocks_ptr, union_ptr, item, QT, KP)
 
 
 @triton.jit
-def _plan_union_pairs(e, e_pages, e_blk, live, whole, waste, blocks_ptr, union_ptr, item,
-                      QT: tl.constexpr, KP: tl.constexpr):
-    """The tile's union from its [N, N] entry pairs (N = QT * KP): cheap for N = 64, ~4x the
-    time of _plan_union_sorted at 128 (pairs of tiles, api.py's ws_pair)."""
-    N: tl.constexpr = QT * KP
-    # one OR-reduction over the [N, N] entry pairs answers, per entry i: bit 0, does an
-    # earlier entry hold its page (then i is not the page's first); bit 1, does an earlier entry
-    # of its own token (a repeated id, counted once); bit 2, does an entry hold its page under
-    # another block id (a table mapping two of the request's blocks to one page would need two
-    # causal cuts for one page: such a tile goes to the per-token kernel); bits 8 + k: did
-    # token k select its page (QT <= 16, api.py caps it)
-    earlier = e[None, :] < e[:, None]
-    same = e_pages[None, :] == e_pages[:, None]
-    same_tok = (e[None, :] // KP) == (e[:, None] // KP)
-    pairs = ((same & earlier).to(tl.int32) | ((same & earlier & same_tok).to(tl.int32) << 1)
-             | ((same & (e_blk[None, :] != e_blk[:, None])).to(tl.int32) << 2)
-             | tl.where(same, 1 << (8 + e // KP)[None, :], 0))
-    flags = tl.reduce(pairs, 1, _bit_or)  # [N]
-    useful = tl.sum((live & ((flags & 2) == 0)).to(tl.int32), axis=0)
-    # the union: the first entry of each page; its slot is its rank among first entries by
-    # page (distinct pages: ascending page order)
-    first = live & ((flags & 1) == 0)
-    num_blocks = tl.sum(first.to(tl.int32), axis=0)
-    aliased = tl.max((live & ((flags & 4) != 0)).to(tl.int32), axis=0) > 0
-    take = whole & (num_blocks * QT <= waste * useful) & ~aliased
-    tl.store(blocks_ptr + item, tl.where(take, num_blocks, -1))
-    # the union, ascending by page: row 0 page ids, row 1 block ids, row 2 token bits
-    rank = tl.sum((first[None, :] & (e_pages[None, :] < e_pages[:, None])).to(tl.int32), axis=1)
-    slot = union_ptr + item.to(tl.int64) * (3 * N) + tl.where(first, rank, 0)
-    tl.store(slot, e_pages, mask=take & first)
-    tl.store(slot + N, e_blk, mask=take & first)  # one block id per page (not aliased)
-    tl.store(slot + 2 * N, flags >> 8, mask=take & first)
-
-
-@triton.jit
-def _plan_union_sorted(e, e_pages, e_blk, live, whole, waste, blocks_ptr, union_ptr, item,
-                       QT: tl.constexpr, KP: tl.constexpr):
-    """_plan_union_pairs's results from the entries sorted by (page, entry), O(N log^2 N)
-    instead of N^2: a page's entries are then one run, in token order, so each question is
-    about a neighbour (the run's first entry, a repeat of its token's id, another block id
-    under the page) and the tokens that selected a page are an OR over its run."""
+def _plan_union(e, e_pages, e_blk, live, whole, waste, blocks_ptr, union_ptr, item,
+                QT: tl.constexpr, KP: tl.constexpr):
+    """The tile's union from its N = QT * KP entries sorted by (page, entry), O(N log^2 N): a
+    page's entries are then one run, in token order, so each question is about a neighbour.
+    Per run: its first entry makes a union slot (ranked by page: ascending page order); an entry
+    whose predecessor is its own token's is a repeated id (counted once in the useful blocks);
+    a predecessor under another block id means a table mapping two of the request's blocks to
+    one page, which would need two causal cuts for one page: such a tile goes to the per-token
+    kernel. The tokens that selected a page are an OR over its run (a bit per token: QT <= 16).
+    The tile is taken (its union size, else -1) when it lies inside one request with valid
+    positions and union blocks x QT <= waste x useful blocks."""
     N: tl.constexpr = QT * KP
     key = tl.sort(e_pages.to(tl.int64) * N + e)  # NO_PAGE last
     s_e = (key % N).to(tl.int32)
@@ -188,7 +141,7 @@ def _sparse_attention_tile_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, seq_lens_ptr, out
                                   QT: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                                   KP: tl.constexpr, SUB: tl.constexpr, HAS_SCALE: tl.constexpr,
                                   IEEE: tl.constexpr, F16_COMPUTE: tl.constexpr,
-                                  LAZY_MASK: tl.constexpr, PERSISTENT: tl.constexpr):
+                                  PERSISTENT: tl.constexpr):
     M: tl.constexpr = QT * GP
     N: tl.constexpr = QT * KP
     PARTS: tl.constexpr = BLOCK // SUB
@@ -202,7 +155,7 @@ def _sparse_attention_tile_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, seq_lens_ptr, out
                              num_blocks, stride_qt, stride_qh, stride_qd, stride_kp, stride_kb,
                              stride_kh, stride_kd, stride_vp, stride_vb, stride_vh, stride_vd,
                              stride_ot, stride_oh, stride_od, stride_lt, stride_lh, NUM_KV_HEADS,
-                             G, GP, QT, D, BLOCK, SUB, HAS_SCALE, IEEE, F16_COMPUTE, LAZY_MASK,
+                             G, GP, QT, D, BLOCK, SUB, HAS_SCALE, IEEE, F16_COMPUTE,
                              M, N, PARTS)
     else:
         # one program per item: a tile the plan left exits after one load
@@ -214,7 +167,7 @@ def _sparse_attention_tile_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, seq_lens_ptr, out
                          stride_qt, stride_qh, stride_qd, stride_kp, stride_kb, stride_kh,
                          stride_kd, stride_vp, stride_vb, stride_vh, stride_vd, stride_ot,
                          stride_oh, stride_od, stride_lt, stride_lh, NUM_KV_HEADS, G, GP, QT, D,
-                         BLOCK, SUB, HAS_SCALE, IEEE, F16_COMPUTE, LAZY_MASK, M, N, PARTS)
+                         BLOCK, SUB, HAS_SCALE, IEEE, F16_COMPUTE, M, N, PARTS)
 
 
 @triton.jit
@@ -225,14 +178,14 @@ def _attend_tile(q_ptr, k_ptr, v_ptr, cu_ptr, seq_lens_ptr, out_ptr, lse_ptr, un
                  stride_lt, stride_lh, NUM_KV_HEADS: tl.constexpr, G: tl.constexpr,
                  GP: tl.constexpr, QT: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                  SUB: tl.constexpr, HAS_SCALE: tl.constexpr, IEEE: tl.constexpr,
-                 F16_COMPUTE: tl.constexpr, LAZY_MASK: tl.constexpr, M: tl.constexpr,
+                 F16_COMPUTE: tl.constexpr, M: tl.constexpr,
                  N: tl.constexpr, PARTS: tl.constexpr):
     tile = item // NUM_KV_HEADS
     g = item % NUM_KV_HEADS
     # (64-bit: a head-major cache view can put the head offset past 2^31 elements)
     g64 = g.to(tl.int64)
     t0 = tile * QT
-    _, first_pos, _ = _tile_first_position(cu_ptr, seq_lens_ptr, num_requests, t0, QT)
+    _, first_pos, _ = tile_position(cu_ptr, seq_lens_ptr, num_requests, t0, QT)
     union_row = union_ptr + tl.cast(item, tl.int64) * (3 * N)
     # rows: token-major, QT tokens x GP head slots
     rows = tl.arange(0, M)
@@ -247,13 +200,7 @@ def _attend_tile(q_ptr, k_ptr, v_ptr, cu_ptr, seq_lens_ptr, out_ptr, lse_ptr, un
     q = tl.load(q_ptr + tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
                 + d[None, :] * stride_qd, mask=head_ok[:, None], other=0.0)  # [M, D]
     # fp8 K/V run the matrix unit in fp16, as in decode.py (why: there)
-    if F16_COMPUTE:
-        q = (q.to(tl.float32) * sm_scale).to(tl.float16)
-        qk_scale = LOG2E
-    else:
-        qk_scale = sm_scale * LOG2E
-    if HAS_SCALE:
-        qk_scale = qk_scale * tl.load(k_scale_ptr)
+    q, qk_scale = scaled_q(q, sm_scale, k_scale_ptr, F16_COMPUTE, HAS_SCALE)
     # the loop takes row maxima of the raw scores and applies the scale inside the exponent
     # (one FMA per score, not a multiply and an add); that needs a positive scale, so a
     # negative one moves its sign onto q (exact)
@@ -264,8 +211,7 @@ def _attend_tile(q_ptr, k_ptr, v_ptr, cu_ptr, seq_lens_ptr, out_ptr, lse_ptr, un
     acc = tl.zeros([M, D], tl.float32)
     for step in range(0, num_blocks * PARTS):
         # the plan's slot: page, block id and which tokens selected it, as scalars, so the
-        # step needs no reduction across the program (each one a barrier: reducing [M, KP]
-        # ids per step took 14 barriers per step where this takes 3, bf16 offline SASS)
+        # step needs no reduction across the program (each one a barrier)
         j = step // PARTS
         page = tl.load(union_row + j)
         base = tl.load(union_row + N + j) * BLOCK
@@ -284,8 +230,8 @@ def _attend_tile(q_ptr, k_ptr, v_ptr, cu_ptr, seq_lens_ptr, out_ptr, lse_ptr, un
         loaded = key_off <= max_cut
         p64 = page.to(tl.int64)
         # the page's address as one scalar, then 32-bit offsets inside it: one 64-bit add per
-        # address instead of 64-bit products and sums per term (604 -> 538 instructions per
-        # warp per bf16 step, 190 -> 172 registers; checks.py bounds the offsets)
+        # address instead of 64-bit products and sums per term (fewer instructions and
+        # registers; checks.py bounds the offsets)
         k = tl.load(k_ptr + (p64 * stride_kp + g64 * stride_kh)
                     + (key_off[:, None] * stride_kb + d[None, :] * stride_kd),
                     mask=loaded[:, None], other=0.0)  # [SUB, D]
@@ -296,12 +242,9 @@ def _attend_tile(q_ptr, k_ptr, v_ptr, cu_ptr, seq_lens_ptr, out_ptr, lse_ptr, un
             s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k.to(q.dtype)))  # [M, SUB]
-        if LAZY_MASK:
-            # mask only a step some row does not see whole (a block some token did not
-            # select, or a token's own block): most steps of a shared selection skip it
-            if min_cut < (step % PARTS) * SUB + SUB - 1:
-                s = tl.where(key_off[None, :] <= cut_row[:, None], s, float("-inf"))
-        else:
+        # mask only a step some row does not see whole (a block some token did not select, or
+        # a token's own block): most steps of a shared selection skip it
+        if min_cut < (step % PARTS) * SUB + SUB - 1:
             s = tl.where(key_off[None, :] <= cut_row[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)

@@ -6,56 +6,42 @@ each tile's selections are shared; read that file first): one program per (tile,
 QT tokens x G heads = 64 rows against the union's blocks, online softmax, the causal cut at token
 granularity. What changes is who does what inside a program:
 
-* one producer warp copies each step's K and V tiles ([SUB, D] of a page, one KV head, through
-  4-D descriptors over the caches' own [P, B, Hkv, D] views) into rings of STAGES_K key and
-  STAGES_V value buffers with TMA, ahead of the consumer, reading the page ids from the
-  plan's union; the consumer releases a step's keys once S = Q K^T has read them and its
-  values after P V, so the next step's keys load during this step's softmax;
-* one consumer warpgroup runs S = Q K^T (`wgmma`, both operands in shared memory), the mask and
-  the online softmax in registers, and O += P V (`wgmma` with P as the register operand), then
-  hands the buffers back.
+* a producer fills rings of STAGES_K key and STAGES_V value buffers with each step's [SUB, D]
+  tiles (one page, one KV head), ahead of the consumer, reading the page ids from the plan's
+  union: for 16-bit K/V one warp issuing TMA copies (4-D descriptors over the caches' own
+  [P, B, Hkv, D] views); for fp8 K/V a loader warpgroup that reads each tile from global memory,
+  converts it to fp16 in registers and stores it (`_fp8_loader`), so that the consumer runs the
+  16-bit path unchanged, with the MMAs in fp16 (as prefill.py's F16_COMPUTE);
+* a consumer warpgroup runs S = Q K^T (`wgmma`, both operands in shared memory), hands the keys
+  back (so the next step's keys load during this step's softmax), runs the mask and the online
+  softmax in registers and O += P V (`wgmma` with P as the register operand), then hands the
+  values back.
 
 Why: the Triton tile kernel's warps compute every K/V element's address and issue its loads
-themselves (~470 of a 64-key step's ~540 instructions per warp are not the softmax's, offline
-SASS), and its loads, MMAs and softmax run in series; here the copies cost the consumer nothing
-and two programs per SM (80 KB of shared memory each with the default 128-key steps on one
-stage) overlap one's softmax with the other's MMAs: 1619 -> 1271 µs for an 8K chunk at TP1,
-and 1266 -> 1120 with the keys handed back before P V (docs/performance.md). fp8 K/V run the
-MMAs in fp16 (as prefill.py's F16_COMPUTE), in whole 128-key steps, converted on one of two
-paths. FP8_LOADER (the default, api.py's ws_fp8_loader): the producer is a warpgroup that
-loads each fp8 tile from global memory, converts it in registers and stores fp16 rings
-(`_fp8_loader`), so the consumer runs the 16-bit path unchanged: 1541 -> 1367 µs for an 8K
-chunk at TP1, ~1358 with V's loads issued under K's stores (ws_loader_roll), and ~1139 with
-PAIR (api.py's ws_pair, the default for fp8): tiles of twice the tokens, two consumer
-warpgroups of 64 rows reading one loader's rings, one program per SM. Otherwise TMA
-copies fp8 tiles and the consumer converts each into one fp16 tile before its MMA (`_to_f16`,
-its stores free of bank conflicts: 12-13% faster than
-before); a converter partition reading the fp8 ring and conversions beside the MMAs were not
-faster (docs/performance.md, "What was tried"). FP8_QK (opt-in,
-api.py's ws_fp8_qk) runs S = Q K^T as fp8 MMAs from the key ring instead (`_split_q_rows`) and
-converts only V: 18% faster before that fix, but Hopper's fp8 MMAs accumulate in reduced
-precision (S off by up to ~6e-4 of a row's largest |S|, benchmarks/probe_fp8_accum.py), so it
-is off by default.
+themselves, and its loads, MMAs and softmax run in series; here the copies cost the consumer
+nothing and two programs per SM overlap one's softmax with the other's MMAs
+(docs/performance.md). PAIR (fp8, where G allows it): tiles of twice the tokens, two consumer
+warpgroups of 64 rows over one loader's rings, one program per SM: the loader's loads and
+conversions per step serve twice the rows.
 
 Keys past every row's causal cut (the tail of the tile's own block, maybe never written) are
-copied by TMA like the rest, since a box has one size: their scores are masked to -inf, and on
-the (rare) steps that hold such keys the consumer zeroes their V rows in shared memory before
-P @ V, where 0 * NaN would otherwise give NaN. Page ids come from the plan (never < 0), so every
-copy lands inside the cache.
+copied like the rest, since a box has one size: their scores are masked to -inf, and on the
+(rare) steps that hold such keys their V rows are zeroed in shared memory before P @ V, where
+0 * NaN would otherwise give NaN (docs/spec.md, "Padding"): by the consumer, or under PAIR by the
+loader (the consumers share the buffer). Page ids come from the plan (never < 0), so every copy
+lands inside the cache.
 
-Used when the K/V views allow TMA (api.py, `_ws_eligible`): CUDA sm_90, a 16-bit q with K/V
-of its dtype or fp8 e4m3, head dim and block size 128, QT * GP = 64 rows, innermost stride 1 and
-16-byte multiples elsewhere, 16-byte aligned bases (checked at launch; the Triton kernel is the
-fallback).
+Used where plan.py's `_gluon_sub` allows: sm_90, a 16-bit q with K/V of its dtype or fp8 e4m3,
+head dim and block size 128, QT * GP = 64 rows per consumer, TMA-describable K/V views at
+16-byte aligned addresses (else the Triton tile kernel runs).
 """
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                              warpgroup_mma, warpgroup_mma_init,
-                                                              warpgroup_mma_wait)
+                                                              warpgroup_mma, warpgroup_mma_wait)
 
-from ..common.gluon_utils import find_request, launch_dependents
+from ..common.gluon_utils import launch_dependents, tile_position
 
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
@@ -164,134 +150,52 @@ def _store_tile_load(parts, ring, ready, nxt, off, stride_b, SUB: gl.constexpr, 
 @gluon.jit
 def _fp8_loader(k_ptr, v_ptr, stride_kp, stride_kb, stride_kh, stride_vp, stride_vb,
                 stride_vh, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v, union_row,
-                num_steps, g, PARTS: gl.constexpr, ROLL: gl.constexpr, first_pos=0,
-                N: gl.constexpr = 0, BLOCK: gl.constexpr = 0, QT: gl.constexpr = 0,
-                ZERO_V_TAIL: gl.constexpr = False, EAGER: gl.constexpr = False):
-    """FP8_LOADER's producer (one warpgroup): each step's fp8 K and V read from global memory
-    into registers, converted to fp16 and stored into the rings the consumer reads as if K/V
-    were 16-bit. Against the TMA producer and the consumer's own conversion, this takes the fp8
-    tile's trip through shared memory (its TMA write and the conversion's read, 64 of the 208 KB
-    a step moves there) and the conversion off the consumer's serial path. A tile's loads are
-    issued before waiting for its buffer: with ROLL (the default, api.py's ws_loader_roll)
-    V_i's a quarter at a time while K_i is stored, otherwise once K_i is; K_{i+1}'s once V_i
-    is stored. Only one tile is in registers at a time: the consumer's accumulator, S and P
-    leave this warpgroup ~64-80 of the two programs' registers.
-    ZERO_V_TAIL (PAIR, with ROLL): V's keys past every one of the tile's QT tokens' cuts are
-    stored as 0 here, not by the consumers, which share the buffer. EAGER (with ROLL): V_i's
-    loads issued with K_i's, before waiting for K's buffer: two tiles' loads in flight, for
-    twice the registers (PAIR's loader may have them)."""
-    gl.static_assert(ROLL or not ZERO_V_TAIL, "ZERO_V_TAIL: the ROLL loop only")
+                num_steps, g, PARTS: gl.constexpr, first_pos=0, N: gl.constexpr = 0,
+                BLOCK: gl.constexpr = 0, QT: gl.constexpr = 0,
+                ZERO_V_TAIL: gl.constexpr = False):
+    """fp8 K/V's producer (one warpgroup): each step's fp8 K and V read from global memory into
+    registers, converted to fp16 and stored into the rings the consumer reads as if K/V were
+    16-bit. This keeps the fp8 tile's trip through shared memory and the conversion off the
+    consumer's serial path. K_i's loads are issued before waiting for its buffer, V_i's a
+    quarter at a time while K_i is stored, K_{i+1}'s once V_i is stored: one tile in registers
+    at a time (the consumer's accumulator, S and P leave this warpgroup few registers).
+    ZERO_V_TAIL (PAIR): V's keys past every one of the tile's QT tokens' cuts are stored as 0
+    here, not by the consumers, which share the buffer."""
     SUB: gl.constexpr = k_smem.shape[2]
     D: gl.constexpr = k_smem.shape[4]
     R: gl.constexpr = SUB // 4
-    # 8 fp8 per thread: 16-byte fp16 stores, conflict-free in the swizzled tile (_to_f16)
+    # 8 fp8 per thread: 16-byte fp16 stores; the 8 lanes served together (a quarter warp) then
+    # write one 128-byte row of a 64-column swizzle atom, free of bank conflicts
     c_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D, D // 8], [4, 1], [1, 0])
     keys = gl.arange(0, R, layout=gl.SliceLayout(1, c_l))[:, None]
     d = gl.arange(0, D, layout=gl.SliceLayout(0, c_l))[None, :]
     k_off = keys * stride_kb + d
     v_off = keys * stride_vb + d
-    if ROLL:
-        # V_i's loads issued a quarter at a time while K_i is converted and stored, so part of
-        # their latency hides behind K's conversion (~1% faster, api.py). K_{i+1}'s under
-        # V_i's stores would be carried through the loop, where Triton keeps an fp8 tensor one
-        # element per register; carried as 32-bit words of 4, the loader still spilled ~130
-        # bytes of its loop invariants and was 17% slower (docs/performance.md)
-        for i in range(num_steps):
-            page = gl.load(union_row + i // PARTS).to(gl.int64)
-            key0 = (i % PARTS) * SUB
-            parts = _load_tile(k_ptr + page * stride_kp + key0 * stride_kb + g * stride_kh,
-                               k_off, stride_kb, R)
-            if EAGER:
-                parts_v = _load_tile(v_ptr + page * stride_vp + key0 * stride_vb
-                                     + g * stride_vh, v_off, stride_vb, R)
-            s = i % k_smem.shape[0]
-            mbarrier.wait(empty_k.index(s), ((i // k_smem.shape[0]) & 1) ^ 1,
-                          pred=i >= k_smem.shape[0])
-            if EAGER:
-                _store_tile(parts, k_smem.index(s), ready_k.index(s), SUB, D, R)
-                parts = parts_v
-            else:
-                parts = _store_tile_load(parts, k_smem.index(s), ready_k.index(s),
-                                         v_ptr + page * stride_vp + key0 * stride_vb
-                                         + g * stride_vh, v_off, stride_vb, SUB, D, R)
-            s = i % v_smem.shape[0]
-            mbarrier.wait(empty_v.index(s), ((i // v_smem.shape[0]) & 1) ^ 1,
-                          pred=i >= v_smem.shape[0])
-            if ZERO_V_TAIL:
-                keep = _tile_keep(union_row, i // PARTS, first_pos, N, BLOCK, QT)
-                if keep < key0 + SUB - 1:
-                    _store_tile_tail(parts, v_smem.index(s), ready_v.index(s), key0, keep, SUB,
-                                     D, R)
-                else:
-                    _store_tile(parts, v_smem.index(s), ready_v.index(s), SUB, D, R)
+    # (K_{i+1}'s loads under V_i's stores would be carried through the loop, where an fp8
+    # tensor takes a register per element: the loader spilled its invariants, 17% slower)
+    for i in range(num_steps):
+        page = gl.load(union_row + i // PARTS).to(gl.int64)
+        key0 = (i % PARTS) * SUB
+        parts = _load_tile(k_ptr + page * stride_kp + key0 * stride_kb + g * stride_kh,
+                           k_off, stride_kb, R)
+        s = i % k_smem.shape[0]
+        mbarrier.wait(empty_k.index(s), ((i // k_smem.shape[0]) & 1) ^ 1,
+                      pred=i >= k_smem.shape[0])
+        parts = _store_tile_load(parts, k_smem.index(s), ready_k.index(s),
+                                 v_ptr + page * stride_vp + key0 * stride_vb
+                                 + g * stride_vh, v_off, stride_vb, SUB, D, R)
+        s = i % v_smem.shape[0]
+        mbarrier.wait(empty_v.index(s), ((i // v_smem.shape[0]) & 1) ^ 1,
+                      pred=i >= v_smem.shape[0])
+        if ZERO_V_TAIL:
+            keep = _tile_keep(union_row, i // PARTS, first_pos, N, BLOCK, QT)
+            if keep < key0 + SUB - 1:
+                _store_tile_tail(parts, v_smem.index(s), ready_v.index(s), key0, keep, SUB,
+                                 D, R)
             else:
                 _store_tile(parts, v_smem.index(s), ready_v.index(s), SUB, D, R)
-    else:
-        for i in range(num_steps):
-            page = gl.load(union_row + i // PARTS).to(gl.int64)
-            _load_convert(k_ptr, k_off, page, i, stride_kp, stride_kb, stride_kh, g, k_smem,
-                          ready_k, empty_k, PARTS, R)
-            _load_convert(v_ptr, v_off, page, i, stride_vp, stride_vb, stride_vh, g, v_smem,
-                          ready_v, empty_v, PARTS, R)
-
-
-@gluon.jit
-def _load_convert(ptr, off, page, step, stride_p, stride_b, stride_h, g, ring, ready, empty,
-                  PARTS: gl.constexpr, R: gl.constexpr):
-    """Step `step`'s K or V tile of `page` into its ring buffer as fp16: the loads issued, then
-    the wait for the consumer to release the buffer, then the stores and its ready barrier."""
-    S: gl.constexpr = ring.shape[0]
-    SUB: gl.constexpr = ring.shape[2]
-    D: gl.constexpr = ring.shape[4]
-    key0 = (step % PARTS) * SUB
-    parts = _load_tile(ptr + page * stride_p + key0 * stride_b + g * stride_h, off, stride_b, R)
-    s = step % S
-    mbarrier.wait(empty.index(s), ((step // S) & 1) ^ 1, pred=step >= S)
-    _store_tile(parts, ring.index(s), ready.index(s), SUB, D, R)
-
-
-@gluon.jit
-def _to_f16(src, dst, key0, keep, FP8_ZERO_TAIL: gl.constexpr,
-            PIECES: gl.constexpr = 4):
-    """An fp8 [SUB, D] tile of the ring as fp16 in `dst` (exact), its keys past `keep` as 0
-    when FP8_ZERO_TAIL; the caller has made sure no MMA still reads `dst`."""
-    SUB: gl.constexpr = dst.shape[0]
-    D: gl.constexpr = dst.shape[1]
-    # 8 fp8 per thread, in PIECES row slices, so that the converted tile takes fewer registers
-    # beside the accumulator and P (a whole one spilled). 8, not 16: a thread's 16 bytes of
-    # fp16 are then one store, and the 8 lanes the hardware serves together for 16-byte stores
-    # (a quarter warp) write one 128-byte row of a 64-column swizzle atom, conflict-free; with
-    # 16 per thread those 8 lanes wrote both atoms of a row, 2-way bank conflicts on every
-    # store (scripts/ncu_source.sh), and the fp8 tiles took 12-13% longer (docs/performance.md)
-    c_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D, D // 8], [4, 1], [1, 0])
-    R: gl.constexpr = SUB // PIECES
-    whole = src.reshape([SUB, D])
-    for i in gl.static_range(PIECES):
-        tile = whole.slice(i * R, R).load(c_l).to(gl.float16)
-        if FP8_ZERO_TAIL:
-            keys = i * R + gl.arange(0, R, layout=gl.SliceLayout(1, c_l))
-            tile = gl.where((key0 + keys)[:, None] <= keep, tile, 0.0)
-        dst.slice(i * R, R).store(tile)
-    fence_async_shared()
-    gl.thread_barrier()  # every warp's part written before the MMA reads the tile
-
-
-@gluon.jit
-def _split_q_rows(q, hi_smem, lo_smem, row_f_smem):
-    """q's rows as e4m3 hi + lo (FP8_QK): each row scaled by a power of two that takes its
-    largest magnitude to at most 224 (the rounding of hi then stays below e4m3's 448), hi its
-    nearest e4m3, lo the e4m3 of what is left. hi + lo hold a 16-bit q's 8 significant bits
-    exactly unless lo falls under e4m3's normal range (elements ~2^-10 of the row's largest);
-    the row's scores are scaled back by `row_f_smem` (exact)."""
-    qf = q.to(gl.float32)
-    amax = gl.max(gl.abs(qf), axis=1)
-    # (an all-zero row, a padding head's, takes the clamp; its parts stay 0)
-    e = gl.minimum(gl.maximum(gl.floor(gl.log2(224.0 / amax)), -126.0), 126.0)
-    qf = qf * gl.exp2(e)[:, None]
-    hi = qf.to(gl.float8e4nv)
-    hi_smem.store(hi)
-    lo_smem.store((qf - hi.to(gl.float32)).to(gl.float8e4nv))
-    row_f_smem.store(gl.exp2(-e))
+        else:
+            _store_tile(parts, v_smem.index(s), ready_v.index(s), SUB, D, R)
 
 
 @gluon.jit
@@ -320,13 +224,10 @@ def _step_cuts(union_row, step, rows, pos, first_pos, N: gl.constexpr, BLOCK: gl
 
 
 @gluon.jit
-def _masked(sc, keys, key0, cut_row, min_cut, SUB: gl.constexpr, LAZY_MASK: gl.constexpr):
-    """S with the keys past each row's cut at -inf; LAZY_MASK: only a step some row does not
-    see whole is masked (most of a shared selection's steps are not)."""
-    if LAZY_MASK:
-        if min_cut < key0 + SUB - 1:
-            sc = gl.where((key0 + keys)[None, :] <= cut_row[:, None], sc, float("-inf"))
-    else:
+def _masked(sc, keys, key0, cut_row, min_cut, SUB: gl.constexpr):
+    """S with the keys past each row's cut at -inf, on a step some row does not see whole (most
+    of a shared selection's steps are not masked)."""
+    if min_cut < key0 + SUB - 1:
         sc = gl.where((key0 + keys)[None, :] <= cut_row[:, None], sc, float("-inf"))
     return sc
 
@@ -380,38 +281,25 @@ def _epilogue(acc, m_i, l_i, rows, v_scale_ptr, out_ptr, lse_ptr, t0, g, stride_
 
 
 @gluon.jit
-def _consumer(q_smem, q_lo_smem, row_f_smem, k_smem, v_smem, kv16, ready_k, ready_v, empty_k,
-              empty_v, union_row, num_steps, first_pos, qk_scale, v_scale_ptr, out_ptr, lse_ptr,
-              t0, g, stride_ot, stride_oh, stride_od, stride_lt, stride_lh, G: gl.constexpr,
-              GP: gl.constexpr, QT: gl.constexpr, N: gl.constexpr, BLOCK: gl.constexpr,
-              PARTS: gl.constexpr, HAS_SCALE: gl.constexpr, LAZY_MASK: gl.constexpr,
-              CONVERT: gl.constexpr, FP8_QK: gl.constexpr, KEYS_EARLY: gl.constexpr,
-              TOK0: gl.constexpr = 0, TILE_QT: gl.constexpr = 0,
-              LOADER_ZEROES: gl.constexpr = True):
+def _consumer(q_smem, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v, union_row, num_steps,
+              first_pos, qk_scale, v_scale_ptr, out_ptr, lse_ptr, t0, g, stride_ot, stride_oh,
+              stride_od, stride_lt, stride_lh, G: gl.constexpr, GP: gl.constexpr,
+              QT: gl.constexpr, N: gl.constexpr, BLOCK: gl.constexpr, PARTS: gl.constexpr,
+              HAS_SCALE: gl.constexpr, TOK0: gl.constexpr = 0, TILE_QT: gl.constexpr = 0):
     """One warpgroup, one step at a time: the tile's 64 rows over every step, then their
-    output and LSE. KEYS_EARLY: a step's keys go back to the producer once S = Q K^T (or,
-    fp8, their conversion) has read them, so the next step's keys load during this step's
-    softmax and P V; otherwise together with its values, after P V (kept to measure).
-    CONVERT (fp8 K/V in the rings): the consumer converts each step's K, then V, into one fp16
-    tile before its MMA; otherwise the rings hold what the MMAs read (16-bit K/V, or fp8 K/V
-    converted by FP8_LOADER's producer).
-    FP8_QK (fp8 K/V): S = Q K^T as two fp8 MMAs straight from the key ring, q's rows as
-    e4m3 hi + lo parts scaled by a power of two per row (`row_f_smem` undoes it), so only V
-    is converted.
+    output and LSE. A step's keys go back to the producer once S = Q K^T has read them, so the
+    next step's keys load during this step's softmax and P V; its values after P V.
     TILE_QT > QT (PAIR): this consumer's QT tokens are the tile's from the TOK0-th (t0 and
-    first_pos are theirs), beside another consumer's, both reading one V buffer: V's rows past
-    every row of the tile's cut are zeroed by the fp8 loader (LOADER_ZEROES) or, over TMA
-    copies, by both consumers with the tile's cut. Both then write the same values (the rows
-    past it as 0, the others as TMA wrote them), whichever runs first, so neither's P V can
-    see a NaN: a race between equal writes."""
+    first_pos are theirs), beside another consumer's, both reading one V buffer, whose rows
+    past every row of the tile's cut the fp8 loader has zeroed."""
     SK: gl.constexpr = k_smem.shape[0]
     SV: gl.constexpr = v_smem.shape[0]
     SUB: gl.constexpr = k_smem.shape[2]
     D: gl.constexpr = k_smem.shape[4]
-    # P's dtype: V's in the MMA (fp8 V is converted to fp16, and q is then fp16)
-    dtype: gl.constexpr = gl.float16 if CONVERT else q_smem.dtype
+    # P's dtype: V's in the MMA (fp16 rings for fp8 K/V, whose q is then fp16 too)
+    dtype: gl.constexpr = q_smem.dtype
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, SUB, 32 if FP8_QK else 16])
+                                                  instr_shape=[16, SUB, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, D, 16])
     p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
@@ -423,68 +311,29 @@ def _consumer(q_smem, q_lo_smem, row_f_smem, k_smem, v_smem, kv16, ready_k, read
     l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_l))
     acc = gl.zeros([ROWS, D], gl.float32, layout=o_l)
     zero = gl.zeros([ROWS, SUB], gl.float32, layout=s_l)
-    if FP8_QK:
-        row_f = row_f_smem.load(gl.SliceLayout(1, s_l))
     for step in range(num_steps):
         key0, cut_row, max_cut, min_cut = _step_cuts(union_row, step, rows, pos, first_pos, N,
                                                      BLOCK, PARTS, SUB, GP, QT, TOK0,
                                                      TILE_QT)
         sk = step % SK
         mbarrier.wait(ready_k.index(sk), (step // SK) & 1)
-        if FP8_QK:
-            k_t = k_smem.index(sk).reshape([SUB, D]).permute((1, 0))
-            sc = warpgroup_mma(q_smem, k_t, zero, use_acc=False, is_async=True)
-            sc = warpgroup_mma(q_lo_smem, k_t, sc, is_async=True)
-            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
-            if KEYS_EARLY:
-                mbarrier.arrive(empty_k.index(sk), count=1)
-            sc = sc * row_f[:, None]  # a power of two per row: exact
-        elif CONVERT:
-            # fp8 K and V run the MMAs in fp16 (as prefill.py's F16_COMPUTE), converted
-            # through one fp16 tile: K's now, V's after S = Q K^T has read it
-            gl.thread_barrier()  # the last step's P @ V done in every warp
-            _to_f16(k_smem.index(sk), kv16, key0, 0, False)
-            if KEYS_EARLY:
-                mbarrier.arrive(empty_k.index(sk), count=1)  # free once converted
-            k_t = kv16.permute((1, 0))
-            sc = warpgroup_mma(q_smem, k_t, zero, use_acc=False, is_async=True)
-            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
-        else:
-            k_t = k_smem.index(sk).reshape([SUB, D]).permute((1, 0))
-            sc = warpgroup_mma(q_smem, k_t, zero, use_acc=False, is_async=True)
-            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
-            if KEYS_EARLY:
-                mbarrier.arrive(empty_k.index(sk), count=1)
-        sc = _masked(sc, keys, key0, cut_row, min_cut, SUB, LAZY_MASK)
+        k_t = k_smem.index(sk).reshape([SUB, D]).permute((1, 0))
+        sc = warpgroup_mma(q_smem, k_t, zero, use_acc=False, is_async=True)
+        sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
+        mbarrier.arrive(empty_k.index(sk), count=1)
+        sc = _masked(sc, keys, key0, cut_row, min_cut, SUB)
         p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i, qk_scale)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
         p_op = gl.convert_layout(p.to(dtype), p_l)
         sv = step % SV
         mbarrier.wait(ready_v.index(sv), (step // SV) & 1)
-        if CONVERT:
-            # S = Q K^T (its fp16 K) and the last step's P @ V done in every warp
-            gl.thread_barrier()
+        v_t = v_smem.index(sv).reshape([SUB, D])
+        if TILE_QT <= QT:
             if max_cut < key0 + SUB - 1:
-                _to_f16(v_smem.index(sv), kv16, key0, max_cut, True)
-            else:
-                _to_f16(v_smem.index(sv), kv16, key0, max_cut, False)
-            mbarrier.arrive(empty_v.index(sv), count=1)
-            v_t = kv16
-        else:
-            v_t = v_smem.index(sv).reshape([SUB, D])
-            if TILE_QT <= QT:
-                if max_cut < key0 + SUB - 1:
-                    _zero_v_tail(v_t, key0, max_cut, v_l)
-            elif not LOADER_ZEROES:
-                keep = _tile_keep(union_row, step // PARTS, first_pos - TOK0, N, BLOCK, TILE_QT)
-                if keep < key0 + SUB - 1:
-                    _zero_v_tail(v_t, key0, keep, v_l)
+                _zero_v_tail(v_t, key0, max_cut, v_l)
         acc = warpgroup_mma(p_op, v_t, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        if not CONVERT:
-            mbarrier.arrive(empty_v.index(sv), count=1)
-        if not KEYS_EARLY:
-            mbarrier.arrive(empty_k.index(sk), count=1)
+        mbarrier.arrive(empty_v.index(sv), count=1)
     _epilogue(acc, m_i, l_i, rows, v_scale_ptr, out_ptr, lse_ptr, t0, g, stride_ot, stride_oh,
               stride_od, stride_lt, stride_lh, G, GP, HAS_SCALE, o_l)
 
@@ -500,31 +349,23 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_src, v_src, cu_ptr, seq_lens_ptr, 
                                      GP: gl.constexpr, QT: gl.constexpr, KP: gl.constexpr,
                                      BLOCK: gl.constexpr, STAGES_K: gl.constexpr,
                                      STAGES_V: gl.constexpr, HAS_SCALE: gl.constexpr,
-                                     LAZY_MASK: gl.constexpr, FP8: gl.constexpr,
-                                     FP8_QK: gl.constexpr, KEYS_EARLY: gl.constexpr,
-                                     PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
-                                     PDL: gl.constexpr = False,
-                                     FP8_LOADER: gl.constexpr = False,
-                                     LOADER_ROLL: gl.constexpr = False,
-                                     PAIR: gl.constexpr = False,
-                                     CONSUMER_REGS: gl.constexpr = 0,
-                                     LOADER_EAGER: gl.constexpr = False):
-    """k_src / v_src: TMA descriptors of [SUB, D] boxes over the caches' [P, B, Hkv, D] views,
-    or with FP8_LOADER (fp8 K/V) the views themselves (their strides then read; a warpgroup
-    loads, converts and stores each step into fp16 rings, _fp8_loader).
-    PAIR (fp8: FP8_LOADER with LOADER_ROLL, api.py's ws_pair; 16-bit: ws_pair_16): a tile of
-    QT tokens, 128 rows, in two consumer warpgroups of QT / 2 tokens each (the second a worker
-    partition with CONSUMER_REGS registers) over one producer's rings: the loader's loads and
-    conversions, or the TMA copies, per step serve twice the rows. One program per SM."""
-    if PDL:
-        # the per-token launch may start now (programmatic dependent launch; api.py's
-        # ws_pdl): it takes effect once every program has passed here, and the two write
-        # disjoint tokens, so the per-token kernel fills the SMs this launch's tail leaves idle
-        launch_dependents()
+                                     FP8: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                                     num_warps: gl.constexpr, PAIR: gl.constexpr = False,
+                                     CONSUMER_REGS: gl.constexpr = 0):
+    """k_src / v_src: 16-bit K/V, TMA descriptors of [SUB, D] boxes over the caches' [P, B,
+    Hkv, D] views; fp8 K/V, the views themselves (the loader warpgroup reads them with their
+    strides). PAIR (fp8): a tile of QT tokens, 128 rows, in two consumer warpgroups of QT / 2
+    tokens each (the second a worker partition with CONSUMER_REGS registers) over one loader's
+    rings. One program per SM then."""
+    # the per-token launch, a programmatic dependent launch of this one, may start once every
+    # program has passed here: the two write disjoint tokens, so the per-token kernel fills the
+    # SMs this launch's tail leaves idle
+    launch_dependents()
     PARTS: gl.constexpr = BLOCK // SUB
     N: gl.constexpr = QT * KP
-    gl.static_assert(not PAIR or (QT % 2 == 0 and (not FP8 or (FP8_LOADER and LOADER_ROLL))),
-                     "PAIR: an even number of tokens; fp8 through the loader's ROLL loop")
+    gl.static_assert(not PAIR or (QT % 2 == 0 and FP8),
+                     "PAIR: fp8 K/V (the loader zeroes V's tail for both consumers), an even "
+                     "number of tokens")
     CONS: gl.constexpr = 2 if PAIR else 1
     QC: gl.constexpr = QT // CONS  # tokens per consumer
     item = gl.program_id(0)
@@ -535,11 +376,9 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_src, v_src, cu_ptr, seq_lens_ptr, 
         g = item % NUM_KV_HEADS
         t0 = tile * QT
         # the plan takes a tile only inside one request with valid positions
-        r = find_request(cu_ptr, num_requests, t0)
-        t_req = gl.load(cu_ptr + r)
-        first_pos = gl.load(seq_lens_ptr + r) - (gl.load(cu_ptr + r + 1) - t_req) + (t0 - t_req)
+        first_pos = tile_position(cu_ptr, seq_lens_ptr, num_requests, t0)
         union_row = union_ptr + item.to(gl.int64) * (3 * N)
-        if FP8 and not FP8_QK:
+        if FP8:
             # fp8 K/V: the MMAs in fp16 with the softmax scale folded into q (prefill.py's
             # F16_COMPUTE, same rounding)
             qk_scale = LOG2E
@@ -547,18 +386,9 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_src, v_src, cu_ptr, seq_lens_ptr, 
             qk_scale = sm_scale * LOG2E
         if HAS_SCALE:
             qk_scale = qk_scale * gl.load(k_scale_ptr)
-        q_dtype: gl.constexpr = (gl.float8e4nv if FP8_QK else
-                                 gl.float16 if FP8 else q_ptr.dtype.element_ty)
+        q_dtype: gl.constexpr = gl.float16 if FP8 else q_ptr.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, D], q_dtype)
         q_smem = gl.allocate_shared_memory(q_dtype, [CONS * ROWS, D], q_layout)
-        if FP8_QK:
-            # q's low parts, and per row the power of two that undoes its scale
-            q_lo_smem = gl.allocate_shared_memory(q_dtype, [ROWS, D], q_layout)
-            row_f_smem = gl.allocate_shared_memory(
-                gl.float32, [ROWS], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-        else:
-            q_lo_smem = q_smem  # (unused)
-            row_f_smem = q_smem
         # the tile's query rows (token-major, GP head slots per token; the padding slots read
         # zeros) into shared memory, where both MMAs of every step read them; in two halves,
         # so fewer registers are live before the partitions start
@@ -573,20 +403,16 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_src, v_src, cu_ptr, seq_lens_ptr, 
             q = gl.load(q_ptr + tok.to(gl.int64)[:, None] * stride_qt
                         + head[:, None] * stride_qh + d[None, :] * stride_qd,
                         mask=(rows % GP < G)[:, None], other=0.0)
-            if FP8 and not FP8_QK:
+            if FP8:
                 q = (q.to(gl.float32) * sm_scale).to(gl.float16)
             # the loop applies the scale inside the exponent after taking row maxima of the
             # raw scores, which needs a positive scale: a negative one moves its sign onto q
             # (exact)
             q = gl.where(qk_scale < 0, -q, q)
-            if FP8_QK:
-                _split_q_rows(q, q_smem.slice(h * HALF, HALF), q_lo_smem.slice(h * HALF, HALF),
-                              row_f_smem.slice(h * HALF, HALF))
-            else:
-                q_smem.slice(h * HALF, HALF).store(q)
+            q_smem.slice(h * HALF, HALF).store(q)
         qk_scale = gl.abs(qk_scale)
         fence_async_shared()
-        if FP8_LOADER:
+        if FP8:
             # the rings in fp16, in the layout TMA would give a 16-bit box
             ring_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, SUB, 1, D],
                                                                         gl.float16)
@@ -597,13 +423,6 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_src, v_src, cu_ptr, seq_lens_ptr, 
                                                k_src.layout)
             v_smem = gl.allocate_shared_memory(v_src.dtype, [STAGES_V, 1, SUB, 1, D],
                                                v_src.layout)
-        if FP8 and not FP8_LOADER:
-            # the fp16 copy of the step's K, then of its V, that the MMAs read
-            kv16 = gl.allocate_shared_memory(gl.float16, [SUB, D],
-                                             gl.NVMMASharedLayout.get_default_for([SUB, D],
-                                                                                  gl.float16))
-        else:
-            kv16 = q_smem  # (unused)
         ready_k = gl.allocate_shared_memory(gl.int64, [STAGES_K, 1], mbarrier.MBarrierLayout())
         empty_k = gl.allocate_shared_memory(gl.int64, [STAGES_K, 1], mbarrier.MBarrierLayout())
         ready_v = gl.allocate_shared_memory(gl.int64, [STAGES_V, 1], mbarrier.MBarrierLayout())
@@ -617,66 +436,42 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_src, v_src, cu_ptr, seq_lens_ptr, 
             mbarrier.init(empty_v.index(i), count=CONS)
         gl.thread_barrier()  # q's tile and the barriers visible to every warp
         num_steps = num_blocks * PARTS
-        # (the consumer's arguments written out in both calls: a tuple held in a variable
+        # (the consumer's arguments written out in every call: a tuple held in a variable
         # loses its constexprs)
-        CONVERT: gl.constexpr = FP8 and not FP8_LOADER
-        if PAIR and FP8_LOADER:
+        if PAIR:
             q_hi = q_smem.slice(ROWS, ROWS)
             gl.warp_specialize([
-                (_consumer, (q_smem.slice(0, ROWS), q_lo_smem, row_f_smem, k_smem, v_smem, kv16,
-                             ready_k, ready_v, empty_k, empty_v, union_row, num_steps,
-                             first_pos, qk_scale, v_scale_ptr, out_ptr, lse_ptr, t0, g,
-                             stride_ot, stride_oh, stride_od, stride_lt, stride_lh, G, GP, QC, N,
-                             BLOCK, PARTS, HAS_SCALE, LAZY_MASK, CONVERT, FP8_QK, KEYS_EARLY, 0,
+                (_consumer, (q_smem.slice(0, ROWS), k_smem, v_smem, ready_k, ready_v, empty_k,
+                             empty_v, union_row, num_steps, first_pos, qk_scale, v_scale_ptr,
+                             out_ptr, lse_ptr, t0, g, stride_ot, stride_oh, stride_od,
+                             stride_lt, stride_lh, G, GP, QC, N, BLOCK, PARTS, HAS_SCALE, 0,
                              QT)),
-                (_consumer, (q_hi, q_lo_smem, row_f_smem, k_smem, v_smem, kv16, ready_k,
-                             ready_v, empty_k, empty_v, union_row, num_steps, first_pos + QC,
-                             qk_scale, v_scale_ptr, out_ptr, lse_ptr, t0 + QC, g, stride_ot,
-                             stride_oh, stride_od, stride_lt, stride_lh, G, GP, QC, N, BLOCK,
-                             PARTS, HAS_SCALE, LAZY_MASK, CONVERT, FP8_QK, KEYS_EARLY, QC, QT)),
+                (_consumer, (q_hi, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v,
+                             union_row, num_steps, first_pos + QC, qk_scale, v_scale_ptr,
+                             out_ptr, lse_ptr, t0 + QC, g, stride_ot, stride_oh, stride_od,
+                             stride_lt, stride_lh, G, GP, QC, N, BLOCK, PARTS, HAS_SCALE, QC,
+                             QT)),
                 (_fp8_loader, (k_src, v_src, stride_kp, stride_kb, stride_kh, stride_vp,
                                stride_vb, stride_vh, k_smem, v_smem, ready_k, ready_v, empty_k,
-                               empty_v, union_row, num_steps, g, PARTS, LOADER_ROLL, first_pos,
-                               N, BLOCK, QT, True, LOADER_EAGER)),
+                               empty_v, union_row, num_steps, g, PARTS, first_pos, N, BLOCK,
+                               QT, True)),
             ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
-        elif PAIR:
-            # 16-bit K/V in pairs (api.py's ws_pair_16): the TMA producer warp feeds both
-            # consumers, which zero V's tail themselves
-            q_hi = q_smem.slice(ROWS, ROWS)
+        elif FP8:
             gl.warp_specialize([
-                (_consumer, (q_smem.slice(0, ROWS), q_lo_smem, row_f_smem, k_smem, v_smem, kv16,
-                             ready_k, ready_v, empty_k, empty_v, union_row, num_steps,
-                             first_pos, qk_scale, v_scale_ptr, out_ptr, lse_ptr, t0, g,
-                             stride_ot, stride_oh, stride_od, stride_lt, stride_lh, G, GP, QC, N,
-                             BLOCK, PARTS, HAS_SCALE, LAZY_MASK, CONVERT, FP8_QK, KEYS_EARLY, 0,
-                             QT, False)),
-                (_consumer, (q_hi, q_lo_smem, row_f_smem, k_smem, v_smem, kv16, ready_k,
-                             ready_v, empty_k, empty_v, union_row, num_steps, first_pos + QC,
-                             qk_scale, v_scale_ptr, out_ptr, lse_ptr, t0 + QC, g, stride_ot,
-                             stride_oh, stride_od, stride_lt, stride_lh, G, GP, QC, N, BLOCK,
-                             PARTS, HAS_SCALE, LAZY_MASK, CONVERT, FP8_QK, KEYS_EARLY, QC, QT,
-                             False)),
-                (_producer, (k_src, v_src, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v,
-                             union_row, num_steps, g, PARTS)),
-            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-        elif FP8_LOADER:
-            gl.warp_specialize([
-                (_consumer, (q_smem, q_lo_smem, row_f_smem, k_smem, v_smem, kv16, ready_k,
-                             ready_v, empty_k, empty_v, union_row, num_steps, first_pos,
-                             qk_scale, v_scale_ptr, out_ptr, lse_ptr, t0, g, stride_ot,
-                             stride_oh, stride_od, stride_lt, stride_lh, G, GP, QT, N, BLOCK,
-                             PARTS, HAS_SCALE, LAZY_MASK, CONVERT, FP8_QK, KEYS_EARLY)),
+                (_consumer, (q_smem, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v,
+                             union_row, num_steps, first_pos, qk_scale, v_scale_ptr, out_ptr,
+                             lse_ptr, t0, g, stride_ot, stride_oh, stride_od, stride_lt,
+                             stride_lh, G, GP, QT, N, BLOCK, PARTS, HAS_SCALE)),
                 (_fp8_loader, (k_src, v_src, stride_kp, stride_kb, stride_kh, stride_vp,
                                stride_vb, stride_vh, k_smem, v_smem, ready_k, ready_v, empty_k,
-                               empty_v, union_row, num_steps, g, PARTS, LOADER_ROLL)),
+                               empty_v, union_row, num_steps, g, PARTS)),
             ], [4], [PRODUCER_REGS])
         else:
             gl.warp_specialize([
-                (_consumer, (q_smem, q_lo_smem, row_f_smem, k_smem, v_smem, kv16, ready_k,
-                             ready_v, empty_k, empty_v, union_row, num_steps, first_pos,
-                             qk_scale, v_scale_ptr, out_ptr, lse_ptr, t0, g, stride_ot,
-                             stride_oh, stride_od, stride_lt, stride_lh, G, GP, QT, N, BLOCK,
-                             PARTS, HAS_SCALE, LAZY_MASK, CONVERT, FP8_QK, KEYS_EARLY)),
+                (_consumer, (q_smem, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v,
+                             union_row, num_steps, first_pos, qk_scale, v_scale_ptr, out_ptr,
+                             lse_ptr, t0, g, stride_ot, stride_oh, stride_od, stride_lt,
+                             stride_lh, G, GP, QT, N, BLOCK, PARTS, HAS_SCALE)),
                 (_producer, (k_src, v_src, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v,
                              union_row, num_steps, g, PARTS)),
             ], [1], [PRODUCER_REGS])

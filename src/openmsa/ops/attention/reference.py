@@ -3,10 +3,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ...batch import num_causal_blocks, token_layout
 from .checks import check_attention_args, check_page_table_args
+
+if TYPE_CHECKING:
+    from .plan import AttentionConfig
 
 __all__ = ["sparse_attention", "sparse_page_table", "kv_head_to_index_head"]
 
@@ -38,8 +43,9 @@ def _as_scale(value, device):
 
 def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, *,
                      scale=None, block_size=128, out=None, return_lse=False, k_scale=None,
-                     v_scale=None):
-    """Exact GQA softmax attention over the tokens of the selected blocks (MSA's main branch).
+                     v_scale=None, config: AttentionConfig | None = None):
+    """Exact GQA softmax attention over the tokens of the selected blocks (MSA's main branch;
+    docs/spec.md, "Sparse attention").
 
     Args:
         q: [T, Hq, D] bf16/fp16 (fp32 accepted by the reference).
@@ -50,6 +56,8 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
         out: optional [T, Hq, D] in q's dtype, written in place.
         return_lse: also return fp32 [T, Hq] natural-log LSE.
         k_scale, v_scale: optional per-tensor dequantisation scales (fp8 caches).
+        config: the kernels' launch knobs, which the reference has none of (accepted so that
+            the two signatures are one).
 
     Returns:
         out, or (out, lse). A row with no visible key gives out = 0 and lse = -inf.

@@ -51,6 +51,16 @@ def token_position(cu_ptr, seq_lens_ptr, num_requests, token):
 
 
 @gluon.jit
+def tile_position(cu_ptr, seq_lens_ptr, num_requests, t0):
+    """The position of packed token t0 in its request (right-aligned: seq_len - q_len + its
+    index), for a token the caller knows to lie in a request with valid positions (no padding
+    check: triton_utils.tile_position's `whole` was true for its tile)."""
+    r = find_request(cu_ptr, num_requests, t0)
+    t_req = gl.load(cu_ptr + r)
+    return gl.load(seq_lens_ptr + r) - (gl.load(cu_ptr + r + 1) - t_req) + (t0 - t_req)
+
+
+@gluon.jit
 def launch_dependents():
     """griddepcontrol.launch_dependents: the launch after this one, if it is a programmatic
     dependent launch, may start once every program of this one has passed here."""

@@ -54,6 +54,21 @@ def token_position(cu_seqlens_ptr, seq_lens_ptr, num_requests, token, guess=-1):
 
 
 @triton.jit
+def tile_position(cu_seqlens_ptr, seq_lens_ptr, num_requests, t0, QT: tl.constexpr):
+    """(request, position of packed token t0, whole) for a tile of tokens [t0, t0 + QT): whole
+    when they all lie in one request whose positions are valid (q_len <= seq_len); the request
+    is clamped to R - 1 and the position computed as if valid either way (callers mask with
+    `whole`)."""
+    r = find_request(cu_seqlens_ptr, num_requests, t0)
+    r_safe = tl.minimum(r, num_requests - 1)
+    t_req = tl.load(cu_seqlens_ptr + r_safe)
+    t_next = tl.load(cu_seqlens_ptr + r_safe + 1)
+    seq_len = tl.load(seq_lens_ptr + r_safe)
+    whole = (r < num_requests) & (t0 + QT <= t_next) & (seq_len >= t_next - t_req)
+    return r_safe, seq_len - (t_next - t_req) + (t0 - t_req), whole
+
+
+@triton.jit
 def score_key(score):
     """An int32 per score whose integer order is the score's order: NaN ranks as -inf, -0.0 as 0,
     and -inf's key (0x807FFFFF) stays above -2**31, which callers keep for absent blocks."""

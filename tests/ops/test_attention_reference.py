@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Tier 0: the main-branch reference against dense attention and the rules of docs/spec.md."""
+"""Tier 0: the main-branch reference against dense attention and docs/spec.md's rules."""
 
 import pytest
 import torch

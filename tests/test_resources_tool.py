@@ -1,0 +1,32 @@
+# SPDX-License-Identifier: Apache-2.0
+"""benchmarks/resources.py builds kernels for sm_90 on a machine without a GPU (each op's own
+sm_90 compile tests are in tests/ops/, through tests/helpers/sm90.py)."""
+
+import os
+
+import pytest
+
+pytestmark = pytest.mark.reference
+
+triton = pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    pytest.skip("compilation needs the real compiler, not the interpreter", allow_module_level=True)
+
+
+def test_resources_tool():
+    """benchmarks/resources.py (docs/performance.md's offline counts) still compiles its specs
+    with the kernels' current signatures, and finds the selection's search loop in the SASS."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+    resources = pytest.importorskip("resources")
+    regs, spills, _, per_sm, _ = resources.index_resources("fp8", 128, 32, 3, 4)
+    assert 0 < regs <= 255 and per_sm >= 1
+    regs, _, _, _, _ = resources.index_resources("fp8", 16, 32, 3, 4, decode=True)
+    assert 0 < regs <= 255
+    regs, spills, _, _, loops = resources.select_resources("search", 64, 0, 1, sass=True)
+    assert spills == 0 and loops, "no search loop (a REDUX in a backward branch) found"
+    # the short-row selection (Gluon): its search loop, and its ALU-pipe share counted
+    regs, spills, _, _, loops = resources.short_rows_resources(16, 4, 4, 1, sass=True)
+    assert spills == 0 and len(loops) == 1, "no search loop (a SHFL in a backward branch)"
+    count, _, _, alu = loops[0]
+    assert 0 < alu < count
