@@ -8,6 +8,8 @@
 #                                              # a fresh machine: two calls with 1/2 and 2/2)
 #   bash scripts/gpu_check.sh bench [args...]  # benchmarks/run.py with args
 #   bash scripts/gpu_check.sh tune [args...]   # benchmarks/tune.py with args (appends tune.log)
+#   bash scripts/gpu_check.sh ab [args...]     # benchmarks/ab.py: this tree against .ab's base
+#                                              # (python3 benchmarks/prepare_ab.py REV first)
 #   bash scripts/gpu_check.sh host [cases...]  # benchmarks/host_cost.py (eager calls' host time)
 # The device copy has no .git: write the commit first (`git rev-parse --short HEAD > REVISION`
 # and name REVISION in the call's carry) so the benchmark's provenance line names it.
@@ -30,7 +32,9 @@ case "$what" in
       > "$OUT/test-ids.txt"
     mapfile -t ids < <(awk -v p="$part" -v n="$parts" '(NR - p) % n == 0' "$OUT/test-ids.txt")
     echo "part $part of $parts: ${#ids[@]} tests" | tee "$OUT/tests-$part.log"
-    python3 -m pytest -q -x --durations=20 "${ids[@]}" "$@" 2>&1 | tee -a "$OUT/tests-$part.log" ;;
+    python3 -m pytest -q --durations=20 "${ids[@]}" "$@" 2>&1 | tee -a "$OUT/tests-$part.log" ;;
+  ab)
+    python3 benchmarks/ab.py --base .ab --out "$OUT" "$@" 2>&1 | tee -a "$OUT/ab.log" ;;
   bench)
     python3 benchmarks/run.py "$@" 2>&1 | tee "$OUT/bench.log" ;;
   tune)
