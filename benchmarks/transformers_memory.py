@@ -19,7 +19,8 @@ Writes JSON (after every measurement, so a run cut short keeps what it measured)
 {"meta": {...versions, device, arguments...}, "results": [{"path", "tokens", "status" ("ok",
 "oom", "skipped", "error"), "prefill_s", "prefill_tokens_per_s", "decode_ms_per_token",
 "peak_prefill_gib", "peak_decode_gib", "held_after_prefill_gib", "error"}, ...]}.
-Memory is CUDA's allocator (max_memory_allocated, relative to the model's weights); None on CPU.
+Memory is CUDA's allocator (max_memory_allocated, relative to the model's weights: openmsa's
+paged caches, allocated up front for the prompt, are counted); None on CPU.
 """
 
 from __future__ import annotations
@@ -107,6 +108,9 @@ def build_model(args, path: str, tokens: int):
     model.to(device=args.device, dtype=dtype)
     # keep the rotary frequencies fp32, as from_pretrained leaves them (.to(dtype) rounds them)
     rot.inv_freq, rot.original_inv_freq = (f.to(args.device) for f in freqs)
+    # memory is counted from here (the weights alone): openmsa's caches, allocated up front by
+    # use_openmsa below, count like transformers' cache, which grows during the run
+    model._bench_base_memory = _mem(args.device)
     if path == "openmsa":
         from openmsa.integrations.transformers import use_openmsa
         pages = math.ceil((tokens + args.decode_steps + 1) / args.block) + 1
@@ -160,7 +164,7 @@ def run_once(model, args, tokens: int, decode_steps: int) -> dict:
     g = torch.Generator().manual_seed(args.seed + tokens)
     ids = torch.randint(3, args.vocab, (1, tokens), generator=g).to(dev)
     chunk = args.prefill_chunk or tokens
-    base = _mem(dev)
+    base = model._bench_base_memory
     _reset_peak(dev)
     _sync(dev)
     t0 = time.perf_counter()
