@@ -2,8 +2,6 @@
 """Tier 2 (an H200): M3 shapes, 1M-token contexts, caches past 2^31 bytes/elements (int64
 offsets), bf16 and kernel-side fp8, determinism and CUDA-graph replay."""
 
-import dataclasses
-
 import pytest
 import torch
 import triton
@@ -11,32 +9,12 @@ import triton.language as tl
 
 import openmsa
 from openmsa import reference as ref
-from helpers import assert_close, make_step, random_index_inputs
+from helpers import assert_close, cuda_step, make_step, random_index_inputs
 
 pytestmark = pytest.mark.gpu
 
 FP8 = torch.float8_e4m3fn
 B = 128
-
-
-def _cuda(step):
-    """A copy of the step with its tensors on the GPU (the CPU original feeds the reference)."""
-    return dataclasses.replace(step, **{name: getattr(step, name).cuda() for name in (
-        "cu_seqlens_q", "seq_lens", "block_table", "slot_mapping")})
-
-
-def _compact(cache, step):
-    """The pages a step uses, copied to a small CPU cache with a renumbered table: the
-    reference then runs on CPU against a cache of any size on the GPU."""
-    used = step.block_table[step.block_table >= 0].unique()
-    remap = torch.full((cache.shape[0],), -1, dtype=torch.int32)
-    remap[used.long().cpu()] = torch.arange(len(used), dtype=torch.int32)
-    table = torch.where(step.block_table.cpu() >= 0,
-                        remap[step.block_table.cpu().clamp(min=0).long()],
-                        -1)
-    return cache[used.long()].cpu(), table
-
-
 
 
 # ------------------------------------------------------------------------------ launches
@@ -91,7 +69,7 @@ def test_attention_and_selection_repeated_with_misaligned_views(verify, monkeypa
     iq, ic = random_index_inputs(step, num_heads=1, head_dim=128, block_size=B,
                                  q_dtype=torch.bfloat16, cache_dtype=torch.bfloat16,
                                  integer=True)
-    d = _cuda(step)
+    d = cuda_step(step)
     kc, vc, icc = k.cuda(), v.cuda(), ic.cuda()
     for offset in (0, 1, 0, 1):
         q = torch.randn(6, 16, 128, generator=g).bfloat16()

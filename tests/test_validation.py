@@ -172,7 +172,8 @@ def test_reference_signatures_equal_public(name):
         return sig.replace(parameters=[
             p for p in sig.parameters.values()
             if not (p.kind is p.KEYWORD_ONLY and "Config" in str(p.annotation))])
-    assert without_launch_config(getattr(openmsa, name)) == without_launch_config(getattr(ref, name))
+    public, reference = getattr(openmsa, name), getattr(ref, name)
+    assert without_launch_config(public) == without_launch_config(reference)
 
 
 def test_unsupported_reason():

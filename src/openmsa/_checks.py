@@ -80,8 +80,8 @@ def check_out(name: str, out, shape: tuple[int, ...], dtype: torch.dtype,
 
 
 def check_index_dtypes(index_q: torch.Tensor, index_cache: torch.Tensor) -> None:
-    """docs/spec.md, Caches and layouts: both fp8; a 16-bit query against the same 16-bit or an fp8 cache; fp32 with
-    fp32 (the reference's own precision, for tests)."""
+    """docs/spec.md, Caches and layouts: both fp8; a 16-bit query against the same 16-bit or an
+    fp8 cache; fp32 with fp32 (the reference's own precision, for tests)."""
     q, c = index_q.dtype, index_cache.dtype
     ok = (q == c and q in (*HALF, FP8, torch.float32)) or (q in HALF and c == FP8)
     if not ok:

@@ -146,9 +146,10 @@ class MSAConfig:
         """Build from a Hugging Face config: a dict or a config object, top level or with the
         model keys under `text_config`, in either layout:
 
-        * the checkpoint's `config.json`: `sparse_attention_config` (docs/spec.md, Symbols and M3's values)
-          (`sparse_attention_freq`: a list with one entry per layer, 1 = sparse, or the int 1 for
-          every layer; any other int is rejected rather than guessed), `rope_theta`,
+        * the checkpoint's `config.json`: `sparse_attention_config` (docs/spec.md, "Symbols
+          and M3's values"; `sparse_attention_freq`: a list with one entry per layer, 1 =
+          sparse, or the int 1 for every layer; any other int is rejected rather than
+          guessed), `rope_theta`,
           `rotary_dim` (or `partial_rotary_factor`), `rope_scaling`;
         * transformers' `MiniMaxM3VLConfig` / `MiniMaxM3VLTextConfig` and their `to_dict()`:
           flat `index_*` keys, `layer_types` ("minimax_m3_sparse" = sparse) and

@@ -5,8 +5,9 @@ stand-in for a kernel (recording.py) and the dense-attention comparison path (de
 
 from .checks import TOLERANCES, assert_close, assert_selection_near_optimal
 from .recording import RecordingKernel
-from .steps import Step, make_step, nan_poison, random_index_inputs, random_kv_cache, to_device
+from .steps import (Step, compact_pages, cuda_step, make_step, nan_poison, random_index_inputs,
+                    random_kv_cache, to_device)
 
 __all__ = ["Step", "make_step", "TOLERANCES", "assert_close", "random_index_inputs",
            "random_kv_cache", "to_device", "nan_poison", "assert_selection_near_optimal",
-           "RecordingKernel"]
+           "RecordingKernel", "cuda_step", "compact_pages"]

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import dataclasses
+
 import torch
 
 from openmsa.ops.cache.reference import to_cache_dtype
 
 __all__ = ["Step", "make_step", "random_index_inputs", "random_kv_cache", "to_device",
-           "nan_poison"]
+           "nan_poison", "cuda_step", "compact_pages"]
 
 
 @dataclass
@@ -118,3 +120,21 @@ def nan_poison(shape, dtype, device) -> torch.Tensor:
     if dtype.is_floating_point:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.full(shape, -7, dtype=dtype, device=device)
+
+
+def cuda_step(step):
+    """A copy of the step with its tensors on the GPU (the CPU original feeds the reference)."""
+    return dataclasses.replace(step, **{name: getattr(step, name).cuda() for name in (
+        "cu_seqlens_q", "seq_lens", "block_table", "slot_mapping")})
+
+
+def compact_pages(cache, step):
+    """The pages a step uses, copied to a small CPU cache with a renumbered table: the
+    reference then runs on CPU against a cache of any size on the GPU."""
+    used = step.block_table[step.block_table >= 0].unique()
+    remap = torch.full((cache.shape[0],), -1, dtype=torch.int32)
+    remap[used.long().cpu()] = torch.arange(len(used), dtype=torch.int32)
+    table = torch.where(step.block_table.cpu() >= 0,
+                        remap[step.block_table.cpu().clamp(min=0).long()],
+                        -1)
+    return cache[used.long()].cpu(), table

@@ -25,8 +25,8 @@ from openmsa.ops.attention import api, prefill
 from openmsa.ops.attention.plan import DEFAULT, FUSED_MAX_SPLITS, AttentionConfig, plan
 from openmsa.ops.common.counters import COUNTERS
 from openmsa.ops.common.plan import DeviceFacts, Launch, LaunchPlan
-from helpers import (assert_close, make_step, nan_poison, random_index_inputs,
-                             random_kv_cache, to_device)
+from helpers import (assert_close, compact_pages, cuda_step, make_step, nan_poison,
+                     random_index_inputs, random_kv_cache, to_device)
 
 FP8 = torch.float8_e4m3fn
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -687,24 +687,6 @@ def test_launch_plans_follow_config_and_layouts(kernel_device):
 GB = 128
 
 
-def _cuda(step):
-    """A copy of the step with its tensors on the GPU (the CPU original feeds the reference)."""
-    return dataclasses.replace(step, **{name: getattr(step, name).cuda() for name in (
-        "cu_seqlens_q", "seq_lens", "block_table", "slot_mapping")})
-
-
-def _compact(cache, step):
-    """The pages a step uses, copied to a small CPU cache with a renumbered table: the
-    reference then runs on CPU against a cache of any size on the GPU."""
-    used = step.block_table[step.block_table >= 0].unique()
-    remap = torch.full((cache.shape[0],), -1, dtype=torch.int32)
-    remap[used.long().cpu()] = torch.arange(len(used), dtype=torch.int32)
-    table = torch.where(step.block_table.cpu() >= 0,
-                        remap[step.block_table.cpu().clamp(min=0).long()],
-                        -1)
-    return cache[used.long()].cpu(), table
-
-
 def _m3_attention_case(kv_dtype, num_heads=64, num_kv_heads=4, context=65536, q_lens=(1, 4, 1)):
     seq_lens = [context, context - 1000, 20_000]
     step = make_step(list(q_lens), seq_lens, block_size=GB, extra_columns=1)
@@ -728,7 +710,7 @@ def test_attention_m3_shapes(kv_dtype, heads):
     step, q, k, v, idx = _m3_attention_case(kv_dtype, *heads)
     want, want_lse = ref.sparse_attention(q, k, v, idx, step.cu_seqlens_q, step.seq_lens,
                                           step.block_table, return_lse=True)
-    d = _cuda(step)
+    d = cuda_step(step)
     got, lse = openmsa.sparse_attention(q.cuda(), k.cuda(), v.cuda(), idx.cuda(), d.cu_seqlens_q,
                                         d.seq_lens, d.block_table, return_lse=True)
     assert_close(got, want)
@@ -765,7 +747,7 @@ def test_attention_prefill_tiles_m3(kv_dtype, heads):
     shared[::2] = shared[::2, :1].clone()
     want, want_lse = ref.sparse_attention(q, k, v, idx, step.cu_seqlens_q, step.seq_lens,
                                           step.block_table, return_lse=True)
-    d = _cuda(step)
+    d = cuda_step(step)
     qd, kd, vd, idxd = q.cuda(), k.cuda(), v.cuda(), idx.cuda()
     got, lse = openmsa.sparse_attention(qd, kd, vd, idxd, d.cu_seqlens_q, d.seq_lens,
                                         d.block_table, return_lse=True)
@@ -844,7 +826,7 @@ def test_attention_prefill_gluon_tiles(heads, dtype, layout, config):
     num_heads, num_kv = heads
     step, q, k, v, idx = _mixed_tiles_chunk(heads, dtype)
     shape, q_dtype = k.shape, q.dtype
-    d = _cuda(step)
+    d = cuda_step(step)
     if layout == "packed":  # vLLM's [P, Hkv, B, 2 * D]
         buf = torch.empty(step.num_pages, num_kv, GB, 256, dtype=dtype, device="cuda")
         kd, vd = buf[..., :128].transpose(1, 2), buf[..., 128:].transpose(1, 2)
@@ -887,7 +869,7 @@ def test_attention_prefill_tiles_overlap_graph_replay(dtype):
     graph with new queries (both kernels are deterministic; overlapping changes only when they
     run)."""
     step, q, k, v, idx = _mixed_tiles_chunk((64, 4), dtype)
-    d = _cuda(step)
+    d = cuda_step(step)
     kd, vd, idxd = k.cuda(), v.cuda(), idx.cuda()
     args = (kd, vd, idxd, d.cu_seqlens_q, d.seq_lens, d.block_table)
     qd = q.cuda()
@@ -926,7 +908,7 @@ def test_attention_prefill_waste_follows_the_kernel_that_runs():
                      **{name: dataclasses.replace(getattr(DEFAULT, name), waste=1e9)
                         for name in ("gluon_16", "gluon_fp8", "gluon_pair_fp8")})
     step, q, k, v, idx = _mixed_tiles_chunk((64, 4), torch.bfloat16)
-    d = _cuda(step)
+    d = cuda_step(step)
     dargs = (idx.cuda(), d.cu_seqlens_q, d.seq_lens, d.block_table)
     want = ref.sparse_attention(q, k, v, idx, step.cu_seqlens_q, step.seq_lens, step.block_table)
     qd, kd, vd = q.cuda(), k.cuda(), v.cuda()
@@ -948,7 +930,7 @@ def test_attention_prefill_equals_dense_sdpa():
     import torch.nn.functional as F
     ctx, chunk = 1500, 500
     step = make_step([chunk], [ctx + chunk], block_size=GB)
-    d = _cuda(step)
+    d = cuda_step(step)
     g = torch.Generator(device="cuda").manual_seed(1)
     k = torch.randn(step.num_pages, GB, 2, 128, generator=g, device="cuda").bfloat16()
     v = torch.randn(step.num_pages, GB, 2, 128, generator=g, device="cuda").bfloat16()
@@ -981,15 +963,15 @@ def test_attention_cache_over_2_31_elements_and_graph_replay(kv_dtype):
     step = make_step([1] * num_req, [5000, 3000, 129, 2000], block_size=GB)
     step.block_table = torch.where(step.block_table >= 0, step.block_table + pages - 150, -1)
     packed[-150:] = torch.randn(150, 1, GB, 256, device="cuda").to(kv_dtype)
-    d = _cuda(step)
+    d = cuda_step(step)
     q = torch.randn(num_req, 16, 128, device="cuda").bfloat16()
     idx = torch.randint(0, 40, (num_req, 1, 16), device="cuda").int()
     out = torch.empty_like(q)
     run = lambda: openmsa.sparse_attention(q, k, v, idx, d.cu_seqlens_q, d.seq_lens,  # noqa
                                            d.block_table, out=out)
     run()
-    small_k, table = _compact(k, step)
-    small_v, _ = _compact(v, step)
+    small_k, table = compact_pages(k, step)
+    small_v, _ = compact_pages(v, step)
     want = ref.sparse_attention(q.cpu(), small_k, small_v, idx.cpu(), step.cu_seqlens_q,
                                 step.seq_lens, table)
     assert_close(out, want)
@@ -1017,7 +999,7 @@ def test_attention_fused_merge_graph_replay_and_two_streams():
     idx = idx.int().sort(-1).values
     q = torch.randn(num_req, 16, 128, generator=g).bfloat16()
     want = ref.sparse_attention(q, k, v, idx, step.cu_seqlens_q, step.seq_lens, step.block_table)
-    d = _cuda(step)
+    d = cuda_step(step)
     qc, kc, vc, ic = q.cuda(), k.cuda(), v.cuda(), idx.cuda()
     p = _plan_of(qc, kc, vc, ic, block_size=GB)
     assert 1 < p.sizes["splits"] <= FUSED_MAX_SPLITS and p.sizes["fused"]  # the path under test
@@ -1090,7 +1072,7 @@ def test_first_launch_waits_for_the_kernel_before_on_gpu():
     num_req = 8
     step = make_step([1, 2, 1, 4, 1, 3, 1, 1], [3000 + 517 * i for i in range(num_req)],
                      block_size=GB)
-    d = _cuda(step)
+    d = cuda_step(step)
     args = (d.cu_seqlens_q, d.seq_lens, d.block_table)
     g = torch.Generator().manual_seed(11)
     k, v = random_kv_cache(step.num_pages, GB, 4, 128, dtype=torch.bfloat16, generator=g)

@@ -18,7 +18,8 @@ from openmsa.ops.common.plan import DeviceFacts
 from openmsa.ops.indexer import api as indexer_api
 from openmsa.ops.indexer import reference as indexer_ref
 from openmsa.ops.indexer.plan import DEFAULT, SMALL_Q, IndexerShape, plan, selection_plan
-from helpers import assert_selection_near_optimal, make_step, nan_poison, random_index_inputs
+from helpers import (assert_selection_near_optimal, compact_pages, cuda_step, make_step,
+                     nan_poison, random_index_inputs)
 
 FP8 = torch.float8_e4m3fn
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -535,12 +536,6 @@ def test_selection_kernels_compile(by_sort):
 GB = 128  # the GPU tier's block size (M3's)
 
 
-def _cuda(step):
-    """A copy of the step with its tensors on the GPU (the CPU original feeds the reference)."""
-    return dataclasses.replace(step, **{name: getattr(step, name).cuda() for name in (
-        "cu_seqlens_q", "seq_lens", "block_table", "slot_mapping")})
-
-
 def _triton_tiles():
     """This GPU's facts without the Gluon kernels: the plan the Triton tile launch and
     select.py's launches serve (other GPUs, another Triton)."""
@@ -565,18 +560,6 @@ def _select_with(facts, q, c, cu, seq, table, max_q_len=None, config=DEFAULT, to
     return out
 
 
-def _compact(cache, step):
-    """The pages a step uses, copied to a small CPU cache with a renumbered table: the
-    reference then runs on CPU against a cache of any size on the GPU."""
-    used = step.block_table[step.block_table >= 0].unique()
-    remap = torch.full((cache.shape[0],), -1, dtype=torch.int32)
-    remap[used.long().cpu()] = torch.arange(len(used), dtype=torch.int32)
-    table = torch.where(step.block_table.cpu() >= 0,
-                        remap[step.block_table.cpu().clamp(min=0).long()],
-                        -1)
-    return cache[used.long()].cpu(), table
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("q_dtype, c_dtype", [(FP8, FP8), (torch.bfloat16, torch.bfloat16),
                                               (torch.bfloat16, FP8)])
@@ -588,7 +571,7 @@ def test_million_token_contexts_exact(q_dtype, c_dtype):
                                cache_dtype=c_dtype, integer=True)
     want = ref.select_blocks(q, c, step.cu_seqlens_q, step.seq_lens, step.block_table,
                              block_size=GB)
-    d = _cuda(step)
+    d = cuda_step(step)
     got = openmsa.select_blocks(q.cuda(), c.cuda(), d.cu_seqlens_q, d.seq_lens, d.block_table,
                                 block_size=GB)
     assert torch.equal(got.cpu(), want)
@@ -604,10 +587,10 @@ def test_index_cache_over_2_31_bytes():
     g = torch.Generator(device="cuda").manual_seed(0)
     cache[-200:] = torch.randint(-2, 3, (200, GB, 128), generator=g, device="cuda").bfloat16()
     q = torch.randint(-2, 3, (4, 4, 128), generator=g, device="cuda").bfloat16()
-    small, table = _compact(cache, step)
+    small, table = compact_pages(cache, step)
     want = ref.select_blocks(q.cpu(), small, step.cu_seqlens_q, step.seq_lens, table,
                              block_size=GB)
-    d = _cuda(step)
+    d = cuda_step(step)
     got = openmsa.select_blocks(q, cache, d.cu_seqlens_q, d.seq_lens, d.block_table,
                                 block_size=GB)
     assert torch.equal(got.cpu(), want)
@@ -630,7 +613,7 @@ def test_selection_of_million_token_rows(group_bound):
     _, pos = token_layout(step.cu_seqlens_q, step.seq_lens, step.num_tokens)
     want = indexer_ref.select_from_scores(scores, pos, topk=16, init_blocks=1, local_blocks=2,
                                           block_size=GB)
-    d = _cuda(step)
+    d = cuda_step(step)
     out = torch.full((step.num_tokens, 4, 16), -7, dtype=torch.int32, device="cuda")
     indexer_api.launch_select(scores.cuda(), d.cu_seqlens_q, d.seq_lens, out, topk=16,
                               init_blocks=1, local_blocks=2, block_size=GB, config=config)
@@ -644,7 +627,7 @@ def test_prefill_random_floats_threshold(c_dtype):
     q, c = random_index_inputs(step, num_heads=4, head_dim=128, block_size=GB,
                                q_dtype=torch.bfloat16 if c_dtype != FP8 else FP8,
                                cache_dtype=c_dtype)
-    d = _cuda(step)
+    d = cuda_step(step)
     got = openmsa.select_blocks(q.cuda(), c.cuda(), d.cu_seqlens_q, d.seq_lens, d.block_table,
                                 block_size=GB).cpu()
     scores = ref.block_scores(q, c, step.cu_seqlens_q, step.seq_lens, step.block_table,
@@ -692,7 +675,7 @@ def test_prefill_gluon_tile_launch_exact(dtype, heads, form):
     c[int(step.block_table[6, 7]), 120:] = float("nan")
     step.block_table[6, 3] = -1
     args = (step.cu_seqlens_q, step.seq_lens, step.block_table)
-    d = _cuda(step)
+    d = cuda_step(step)
     dargs = (d.cu_seqlens_q, d.seq_lens, d.block_table)
     want = ref.block_scores(q, c, *args, block_size=GB)
     qd, cd = q.cuda(), c.cuda()
@@ -740,7 +723,7 @@ def test_one_request_step_tile_launch_only(dtype, q_len, seq_len, pad):
     args = (step.cu_seqlens_q, step.seq_lens, step.block_table)
     want = ref.block_scores(q, c, *args, block_size=GB)
     sel = ref.select_blocks(q, c, *args, block_size=GB)
-    d = _cuda(step)
+    d = cuda_step(step)
     qd, cd = q.cuda(), c.cuda()
     dargs = (d.cu_seqlens_q, d.seq_lens, d.block_table)
     # an empty second request: the request launch and the tile launch
@@ -833,7 +816,7 @@ def test_short_rows_selection_exact(topk, init, local, heads, extra, tpr, wide):
     _, pos = token_layout(step.cu_seqlens_q, step.seq_lens, step.num_tokens)
     want = indexer_ref.select_from_scores(scores, pos, topk=topk, init_blocks=init,
                                           local_blocks=local, block_size=GB)
-    d = _cuda(step)
+    d = cuda_step(step)
     # scores as a transposed [T, H, width] view, out as a transposed [T, H, K] view
     s_dev = scores.cuda().permute(2, 0, 1).contiguous().permute(1, 2, 0)
     buf = torch.full((topk, heads, step.num_tokens), -7, dtype=torch.int32, device="cuda")
@@ -860,7 +843,7 @@ def test_short_rows_prefill_and_graph_replay(c_dtype):
     assert _short_rows_on(step.num_tokens * 4, 4, step.block_table.shape[1], 16)
     want = ref.select_blocks(q, c, step.cu_seqlens_q, step.seq_lens, step.block_table,
                              block_size=GB)
-    d = _cuda(step)
+    d = cuda_step(step)
     got = openmsa.select_blocks(q.cuda(), c.cuda(), d.cu_seqlens_q, d.seq_lens, d.block_table,
                                 block_size=GB)
     assert torch.equal(got.cpu(), want)
