@@ -60,8 +60,8 @@ def sweep(name, default, variants, cases, iters):
         def under(v, fn):
             return functools.partial(fn, dataclasses.replace(default, **v))
     else:
-        # (a section still sweeping a dict of module knobs, until it passes its op's config:
-        # the dict is restored after the sweep)
+        # (a section's own dict of knobs, which its case functions turn into the op's config at
+        # each call: sweep() fills it with each variant; nothing of the library changes)
         base = dict(default)
 
         def under(v, fn):

@@ -45,6 +45,20 @@ def token_layout(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, num_tokens:
     return request.to(torch.int32), pos.to(torch.int32)
 
 
+def request_spans(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int,
+                  block_table: torch.Tensor, block_size: int):
+    """For the references (this reads the tensors on the host): each request with tokens and
+    context, as (request, first token, end token, seq_len, its nb = ceil(seq_len / B) page ids
+    as int64) in order; requests with no token or no context are skipped."""
+    cu, sl = cu_seqlens_q.tolist(), seq_lens.tolist()
+    for r in range(len(sl)):
+        start, end = cu[r], min(cu[r + 1], num_tokens)
+        if end <= start or sl[r] <= 0:
+            continue
+        nb = -(-sl[r] // block_size)
+        yield r, start, end, sl[r], block_table[r, :nb].long()
+
+
 def num_causal_blocks(position: torch.Tensor, block_size: int) -> torch.Tensor:
     """n = p // B + 1 causal blocks for a token at position p; 0 for padding (p < 0)."""
     return torch.where(position >= 0, torch.div(position, block_size, rounding_mode="floor") + 1,

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...batch import num_causal_blocks, token_layout
+from ...batch import num_causal_blocks, request_spans, token_layout
 from .checks import check_attention_args, check_page_table_args
 
 if TYPE_CHECKING:
@@ -79,16 +79,11 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
     kv_head = torch.arange(num_kv_heads, device=device)[None, :, None]
     offs = torch.arange(block_size, device=device)
     earlier = torch.ones(topk, topk, dtype=torch.bool, device=device).tril(-1)  # [i, j]: j < i
-    cu = cu_seqlens_q.tolist()
-    sl = seq_lens.tolist()
-    for r in range(len(sl)):
-        start, end = cu[r], min(cu[r + 1], num_tokens)
-        if end <= start or sl[r] <= 0:
-            continue
+    for _, start, end, seq_len, req_pages in request_spans(cu_seqlens_q, seq_lens, num_tokens,
+                                                           block_table, block_size):
         # the request's pages in fp32 once (dequantised), so chunks gather fp32 directly; V rows
         # at or past seq_len were never written (maybe NaN) and are zeroed here, once
-        nb = -(-sl[r] // block_size)
-        req_pages = block_table[r, :nb].long()
+        nb = req_pages.shape[0]
         unfilled = req_pages < 0
         req_pages = req_pages.clamp(min=0)
         kf = k_cache[req_pages].float().contiguous()  # [nb, B, Hkv, D], a copy
@@ -97,7 +92,7 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
             kf = kf * ks
         if not isinstance(vs, float) or vs != 1.0:
             vf = vf * vs
-        vf.view(nb * block_size, num_kv_heads, head_dim)[sl[r]:] = 0
+        vf.view(nb * block_size, num_kv_heads, head_dim)[seq_len:] = 0
         # short contexts: every key of the request against a selection mask (no per-token
         # gather); long ones: gather each token's selected blocks
         dense = nb <= _DENSE_BLOCKS_PER_TOPK * topk

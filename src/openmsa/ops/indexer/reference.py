@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ...batch import num_causal_blocks, token_layout
+from ...batch import num_causal_blocks, request_spans, token_layout
 from .checks import check_indexer_args, check_select_args
 from .plan import IndexerConfig
 
@@ -40,14 +40,9 @@ def block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *,
     scores = torch.full((num_tokens, num_heads, max_blocks), float("-inf"), dtype=torch.float32,
                         device=index_q.device)
     _, position = token_layout(cu_seqlens_q, seq_lens, num_tokens)
-    cu = cu_seqlens_q.tolist()
-    sl = seq_lens.tolist()
-    for r in range(len(sl)):
-        start, end = cu[r], min(cu[r + 1], num_tokens)
-        if end <= start or sl[r] <= 0:
-            continue
-        nb = -(-sl[r] // block_size)
-        pages = block_table[r, :nb].long()
+    for _, start, end, _, pages in request_spans(cu_seqlens_q, seq_lens, num_tokens, block_table,
+                                                 block_size):
+        nb = pages.shape[0]
         # a negative page id (an unfilled table entry) reads nothing: its block scores -inf
         unfilled = (pages < 0).repeat_interleave(block_size)  # [nb*B]
         keys = index_cache[pages.clamp(min=0)].reshape(nb * block_size, -1).float()  # [nb*B, Di]
