@@ -238,3 +238,13 @@ def test_plans_are_pure():
     a, b = plan(_shape(topk=16), H200), plan(_shape(topk=16), H200)
     assert a.launches == b.launches and dict(a.sizes) == dict(b.sizes)
     assert not {x.key for x in a} & {y.key for y in b}
+
+
+@pytest.mark.parametrize("field, value, error", [
+    ("decode_waves", 0, ValueError), ("prefill_rows", 100, ValueError),
+    ("select_chunk", 96, ValueError), ("ws_stages", 1.5, TypeError), ("ws_waves", True, TypeError)])
+def test_config_values_are_checked(field, value, error):
+    with pytest.raises(error, match=f"IndexerConfig.{field}"):
+        dataclasses.replace(DEFAULT, **{field: value})
+    # 0 turns the chunked read and the short-row kernel off
+    dataclasses.replace(DEFAULT, select_chunk=0, select_short_max=0)
