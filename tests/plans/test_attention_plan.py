@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from openmsa.ops.attention.plan import (DEFAULT, FUSED_MAX_SPLITS, MIN_STEPS_PER_SPLIT,
-                                        AttentionShape, num_splits, plan)
+                                        AttentionShape, TokenForm, num_splits, plan)
 from openmsa.ops.common.plan import DeviceFacts
 
 pytestmark = pytest.mark.reference
@@ -282,3 +282,14 @@ def test_prefill_per_token_stages(fp8):
         "num_stages"] == (3 if fp8 else 2)
     assert plan(shape(8, kv_dtype=kv), H200, DEFAULT).find("token").params["num_stages"] == 3
     assert DEFAULT.prefill_fp8.stages != DEFAULT.prefill_16.stages  # else this proves nothing
+
+
+@pytest.mark.parametrize("field, value, error", [
+    ("prefill_min_tokens", 0, ValueError), ("tiles", 1, TypeError),
+    ("small_pairs", True, TypeError),
+    ("decode_fp8", None, TypeError), ("gluon_16", TokenForm(sub=64), TypeError)])
+def test_config_values_are_checked(field, value, error):
+    with pytest.raises(error, match=f"AttentionConfig.{field}"):
+        dataclasses.replace(DEFAULT, **{field: value})
+    # a Gluon form of None: the Triton tiles run instead
+    dataclasses.replace(DEFAULT, gluon_fp8=None, gluon_16=None, gluon_pair_fp8=None)

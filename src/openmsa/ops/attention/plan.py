@@ -143,6 +143,23 @@ class AttentionConfig:
                                                  producer_regs=120, consumer_regs=192,
                                                  waste=2.0)
 
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value, default = getattr(self, f.name), f.default
+            if isinstance(default, bool):
+                kind = bool
+            elif isinstance(default, int):
+                kind = int
+                if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
+                    raise ValueError(f"AttentionConfig.{f.name} must be positive, got {value}")
+            else:  # a form; a Gluon form may be None (the Triton tiles run instead)
+                kind = type(default) if default is not None else GluonForm
+                if value is None and kind is GluonForm:
+                    continue
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise TypeError(f"AttentionConfig.{f.name} must be a {kind.__name__}, got "
+                                f"{value!r}")
+
     def __hash__(self) -> int:
         # computed once: the config is part of every call's plan key, and hashing every field
         # and form again would cost each eager call several µs of host time
