@@ -55,7 +55,7 @@ def sweep(name, default, variants, cases, iters):
     `default` is the op's default config (a frozen dataclass) and each case's function takes the
     config to run with. The device times of a case's variants come from one profiled loop in
     which their calls alternate (run.interleaved_device_times_us), so a change of the GPU's
-    state (docs/performance.md, "Why interleave") hits every variant alike."""
+    state (docs/performance.md, "How it was measured", Interleaving) hits every variant alike."""
     if dataclasses.is_dataclass(default):
         def under(v, fn):
             return functools.partial(fn, dataclasses.replace(default, **v))

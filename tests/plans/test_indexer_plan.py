@@ -246,5 +246,5 @@ def test_plans_are_pure():
 def test_config_values_are_checked(field, value, error):
     with pytest.raises(error, match=f"IndexerConfig.{field}"):
         dataclasses.replace(DEFAULT, **{field: value})
-    # 0 turns the chunked read and the short-row kernel off
+    # 0 turns the chunked read off, and the short-row kernel off for rows of any block
     dataclasses.replace(DEFAULT, select_chunk=0, select_short_max=0)

@@ -314,7 +314,6 @@ class OpenMSASparseAttention(nn.Module):
         cache = cache if cache is not None else past_key_values
         b, s, hidden = hidden_states.shape
         index, chunks = state.plan(cache, hidden_states.device)
-        k_cache, v_cache, index_cache = state.caches.get(self.layer_idx, (None, None, None))
         flat = hidden_states.reshape(b * s, hidden)
         x = flat.index_select(0, index)
         out = torch.zeros_like(flat)

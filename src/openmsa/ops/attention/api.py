@@ -185,11 +185,13 @@ def _run(p: LaunchPlan, q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, bl
                        seq_lens, out, lse, blocks, union, ks, vs, sm_scale, num_requests,
                        *q.stride(), *out.stride(), *lse.stride(), *k_cache.stride()[:3],
                        *v_cache.stride()[:3])
-        else:  # "tiles"
+        elif kernel == "tiles":
             launch.run(_sparse_attention_tile_kernel, q, k_cache, v_cache, cu_seqlens_q,
                        seq_lens, out, lse, blocks, union, ks, vs, sm_scale, num_requests,
                        p.sizes["tile_items"], *q.stride(), *k_cache.stride(),
                        *v_cache.stride(), *out.stride(), *lse.stride())
+        else:
+            raise AssertionError(f"sparse_attention: no kernel {kernel!r} in this op")
     return (out, lse) if return_lse else out
 
 

@@ -62,6 +62,16 @@ INTERPRET_TILE_PROGRAMS = 3
 GLUON_WARPS = 4
 
 
+def _check_positive(form, *names) -> None:
+    """A form's sizes are positive numbers (None where a field allows it: no cap)."""
+    for name in names:
+        value = getattr(form, name)
+        if value is None and name in ("resident", "maxnreg") and isinstance(form, TokenForm):
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"{type(form).__name__}.{name} must be positive, got {value!r}")
+
+
 @dataclass(frozen=True)
 class TokenForm:
     """A form of the per-token kernel (decode.py's _sparse_attention_kernel)."""
@@ -76,6 +86,9 @@ class TokenForm:
     # most 16 rows; None: none
     maxnreg: int | None = None
 
+    def __post_init__(self):
+        _check_positive(self, "sub", "warps", "stages", "resident", "maxnreg")
+
 
 @dataclass(frozen=True)
 class TileForm:
@@ -89,6 +102,9 @@ class TileForm:
     persistent: bool  # TILE_RESIDENT programs per SM walking the items, else one per item
     waste: float  # tile_plan takes a tile when union blocks x tokens <= waste x selected blocks
 
+    def __post_init__(self):
+        _check_positive(self, "rows", "sub", "stages", "waste")
+
 
 @dataclass(frozen=True)
 class GluonForm:
@@ -101,6 +117,10 @@ class GluonForm:
     producer_regs: int  # registers of the producer partition (setmaxnreg)
     consumer_regs: int  # registers of the second consumer (pairs only; 0 otherwise)
     waste: float  # tile_plan's threshold when these tiles run (cheaper per union block)
+
+    def __post_init__(self):
+        _check_positive(self, "sub", "stages_k", "stages_v", "maxnreg", "producer_regs",
+                        "waste")
 
 
 @dataclass(frozen=True)

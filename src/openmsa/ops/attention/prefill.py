@@ -42,10 +42,6 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 NO_PAGE: tl.constexpr = tl.constexpr(2**31 - 1)
 
 
-@triton.jit
-def _bit_or(a, b):
-    return a | b
-
 
 @triton.jit
 def _segment_or(start_a, a, start_b, b):

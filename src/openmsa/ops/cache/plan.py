@@ -14,13 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ..._checks import FP8
 from ..._dispatch import next_pow2
 from ..common.plan import DeviceFacts, Launch, LaunchPlan
 
 __all__ = ["CacheConfig", "DEFAULT", "IndexWriteShape", "KVWriteShape", "PrepareShape", "plan",
            "ROPE_MAX_POSITION", "ROPE_FINE"]
 
-FP8 = torch.float8_e4m3fn
 
 # the coarse RoPE table covers positions below ROPE_MAX_POSITION (16M tokens, 4 MiB at 64 dims);
 # positions split as p = hi * ROPE_FINE + lo (prepare.py's table layout)

@@ -6,11 +6,16 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ... import rope
 from ..._checks import FP8, check_scale_arg
 from .checks import check_index_write, check_kv_write
+
+if TYPE_CHECKING:
+    from .plan import CacheConfig
 
 __all__ = ["write_index_cache", "write_kv_cache", "to_cache_dtype", "rms_norm", "apply_rope",
            "prepare_index_qk", "prepare_qkv", "split_projection", "fused_prepare"]
@@ -34,14 +39,18 @@ def _scatter_rows(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.T
     cache[torch.div(slots, block, rounding_mode="floor"), slots % block] = rows
 
 
-def write_index_cache(index_k, index_cache, slot_mapping) -> None:
-    """index_k [T, Di] -> index_cache [P, B, Di] at slot = page * B + offset; slot < 0 skipped."""
+def write_index_cache(index_k, index_cache, slot_mapping, *, config: CacheConfig | None = None
+                      ) -> None:
+    """index_k [T, Di] -> index_cache [P, B, Di] at slot = page * B + offset; slot < 0 skipped.
+    (config: the kernels' launch config, accepted for the public signature and unused.)"""
     check_index_write(index_k, index_cache, slot_mapping)
     _scatter_rows(index_cache, to_cache_dtype(index_k, index_cache.dtype), slot_mapping)
 
 
-def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None) -> None:
-    """k, v [T, Hkv, D] -> caches viewed [P, B, Hkv, D] (any strides); slot < 0 skipped.
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None,
+                   config: CacheConfig | None = None) -> None:
+    """k, v [T, Hkv, D] -> caches viewed [P, B, Hkv, D] (any strides); slot < 0 skipped
+    (config: the kernels' launch config, unused here).
 
     For fp8 caches with a per-tensor scale the stored value is x / scale, saturated.
     """
@@ -125,7 +134,7 @@ def split_projection(qkv: torch.Tensor, config) -> tuple[torch.Tensor, ...]:
 def fused_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_norm_weight,
                   index_k_norm_weight, k_cache, v_cache, slot_mapping, index_cache,
                   index_slot_mapping, *, k_scale=None, v_scale=None, q_out=None,
-                  index_q_out=None):
+                  index_q_out=None, cache_config: CacheConfig | None = None):
     """One layer's preparation (see README.md beside this): split the fused projection, Gemma
     RMSNorm per head (own weights for q, k, index_q, index_k), partial NeoX RoPE at `positions`,
     k and v into the main cache through `slot_mapping`, index_k (cast to the index cache dtype)

@@ -5,8 +5,8 @@ launch is made. The merger puts its counter back to 0, so the buffer holds zeros
 launches and graph replays.
 
 One buffer per (device, stream, role): launches on one stream never overlap, and a second stream
-(or a graph's forked stream) gets its own buffer; the role (the op: "attention", the one user
-today) keeps two ops apart even where one op's programs start under another's (programmatic
+(or a graph's forked stream) gets its own buffer; the role (the op using them) keeps two ops
+apart even where one op's programs start under another's (programmatic
 dependent launches).
 No buffer is ever freed: a captured graph keeps using the address it saw, so a buffer outgrown
 by a larger step is retired but kept. A buffer first made while a graph is being captured lives

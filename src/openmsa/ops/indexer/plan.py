@@ -100,16 +100,16 @@ class IndexerConfig:
     # selection: rows of at least this many blocks on the threshold path take the group-bound
     # path (prefill after a long context)
     select_group_min_blocks: int = 2048
-    # selection on Hopper: rows of at most this many blocks (0: none) take select_rows.py's
-    # kernel (prefill chunks with up to ~120K of context, large decode steps at short context),
-    # a row in at least select_short_tpr threads (16 blocks per thread, up to a warp, on wider
-    # rows)
+    # selection on Hopper: rows of at most this many blocks take select_rows.py's kernel
+    # (prefill chunks with up to ~120K of context, large decode steps at short context; 0: only
+    # a block table of width 0), a row in at least select_short_tpr threads (16 blocks per
+    # thread, up to a warp, on wider rows)
     select_short_max: int = 1024
     select_short_tpr: int = 4
 
     def __post_init__(self):
         # tile sizes are tl.arange extents (powers of two); counts are positive; 0 turns the
-        # chunked read and the short-row kernel off
+        # chunked read off, and the short-row kernel off for every row of a block
         for name, value in vars(self).items():
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"IndexerConfig.{name} must be an int, got {value!r}")
