@@ -242,9 +242,11 @@ def test_plans_are_pure():
 
 @pytest.mark.parametrize("field, value, error", [
     ("decode_waves", 0, ValueError), ("prefill_rows", 100, ValueError),
-    ("select_chunk", 96, ValueError), ("ws_stages", 1.5, TypeError), ("ws_waves", True, TypeError)])
+    ("select_chunk", 96, ValueError), ("ws_stages", 1.5, TypeError), ("ws_waves", True, TypeError),
+    ("ws_stages", 0, ValueError), ("select_sort_waves", -1, ValueError)])
 def test_config_values_are_checked(field, value, error):
     with pytest.raises(error, match=f"IndexerConfig.{field}"):
         dataclasses.replace(DEFAULT, **{field: value})
-    # 0 turns the chunked read off, and the short-row kernel off for rows of any block
-    dataclasses.replace(DEFAULT, select_chunk=0, select_short_max=0)
+    # 0 where it means something: unchunked, never sort, always chunk, one split
+    dataclasses.replace(DEFAULT, select_chunk=0, select_short_max=0, select_sort_waves=0,
+                        select_chunk_min_waves=0, select_group_min_blocks=0, ws_waves=0)

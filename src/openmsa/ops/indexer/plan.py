@@ -108,22 +108,23 @@ class IndexerConfig:
     select_short_tpr: int = 4
 
     def __post_init__(self):
-        # tile sizes are tl.arange extents (powers of two); counts are positive; 0 turns the
-        # chunked read off, and the short-row kernel off for every row of a block
+        # tile sizes are tl.arange extents (powers of two; select_chunk 0: unchunked); the
+        # waves and block thresholds may be 0 (0 waves: one split, never sort, always chunk)
         for name, value in vars(self).items():
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"IndexerConfig.{name} must be an int, got {value!r}")
-            off = name in ("select_chunk", "select_short_max") and value == 0
-            pow2 = name in _POW2_FIELDS
-            if not off and (value <= 0 or (pow2 and value & (value - 1))):
-                raise ValueError(f"IndexerConfig.{name} must be a positive "
-                                 f"{'power of two' if pow2 else 'int'}"
-                                 f"{' or 0' if name in ('select_chunk', 'select_short_max') else ''}"
-                                 f", got {value}")
+            if name in _POW2_FIELDS:
+                if (value <= 0 or value & (value - 1)) and not (name == "select_chunk" and
+                                                                value == 0):
+                    raise ValueError(f"IndexerConfig.{name} must be a power of two, got {value}")
+            elif value < (1 if name in _POSITIVE_FIELDS else 0):
+                raise ValueError(f"IndexerConfig.{name} must be at least "
+                                 f"{1 if name in _POSITIVE_FIELDS else 0}, got {value}")
 
 
 _POW2_FIELDS = ("decode_max_bps", "prefill_rows", "prefill_bps", "select_segment", "select_chunk",
                 "select_short_tpr")
+_POSITIVE_FIELDS = ("decode_waves", "ws_stages", "ws_stages_16")
 DEFAULT = IndexerConfig()
 
 
