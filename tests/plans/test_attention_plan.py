@@ -293,3 +293,11 @@ def test_config_values_are_checked(field, value, error):
         dataclasses.replace(DEFAULT, **{field: value})
     # a Gluon form of None: the Triton tiles run instead
     dataclasses.replace(DEFAULT, gluon_fp8=None, gluon_16=None, gluon_pair_fp8=None)
+
+
+def test_form_sizes_are_checked():
+    with pytest.raises(ValueError, match="TokenForm.sub"):
+        TokenForm(sub=0)
+    with pytest.raises(ValueError, match="TileForm.waste"):
+        dataclasses.replace(DEFAULT.tile_16, waste=-1.0)
+    dataclasses.replace(DEFAULT.tile_16, waste=0.0)  # 0: no tile is taken

@@ -63,13 +63,16 @@ GLUON_WARPS = 4
 
 
 def _check_positive(form, *names) -> None:
-    """A form's sizes are positive numbers (None where a field allows it: no cap)."""
+    """A form's sizes are positive numbers (None where a field allows it: no cap); its waste
+    threshold is at least 0 (0: no tile is ever taken)."""
     for name in names:
         value = getattr(form, name)
         if value is None and name in ("resident", "maxnreg") and isinstance(form, TokenForm):
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ValueError(f"{type(form).__name__}.{name} must be positive, got {value!r}")
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or not (value >= 0 if name == "waste" else value > 0):
+            raise ValueError(f"{type(form).__name__}.{name} must be "
+                             f"{'at least 0' if name == 'waste' else 'positive'}, got {value!r}")
 
 
 @dataclass(frozen=True)
