@@ -186,11 +186,12 @@ def _scoring(shape: IndexerShape, device: DeviceFacts, config: IndexerConfig) ->
     hp = next_pow2(num_heads)
     ieee = shape.q_dtype == torch.float32
     # the GPU's max skips NaN by itself; the interpreter's does not (see scores.py). PDL: the
-    # selection launch after this one starts early (programmatic dependent launch, CUDA only)
+    # selection launch after this one starts early (programmatic dependent launch, NVIDIA only;
+    # on ROCm neither is assumed)
     common = dict(H=num_heads, HP=hp, DI=shape.head_dim, DIP=max(16, next_pow2(shape.head_dim)),
                   BLOCK=shape.block_size,
                   CAST_K=shape.q_dtype in HALF and shape.cache_dtype == FP8, IEEE=ieee,
-                  MAX_SKIPS_NAN=device.cuda, PDL=device.cuda)
+                  MAX_SKIPS_NAN=device.nvidia, PDL=device.nvidia)
     # skipped by the hint alone, the tile launch's requests go to the request launch, which then
     # takes any q_len (ANY_Q); with T <= SMALL_Q no request can be longer, and the bound stays
     any_q = only_requests and num_tokens > SMALL_Q
@@ -301,7 +302,7 @@ def _selection(shape: IndexerShape, device: DeviceFacts,
     # programmatic dependent launch only for the few programs of the sort path: it hides a
     # launch latency there (small decode steps), while a many-program selection launched early
     # cost a prefill chunk more than it hid (docs/performance.md)
-    pdl = device.cuda and by_sort
+    pdl = device.nvidia and by_sort
     # the threshold path on long segments first packs the keys that can be picked into a
     # scratch row of cap slots (select.py)
     cap = 0 if by_sort or seg < 4 * next_pow2(max(SCRATCH_SLOTS, 4 * kp)) \
