@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from openmsa.ops.cache.plan import IndexWriteShape, KVWriteShape, PrepareShape, plan as cplan
-from helpers.rocm import DEVICES, plans
+from helpers.rocm import DEVICES, FP8_OF, plans
 
 pytestmark = [pytest.mark.reference,
               pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1",
@@ -153,7 +153,7 @@ def test_planned_launches_compile_for_rocm(arch, label, op, p):
 @pytest.mark.parametrize("fp8", [False, True])
 def test_cache_launches_compile_for_rocm(arch, fp8):
     kv = FP8_TYPE[arch] if fp8 else "*bf16"
-    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    dtype = FP8_OF[DEVICES[arch]] if fp8 else torch.bfloat16
     shapes = [IndexWriteShape(8, 128, 128, dtype), KVWriteShape(8, 4, 128, 128, dtype, fp8),
               PrepareShape(8, 64, 4, 4, 128, 128, 64, 128, 128, dtype, dtype, dtype, fp8)]
     for shape in shapes:

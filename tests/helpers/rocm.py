@@ -20,8 +20,10 @@ MI300X_GLUON = DeviceFacts(kind="cuda", num_sms=304, capability=(9, 0), gluon_ho
 DEVICES = {"gfx942": MI300X, "gfx950": MI355X}
 
 FP8 = torch.float8_e4m3fn
+FNUZ = torch.float8_e4m3fnuz
 BF16 = torch.bfloat16
-DTYPES = {"bf16": BF16, "fp8": FP8}
+# each target's fp8: e4m3fnuz on gfx942, OCP e4m3 on gfx950 (support.py's ROCM_FP8)
+FP8_OF = {MI300X: FNUZ, MI355X: FP8, MI300X_GLUON: FNUZ}
 
 # (name, tokens, requests, blocks per request): decode at small and large batch, verify (4
 # tokens per request), a prefill chunk (one request) and a mixed step of several requests
@@ -47,12 +49,14 @@ def indexer_shape(tokens, requests, blocks, heads=4, dtype=FP8, cache_dtype=None
 
 
 def plans(device):
-    """(label, op, plan) for every STEPS x HEADS x DTYPES case of both ops on `device`."""
+    """(label, op, plan) for every STEPS x HEADS x dtype case of both ops on `device`: bf16, and
+    the device's fp8 (the H200's: OCP e4m3)."""
     from openmsa.ops.attention.plan import DEFAULT as ADEFAULT, plan as aplan
     from openmsa.ops.indexer.plan import plan as iplan
+    fp8 = FP8_OF.get(device, FP8)
     out = []
     for name, tokens, requests, blocks in STEPS:
-        for dname, dtype in DTYPES.items():
+        for dname, dtype in (("bf16", BF16), ("fp8", fp8)):
             for heads, kv_heads in HEADS:
                 label = f"{name}-{dname}-{heads}x{kv_heads}"
                 out.append((label, "attention",
@@ -62,5 +66,5 @@ def plans(device):
                             iplan(indexer_shape(tokens, requests, blocks, kv_heads, dtype),
                                   device)))
             out.append((f"{name}-{dname}q-fp8cache", "indexer",
-                        iplan(indexer_shape(tokens, requests, blocks, 4, BF16, FP8), device)))
+                        iplan(indexer_shape(tokens, requests, blocks, 4, BF16, fp8), device)))
     return out

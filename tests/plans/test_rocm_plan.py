@@ -44,6 +44,18 @@ def test_the_same_steps_take_cuda_only_forms_on_hopper():
     assert flags == {"PDL", "PTX", "launch_pdl", "WAIT_PRIOR"}
 
 
+def test_fnuz_fp8_v_is_read_a_column_at_a_time():
+    """The per-token kernel's fp8 byte-pair conversion is OCP e4m3's: gfx942's fnuz V takes
+    the plain loads (V_PAIRS off), gfx950's OCP V the pairs; both compute in fp16."""
+    import torch
+    from openmsa.ops.attention.plan import DEFAULT, plan
+    from helpers.rocm import MI355X, attention_shape
+    for device, dtype, pairs in ((MI300X, torch.float8_e4m3fnuz, False),
+                                 (MI355X, torch.float8_e4m3fn, True)):
+        token = plan(attention_shape(8, kv_dtype=dtype), device, DEFAULT).find("token")
+        assert token.params["V_PAIRS"] == pairs and token.params["F16_COMPUTE"]
+
+
 def test_rocm_keeps_the_gpu_grids():
     """ROCm plans size grids by the device's CUs like any GPU (not the interpreter's 4)."""
     _, _, p = next(c for c in plans(MI300X) if c[0].startswith("decode-b1-bf16") and

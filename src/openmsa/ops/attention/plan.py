@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..._checks import FP8, HALF
+from ..._checks import FP8, FP8_TYPES, HALF
 from ..._dispatch import next_pow2
 from ..common.plan import DeviceFacts, Launch, LaunchPlan
 
@@ -258,7 +258,7 @@ def plan(shape: AttentionShape, device: DeviceFacts, config: AttentionConfig) ->
     `union_width` (slots of a tile's union row)."""
     s, c = shape, config
     t, hkv, group = s.num_tokens, s.num_kv_heads, s.group
-    fp8 = s.kv_dtype == FP8
+    fp8 = s.kv_dtype in FP8_TYPES
     prefill = t >= c.prefill_min_tokens
     small = t * hkv <= c.small_pairs
     decode = c.decode_fp8 if fp8 else c.decode_16
@@ -279,7 +279,8 @@ def plan(shape: AttentionShape, device: DeviceFacts, config: AttentionConfig) ->
 
     ieee = s.q_dtype == torch.float32
     f16_compute = fp8 and not ieee  # fp8 K/V run the matrix unit in fp16 (decode.py)
-    v_pairs = f16_compute and s.v_pairs_view
+    # (the byte-pair conversion is OCP e4m3's: fnuz V is read a column at a time)
+    v_pairs = f16_compute and s.v_pairs_view and s.kv_dtype == FP8
     key_bytes = 2 * s.head_dim * s.kv_dtype.itemsize
     # a tile step takes no splits: a token the tiles did is skipped by every split program, so
     # nothing would merge its partials

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..._checks import FP8, HALF
+from ..._checks import FP8, FP8_TYPES, HALF
 from ..._dispatch import next_pow2
 from ..common.plan import DeviceFacts, Launch, LaunchPlan
 
@@ -190,7 +190,7 @@ def _scoring(shape: IndexerShape, device: DeviceFacts, config: IndexerConfig) ->
     # on ROCm neither is assumed)
     common = dict(H=num_heads, HP=hp, DI=shape.head_dim, DIP=max(16, next_pow2(shape.head_dim)),
                   BLOCK=shape.block_size,
-                  CAST_K=shape.q_dtype in HALF and shape.cache_dtype == FP8, IEEE=ieee,
+                  CAST_K=shape.q_dtype in HALF and shape.cache_dtype in FP8_TYPES, IEEE=ieee,
                   MAX_SKIPS_NAN=device.nvidia, PDL=device.nvidia)
     # skipped by the hint alone, the tile launch's requests go to the request launch, which then
     # takes any q_len (ANY_Q); with T <= SMALL_Q no request can be longer, and the bound stays
@@ -214,7 +214,7 @@ def _scoring(shape: IndexerShape, device: DeviceFacts, config: IndexerConfig) ->
                                     table_width=shape.max_blocks)))
     if only_requests:
         return launches
-    fp8 = shape.cache_dtype == FP8
+    fp8 = shape.cache_dtype in FP8_TYPES
     rows_t = max(1, config.prefill_rows // hp)
     tile_small_q = 0 if one_request else SMALL_Q
     tile = dict(BPS=config.prefill_bps, TILE_MODE=True, ROWS_T=rows_t, **common,
