@@ -246,5 +246,8 @@ def test_plans_are_pure():
 def test_config_values_are_checked(field, value, error):
     with pytest.raises(error, match=f"IndexerConfig.{field}"):
         dataclasses.replace(DEFAULT, **{field: value})
-    # 0 turns the chunked read and the short-row kernel off
-    dataclasses.replace(DEFAULT, select_chunk=0, select_short_max=0)
+    # 0 turns the chunked read, the short-row kernel and the sort path off
+    config = dataclasses.replace(DEFAULT, select_chunk=0, select_short_max=0, select_sort_waves=0)
+    assert not selection_layout(1, 64, 16, 132, config)[1]
+    with pytest.raises(ValueError, match="select_sort_waves"):
+        dataclasses.replace(DEFAULT, select_sort_waves=-1)

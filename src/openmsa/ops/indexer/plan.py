@@ -108,20 +108,26 @@ class IndexerConfig:
     select_short_tpr: int = 4
 
     def __post_init__(self):
-        # tile sizes are tl.arange extents (powers of two); counts are positive; 0 turns the
-        # chunked read and the short-row kernel off
+        # tile sizes are tl.arange extents (powers of two); counts are positive, or 0 where
+        # _OFF_FIELDS says
         for name, value in vars(self).items():
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"IndexerConfig.{name} must be an int, got {value!r}")
-            off = name in ("select_chunk", "select_short_max") and value == 0
+            off = name in _OFF_FIELDS and value == 0
             pow2 = name in _POW2_FIELDS
             if not off and (value <= 0 or (pow2 and value & (value - 1))):
                 raise ValueError(f"IndexerConfig.{name} must be a positive "
                                  f"{'power of two' if pow2 else 'int'}"
-                                 f"{' or 0' if name in ('select_chunk', 'select_short_max') else ''}"
+                                 f"{' or 0' if name in _OFF_FIELDS else ''}"
                                  f", got {value}")
 
 
+# fields that take 0, as the kernel tests use them: select_chunk and select_short_max 0 turn
+# the chunked read and the short-row kernel off; select_sort_waves 0: never the sort path;
+# select_chunk_min_waves 0: the chunked read at any launch size; select_group_min_blocks 0: the
+# group-bound path for rows of any length; ws_waves 0: one split per Gluon tile
+_OFF_FIELDS = ("select_chunk", "select_short_max", "select_sort_waves", "select_chunk_min_waves",
+               "select_group_min_blocks", "ws_waves")
 _POW2_FIELDS = ("decode_max_bps", "prefill_rows", "prefill_bps", "select_segment", "select_chunk",
                 "select_short_tpr")
 DEFAULT = IndexerConfig()
