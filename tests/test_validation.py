@@ -194,3 +194,20 @@ def test_unsupported_reason():
                                           query_dtype=torch.bfloat16, kv_dtype=torch.bfloat16,
                                           topk=512)
     assert "up to 64 blocks" in reason
+
+
+def test_unsupported_reason_fnuz_and_rocm():
+    """fp8 e4m3fnuz (AMD gfx942's) is a supported cache and query type; on ROCm the device's
+    sentence names the arch's fp8 and the archs the kernels are built for."""
+    from openmsa.support import _rocm_reason
+    fnuz = torch.float8_e4m3fnuz
+    assert openmsa.unsupported_reason(index_dtype=fnuz, kv_dtype=fnuz) is None
+    assert openmsa.unsupported_reason(index_dtype=fnuz, index_query_dtype=torch.bfloat16) is None
+    assert openmsa.unsupported_reason(index_dtype=fnuz, index_query_dtype=FP8) is not None
+    assert _rocm_reason("gfx942", fnuz) is None and _rocm_reason("gfx950", FP8) is None
+    assert _rocm_reason("gfx942", None) is None
+    assert _rocm_reason("gfx942", FP8) == \
+        "gfx942's fp8 is float8_e4m3fnuz, got float8_e4m3fn inputs"
+    assert _rocm_reason("gfx950", fnuz) == \
+        "gfx950's fp8 is float8_e4m3fn, got float8_e4m3fnuz inputs"
+    assert "gfx942 and gfx950 only, this GPU is gfx90a" in _rocm_reason("gfx90a", None)

@@ -10,6 +10,14 @@ from typing import Iterable
 import torch
 
 FP8 = torch.float8_e4m3fn
+# AMD gfx942's (MI300X/MI325X) fp8: e4m3 without negative zero or infinities, NaN 0x80, max 240
+FP8_FNUZ = torch.float8_e4m3fnuz
+FP8_TYPES = (FP8, FP8_FNUZ)
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """The largest finite value of an fp8 e4m3 type: 448 (OCP), 240 (fnuz)."""
+    return 240.0 if dtype == FP8_FNUZ else 448.0
 HALF = (torch.bfloat16, torch.float16)
 INT_TYPES = (torch.int32,)
 
@@ -83,10 +91,10 @@ def check_index_dtypes(index_q: torch.Tensor, index_cache: torch.Tensor) -> None
     """docs/spec.md, Caches and layouts: both fp8; a 16-bit query against the same 16-bit or an
     fp8 cache; fp32 with fp32 (the reference's own precision, for tests)."""
     q, c = index_q.dtype, index_cache.dtype
-    ok = (q == c and q in (*HALF, FP8, torch.float32)) or (q in HALF and c == FP8)
+    ok = (q == c and q in (*HALF, *FP8_TYPES, torch.float32)) or (q in HALF and c in FP8_TYPES)
     if not ok:
         raise TypeError(f"index_q ({str(q).replace('torch.', '')}) and index_cache "
-                        f"({str(c).replace('torch.', '')}) must be both fp8 e4m3, both the same "
+                        f"({str(c).replace('torch.', '')}) must be both fp8 e4m3 (fn or fnuz), both the same "
                         f"16-bit type, a 16-bit query against an fp8 cache, or both float32")
 
 

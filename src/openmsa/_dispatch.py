@@ -13,6 +13,38 @@ import torch
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _interpreter_knows_fnuz() -> None:
+    """Triton 3.6's interpreter stores every fp8 type as bytes and converts them bit by bit, but
+    its dtype-to-IR table leaves out fp8e4b8 (torch.float8_e4m3fnuz, AMD gfx942's fp8), so a
+    kernel given an fnuz pointer fails at its first pointer arithmetic. This adds that one entry
+    to the table the interpreter patches in for each launch (nothing else changes; a no-op on a
+    Triton that has it)."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch = getattr(interpreter, "_patch_lang_core", None)
+    if patch is None or getattr(patch, "openmsa_fnuz", False):
+        return
+
+    def patch_with_fnuz(lang, scope):
+        patch(lang, scope)
+        to_ir = lang.dtype.to_ir
+
+        def fnuz_to_ir(self, builder):
+            if self.name == "fp8e4b8":
+                return builder.get_fp8e4b8_ty()
+            return to_ir(self, builder)
+        scope.set_attr(lang.dtype, "to_ir", fnuz_to_ir)
+
+    patch_with_fnuz.openmsa_fnuz = True
+    interpreter._patch_lang_core = patch_with_fnuz
+
+
+if INTERPRET:
+    _interpreter_knows_fnuz()
+
+
 def use_kernels(t) -> bool:
     """Non-tensors go to the reference, whose validation names them."""
     if not isinstance(t, torch.Tensor):

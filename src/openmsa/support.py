@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import FP8, HALF
+from ._checks import FP8, FP8_FNUZ, FP8_TYPES, HALF
 from ._dispatch import INTERPRET, capability
 from .config import MSAConfig
 
@@ -24,15 +24,40 @@ INDEX_DIM_RANGE = (16, 256)
 HEAD_DIMS = (64, 128, 256)
 
 
-def _device_reason(device, needs_fp8: bool) -> str | None:
+# the AMD GPUs the Triton kernels are built for (tests/test_compile_rocm.py), and each one's fp8
+ROCM_FP8 = {"gfx942": FP8_FNUZ, "gfx950": FP8}
+
+
+def _rocm_arch(device: torch.device) -> str:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(index).gcnArchName.split(":")[0]
+
+
+def _rocm_reason(arch: str, fp8: torch.dtype | None) -> str | None:
+    """Why the kernels cannot run on the AMD GPU `arch` with fp8 type `fp8` (None: no fp8)."""
+    if arch not in ROCM_FP8:
+        return f"openmsa's Triton kernels are built for AMD gfx942 and gfx950 only, this GPU " \
+               f"is {arch}"
+    if fp8 is not None and fp8 != ROCM_FP8[arch]:
+        want = str(ROCM_FP8[arch]).replace("torch.", "")
+        return f"{arch}'s fp8 is {want}, got {str(fp8).replace('torch.', '')} inputs"
+    return None
+
+
+def _device_reason(device, needs_fp8: bool | torch.dtype) -> str | None:
     if device is None:
         return None
     device = torch.device(device)
+    fp8 = needs_fp8 if isinstance(needs_fp8, torch.dtype) else FP8 if needs_fp8 else None
     if device.type == "cpu":
         return None
     if device.type != "cuda":
-        return f"openmsa's kernels run on CUDA GPUs (or the CPU through Triton's interpreter), " \
-               f"not on {device.type}"
+        return f"openmsa's kernels run on CUDA or ROCm GPUs (or the CPU through Triton's " \
+               f"interpreter), not on {device.type}"
+    if torch.version.hip is not None:
+        return _rocm_reason(_rocm_arch(device), fp8)
+    if fp8 == FP8_FNUZ:
+        return "NVIDIA GPUs have no e4m3fnuz fp8 (AMD gfx942's): use torch.float8_e4m3fn"
     major, minor = capability(device)
     if (major, minor) < (8, 0):
         return f"openmsa's kernels need compute capability 8.0 or newer, this GPU has " \
@@ -57,12 +82,12 @@ def indexer_unsupported_reason(*, num_index_heads: int, index_head_dim: int, blo
                f"{num_index_heads}"
     if topk is not None and topk > MAX_TOPK:
         return f"the selection kernel takes topk up to {MAX_TOPK}, got {topk}"
-    ok = (query_dtype == cache_dtype and query_dtype in (*HALF, FP8, torch.float32)) or \
-        (query_dtype in HALF and cache_dtype == FP8)
+    ok = (query_dtype == cache_dtype and query_dtype in (*HALF, *FP8_TYPES, torch.float32)) or \
+        (query_dtype in HALF and cache_dtype in FP8_TYPES)
     if not ok:
         return f"the indexer kernels take a {query_dtype} query only against a cache of the same " \
                f"type or fp8, got a {cache_dtype} cache"
-    return _device_reason(device, FP8 in (query_dtype, cache_dtype))
+    return _device_reason(device, cache_dtype if cache_dtype in FP8_TYPES else False)
 
 
 def attention_unsupported_reason(*, head_dim: int, block_size: int, group_size: int,
@@ -82,15 +107,15 @@ def attention_unsupported_reason(*, head_dim: int, block_size: int, group_size: 
         return f"the attention kernels take at most 128 query heads per KV head, got {group_size}"
     if query_dtype not in (*HALF, torch.float32):
         return f"the attention kernels take bf16/fp16 queries, got {query_dtype}"
-    if kv_dtype not in (*HALF, FP8, torch.float32):
-        return f"the attention kernels take bf16/fp16/fp8 e4m3 K/V, got {kv_dtype}"
+    if kv_dtype not in (*HALF, *FP8_TYPES, torch.float32):
+        return f"the attention kernels take bf16/fp16/fp8 e4m3 (fn or fnuz) K/V, got {kv_dtype}"
     if INTERPRET and device is not None and torch.device(device).type == "cpu" \
             and torch.bfloat16 in (query_dtype, kv_dtype):
         # measured: Triton 3.6's interpreter returns garbage (~1e9) from the attention kernel's
         # bf16 dots; fp16 and fp32 are exact
         return "Triton's interpreter computes the attention kernel wrongly in bf16: use fp16 " \
                "or fp32 CPU tensors under TRITON_INTERPRET=1 (bf16 runs on the GPU)"
-    return _device_reason(device, kv_dtype == FP8)
+    return _device_reason(device, kv_dtype if kv_dtype in FP8_TYPES else False)
 
 
 def unsupported_reason(config: MSAConfig | None = None, *, index_dtype: torch.dtype = FP8,

@@ -29,6 +29,10 @@ from helpers import (assert_close, compact_pages, cuda_step, make_step, nan_pois
                      random_index_inputs, random_kv_cache, to_device)
 
 FP8 = torch.float8_e4m3fn
+FNUZ = torch.float8_e4m3fnuz
+# AMD gfx942's fp8 (e4m3fnuz): on the interpreter and ROCm only (NVIDIA GPUs have no fnuz)
+ON_FNUZ = pytest.mark.skipif(torch.cuda.is_available() and torch.version.hip is None,
+                             reason="e4m3fnuz is AMD gfx942's fp8; NVIDIA GPUs have none")
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # the Triton tiles instead of the Gluon ones (the fallback's form, on Hopper too)
 TRITON_TILES = dataclasses.replace(DEFAULT, gluon_16=None, gluon_fp8=None, gluon_pair_fp8=None)
@@ -338,8 +342,9 @@ def _sub_config(sub):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("kv_dtype, layout", [("q", "flash"), ("q", "vllm"), (FP8, "vllm"),
-                                              (FP8, "odd")])
+@pytest.mark.parametrize("kv_dtype, layout", [
+    ("q", "flash"), ("q", "vllm"), (FP8, "vllm"), (FP8, "odd"),
+    pytest.param(FNUZ, "vllm", marks=ON_FNUZ, id="fnuz-vllm")])
 @pytest.mark.parametrize("block, sub", [(B, B), (32, 16)])
 def test_sparse_attention_matches_reference(kernel_device, kv_dtype, layout, block, sub):
     """Whole blocks per loop step, and two 16-key steps per 32-token block (a block's causal cut

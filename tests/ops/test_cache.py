@@ -365,3 +365,50 @@ def test_launch_config_type_is_checked():
                                                           torch.bfloat16)
     with pytest.raises(TypeError, match="cache_config"):
         openmsa.fused_prepare(qkv, pos, CFG, *w, kc, vc, s, ic, islots, cache_config=CFG)
+
+
+# ------------------------------------------------- fp8 e4m3fnuz (AMD gfx942): reference and kernels
+FNUZ = torch.float8_e4m3fnuz
+
+
+@pytest.mark.reference
+def test_fnuz_cache_cast_saturates_at_240_keeps_nan_and_has_one_zero():
+    x = torch.tensor([[1000.0, -1000.0, 240.0, -241.0, float("nan"), -0.0, 0.0, 1.5]])
+    cache = torch.zeros(1, 2, 8, dtype=FNUZ)
+    ref.write_index_cache(x, cache, torch.tensor([1]))
+    got = cache[0, 1]
+    assert got.float()[:4].tolist() == [240.0, -240.0, 240.0, -240.0]
+    assert math.isnan(float(got[4].float())) and got[7].float() == 1.5
+    # fnuz has no -0.0: its bits (0x80) are the NaN
+    assert got.view(torch.uint8)[4:7].tolist() == [0x80, 0, 0]
+    kc, vc = torch.zeros(1, 2, 1, 4, dtype=FNUZ), torch.zeros(1, 2, 1, 4, dtype=FNUZ)
+    k = torch.full((1, 1, 4), 3.0)
+    ref.write_kv_cache(k, k, kc, vc, torch.tensor([1]), k_scale=0.5, v_scale=0.001)
+    assert (kc[0, 1].float() == 6).all() and (vc[0, 1].float() == 240).all()
+
+
+@pytest.mark.interpret
+@pytest.mark.skipif(torch.cuda.is_available() and torch.version.hip is None,
+                    reason="e4m3fnuz is AMD gfx942's fp8; NVIDIA GPUs have none")
+def test_fnuz_cache_writes_match_reference(kernel_device):
+    """The write kernels' saturating cast into an fnuz cache: +-240, NaN as 0x80, -0.0 as 0, the
+    same bytes as the reference. The values are fnuz numbers (times 2 for the KV write's k_scale
+    0.5), so no rounding decides: the interpreter rounds fp8 by its own approximation."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(6, 32, generator=g) * 100).to(FNUZ).float()
+    x[0, :6] = torch.tensor([1000.0, -1000.0, float("nan"), -0.0, 0.0, 240.0])
+    slots = torch.tensor([3, -1, 0, 7, 12, 5])
+    want = torch.zeros(2, 8, 32, dtype=FNUZ)
+    ref.write_index_cache(x, want, slots)
+    got = torch.zeros(2, 8, 32, dtype=FNUZ, device=kernel_device)
+    openmsa.write_index_cache(x.to(kernel_device), got, slots.to(kernel_device))
+    assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+    k, v = x.view(6, 2, 16), -x.view(6, 2, 16)
+    want_k, want_v = torch.zeros(2, 8, 2, 16, dtype=FNUZ), torch.zeros(2, 8, 2, 16, dtype=FNUZ)
+    ref.write_kv_cache(k, v, want_k, want_v, slots, k_scale=0.5)
+    got_k = torch.zeros(2, 8, 2, 16, dtype=FNUZ, device=kernel_device)
+    got_v = torch.zeros_like(got_k)
+    openmsa.write_kv_cache(k.to(kernel_device), v.to(kernel_device), got_k, got_v,
+                           slots.to(kernel_device), k_scale=0.5)
+    assert torch.equal(got_k.cpu().view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(got_v.cpu().view(torch.uint8), want_v.view(torch.uint8))

@@ -29,8 +29,14 @@ B = 16
 # first block, seq_len 0, and 2 padding tokens after cu_seqlens_q[R]
 Q_LENS = [1, 3, 0, 20, 1, 0]
 SEQ_LENS = [70, 45, 9, 100, 5, 0]
+FNUZ = torch.float8_e4m3fnuz
+# AMD gfx942's fp8 (e4m3fnuz): on the interpreter and ROCm only (NVIDIA GPUs have no fnuz)
+ON_FNUZ = pytest.mark.skipif(torch.cuda.is_available() and torch.version.hip is None,
+                             reason="e4m3fnuz is AMD gfx942's fp8; NVIDIA GPUs have none")
 INDEX_DTYPES = [(torch.float16, torch.float16), (torch.float16, FP8), (FP8, FP8),
-                (torch.float32, torch.float32)]
+                (torch.float32, torch.float32),
+                pytest.param(torch.float16, FNUZ, marks=ON_FNUZ, id="float16-fnuz"),
+                pytest.param(FNUZ, FNUZ, marks=ON_FNUZ, id="fnuz-fnuz")]
 
 
 def _config(**knobs):

@@ -250,3 +250,5 @@ def test_config_values_are_checked(field, value, error):
     # 0 where it means something: unchunked, never sort, always chunk, one split
     dataclasses.replace(DEFAULT, select_chunk=0, select_short_max=0, select_sort_waves=0,
                         select_chunk_min_waves=0, select_group_min_blocks=0, ws_waves=0)
+    config = dataclasses.replace(DEFAULT, select_sort_waves=0)
+    assert not selection_layout(1, 64, 16, 132, config)[1]  # 0 waves: never the sort path

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from ..._checks import (FP8, HALF, check_block_size, check_int_tensor, check_out,
+from ..._checks import (FP8_TYPES, HALF, check_block_size, check_int_tensor, check_out,
                         check_scale_arg, check_step, check_tensor)
 
-KV_DTYPES = (*HALF, FP8, torch.float32)
+KV_DTYPES = (*HALF, *FP8_TYPES, torch.float32)
 
 
 def check_attention_args(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, *,

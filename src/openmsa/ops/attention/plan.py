@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..._checks import FP8, HALF
+from ..._checks import FP8, FP8_TYPES, HALF
 from ..._dispatch import next_pow2
 from ..common.plan import DeviceFacts, Launch, LaunchPlan
 
@@ -281,7 +281,7 @@ def plan(shape: AttentionShape, device: DeviceFacts, config: AttentionConfig) ->
     `union_width` (slots of a tile's union row)."""
     s, c = shape, config
     t, hkv, group = s.num_tokens, s.num_kv_heads, s.group
-    fp8 = s.kv_dtype == FP8
+    fp8 = s.kv_dtype in FP8_TYPES
     prefill = t >= c.prefill_min_tokens
     small = t * hkv <= c.small_pairs
     decode = c.decode_fp8 if fp8 else c.decode_16
@@ -302,7 +302,8 @@ def plan(shape: AttentionShape, device: DeviceFacts, config: AttentionConfig) ->
 
     ieee = s.q_dtype == torch.float32
     f16_compute = fp8 and not ieee  # fp8 K/V run the matrix unit in fp16 (decode.py)
-    v_pairs = f16_compute and s.v_pairs_view
+    # (the byte-pair conversion is OCP e4m3's: fnuz V is read a column at a time)
+    v_pairs = f16_compute and s.v_pairs_view and s.kv_dtype == FP8
     key_bytes = 2 * s.head_dim * s.kv_dtype.itemsize
     # a tile step takes no splits: a token the tiles did is skipped by every split program, so
     # nothing would merge its partials
@@ -317,7 +318,7 @@ def plan(shape: AttentionShape, device: DeviceFacts, config: AttentionConfig) ->
     steps_per_split = -(-steps // splits)
     splits = -(-steps // steps_per_split)
     fused = splits <= FUSED_MAX_SPLITS
-    pdl = device.cuda and splits > 1 and not fused  # the merge launch starts early
+    pdl = device.nvidia and splits > 1 and not fused  # the merge launch starts early
     stages = form.stages
     if (not prefill and not fp8 and device.cuda
             and t * hkv * splits > decode.resident * device.num_sms):
@@ -357,14 +358,14 @@ def plan(shape: AttentionShape, device: DeviceFacts, config: AttentionConfig) ->
         NUM_INDEX_HEADS=s.num_index_heads, G=group, M=max(16, next_pow2(group)), D=s.head_dim,
         BLOCK=s.block_size, TOPK=s.topk, KP=kp, SUB=sub, STEPS=steps_per_split, SPLITS=splits,
         IEEE=ieee, F16_COMPUTE=f16_compute, FUSED_MERGE=fused,
-        TILE_QT=tile_qt if tiles else 0, V_PAIRS=v_pairs, PTX=device.cuda,
+        TILE_QT=tile_qt if tiles else 0, V_PAIRS=v_pairs, PTX=device.nvidia,
         SP=next_pow2(splits), PDL=pdl, STORE_LSE=store_lse, LAZY_SUM=f16_compute,
         num_warps=form.warps, num_stages=stages)
-    if device.cuda and not tiles:
+    if device.nvidia and not tiles:
         # the call's first launch: a programmatic dependent of the kernel before it on the
         # stream, so its launch latency hides behind that kernel's last programs
         token.update(WAIT_PRIOR=True, launch_pdl=True)
-    if (form.maxnreg is not None and prefill and v_pairs and device.cuda and gp <= 16
+    if (form.maxnreg is not None and prefill and v_pairs and device.nvidia and gp <= 16
             and sub == 128 and form.warps == 4):
         # the elementwise row sum's [16, SUB] tile took the 128-key, 4-warp program from 168 to
         # 178 registers (3 -> 2 programs per SM); under the cap ptxas fits it without spills.

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import torch
 
-from ..._checks import FP8, HALF, check_tensor, check_unit_stride
+from ..._checks import FP8_TYPES, HALF, check_tensor, check_unit_stride
 
-CACHE_DTYPES = (*HALF, FP8, torch.float32)
+CACHE_DTYPES = (*HALF, *FP8_TYPES, torch.float32)
 SOURCE_DTYPES = (*HALF, torch.float32)
 SLOT_DTYPES = (torch.int32, torch.int64)
 
 
 def check_index_write(index_k, index_cache, slot_mapping) -> None:
-    check_tensor("index_k", index_k, ndim=2, dtypes=SOURCE_DTYPES + (FP8,))
+    check_tensor("index_k", index_k, ndim=2, dtypes=SOURCE_DTYPES + FP8_TYPES)
     device = index_k.device
     check_tensor("index_cache", index_cache, ndim=3, dtypes=CACHE_DTYPES, device=device)
     check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=SLOT_DTYPES, device=device)

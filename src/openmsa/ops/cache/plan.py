@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..._checks import FP8
+from ..._checks import FP8_TYPES
 from ..._dispatch import next_pow2
 from ..common.plan import DeviceFacts, Launch, LaunchPlan
 
@@ -114,12 +114,12 @@ def plan(shape, device: DeviceFacts, config: CacheConfig = DEFAULT) -> LaunchPla
     if isinstance(shape, IndexWriteShape):
         return LaunchPlan([Launch("write_index_cache", (shape.num_tokens,), dict(
             BLOCK=shape.block_size, DI=shape.dim, DIP=next_pow2(shape.dim),
-            SATURATE=shape.cache_dtype == FP8))])
+            SATURATE=shape.cache_dtype in FP8_TYPES))])
     if isinstance(shape, KVWriteShape):
         return LaunchPlan([Launch("write_kv_cache", (shape.num_tokens,), dict(
             BLOCK=shape.block_size, HKV=shape.num_kv_heads, HKVP=next_pow2(shape.num_kv_heads),
             D=shape.head_dim, DP=next_pow2(shape.head_dim),
-            SATURATE=shape.cache_dtype == FP8, HAS_SCALE=shape.has_scale))])
+            SATURATE=shape.cache_dtype in FP8_TYPES, HAS_SCALE=shape.has_scale))])
     ht, tiles = _prepare_tiles(shape, config)
     d, di = shape.head_dim, shape.index_head_dim
     return LaunchPlan([Launch("fused_prepare", (shape.num_tokens, tiles), dict(
@@ -128,5 +128,6 @@ def plan(shape, device: DeviceFacts, config: CacheConfig = DEFAULT) -> LaunchPla
         ROT=shape.rotary_dim, NCOARSE=ROPE_MAX_POSITION // ROPE_FINE,
         FP32_ANGLES=shape.fp32_angles, ROPE_SCALE=float(shape.rope_scale),
         BLOCK=shape.block_size, IBLOCK=shape.index_block_size, HT=ht,
-        KV_SATURATE=shape.kv_cache_dtype == FP8, INDEX_SATURATE=shape.index_cache_dtype == FP8,
-        IQ_SATURATE=shape.index_q_dtype == FP8, num_warps=config.prepare_warps))])
+        KV_SATURATE=shape.kv_cache_dtype in FP8_TYPES,
+        INDEX_SATURATE=shape.index_cache_dtype in FP8_TYPES,
+        IQ_SATURATE=shape.index_q_dtype in FP8_TYPES, num_warps=config.prepare_warps))])

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ... import rope
-from ..._checks import FP8, check_scale_arg
+from ..._checks import FP8_TYPES, check_scale_arg, fp8_max
 from .checks import check_index_write, check_kv_write
 
 if TYPE_CHECKING:
@@ -24,9 +24,11 @@ FP8_MAX = 448.0
 
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Cast for a cache: fp8 e4m3 saturates at +-448 (no scale); NaN stays NaN."""
-    if dtype == FP8:
-        return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    """Cast for a cache: fp8 e4m3 saturates at +-448 (no scale), e4m3fnuz (AMD gfx942) at
+    +-240 (-0.0 becomes 0, its one zero); NaN stays NaN."""
+    if dtype in FP8_TYPES:
+        bound = fp8_max(dtype)
+        return x.float().clamp(-bound, bound).to(dtype)
     return x.to(dtype)
 
 

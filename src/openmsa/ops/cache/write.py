@@ -8,11 +8,20 @@ import triton.language as tl
 
 @triton.jit
 def saturate_to(x, dtype: tl.constexpr, SATURATE: tl.constexpr):
-    """Cast for a cache; fp8 saturates at +-448 through compares, so NaN stays NaN (min/max
-    instructions would turn it into a number)."""
+    """Cast for a cache; fp8 saturates at +-448 (e4m3fnuz, AMD gfx942's: +-240) through
+    compares, so NaN stays NaN (min/max instructions would turn it into a number)."""
     if SATURATE:
         x = x.to(tl.float32)
-        x = tl.where(x > 448.0, 448.0, tl.where(x < -448.0, -448.0, x))
+        if dtype == tl.float8e4b8:
+            x = tl.where(x > 240.0, 240.0, tl.where(x < -240.0, -240.0, x))
+            # fnuz's one NaN is 0x80 (the bits of OCP's -0.0) and its one zero 0x00: both set
+            # by hand, so that -0.0 never becomes NaN (Triton's interpreter converts bit by
+            # bit, and its NaN would come out a number)
+            bits = x.to(dtype).to(tl.uint8, bitcast=True)
+            bits = tl.where(x != x, 0x80, tl.where(x == 0.0, 0, bits)).to(tl.uint8)
+            return bits.to(dtype, bitcast=True)
+        else:
+            x = tl.where(x > 448.0, 448.0, tl.where(x < -448.0, -448.0, x))
     return x.to(dtype)
 
 

@@ -25,22 +25,31 @@ from .launch import launch_planned, plan_serials
 @dataclass(frozen=True)
 class DeviceFacts:
     """What a plan may know about the device: its kind, SM count and capability, whether the
-    Hopper Gluon kernels can run (Triton version, sm_90) and whether launches may be programmatic
-    dependents (CUDA only). CPU tensors (the interpreter) get 4 "SMs" so that grids stay small."""
+    Hopper Gluon kernels can run (Triton version, sm_90) and whether the GPU is AMD's (ROCm:
+    torch calls it "cuda" too, with torch.version.hip set). CPU tensors (the interpreter) get 4
+    "SMs" so that grids stay small. The defaults are an H200."""
 
     kind: str = "cuda"
     num_sms: int = 132
     capability: tuple[int, int] = (9, 0)
     gluon_hopper: bool = True
+    hip: bool = False
 
     @property
     def cuda(self) -> bool:
+        """A GPU (NVIDIA's or, through ROCm, AMD's), not the interpreter."""
         return self.kind == "cuda"
+
+    @property
+    def nvidia(self) -> bool:
+        """An NVIDIA GPU: inline PTX, programmatic dependent launch (griddepcontrol) and the
+        GPU max skipping NaN (PTX max.f32) may be used. False on ROCm."""
+        return self.cuda and not self.hip
 
     @property
     def hopper(self) -> bool:
         """sm_90 with the Gluon this project's Hopper kernels are tested on."""
-        return self.cuda and self.capability == (9, 0) and self.gluon_hopper
+        return self.nvidia and self.capability == (9, 0) and self.gluon_hopper
 
     @staticmethod
     def of(device: torch.device) -> "DeviceFacts":
@@ -53,8 +62,9 @@ def _facts(kind: str, index: int | None) -> DeviceFacts:
         return DeviceFacts(kind=kind, num_sms=4, capability=(0, 0), gluon_hopper=False)
     from ..._dispatch import capability, gluon_hopper_available, num_sms
     device = torch.device(kind, index if index is not None else torch.cuda.current_device())
+    hip = torch.version.hip is not None
     return DeviceFacts(kind=kind, num_sms=num_sms(device), capability=capability(device),
-                       gluon_hopper=gluon_hopper_available())
+                       gluon_hopper=not hip and gluon_hopper_available(), hip=hip)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..._checks import FP8, HALF
+from ..._checks import FP8, FP8_TYPES, HALF
 from ..._dispatch import next_pow2
 from ..common.plan import DeviceFacts, Launch, LaunchPlan
 
@@ -187,11 +187,12 @@ def _scoring(shape: IndexerShape, device: DeviceFacts, config: IndexerConfig) ->
     hp = next_pow2(num_heads)
     ieee = shape.q_dtype == torch.float32
     # the GPU's max skips NaN by itself; the interpreter's does not (see scores.py). PDL: the
-    # selection launch after this one starts early (programmatic dependent launch, CUDA only)
+    # selection launch after this one starts early (programmatic dependent launch, NVIDIA only;
+    # on ROCm neither is assumed)
     common = dict(H=num_heads, HP=hp, DI=shape.head_dim, DIP=max(16, next_pow2(shape.head_dim)),
                   BLOCK=shape.block_size,
-                  CAST_K=shape.q_dtype in HALF and shape.cache_dtype == FP8, IEEE=ieee,
-                  MAX_SKIPS_NAN=device.cuda, PDL=device.cuda)
+                  CAST_K=shape.q_dtype in HALF and shape.cache_dtype in FP8_TYPES, IEEE=ieee,
+                  MAX_SKIPS_NAN=device.nvidia, PDL=device.nvidia)
     # skipped by the hint alone, the tile launch's requests go to the request launch, which then
     # takes any q_len (ANY_Q); with T <= SMALL_Q no request can be longer, and the bound stays
     any_q = only_requests and num_tokens > SMALL_Q
@@ -214,7 +215,7 @@ def _scoring(shape: IndexerShape, device: DeviceFacts, config: IndexerConfig) ->
                                     table_width=shape.max_blocks)))
     if only_requests:
         return launches
-    fp8 = shape.cache_dtype == FP8
+    fp8 = shape.cache_dtype in FP8_TYPES
     rows_t = max(1, config.prefill_rows // hp)
     tile_small_q = 0 if one_request else SMALL_Q
     tile = dict(BPS=config.prefill_bps, TILE_MODE=True, ROWS_T=rows_t, **common,
@@ -302,7 +303,7 @@ def _selection(shape: IndexerShape, device: DeviceFacts,
     # programmatic dependent launch only for the few programs of the sort path: it hides a
     # launch latency there (small decode steps), while a many-program selection launched early
     # cost a prefill chunk more than it hid (docs/performance.md)
-    pdl = device.cuda and by_sort
+    pdl = device.nvidia and by_sort
     # the threshold path on long segments first packs the keys that can be picked into a
     # scratch row of cap slots (select.py)
     cap = 0 if by_sort or seg < 4 * next_pow2(max(SCRATCH_SLOTS, 4 * kp)) \
