@@ -12,7 +12,7 @@ from ..._dispatch import on_tensor_device, scale_args, use_kernels
 from ...support import attention_unsupported_reason
 from ..common.counters import arrival_counters
 from ..common.launch import PlanCache, call_key, launch, scale_key, tma_descriptor
-from ..common.plan import DeviceFacts, LaunchPlan
+from ..common.plan import DeviceFacts, LaunchPlan, config_or_default
 from . import reference
 from .checks import check_attention_args, check_page_table_args
 from .plan import DEFAULT, AttentionConfig, AttentionShape, plan
@@ -58,12 +58,8 @@ def step_shape(q, k_cache, v_cache, indices, *, block_size=128, return_lse=False
         has_scale=has_scale)
 
 
-def _check_config(config) -> AttentionConfig:
-    if config is None:
-        return DEFAULT
-    if not isinstance(config, AttentionConfig):
-        raise TypeError(f"config must be an AttentionConfig or None, got {type(config).__name__}")
-    return config
+def _check_config(config, name: str = "config"):
+    return config_or_default(config, DEFAULT, name)
 
 
 @on_tensor_device

@@ -14,7 +14,7 @@ from ... import rope
 from ..._checks import check_scale_arg
 from ..._dispatch import on_tensor_device, scale_args, use_kernels
 from ..common.launch import PlanCache, call_key, scale_key
-from ..common.plan import DeviceFacts
+from ..common.plan import DeviceFacts, config_or_default
 from . import reference
 from .checks import check_index_write, check_kv_write, check_prepare
 from .plan import (DEFAULT, ROPE_FINE, ROPE_MAX_POSITION, CacheConfig, IndexWriteShape,
@@ -27,13 +27,8 @@ __all__ = ["write_index_cache", "write_kv_cache", "fused_prepare", "rope_table",
 _PLANS = PlanCache()
 
 
-def _check_config(config, name: str = "config") -> CacheConfig:
-    if config is None:
-        return DEFAULT
-    if not isinstance(config, CacheConfig):
-        raise TypeError(f"{name} must be an openmsa.ops.cache.plan.CacheConfig or None, got "
-                        f"{type(config).__name__}")
-    return config
+def _check_config(config, name: str = "config"):
+    return config_or_default(config, DEFAULT, name)
 
 
 @functools.lru_cache(maxsize=None)

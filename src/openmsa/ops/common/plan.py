@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["DeviceFacts", "Launch", "LaunchPlan"]
+__all__ = ["DeviceFacts", "Launch", "LaunchPlan", "config_or_default"]
 
 from .launch import launch_planned, plan_serials
 
@@ -112,3 +112,14 @@ class LaunchPlan:
     def find(self, kernel: str) -> Launch | None:
         """The first launch of `kernel`, or None."""
         return next((launch for launch in self.launches if launch.kernel == kernel), None)
+
+
+def config_or_default(config, default, name: str = "config"):
+    """An op's `config=` argument: None means the op's default; anything but an instance of
+    the default's class is a TypeError naming the argument."""
+    if config is None:
+        return default
+    if not isinstance(config, type(default)):
+        raise TypeError(f"{name} must be an openmsa.{type(default).__name__} or None, got "
+                        f"{type(config).__name__}")
+    return config

@@ -10,7 +10,7 @@ import torch
 from ..._dispatch import on_tensor_device, use_kernels
 from ...support import indexer_unsupported_reason
 from ..common.launch import PlanCache, call_key, tma_descriptor
-from ..common.plan import DeviceFacts, LaunchPlan
+from ..common.plan import DeviceFacts, LaunchPlan, config_or_default
 from . import reference
 from .checks import check_indexer_args, check_select_args
 from .plan import DEFAULT, IndexerConfig, IndexerShape, plan, selection_plan
@@ -21,12 +21,8 @@ from .select import (_group_bound_select_kernel, _group_max_kernel, _merge_topk_
 __all__ = ["block_scores", "select_blocks"]
 
 
-def _check_config(config) -> IndexerConfig:
-    if config is None:
-        return DEFAULT
-    if not isinstance(config, IndexerConfig):
-        raise TypeError(f"config must be an IndexerConfig or None, got {type(config).__name__}")
-    return config
+def _check_config(config, name: str = "config"):
+    return config_or_default(config, DEFAULT, name)
 
 
 def _raise_if_unsupported(index_q, index_cache, block_size, topk) -> None:
