@@ -140,6 +140,17 @@ def test_prefill_tile_launch_is_the_gluon_kernel_on_hopper(heads, want_grid, wan
     assert triton_tile.params["TILE_MODE"] and ws.key != triton_tile.key
 
 
+@pytest.mark.parametrize("heads, want_grid, want_bps", [
+    (1, (32, 8), 8),    # TP4, 8K chunk, no context: 64 blocks in sectors of 8, not 2 chunks of 32
+    (4, (128, 4), 16),  # TP1 the same: 4 splits of 16 blocks
+])
+def test_short_prefill_splits_take_sectors(heads, want_grid, want_bps):
+    """A split shorter than a chunk of CH blocks takes whole 8-block sectors, so a chunk with
+    little context fills the GPU instead of leaving one program of 32 blocks per tile."""
+    ws = plan(_shape(heads=heads, blocks=64), H200).find("scores_tile_ws")
+    assert ws.grid == want_grid and ws.params["bps"] == want_bps
+
+
 @pytest.mark.parametrize("tokens, requests, max_q_len, want", [
     (8192, 1, None, ["tile"]),               # a one-request chunk: no request launch
     (8192, 2, None, ["request", "tile"]),

@@ -53,6 +53,8 @@ DECODE_STAGES = 3
 # tile is twice the bytes, and 2 stages on 4 warps fit 2 programs per SM (docs/performance.md)
 PREFILL_WARPS = 4
 PREFILL_STAGES = 2
+# fp32 scores of 8 blocks: one 32-byte sector of a score row (the Gluon tile launch's least split)
+SECTOR_BLOCKS = 8
 PREFILL_STAGES_FP8 = 3
 # the sort path's warps (few programs, each one's latency is the step's)
 SORT_WARPS = 4
@@ -229,8 +231,12 @@ def _scoring(shape: IndexerShape, device: DeviceFacts, config: IndexerConfig) ->
     rows_t = CONSUMERS.value * WG_ROWS.value // num_heads
     tiles = -(-num_tokens // rows_t)
     # splits for ws_waves programs per SM (one program fits on an SM), whole chunks of CH
+    # blocks; a split shorter than a chunk (short contexts, where few tiles would leave SMs
+    # idle behind the causal triangle's longest rows) takes whole 32-byte sectors of scores
     splits = max(1, round(config.ws_waves * device.num_sms / tiles))
-    bps = -(-max(1, -(-shape.max_blocks // splits)) // CH.value) * CH.value
+    per_split = max(1, -(-shape.max_blocks // splits))
+    grain = CH.value if per_split >= CH.value else SECTOR_BLOCKS
+    bps = -(-per_split // grain) * grain
     # a programmatic dependent of the request launch, waiting for it only at its end; alone,
     # it is no dependent, but still lets the selection after it start early
     launches.append(Launch("scores_tile_ws", (tiles, -(-shape.max_blocks // bps)),
