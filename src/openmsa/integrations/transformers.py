@@ -81,6 +81,18 @@ def _positive_int(name: str, value, *, optional: bool = False) -> None:
 class _Row:
     length: int = 0                       # content tokens written
     pages: list[int] = field(default_factory=list)
+    # the same pages as an int32 host tensor (capacity doubling), so that a step's block table
+    # is a slice of it: no list copy or tensor build of O(context) per decode step
+    table: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int32))
+
+    def add_pages(self, pages: list[int]) -> None:
+        n, m = len(self.pages), len(self.pages) + len(pages)
+        if m > self.table.numel():
+            grown = torch.empty(max(m, 2 * self.table.numel(), 16), dtype=torch.int32)
+            grown[:n] = self.table[:n]
+            self.table = grown
+        self.table[n:m] = torch.tensor(pages, dtype=torch.int32)
+        self.pages.extend(pages)
 
 
 @dataclass
@@ -156,6 +168,7 @@ class _OpenMSAState:
         for row in session.rows:
             self.free.extend(reversed(row.pages))
             row.pages = []
+            row.table = torch.empty(0, dtype=torch.int32)
 
     def _drop_session(self, key: int) -> None:
         entry = self.sessions.pop(key, None)
@@ -267,16 +280,17 @@ class _OpenMSAState:
                 r.length += take
                 need = -(-r.length // bs) - len(r.pages)
                 if need > 0:
-                    r.pages.extend(self._take_pages(need))
+                    r.add_pages(self._take_pages(need))
                 q_lens.append(take)
                 seq_lens.append(r.length)
-                tables.append(list(r.pages))
+                # (later pages of the row land past this slice: it stays this chunk's table)
+                tables.append(r.table[:len(r.pages)])
                 used += take
                 pos += take
             width = max(len(t) for t in tables)
             table = torch.full((len(tables), width), -1, dtype=torch.int32)
             for i, t in enumerate(tables):
-                table[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+                table[i, :len(t)] = t
             chunks.append((q_lens, seq_lens, table, start, end))
             start = end
         session.columns += s
