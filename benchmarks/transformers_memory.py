@@ -17,7 +17,8 @@ out of memory; longer prompts are then skipped for it.
 
 Writes JSON (after every measurement, so a run cut short keeps what it measured):
 {"meta": {...versions, device, arguments...}, "results": [{"path", "tokens", "status" ("ok",
-"oom", "skipped", "error"), "prefill_s", "prefill_tokens_per_s", "decode_ms_per_token",
+"oom", "skipped", "error"), "prefill_s", "prefill_tokens_per_s", "decode_ms_per_token" (the steps
+after the first), "decode_first_ms" (the first decode step, which may compile kernels),
 "peak_prefill_gib", "peak_decode_gib", "held_after_prefill_gib", "error"}, ...]}.
 Memory is CUDA's allocator (max_memory_allocated, relative to the model's weights: openmsa's
 paged caches, allocated up front for the prompt, are counted); None on CPU.
@@ -181,9 +182,21 @@ def run_once(model, args, tokens: int, decode_steps: int) -> dict:
     nxt = out.logits[:, -1].argmax(-1, keepdim=True)
     del out
     _reset_peak(dev)
+    # the first decode step apart: a decode step at a new context length can take index-branch
+    # kernels the warm-up never ran (their constexprs follow the block table's width), so it may
+    # compile them (seconds, once per process); the steps after it are the per-token time
+    first = None
+    if decode_steps:
+        _sync(dev)
+        t0 = time.perf_counter()
+        out = model(input_ids=nxt, use_cache=True, **{key: cache})
+        cache = _cache_of(out)
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        _sync(dev)
+        first = time.perf_counter() - t0
     _sync(dev)
     t0 = time.perf_counter()
-    for _ in range(decode_steps):
+    for _ in range(decode_steps - 1):
         out = model(input_ids=nxt, use_cache=True, **{key: cache})
         cache = _cache_of(out)
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
@@ -194,8 +207,9 @@ def run_once(model, args, tokens: int, decode_steps: int) -> dict:
     rel = (lambda x: None if x is None or base is None else x - base)
     return {"prefill_s": round(prefill, 4),
             "prefill_tokens_per_s": round(tokens / prefill, 1),
-            "decode_ms_per_token": round(1e3 * decode / max(decode_steps, 1), 3)
-            if decode_steps else None,
+            "decode_ms_per_token": round(1e3 * decode / (decode_steps - 1), 3)
+            if decode_steps > 1 else None,
+            "decode_first_ms": None if first is None else round(1e3 * first, 3),
             "peak_prefill_gib": _gib(rel(peak_prefill)),
             "peak_decode_gib": _gib(rel(peak_decode)),
             "held_after_prefill_gib": _gib(rel(held))}
