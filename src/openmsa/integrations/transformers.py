@@ -250,8 +250,13 @@ class _OpenMSAState:
                 planner = MSAPlanner(self.config, max_requests=len(q_lens),
                                      max_tokens=end - start, max_blocks=table.shape[1],
                                      device=device)
-                chunks.append((planner.plan(q_lens, seq_lens, table.to(device)), start, end))
-            plan = step.plans[device] = (step.index.to(device), chunks)
+                # the host table: the planner uploads it pinned and non-blocking (a pageable
+                # .to(device) here waited for the GPU, once per step)
+                chunks.append((planner.plan(q_lens, seq_lens, table), start, end))
+            index = step.index
+            if device.type == "cuda":
+                index = index.pin_memory().to(device, non_blocking=True)
+            plan = step.plans[device] = (index.to(device), chunks)
         return plan
 
     def _plan_host(self, step: _Step, cache) -> None:
