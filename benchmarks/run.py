@@ -512,6 +512,8 @@ def indexer_decode(args, fi):
                     torch.cuda.empty_cache()
 
 
+# the largest dense K + V (bf16) the indexer section allocates for its dense-attention time
+DENSE_BYTES = 70e9
 # bytes of one index-cache token (Di = 128) per cache dtype: NVFP4 is 64 code bytes and 8
 # scale bytes (openmsa.nvfp4)
 TOKEN_BYTES = {"bf16": 256, "fp8": 128, "nvfp4": 72}
@@ -560,6 +562,12 @@ def _indexer_decode_case(fi, model_name, heads, dname, context, batch, q_len, ar
                **timed, **check)
     if nvfp4:
         row["query"] = "fp8"
+    if dname == "fp8" and q_len == 1:
+        # what the selection saves: dense bf16 attention over the whole context, once per
+        # (model, L, B) (benchmarks/plot.py draws it beside the indexers)
+        model = shapes.MODELS[model_name]
+        if batch * context * model.num_kv_heads * model.head_dim * 4 < DENSE_BYTES:
+            row["dense_us"] = try_peer(lambda: _dense_decode_us(model, batch, context, 1, args))
     record(**row)
 
 
