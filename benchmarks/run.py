@@ -6,6 +6,7 @@ measured ceilings, in one run.
     python benchmarks/run.py [--sections ceilings,indexer-decode,indexer-prefill,
                               attention-decode,attention-prefill,layer-decode,layer-prefill]
                              [--quick] [--out DIR] [--no-peers | --no-vllm] [--dry-run]
+                             [--models m3-tp1,...] [--budget-s S]
 
 Times are medians. "device" is the kernels' own time per call (profiler, L2 flushed before each
 call; ours and the peers' calls alternate in one profiled loop). "call" is what an engine pays
@@ -272,6 +273,19 @@ def load_vllm():
 
 
 VLLM = None  # main() loads it unless --no-peers (or --no-vllm)
+DEADLINE = None  # time.monotonic() after which no new case starts (--budget-s)
+MODELS = None  # --models: the model names the sections run (None: every one their grids name)
+
+
+def check_budget():
+    """Raises when --budget-s is spent: the case is recorded as not run, the run goes on to
+    save what it has (a device call is cut at 600 s, and JSON written by then comes back)."""
+    if DEADLINE is not None and time.monotonic() > DEADLINE:
+        raise TimeoutError("the run's --budget-s was spent before this case")
+
+
+def _keep(model_name) -> bool:
+    return MODELS is None or model_name in MODELS
 # an output differing from ours by more than this (max |diff|, bf16 outputs of unit-scale
 # random inputs) marks a peer as disagreeing; its row still gets its times, flagged
 ATOL = 0.05
@@ -495,7 +509,7 @@ def indexer_decode(args, fi):
     if args.quick:
         batches, contexts = (1, 128), (128 * 1024, 1024 * 1024)
     dtypes = tuple(grid["dtypes"]) + tuple(grid.get("openmsa_only_dtypes", ()))
-    for model_name in ("m3-tp1", "m3-tp4"):
+    for model_name in filter(_keep, ("m3-tp1", "m3-tp4")):
         heads = shapes.MODELS[model_name].num_index_heads
         for dname in dtypes:
             for context in contexts:
@@ -520,6 +534,7 @@ TOKEN_BYTES = {"bf16": 256, "fp8": 128, "nvfp4": 72}
 
 
 def _indexer_decode_case(fi, model_name, heads, dname, context, batch, q_len, args):
+    check_budget()
     nvfp4 = dname == "nvfp4"
     q, cache, cu, seq, table = _index_step(batch, context, q_len, heads,
                                            "nvfp4" if nvfp4 else DTYPES[dname])
@@ -579,7 +594,7 @@ def indexer_prefill(args, fi):
         grids.append(shapes.INDEXER_PREFILL_SHORT)
     for grid in grids:
         chunk = grid["chunk"]
-        for model_name in grid.get("models", ("m3-tp1",)):
+        for model_name in filter(_keep, grid.get("models", ("m3-tp1",))):
             heads = shapes.MODELS[model_name].num_index_heads
             for dname in grid["dtypes"]:
                 for context in grid["contexts"]:
@@ -592,6 +607,7 @@ def indexer_prefill(args, fi):
 
 
 def _indexer_prefill_case(fi, model_name, heads, dname, context, chunk, args):
+    check_budget()
     q, cache, cu, seq, table = _index_step(1, context + chunk, chunk, heads, DTYPES[dname])
     out = torch.empty(chunk, heads, 16, dtype=torch.int32, device="cuda")
     ours = lambda: openmsa.select_blocks(q, cache, cu, seq, table, out=out,  # noqa: E731
@@ -669,7 +685,7 @@ def _attention_step(model, batch, context, q_len, dname, seed=0, shared=1, jitte
 
 def _models(grid):
     """(name, config) of the models a section's grid names."""
-    return [(name, shapes.MODELS[name]) for name in grid["models"]]
+    return [(name, shapes.MODELS[name]) for name in grid["models"] if _keep(name)]
 
 
 def attention_decode(args, fi):
@@ -689,6 +705,7 @@ def attention_decode(args, fi):
 
 
 def _attention_decode_case(fi, model_name, model, dname, batch, context, q_len, args):
+    check_budget()
     q, packed, idx, cu, seq, table = _attention_step(model, batch, context, q_len, dname)
     d = model.head_dim
     k = packed[..., :d].permute(0, 2, 1, 3)
@@ -780,6 +797,11 @@ def attention_prefill(args, fi):
         for dname in grid["dtypes"]:
             for context, (label, shared, jitter) in itertools.product(grid["contexts"],
                                                                        PREFILL_SELECTIONS):
+                if DEADLINE is not None and time.monotonic() > DEADLINE:
+                    record(section="attention-prefill", model=model_name, dtype=dname,
+                           context=context, T=chunk, selections=label,
+                           note="not run: the run's --budget-s was spent before this case")
+                    continue
                 q, packed, idx, cu, seq, table = _attention_step(model, 1, context + chunk, chunk,
                                                                  dname, shared=shared,
                                                                  jitter=jitter)
@@ -1021,6 +1043,7 @@ def _median_device_us(fn, iters):
 
 
 def _layer_row(section, model_name, model, dname, batch, context, q_len, args, dense_cache):
+    check_budget()
     case = _layer_case(model, batch, context, q_len, dname)
     sparse, dense = _layer_fns(model, *case, batch, context, q_len)
     iters = max(5, args.iters // 2)
@@ -1131,6 +1154,12 @@ def main():
     parser.add_argument("--quick", action="store_true", help="a subset of the decode grid")
     parser.add_argument("--no-peers", action="store_true", help="openmsa alone")
     parser.add_argument("--no-vllm", action="store_true", help="FlashInfer as the only peer")
+    parser.add_argument("--models", default=None,
+                        help="comma-separated model names (shapes.MODELS) the sections run; "
+                             "default: every one their grids name")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no new case after this many seconds (those left are "
+                             "recorded as not run); keeps a device call under its limit")
     parser.add_argument("--dry-run", action="store_true",
                         help="no GPU needed: check the arguments and which peers import, list "
                              "the sections' grids, time nothing")
@@ -1141,8 +1170,15 @@ def main():
     unknown = [n for n in args.sections.split(",") if n not in SECTIONS]
     if unknown:
         parser.error(f"unknown sections {unknown}; known: {','.join(SECTIONS)}")
+    if args.models:
+        bad = [m for m in args.models.split(",") if m not in shapes.MODELS]
+        if bad:
+            parser.error(f"unknown models {bad}; known: {','.join(shapes.MODELS)}")
+        globals()["MODELS"] = tuple(args.models.split(","))
     if args.dry_run:
         return dry_run(args)
+    if args.budget_s is not None:
+        globals()["DEADLINE"] = time.monotonic() + args.budget_s
     globals()["FLUSH_MODE"] = args.flush
     globals()["OUT_DIR"] = args.out
     if args.out is not None:
