@@ -1,14 +1,26 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The one benchmark driver: openmsa against FlashInfer 0.7.4's msa_ops and dense attention, with
-the H200's measured ceilings, in one run.
+"""The one benchmark driver: openmsa against two peers, FlashInfer 0.7.4's msa_ops and vLLM
+0.34's own MiniMax-M3 Hopper kernels (.peers-vllm), and dense attention, with the H200's
+measured ceilings, in one run.
 
     python benchmarks/run.py [--sections ceilings,indexer-decode,indexer-prefill,
                               attention-decode,attention-prefill,layer-decode,layer-prefill]
-                             [--quick] [--out DIR]
+                             [--quick] [--out DIR] [--no-peers | --no-vllm] [--dry-run]
+                             [--models m3-tp1,...] [--budget-s S]
 
 Times are medians. "device" is the kernels' own time per call (profiler, L2 flushed before each
-call); "call" is what an engine pays per call: CUDA-graph replay for openmsa, an eager call for
-FlashInfer. Each section checks correctness before timing.
+call; ours and the peers' calls alternate in one profiled loop). "call" is what an engine pays
+per call: `call_us` is openmsa's call as a CUDA-graph replay; for each peer, `<peer>_graph_us`
+is its call as a graph replay too (captured after one warm-up call, replayed with the same
+buffers; FlashInfer's and vLLM's calls capture) and `<peer>_call_us` its eager call (host
+launch included), for engines that do not capture. A peer's inputs are laid out in its own
+layout once, outside the timed calls. Each section checks correctness before timing: the
+peers' selections are compared with ours as sets of blocks per row (`<peer>_rows_differ`, and
+`<peer>_rows_beyond_ties`: rows not explained by near-tied scores), their outputs by max |diff|
+(`max_diff_vs_<peer>`); a peer that disagrees is still timed, with `<peer>_agrees` false. A
+case that cannot run records its row with `note` "not run: <reason>" instead of stopping the
+run. bench.json (in --out) is rewritten after every row; benchmarks/plot.py and
+benchmarks/perf_doc.py read it.
 """
 
 from __future__ import annotations
@@ -241,6 +253,161 @@ def try_peer(fn):
         return None
 
 
+def load_vllm():
+    """vLLM 0.34's own MiniMax-M3 kernels for Hopper (the indexer, the split-K sparse decode and
+    the query-tiled sparse prefill), from .peers-vllm (the shared tool prepare-vllm-peer.sh
+    writes it; on the GPU machine carry it and put it first on PYTHONPATH). None when absent."""
+    try:
+        from vllm.models.minimax_m3.common.ops import index_topk, sparse_attn
+        from vllm.models.minimax_m3.nvidia.ops import sparse_prefill
+    except Exception as e:  # noqa: BLE001
+        print(f"# vLLM kernels not available: {type(e).__name__}: {e}")
+        return None
+    import types
+    return types.SimpleNamespace(
+        index_decode=index_topk.minimax_m3_index_decode,
+        index_score=index_topk.minimax_m3_index_score,
+        index_topk=index_topk.minimax_m3_index_topk,
+        attn_decode=sparse_attn.minimax_m3_sparse_attn_decode,
+        attn_prefill=sparse_prefill.minimax_m3_sparse_attn)
+
+
+VLLM = None  # main() loads it unless --no-peers (or --no-vllm)
+DEADLINE = None  # time.monotonic() after which no new case starts (--budget-s)
+MODELS = None  # --models: the model names the sections run (None: every one their grids name)
+
+
+def check_budget():
+    """Raises when --budget-s is spent: the case is recorded as not run, the run goes on to
+    save what it has (a device call is cut at 600 s, and JSON written by then comes back)."""
+    if DEADLINE is not None and time.monotonic() > DEADLINE:
+        raise TimeoutError("the run's --budget-s was spent before this case")
+
+
+def _keep(model_name) -> bool:
+    return MODELS is None or model_name in MODELS
+# an output differing from ours by more than this (max |diff|, bf16 outputs of unit-scale
+# random inputs) marks a peer as disagreeing; its row still gets its times, flagged
+ATOL = 0.05
+# two selections of one row whose chosen blocks' scores, sorted, differ by at most this
+# (relative to the row's largest chosen |score|, at least 1) differ only where scores tie or
+# nearly tie (rounding of different accumulation orders)
+TIE_RTOL = 2e-3
+
+
+def _not_run(e: BaseException) -> str:
+    return "not run: " + f"{type(e).__name__}: {e}".splitlines()[0][:200]
+
+
+def _as_sets(idx: torch.Tensor) -> torch.Tensor:
+    """[T, H, K] block ids -> each row's ids ascending, -1 padding as a sentinel at the end:
+    two rows hold the same set of blocks iff these rows are equal (ids are distinct)."""
+    x = idx.long()
+    x = torch.where(x < 0, torch.full_like(x, 1 << 40), x)
+    return x.sort(-1).values
+
+
+def compare_selections(ours: torch.Tensor, theirs: torch.Tensor, scores=None) -> dict:
+    """Selections compared as sets per (token, index head) row, both [T, H, K]. `scores`, a
+    callable giving openmsa's fp32 block scores [T, H, max_blocks], lets the rows that differ
+    be split into near-ties and real disagreements: a differing row whose two sets' scores,
+    each sorted, match within TIE_RTOL chose different blocks of (nearly) equal scores, which
+    the spec's tie rule (lower block id) and a peer's sort may order differently."""
+    a, b = _as_sets(ours), _as_sets(theirs)
+    differ = (a != b).any(-1)
+    n = int(differ.sum())
+    res = dict(rows=differ.numel(), rows_differ=n)
+    if n == 0:
+        res["rows_beyond_ties"] = 0
+        return res
+    if scores is None:
+        return res
+    s = scores()
+    t, h = differ.nonzero(as_tuple=True)
+    rows = s[t, h].float()
+
+    def chosen_scores(sel):
+        valid = sel < (1 << 40)
+        got = rows.gather(-1, torch.where(valid, sel, 0))
+        got = torch.where(valid, got, torch.full_like(got, float("-inf")))
+        return got.sort(-1, descending=True).values
+    sa, sb = chosen_scores(a[t, h]), chosen_scores(b[t, h])
+    same_count = ((a[t, h] < (1 << 40)).sum(-1) == (b[t, h] < (1 << 40)).sum(-1))
+    fin = torch.isfinite(sa) & torch.isfinite(sb)
+    scale = torch.where(fin, sa.abs(), torch.zeros_like(sa)).amax(-1).clamp(min=1.0)
+    close = torch.where(fin, (sa - sb).abs() <= TIE_RTOL * scale[:, None], sa == sb).all(-1)
+    res["rows_beyond_ties"] = int((~(close & same_count)).sum())
+    return res
+
+
+def selection_fields(name: str, ours, theirs, scores) -> dict:
+    """A peer's selection check as row fields: {name}_rows_differ (rows whose block sets
+    differ), {name}_rows_beyond_ties (of those, rows not explained by near-tied scores) and
+    {name}_agrees (no row beyond ties)."""
+    try:
+        c = compare_selections(ours, theirs, scores)
+    except Exception as e:  # noqa: BLE001
+        return {f"{name}_check": _not_run(e)}
+    out = {f"{name}_rows_differ": c["rows_differ"]}
+    if "rows_beyond_ties" in c:
+        out[f"{name}_rows_beyond_ties"] = c["rows_beyond_ties"]
+        out[f"{name}_agrees"] = c["rows_beyond_ties"] == 0
+    if c["rows_differ"]:
+        print(f"#   {name}: {c['rows_differ']} of {c['rows']} rows select other blocks, "
+              f"{c.get('rows_beyond_ties', '?')} beyond near-ties")
+    return out
+
+
+def output_fields(name: str, ours, theirs) -> dict:
+    diff = float((ours.float() - theirs.float()).abs().max())
+    if not diff <= ATOL:
+        print(f"#   {name}: output differs from ours by {diff:.3g} (> {ATOL})")
+    return {f"max_diff_vs_{name}": diff, f"{name}_agrees": diff <= ATOL}
+
+
+def peer_graph_us(fn, iters, out=None) -> tuple[float | None, str | None]:
+    """A peer's call as a graph replay (graph_call_us: one warm-up call outside the capture,
+    then graphs replayed with the same buffers), or (None, why) when capture fails. With `out`
+    (the buffer the call writes), the replays' result is checked against the eager one."""
+    want = out.clone() if out is not None else None
+    try:
+        us = graph_call_us(fn, iters)
+    except Exception as e:  # noqa: BLE001
+        try:
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001
+            pass
+        why = "not captured: " + f"{type(e).__name__}: {e}".splitlines()[0][:200]
+        print(f"#   {why}")
+        return None, why
+    if want is not None and not torch.equal(out, want):
+        return us, "replay differs from the eager call"
+    return us, None
+
+
+def time_peers(ours, peers: dict, iters: int, graph: bool = True) -> tuple[float, dict]:
+    """Device time of ours and of each checked peer call (name -> fn, or (fn, out buffer)),
+    alternating in one profiled loop; per peer also its eager call and (graph=True) its call
+    as a graph replay. Returns (our device µs, row fields {name}_us, {name}_call_us (eager),
+    {name}_graph_us, {name}_graph (why not, when not), {name}_ratio = ours / theirs)."""
+    fns = {k: (v if callable(v) else v[0]) for k, v in peers.items()}
+    times = interleaved_device_times_us([ours, *fns.values()], iters)
+    dev = med(times[0])
+    row = {}
+    for (name, fn), ts in zip(fns.items(), times[1:]):
+        row[f"{name}_us"] = med(ts)
+        row[f"{name}_ratio"] = dev / med(ts) if med(ts) else None
+        row[f"{name}_call_us"] = eager_call_us(fn, max(5, iters // 2))
+        if graph:
+            out = None if callable(peers[name]) else peers[name][1]
+            row[f"{name}_graph_us"], why = peer_graph_us(fn, iters, out)
+            if why:
+                row[f"{name}_graph"] = why
+    if "fi_ratio" in row:
+        row["ratio"] = row["fi_ratio"]  # the name the earlier tables (report.py) read
+    return dev, row
+
+
 # ---------------------------------------------------------------------------------------------
 # sections
 
@@ -267,17 +434,38 @@ def ceilings(args, fi=None):
 
 
 def _index_step(batch, context, q_len, heads, dtype, seed=0):
+    """A step's index query and paged one-head index cache. dtype "nvfp4": the cache in
+    openmsa.nvfp4's page layout (uint8 [P, 128, 72]) quantized from random keys, the query fp8."""
     bs = 128
     nb = context // bs
     pages = batch * nb
     g = torch.Generator(device="cuda").manual_seed(seed)
-    cache = torch.randn(pages, bs, 128, device="cuda", generator=g, dtype=torch.bfloat16)
-    cache = cache.to(dtype)
+    if dtype == "nvfp4":
+        cache = _nvfp4_cache(pages, g)
+        dtype = FP8
+    else:
+        cache = torch.randn(pages, bs, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+        cache = cache.to(dtype)
     table = torch.randperm(pages, device="cuda", generator=g).int().view(batch, nb)
     cu = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device="cuda")
     seq = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     q = torch.randn(batch * q_len, heads, 128, device="cuda", generator=g).to(dtype)
     return q, cache, cu, seq, table
+
+
+def _nvfp4_cache(pages, g, step=1024):
+    """An NVFP4 index cache (openmsa.nvfp4: 72 bytes a token) of random keys, quantized in
+    slices of `step` pages (no full-size fp32 temporary)."""
+    from openmsa import nvfp4
+    cache = torch.empty(pages, 128, nvfp4.TOKEN_BYTES, dtype=torch.uint8, device="cuda")
+    codes, scales = nvfp4.page_parts(cache)
+    for i in range(0, pages, step):
+        n = min(step, pages - i)
+        keys = torch.randn(n * 128, nvfp4.HEAD_DIM, device="cuda", generator=g)
+        c, sc = nvfp4.quantize_index_keys(keys)
+        codes[i:i + n] = c.view(n, 128, -1)
+        scales[i:i + n] = sc.view(n, 128, -1)
+    return cache
 
 
 def _fi_select(fi, q, cache, cu, seq, table, q_len):
@@ -296,89 +484,170 @@ def _fi_select(fi, q, cache, cu, seq, table, q_len):
     return run
 
 
+def _vllm_decode_select(vl, q, cache, seq, table, q_len, heads, out_t):
+    """vLLM's decode indexer (split-K score + split-K top-k, init 0 / local 1 blocks as M3)
+    into out_t [H, T, 16] (their layout; logical block ids, -1 padded, in score order)."""
+    context = table.shape[1] * 128
+    return lambda: vl.index_decode(q, cache, table, seq, context, 16, 0, 1, heads, q_len, q_len,
+                                   out=out_t)
+
+
+def _vllm_prefill_select(vl, q, cache, cu, seq, table, chunk, heads, out_t):
+    """vLLM's prefill indexer: block scores of the chunk ([H, T, blocks] fp32), then top-k."""
+    prefix = seq - chunk
+    max_seq = table.shape[1] * 128
+
+    def run():
+        s = vl.index_score(q, cache, table, cu, seq, prefix, chunk, max_seq, heads)
+        return vl.index_topk(s, cu, prefix, chunk, 16, 0, 1, out=out_t)
+    return run
+
+
 def indexer_decode(args, fi):
     grid = shapes.INDEXER_DECODE
     batches, contexts = grid["batches"], grid["contexts"]
     if args.quick:
         batches, contexts = (1, 128), (128 * 1024, 1024 * 1024)
-    for model_name in ("m3-tp1", "m3-tp4"):
+    dtypes = tuple(grid["dtypes"]) + tuple(grid.get("openmsa_only_dtypes", ()))
+    for model_name in filter(_keep, ("m3-tp1", "m3-tp4")):
         heads = shapes.MODELS[model_name].num_index_heads
-        for dname in grid["dtypes"]:
-            dtype = DTYPES[dname]
+        for dname in dtypes:
             for context in contexts:
                 for batch in batches:
                     if batch * context * 128 * (2 if dname == "bf16" else 1) > 40e9:
                         continue
                     for q_len in grid["q_lens"]:
-                        _indexer_decode_case(fi, model_name, heads, dname, dtype, context,
-                                             batch, q_len, args)
+                        try:
+                            _indexer_decode_case(fi, model_name, heads, dname, context, batch,
+                                                 q_len, args)
+                        except Exception as e:  # noqa: BLE001
+                            record(section="indexer-decode", model=model_name, dtype=dname,
+                                   L=context, B=batch, q_len=q_len, note=_not_run(e))
                     torch.cuda.empty_cache()
 
 
-def _indexer_decode_case(fi, model_name, heads, dname, dtype, context, batch, q_len, args):
-    q, cache, cu, seq, table = _index_step(batch, context, q_len, heads, dtype)
+# the largest dense K + V (bf16) the indexer section allocates for its dense-attention time
+DENSE_BYTES = 70e9
+# bytes of one index-cache token (Di = 128) per cache dtype: NVFP4 is 64 code bytes and 8
+# scale bytes (openmsa.nvfp4)
+TOKEN_BYTES = {"bf16": 256, "fp8": 128, "nvfp4": 72}
+
+
+def _indexer_decode_case(fi, model_name, heads, dname, context, batch, q_len, args):
+    check_budget()
+    nvfp4 = dname == "nvfp4"
+    q, cache, cu, seq, table = _index_step(batch, context, q_len, heads,
+                                           "nvfp4" if nvfp4 else DTYPES[dname])
     out = torch.empty(q.shape[0], heads, 16, dtype=torch.int32, device="cuda")
     # max_q_len as FlashInfer's max_seqlen_q: the engine's bound on q_len (a speed hint)
     ours = lambda: openmsa.select_blocks(q, cache, cu, seq, table, out=out,  # noqa: E731
                                          max_q_len=q_len)
     ours()
-    nbytes = batch * context * 128 * cache.element_size()
-    run = _fi_select(fi, q, cache, cu, seq, table, q_len) if fi is not None else None
-    theirs = try_peer(run) if run is not None else None
-    peer = {}
-    if theirs is not None:
-        # ours and FlashInfer's calls alternate in one profiled loop: both in one GPU state
-        mine, fi_times = interleaved_device_times_us([ours, run], args.iters)
-        dev = med(mine)
-        peer = dict(fi_us=med(fi_times), fi_call_us=eager_call_us(run, max(5, args.iters // 2)),
-                    ratio=dev / med(fi_times),
-                    # the selections agree except where near-tied scores round differently
-                    same_rows=float((theirs == out).all(-1).float().mean()))
+    torch.cuda.synchronize()
+    nbytes = batch * context * TOKEN_BYTES[dname]
+    scores = functools.partial(openmsa.block_scores, q, cache, cu, seq, table, max_q_len=q_len)
+    peers, check = {}, {}
+    if fi is not None and not nvfp4:
+        run = _fi_select(fi, q, cache, cu, seq, table, q_len)
+        theirs = try_peer(run)
+        if theirs is not None:
+            # the earlier tables' column: rows equal as ordered lists
+            check["same_rows"] = float((theirs == out).all(-1).float().mean())
+            check.update(selection_fields("fi", out, theirs, scores))
+            peers["fi"] = run
+        else:
+            check["fi"] = "not run"
+    if VLLM is not None and not nvfp4:
+        out_t = torch.empty(heads, q.shape[0], 16, dtype=torch.int32, device="cuda")
+        run = _vllm_decode_select(VLLM, q, cache, seq, table, q_len, heads, out_t)
+        if try_peer(run) is not None:
+            check.update(selection_fields("vllm", out, out_t.transpose(0, 1), scores))
+            peers["vllm"] = (run, out_t)
+        else:
+            check["vllm"] = "not run"
+    if peers:
+        # ours and the peers' calls alternate in one profiled loop: all in one GPU state
+        dev, timed = time_peers(ours, peers, args.iters)
     else:
-        dev = med(device_times_us(ours, args.iters))
+        dev, timed = med(device_times_us(ours, args.iters)), {}
     call = graph_call_us(ours, args.iters)
     row = dict(section="indexer-decode", model=model_name, dtype=dname, L=context, B=batch,
                q_len=q_len, us=dev, call_us=call, tbs=nbytes / dev / 1e6,
                pct_copy=100 * nbytes / dev / 1e6 / CEIL["copy_tbs"] if CEIL["copy_tbs"] else None,
-               **peer)
+               **timed, **check)
+    if nvfp4:
+        row["query"] = "fp8"
+    if dname == "fp8" and q_len == 1:
+        # what the selection saves: dense bf16 attention over the whole context, once per
+        # (model, L, B) (benchmarks/plot.py draws it beside the indexers)
+        model = shapes.MODELS[model_name]
+        if batch * context * model.num_kv_heads * model.head_dim * 4 < DENSE_BYTES:
+            row["dense_us"] = try_peer(lambda: _dense_decode_us(model, batch, context, 1, args))
     record(**row)
 
 
 def indexer_prefill(args, fi):
-    grid = shapes.INDEXER_PREFILL
-    chunk = grid["chunk"]
-    for model_name in ("m3-tp1",):
-        heads = shapes.MODELS[model_name].num_index_heads
-        for dname in grid["dtypes"]:
-            dtype = DTYPES[dname]
-            for context in grid["contexts"]:
-                q, cache, cu, seq, table = _index_step(1, context + chunk, chunk, heads, dtype)
-                out = torch.empty(chunk, heads, 16, dtype=torch.int32, device="cuda")
-                ours = lambda: openmsa.select_blocks(q, cache, cu, seq, table, out=out,  # noqa
-                                                     max_q_len=chunk)
-                ours()
-                flops = 2 * heads * 128 * chunk * (context + chunk / 2)
-                iters = max(5, args.iters // 4)
-                run = _fi_select(fi, q, cache, cu, seq, table, chunk) if fi is not None else None
-                theirs = try_peer(run) if run is not None else None
-                if theirs is not None:
-                    # interleaved, as in the decode sections: both sides in one GPU state
-                    mine, fi_times = interleaved_device_times_us([ours, run], iters)
-                    dev = med(mine)
-                else:
-                    dev = med(device_times_us(ours, iters))
-                ceil = CEIL["fp8_tflops" if dname == "fp8" else "bf16_tflops"]
-                row = dict(section="indexer-prefill", model=model_name, dtype=dname,
-                           context=context, T=chunk, us=dev, tflops=flops / dev / 1e6,
-                           pct_mm=100 * flops / dev / 1e6 / ceil if ceil else None)
-                if fi is not None:
-                    if theirs is not None:
-                        row["fi_us"] = med(fi_times)
-                        row["fi_tflops"] = flops / row["fi_us"] / 1e6
-                        row["same_rows"] = float((theirs == out).all(-1).float().mean())
-                record(**row)
-                del q, cache, table
-                torch.cuda.empty_cache()
+    """One prefill chunk per row: TP1's four index heads at long contexts, and TP4's one index
+    head (shapes.INDEXER_PREFILL_SHORT) at short ones, where the fixed costs of a call show."""
+    grids = [shapes.INDEXER_PREFILL]
+    if hasattr(shapes, "INDEXER_PREFILL_SHORT"):
+        grids.append(shapes.INDEXER_PREFILL_SHORT)
+    for grid in grids:
+        chunk = grid["chunk"]
+        for model_name in filter(_keep, grid.get("models", ("m3-tp1",))):
+            heads = shapes.MODELS[model_name].num_index_heads
+            for dname in grid["dtypes"]:
+                for context in grid["contexts"]:
+                    try:
+                        _indexer_prefill_case(fi, model_name, heads, dname, context, chunk, args)
+                    except Exception as e:  # noqa: BLE001
+                        record(section="indexer-prefill", model=model_name, dtype=dname,
+                               context=context, T=chunk, note=_not_run(e))
+                    torch.cuda.empty_cache()
+
+
+def _indexer_prefill_case(fi, model_name, heads, dname, context, chunk, args):
+    check_budget()
+    q, cache, cu, seq, table = _index_step(1, context + chunk, chunk, heads, DTYPES[dname])
+    out = torch.empty(chunk, heads, 16, dtype=torch.int32, device="cuda")
+    ours = lambda: openmsa.select_blocks(q, cache, cu, seq, table, out=out,  # noqa: E731
+                                         max_q_len=chunk)
+    ours()
+    torch.cuda.synchronize()
+    flops = 2 * heads * 128 * chunk * (context + chunk / 2)
+    iters = max(5, args.iters // 4)
+    scores = functools.partial(openmsa.block_scores, q, cache, cu, seq, table, max_q_len=chunk)
+    peers, check = {}, {}
+    if fi is not None:
+        run = _fi_select(fi, q, cache, cu, seq, table, chunk)
+        theirs = try_peer(run)
+        if theirs is not None:
+            check["same_rows"] = float((theirs == out).all(-1).float().mean())
+            check.update(selection_fields("fi", out, theirs, scores))
+            peers["fi"] = run
+        else:
+            check["fi"] = "not run"
+    if VLLM is not None:
+        out_t = torch.empty(heads, chunk, 16, dtype=torch.int32, device="cuda")
+        run = _vllm_prefill_select(VLLM, q, cache, cu, seq, table, chunk, heads, out_t)
+        if try_peer(run) is not None:
+            check.update(selection_fields("vllm", out, out_t.transpose(0, 1), scores))
+            peers["vllm"] = (run, out_t)
+        else:
+            check["vllm"] = "not run"
+    if peers:
+        # interleaved, as in the decode sections: all sides in one GPU state
+        dev, timed = time_peers(ours, peers, iters)
+    else:
+        dev, timed = med(device_times_us(ours, iters)), {}
+    ceil = CEIL["fp8_tflops" if dname == "fp8" else "bf16_tflops"]
+    row = dict(section="indexer-prefill", model=model_name, dtype=dname, context=context,
+               T=chunk, us=dev, call_us=graph_call_us(ours, iters), tflops=flops / dev / 1e6,
+               pct_mm=100 * flops / dev / 1e6 / ceil if ceil else None, **timed, **check)
+    for name in ("fi", "vllm"):
+        if row.get(f"{name}_us"):
+            row[f"{name}_tflops"] = flops / row[f"{name}_us"] / 1e6
+    record(**row)
 
 
 def _attention_step(model, batch, context, q_len, dname, seed=0, shared=1, jitter=0.0):
@@ -416,7 +685,7 @@ def _attention_step(model, batch, context, q_len, dname, seed=0, shared=1, jitte
 
 def _models(grid):
     """(name, config) of the models a section's grid names."""
-    return [(name, shapes.MODELS[name]) for name in grid["models"]]
+    return [(name, shapes.MODELS[name]) for name in grid["models"] if _keep(name)]
 
 
 def attention_decode(args, fi):
@@ -426,12 +695,17 @@ def attention_decode(args, fi):
         for dname in grid["dtypes"]:
             for batch in grid["batches"]:
                 for q_len in grid["q_lens"]:
-                    _attention_decode_case(fi, model_name, model, dname, batch, context, q_len,
-                                           args)
+                    try:
+                        _attention_decode_case(fi, model_name, model, dname, batch, context,
+                                               q_len, args)
+                    except Exception as e:  # noqa: BLE001
+                        record(section="attention-decode", model=model_name, dtype=dname,
+                               B=batch, q_len=q_len, L=context, note=_not_run(e))
                 torch.cuda.empty_cache()
 
 
 def _attention_decode_case(fi, model_name, model, dname, batch, context, q_len, args):
+    check_budget()
     q, packed, idx, cu, seq, table = _attention_step(model, batch, context, q_len, dname)
     d = model.head_dim
     k = packed[..., :d].permute(0, 2, 1, 3)
@@ -439,30 +713,41 @@ def _attention_decode_case(fi, model_name, model, dname, batch, context, q_len, 
     out = torch.empty_like(q)
     ours = lambda: openmsa.sparse_attention(q, k, v, idx, cu, seq, table, out=out)  # noqa
     ours()
+    torch.cuda.synchronize()
     t = q.shape[0]
     nbytes = t * model.num_kv_heads * 16 * 128 * 2 * d * packed.element_size()
-    peer, dev = {}, None
+    # the peers' selection layout: [Hkv(=H), T, K], laid out once outside the timed calls
+    idx_t = idx.permute(1, 0, 2).contiguous()
+    peers, check = {}, {}
     if fi is not None and dname == "fp8":
         kf, vf = packed[..., :d], packed[..., d:]
-        idx_fi = idx.permute(1, 0, 2).contiguous()  # [Hkv(=H), T, K]
         fo = torch.empty_like(q)
         run = lambda: fi.msa_sparse_decode_attention(  # noqa: E731
-            q, kf, vf, idx_fi, page_table=table, seqused_k=seq, seqlen_q=q_len, out=fo)
+            q, kf, vf, idx_t, page_table=table, seqused_k=seq, seqlen_q=q_len, out=fo)
         if try_peer(run) is not None:
-            # ours and FlashInfer's calls alternate in one profiled loop: both in one GPU state
-            mine, fi_times = interleaved_device_times_us([ours, run], args.iters)
-            dev = med(mine)
-            peer = dict(fi_us=med(fi_times),
-                        fi_call_us=eager_call_us(run, max(5, args.iters // 2)),
-                        ratio=dev / med(fi_times),
-                        max_diff_vs_fi=float((fo.float() - out.float()).abs().max()))
-    if dev is None:
-        dev = med(device_times_us(ours, args.iters))
+            check.update(output_fields("fi", out, fo))
+            peers["fi"] = (run, fo)
+        else:
+            check["fi"] = "not run"
+    if VLLM is not None:
+        vo = torch.empty_like(q)
+        run = lambda: VLLM.attn_decode(  # noqa: E731
+            q, packed, idx_t, table, seq, model.num_kv_heads, d ** -0.5, vo, q_len)
+        if try_peer(run) is not None:
+            check.update(output_fields("vllm", out, vo))
+            peers["vllm"] = (run, vo)
+        else:
+            check["vllm"] = "not run"
+    if peers:
+        # ours and the peers' calls alternate in one profiled loop: all in one GPU state
+        dev, timed = time_peers(ours, peers, args.iters)
+    else:
+        dev, timed = med(device_times_us(ours, args.iters)), {}
     call = graph_call_us(ours, args.iters)
     row = dict(section="attention-decode", model=model_name, dtype=dname, B=batch, q_len=q_len,
                L=context, us=dev, call_us=call, tbs=nbytes / dev / 1e6,
                pct_copy=100 * nbytes / dev / 1e6 / CEIL["copy_tbs"] if CEIL["copy_tbs"] else None,
-               **peer)
+               **timed, **check)
     if dname == "bf16" and batch * context * model.num_kv_heads * d * 4 < 24e9:
         row["dense_us"] = try_peer(lambda: _dense_decode_us(model, batch, context, q_len, args))
     record(**row)
@@ -512,6 +797,11 @@ def attention_prefill(args, fi):
         for dname in grid["dtypes"]:
             for context, (label, shared, jitter) in itertools.product(grid["contexts"],
                                                                        PREFILL_SELECTIONS):
+                if DEADLINE is not None and time.monotonic() > DEADLINE:
+                    record(section="attention-prefill", model=model_name, dtype=dname,
+                           context=context, T=chunk, selections=label,
+                           note="not run: the run's --budget-s was spent before this case")
+                    continue
                 q, packed, idx, cu, seq, table = _attention_step(model, 1, context + chunk, chunk,
                                                                  dname, shared=shared,
                                                                  jitter=jitter)
@@ -526,7 +816,11 @@ def attention_prefill(args, fi):
                 # (a call is 0.3-5 ms: --iters calls, at least 10, cost little; 5 left the
                 # median of the TP1 fp8 row after 8K 1274-1444 µs across three runs)
                 iters = max(10, args.iters)
-                dev = med(device_times_us(ours, iters))
+                peer = _vllm_prefill_attention(model, q, packed, idx, cu, seq, table, chunk,
+                                               out, ours, iters)
+                dev = peer.pop("us", None)
+                if dev is None:
+                    dev = med(device_times_us(ours, iters))
                 mhz = sm_clock_mhz()
                 parts = {}
                 for name, us in kernel_breakdown_us(ours, iters).items():
@@ -550,13 +844,36 @@ def attention_prefill(args, fi):
                            if CEIL["bf16_tflops"] else None, per_token_us=per_token,
                            max_diff_vs_per_token=same, sm_mhz=mhz, gather_us=gather,
                            gather_tbs=gather_bytes / gather / 1e6 if gather else None,
-                           **{f"{k}_us": v for k, v in parts.items()})
+                           **{f"{k}_us": v for k, v in parts.items()}, **peer)
                 if dname == "bf16" and shared == 16 and jitter == 0.0:
                     row["dense_us"] = try_peer(lambda: _dense_prefill_us(model, context, chunk,
                                                                           args))
                 record(**row)
                 del q, packed, idx
                 torch.cuda.empty_cache()
+
+
+def _vllm_prefill_attention(model, q, packed, idx, cu, seq, table, chunk, out, ours, iters):
+    """vLLM's Hopper query-tiled sparse prefill (bf16 and fp8 K/V; FlashInfer 0.7.4 has no
+    sparse prefill) on the same chunk: its output checked against ours (`out`, already
+    written), then both timed alternating in one profiled loop. Row fields, and "us" (our
+    device time from that loop) when it ran."""
+    if VLLM is None:
+        return {}
+    try:
+        idx_t = idx.permute(1, 0, 2).contiguous()  # their [Hkv(=H), T, K], once
+        vo = torch.empty_like(q)
+        prefix = seq - chunk
+        run = lambda: VLLM.attn_prefill(  # noqa: E731
+            q, packed, idx_t, table, cu, seq, prefix, chunk, model.num_kv_heads,
+            model.head_dim ** -0.5, vo)
+        if try_peer(run) is None:
+            return {"vllm": "not run"}
+        fields = output_fields("vllm", out, vo)
+        dev, timed = time_peers(ours, {"vllm": (run, vo)}, iters, graph=False)
+        return dict(us=dev, **timed, **fields)
+    except Exception as e:  # noqa: BLE001
+        return {"vllm": _not_run(e)}
 
 
 @triton.jit
@@ -662,11 +979,15 @@ def _layer_case(model, batch, context, q_len, dname):
     hkv, hq, h = model.num_kv_heads, model.num_heads, model.num_index_heads
     nb = -(-context // bs)
     pages = batch * nb
-    dtype = DTYPES[dname]
+    # "nvfp4": fp8 K/V and an NVFP4 index cache (openmsa.nvfp4, 72 bytes a token)
+    dtype = FP8 if dname == "nvfp4" else DTYPES[dname]
     k_cache = torch.empty(pages, bs, hkv, d, dtype=dtype, device="cuda")
     v_cache = torch.empty_like(k_cache)
-    index_cache = torch.empty(pages, bs, di, dtype=dtype, device="cuda")
-    for c in (k_cache, v_cache, index_cache):
+    if dname == "nvfp4":
+        index_cache = _nvfp4_cache(pages, torch.Generator(device="cuda").manual_seed(0))
+    else:
+        index_cache = torch.empty(pages, bs, di, dtype=dtype, device="cuda")
+    for c in (k_cache, v_cache) + ((index_cache,) if dname != "nvfp4" else ()):
         flat = c.view(pages, -1)
         for i in range(0, pages, 4096):  # fill in slices: no full-size fp32 temporary
             flat[i:i + 4096] = torch.randn(flat[i:i + 4096].shape, device="cuda").to(dtype)
@@ -684,8 +1005,8 @@ def _layer_fns(model, k_cache, v_cache, index_cache, meta, qkv, w, batch, contex
     cfg = model
     t = qkv.shape[0]
     q_out = torch.empty(t, cfg.num_heads, cfg.head_dim, dtype=torch.bfloat16, device="cuda")
-    iq_out = torch.empty(t, cfg.num_index_heads, cfg.index_head_dim, dtype=index_cache.dtype,
-                         device="cuda")
+    iq_out = torch.empty(t, cfg.num_index_heads, cfg.index_head_dim, device="cuda",
+                         dtype=FP8 if index_cache.dtype == torch.uint8 else index_cache.dtype)
     idx = torch.empty(t, cfg.num_index_heads, cfg.topk_blocks, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q_out)
 
@@ -722,6 +1043,7 @@ def _median_device_us(fn, iters):
 
 
 def _layer_row(section, model_name, model, dname, batch, context, q_len, args, dense_cache):
+    check_budget()
     case = _layer_case(model, batch, context, q_len, dname)
     sparse, dense = _layer_fns(model, *case, batch, context, q_len)
     iters = max(5, args.iters // 2)
@@ -749,11 +1071,20 @@ def _layer_row(section, model_name, model, dname, batch, context, q_len, args, d
 def layer_decode(args, fi):
     grid = shapes.LAYER_DECODE
     dense_cache: dict = {}
+    extra = grid.get("nvfp4_rows", ())  # (model, B, L): the NVFP4 index cache's rows
     for model_name, model in _models(grid):
         for context, batch in itertools.product(grid["contexts"], grid["batches"]):
-            for dname in grid["dtypes"]:  # bf16 first: its dense time serves the fp8 row
-                _layer_row("layer-decode", model_name, model, dname, batch, context, 1, args,
-                           dense_cache)
+            dtypes = tuple(grid["dtypes"])  # bf16 first: its dense time serves the later rows
+            if (model_name, batch, context) in extra:
+                dtypes += ("nvfp4",)
+            for dname in dtypes:
+                try:
+                    _layer_row("layer-decode", model_name, model, dname, batch, context, 1,
+                               args, dense_cache)
+                except Exception as e:  # noqa: BLE001
+                    record(section="layer-decode", model=model_name, dtype=dname, B=batch,
+                           L=context, q_len=1, note=_not_run(e))
+                    torch.cuda.empty_cache()
 
 
 def layer_prefill(args, fi):
@@ -762,8 +1093,13 @@ def layer_prefill(args, fi):
     for model_name, model in _models(grid):
         for context in grid["contexts"]:
             for dname in grid["dtypes"]:
-                _layer_row("layer-prefill", model_name, model, dname, 1, context + grid["chunk"],
-                           grid["chunk"], args, dense_cache)
+                try:
+                    _layer_row("layer-prefill", model_name, model, dname, 1,
+                               context + grid["chunk"], grid["chunk"], args, dense_cache)
+                except Exception as e:  # noqa: BLE001
+                    record(section="layer-prefill", model=model_name, dtype=dname, B=1,
+                           L=context + grid["chunk"], q_len=grid["chunk"], note=_not_run(e))
+                    torch.cuda.empty_cache()
 
 
 SECTIONS = {"ceilings": ceilings, "indexer-decode": indexer_decode,
@@ -793,22 +1129,63 @@ def provenance() -> str:
             f"@ {sha}, L2 flush: {FLUSH_MODE}")
 
 
+def dry_run(args):
+    """What a run with these arguments would do, without a GPU: the peers that import and each
+    section's grid."""
+    fi = None if args.no_peers else load_flashinfer()
+    vl = None if args.no_peers or args.no_vllm else load_vllm()
+    print(f"# dry run: FlashInfer {'importable' if fi else 'absent'}, vLLM kernels "
+          f"{'importable' if vl else 'absent'}; out: {args.out}; sections: {args.sections}")
+    grids = {"indexer-decode": [shapes.INDEXER_DECODE], "indexer-prefill":
+             [shapes.INDEXER_PREFILL, shapes.INDEXER_PREFILL_SHORT],
+             "attention-decode": [shapes.ATTENTION_DECODE],
+             "attention-prefill": [shapes.ATTENTION_PREFILL],
+             "layer-decode": [shapes.LAYER_DECODE], "layer-prefill": [shapes.LAYER_PREFILL]}
+    for name in args.sections.split(","):
+        for grid in grids.get(name, ()):
+            print(f"## {name}: {grid}")
+    return 0
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sections", default=",".join(SECTIONS))
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="a subset of the decode grid")
-    parser.add_argument("--no-peers", action="store_true")
+    parser.add_argument("--no-peers", action="store_true", help="openmsa alone")
+    parser.add_argument("--no-vllm", action="store_true", help="FlashInfer as the only peer")
+    parser.add_argument("--models", default=None,
+                        help="comma-separated model names (shapes.MODELS) the sections run; "
+                             "default: every one their grids name")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no new case after this many seconds (those left are "
+                             "recorded as not run); keeps a device call under its limit")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="no GPU needed: check the arguments and which peers import, list "
+                             "the sections' grids, time nothing")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--flush", choices=("read", "write"), default=FLUSH_MODE,
                         help="how the L2 is emptied before each timed call (see FLUSH_MODE)")
     args = parser.parse_args()
+    unknown = [n for n in args.sections.split(",") if n not in SECTIONS]
+    if unknown:
+        parser.error(f"unknown sections {unknown}; known: {','.join(SECTIONS)}")
+    if args.models:
+        bad = [m for m in args.models.split(",") if m not in shapes.MODELS]
+        if bad:
+            parser.error(f"unknown models {bad}; known: {','.join(shapes.MODELS)}")
+        globals()["MODELS"] = tuple(args.models.split(","))
+    if args.dry_run:
+        return dry_run(args)
+    if args.budget_s is not None:
+        globals()["DEADLINE"] = time.monotonic() + args.budget_s
     globals()["FLUSH_MODE"] = args.flush
     globals()["OUT_DIR"] = args.out
     if args.out is not None:
         os.makedirs(args.out, exist_ok=True)  # (a new folder under $OUT, say)
     print(provenance(), flush=True)
     fi = None if args.no_peers else load_flashinfer()
+    globals()["VLLM"] = None if args.no_peers or args.no_vllm else load_vllm()
     sections = args.sections.split(",")
     if "ceilings" not in sections:
         sections.insert(0, "ceilings")

@@ -17,16 +17,25 @@ MODELS = {
 
 K = 1024
 INDEXER_DECODE = dict(batches=(1, 8, 32, 64, 128), contexts=(32 * K, 128 * K, 1024 * K),
-                      q_lens=(1, 4), dtypes=("bf16", "fp8"))
+                      q_lens=(1, 4), dtypes=("bf16", "fp8"),
+                      # timed for openmsa alone (no peer reads it): NVFP4 keys, fp8 query
+                      openmsa_only_dtypes=("nvfp4",))
 # prefill chunks of 8192 tokens after 0, 120K and ~1M (1M - 8K, so the request ends at 1M)
-INDEXER_PREFILL = dict(chunk=8192, contexts=(0, 120 * K, 1024 * K - 8192), dtypes=("fp8", "bf16"))
+INDEXER_PREFILL = dict(chunk=8192, contexts=(0, 120 * K, 1024 * K - 8192), dtypes=("fp8", "bf16"),
+                       models=("m3-tp1",))
+# TP4 geometry (one index head) at short contexts: an 8K chunk with no context, after 8K, after
+# 32K, where a call's fixed costs weigh most (issue 40)
+INDEXER_PREFILL_SHORT = dict(chunk=8192, contexts=(0, 8 * K, 32 * K), dtypes=("fp8", "bf16"),
+                             models=("m3-tp4",))
 ATTENTION_DECODE = dict(batches=(1, 8, 64, 128), context=64 * K, q_lens=(1, 4),
                         dtypes=("bf16", "fp8"), models=("m3-tp1", "m3-tp4", "m3-tp8"))
 ATTENTION_PREFILL = dict(chunk=8192, contexts=(8 * K, 128 * K), dtypes=("bf16", "fp8"),
                          models=("m3-tp1", "m3-tp4"))
 # the attention part of one sparse layer (fused preparation + indexer + sparse attention) against
 # the same layer with dense attention; prefill: one chunk of 8192 tokens after the context
-LAYER_DECODE = dict(batches=(1, 32), contexts=(128 * K, 1024 * K), dtypes=("bf16", "fp8"),
-                    models=("m3-tp1", "m3-tp4"))
+LAYER_DECODE = dict(batches=(1, 32), contexts=(32 * K, 128 * K, 512 * K, 1024 * K), dtypes=("bf16", "fp8"),
+                    models=("m3-tp1", "m3-tp4"),
+                    # (model, B, L) rows also run with an NVFP4 index cache (fp8 K/V)
+                    nvfp4_rows=(("m3-tp1", 32, 1024 * K),))
 LAYER_PREFILL = dict(chunk=8192, contexts=(120 * K, 1024 * K - 8192), dtypes=("bf16", "fp8"),
                      models=("m3-tp1", "m3-tp4"))

@@ -6,7 +6,19 @@
 #   bash scripts/gpu_check.sh tests-part I/N   # every N-th test of that tier from the I-th
 #                                              # (the whole tier took over 600 s at e0afd54 on
 #                                              # a fresh machine: two calls with 1/2 and 2/2)
-#   bash scripts/gpu_check.sh bench [args...]  # benchmarks/run.py with args
+#   bash scripts/gpu_check.sh bench [args...]  # benchmarks/run.py with args (bench.json and
+#                                              # bench.log in $OUT)
+#   bash scripts/gpu_check.sh bench-part I [args...]  # part I of 4 of the full comparison, each
+#                                              # one device call (into $OUT/bench-I; no new
+#                                              # case starts after 540 s: BENCH_BUDGET_S):
+#                                              # 1 indexer-decode TP1; 2 indexer-decode TP4;
+#                                              # 3 indexer-prefill, attention-decode;
+#                                              # 4 attention-prefill, layer-decode, layer-prefill.
+#                                              # Then, here: python3 benchmarks/plot.py
+#                                              # DIR/bench-*/bench.json (and perf_doc.py)
+# The peers: FlashInfer 0.7.4 from the machine's Python, and vLLM 0.34's MiniMax-M3 kernels from
+# .peers-vllm (made by the shared tool prepare-vllm-peer.sh; name .peers-vllm in the call's
+# carry): this script puts it first on PYTHONPATH. Without it the vLLM columns read "absent".
 #   bash scripts/gpu_check.sh tune [args...]   # benchmarks/tune.py with args (appends tune.log)
 #   bash scripts/gpu_check.sh ab [args...]     # benchmarks/ab.py: this tree against .ab's base
 #                                              # (python3 benchmarks/prepare_ab.py REV first)
@@ -17,6 +29,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/openmsa-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
+[ -d .peers-vllm ] && export PYTHONPATH=$PWD/.peers-vllm:$PYTHONPATH
 export PYTHONUNBUFFERED=1
 [ -f REVISION ] && export OPENMSA_REVISION=$(cat REVISION)
 what=${1:-tests}
@@ -36,7 +49,19 @@ case "$what" in
   ab)
     python3 benchmarks/ab.py --base .ab --out "$OUT" "$@" 2>&1 | tee -a "$OUT/ab.log" ;;
   bench)
-    python3 benchmarks/run.py "$@" 2>&1 | tee "$OUT/bench.log" ;;
+    python3 benchmarks/run.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" ;;
+  bench-part)
+    part=${1:?bench-part needs a part number, 1-4}; shift
+    case "$part" in
+      1) sel=(--sections indexer-decode --models m3-tp1) ;;
+      2) sel=(--sections indexer-decode --models m3-tp4) ;;
+      3) sel=(--sections indexer-prefill,attention-decode) ;;
+      4) sel=(--sections attention-prefill,layer-decode,layer-prefill) ;;
+      *) echo "bench-part: part must be 1-4, got $part" >&2; exit 2 ;;
+    esac
+    mkdir -p "$OUT/bench-$part"
+    python3 benchmarks/run.py "${sel[@]}" --budget-s "${BENCH_BUDGET_S:-540}" \
+      --out "$OUT/bench-$part" "$@" 2>&1 | tee "$OUT/bench-$part/bench.log" ;;
   tune)
     python3 benchmarks/tune.py "$@" 2>&1 | tee -a "$OUT/tune.log" ;;
   host)

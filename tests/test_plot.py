@@ -1,0 +1,105 @@
+# SPDX-License-Identifier: Apache-2.0
+"""benchmarks/plot.py and benchmarks/perf_doc.py on a made-up bench.json of run.py's schema:
+the figures and the generated doc section come out of one command each. The figures need
+matplotlib (the `bench` extra); the doc section does not."""
+
+import json
+import os
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.reference
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+plot = pytest.importorskip("plot")
+perf_doc = pytest.importorskip("perf_doc")
+
+K = 1024
+
+
+def _rows():
+    rows = [dict(section="ceilings", copy_tbs=4.4, bf16_tflops=790.0)]
+    for b in (1, 32):
+        for L in (32 * K, 128 * K, 1024 * K):
+            base = L * b / 4e6
+            rows.append(dict(section="indexer-decode", model="m3-tp1", dtype="fp8", L=L, B=b,
+                             q_len=1, us=base + 8, call_us=base + 9, tbs=3.9, pct_copy=88.0,
+                             fi_us=base + 9, fi_ratio=0.95, ratio=0.95, fi_call_us=120.0,
+                             fi_graph_us=base + 10, same_rows=0.99, fi_rows_differ=2,
+                             fi_rows_beyond_ties=0, fi_agrees=True, vllm_us=base + 12,
+                             vllm_ratio=0.8, vllm_call_us=90.0, vllm_graph_us=None,
+                             vllm_graph="not captured: RuntimeError: made up",
+                             vllm_rows_differ=40, vllm_rows_beyond_ties=3, vllm_agrees=False,
+                             dense_us=base * 30 if b == 1 else None))
+            rows.append(dict(section="indexer-decode", model="m3-tp1", dtype="nvfp4", L=L, B=b,
+                             q_len=1, us=base * 0.6 + 8, call_us=base * 0.6 + 9, tbs=3.5,
+                             query="fp8"))
+    rows.append(dict(section="indexer-decode", model="m3-tp4", dtype="nvfp4", L=32 * K, B=8,
+                     q_len=4, note="not run: NotImplementedError: made up"))
+    rows.append(dict(section="indexer-prefill", model="m3-tp4", dtype="fp8", context=0, T=8192,
+                     us=33.7, call_us=35.0, tflops=300.0, fi_us=18.8, fi_ratio=1.79,
+                     fi_graph_us=19.5, fi_call_us=60.0, vllm_us=25.0, vllm_ratio=1.35,
+                     vllm_graph_us=26.0, vllm_call_us=70.0, vllm_rows_differ=0,
+                     vllm_rows_beyond_ties=0, vllm_agrees=True))
+    rows.append(dict(section="attention-decode", model="m3-tp1", dtype="fp8", B=8, q_len=1,
+                     L=64 * K, us=12.0, call_us=13.0, tbs=3.0, fi_us=12.5, fi_ratio=0.96,
+                     fi_graph_us=13.2, fi_call_us=80.0, max_diff_vs_fi=0.004, fi_agrees=True,
+                     vllm="not run"))
+    rows.append(dict(section="attention-prefill", model="m3-tp4", dtype="bf16", context=8 * K,
+                     T=8192, selections="independent", us=800.0, tflops=140.0,
+                     vllm_us=900.0, vllm_ratio=0.89, vllm_call_us=950.0, max_diff_vs_vllm=0.01,
+                     vllm_agrees=True))
+    for model in ("m3-tp1", "m3-tp4"):
+        for L in (32 * K, 128 * K, 512 * K, 1024 * K):
+            for dname in ("bf16", "fp8", "nvfp4"):
+                rows.append(dict(section="layer-decode", model=model, dtype=dname, B=32, L=L,
+                                 q_len=1, us=50.0 + L / 1e4, call_us=55.0 + L / 1e4,
+                                 dense_bf16_us=L / 100, speedup=(L / 100) / (50.0 + L / 1e4)))
+    return rows
+
+
+@pytest.fixture
+def bench(tmp_path):
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"provenance": "# made-up GPU @ test", "rows": _rows()}))
+    return str(path)
+
+
+def test_series_skip_disagreeing_peers():
+    rows = _rows()
+    s = plot.indexer_series(rows, 1)
+    assert [x for x, _ in s["openmsa fp8"]] == [32 * K, 128 * K, 1024 * K]
+    assert "vLLM 0.34 fp8" not in s  # every vLLM row disagrees: not drawn
+    assert len(s["FlashInfer fp8"]) == 3 and len(s["openmsa NVFP4 keys"]) == 3
+    assert "dense attention (bf16 SDPA)" not in plot.indexer_series(rows, 32)
+    layer = plot.layer_series(rows, 32)
+    assert set(layer) == {f"{tp}, {kv}" for tp in ("TP1", "TP4")
+                          for kv in ("bf16 K/V", "fp8 K/V", "fp8 K/V, NVFP4 keys")}
+
+
+def test_figures_written(bench, tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "figures"
+    written = plot.main([bench, "--out", str(out)])
+    assert sorted(os.path.basename(w) for w in written) == ["indexer_decode.png",
+                                                            "layer_speedup.png"]
+    for w in written:
+        with open(w, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_doc_section_generated(bench, tmp_path):
+    doc = tmp_path / "perf.md"
+    doc.write_text(f"# title\n\nbefore\n\n{perf_doc.BEGIN}\nold text\n{perf_doc.END}\n\nafter\n")
+    perf_doc.main([bench, "--doc", str(doc)])
+    text = doc.read_text()
+    assert text.startswith("# title\n\nbefore\n\n") and text.endswith("\n\nafter\n")
+    assert "old text" not in text and text.count(perf_doc.BEGIN) == 1
+    assert "### Decode indexer" in text and "### Prefill indexer" in text
+    assert "**40 / 3**" in text  # the disagreeing peer's check, marked
+    assert "no graph" in text  # a capture that failed
+    assert "not run: NotImplementedError: made up" in text
+    # twice gives the same doc
+    perf_doc.main([bench, "--doc", str(doc)])
+    assert doc.read_text() == text
