@@ -56,6 +56,9 @@ PREFILL_STAGES = 2
 PREFILL_STAGES_FP8 = 3
 # an NVFP4 cache's (72-byte keys, smaller still than fp8's): fp8's stages (not measured yet)
 PREFILL_STAGES_NVFP4 = PREFILL_STAGES_FP8
+# the tile launch's most (token, head) rows with an NVFP4 cache: at 128 rows its dequantized key
+# tile, the dot's result and the score tile spill on 4 warps (sm_90 compile: 232 bytes); 64 fit
+NVFP4_MAX_ROWS = 64
 # the sort path's warps (few programs, each one's latency is the step's)
 SORT_WARPS = 4
 # scratch slots of a threshold-path program on long segments (at least 4 * KP)
@@ -225,7 +228,8 @@ def _scoring(shape: IndexerShape, device: DeviceFacts, config: IndexerConfig) ->
     if only_requests:
         return launches
     fp8 = shape.cache_dtype in FP8_TYPES
-    rows_t = max(1, config.prefill_rows // hp)
+    rows = min(config.prefill_rows, NVFP4_MAX_ROWS) if shape.nvfp4 else config.prefill_rows
+    rows_t = max(1, rows // hp)
     tile_small_q = 0 if one_request else SMALL_Q
     tile = dict(BPS=config.prefill_bps, TILE_MODE=True, ROWS_T=rows_t, **common,
                 SMALL_Q=tile_small_q, KEYS_AS_ROWS=False, num_warps=PREFILL_WARPS,

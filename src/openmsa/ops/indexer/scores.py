@@ -32,9 +32,44 @@ def _max_skip_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.NONE)
 
 
+# one 32-bit word of codes (8 dims, 4 bytes) and its group's scale * 64 (fp16) to 8 fp16 keys:
+# the E4M3 bytes of the low nibbles (l) and of the high nibbles (h) for 4 bytes at once, then
+# interleaved into (dim 2j, 2j + 1) pairs, converted and scaled two at a time
+_NVFP4_WORD_ASM = tl.constexpr("""{
+.reg .b32 t, l, h, p, q, s2, a, b, c, d;
+.reg .b16 pa, pb, pc, pd;
+shl.b32 t, $8, 2;
+and.b32 l, t, 0x1C1C1C1C;
+shl.b32 t, $8, 4;
+and.b32 t, t, 0x80808080;
+or.b32 l, l, t;
+shr.b32 t, $8, 2;
+and.b32 h, t, 0x1C1C1C1C;
+and.b32 t, $8, 0x80808080;
+or.b32 h, h, t;
+prmt.b32 p, l, h, 0x5140;
+prmt.b32 q, l, h, 0x7362;
+mov.b32 {pa, pb}, p;
+mov.b32 {pc, pd}, q;
+mov.b32 s2, {$9, $9};
+cvt.rn.f16x2.e4m3x2 a, pa;
+cvt.rn.f16x2.e4m3x2 b, pb;
+cvt.rn.f16x2.e4m3x2 c, pc;
+cvt.rn.f16x2.e4m3x2 d, pd;
+mul.rn.f16x2 a, a, s2;
+mul.rn.f16x2 b, b, s2;
+mul.rn.f16x2 c, c, s2;
+mul.rn.f16x2 d, d, s2;
+mov.b32 {$0, $1}, a;
+mov.b32 {$2, $3}, b;
+mov.b32 {$4, $5}, c;
+mov.b32 {$6, $7}, d;
+}""")
+
+
 @triton.jit
 def _nvfp4_keys(cache_ptr, page, page_ok, stride_cp, BLOCK: tl.constexpr, DI: tl.constexpr,
-                dtype: tl.constexpr):
+                dtype: tl.constexpr, PTX: tl.constexpr):
     """[BLOCK, DI] keys of an NVFP4 page (openmsa/nvfp4.py) in `dtype` (fp16 or bf16), exact.
 
     Hopper has no FP4 MMA, and at the HBM roof a 72-byte token leaves a few instructions per
@@ -47,18 +82,32 @@ def _nvfp4_keys(cache_ptr, page, page_ok, stride_cp, BLOCK: tl.constexpr, DI: tl
     GROUPS: tl.constexpr = DI // 16
     tok = tl.arange(0, BLOCK)
     base = cache_ptr + page * stride_cp
-    j = tl.arange(0, DI // 2)
-    codes = tl.load(base + tok[:, None] * (DI // 2) + j[None, :], mask=page_ok,
-                    other=0)  # uint8 [BLOCK, DI / 2]: dim 2j low nibble, 2j + 1 high
     g = tl.arange(0, GROUPS)
     scales = tl.load(base + BLOCK * (DI // 2) + tok[:, None] * GROUPS + g[None, :], mask=page_ok,
                      other=0)  # uint8 [BLOCK, GROUPS]
-    lo = ((codes & 0x07) << 2) | ((codes & 0x08) << 4)
-    hi = ((codes >> 2) & 0x1C) | (codes & 0x80)
-    k = tl.join(lo, hi).reshape(BLOCK, DI).to(tl.float8e4nv, bitcast=True).to(tl.float16)
     s = scales.to(tl.float8e4nv, bitcast=True).to(tl.float16) * 64.0
-    k = k.reshape(BLOCK, GROUPS, 16) * s[:, :, None]
-    return k.reshape(BLOCK, DI).to(dtype)
+    if PTX:
+        # (NVIDIA GPUs: the bit moves on 4 code bytes at once, PTX's prmt and paired cvt; the
+        # interpreter and ROCm take the tl form below, the same values)
+        # a token's codes as 32-bit words (8 dims each; two words per scale group)
+        w = tl.arange(0, DI // 8)
+        words = tl.load(base.to(tl.pointer_type(tl.int32)) + tok[:, None] * (DI // 8) + w[None, :],
+                        mask=page_ok, other=0)  # int32 [BLOCK, DI / 8]
+        sw = tl.join(s, s).reshape(BLOCK, DI // 8)
+        v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+            _NVFP4_WORD_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, sw],
+            dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+        k = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)),
+                    tl.join(tl.join(v1, v5), tl.join(v3, v7))).reshape(BLOCK, DI)
+    else:
+        j = tl.arange(0, DI // 2)
+        codes = tl.load(base + tok[:, None] * (DI // 2) + j[None, :], mask=page_ok,
+                        other=0)  # uint8 [BLOCK, DI / 2]: dim 2j low nibble, 2j + 1 high
+        lo = ((codes & 0x07) << 2) | ((codes & 0x08) << 4)
+        hi = ((codes >> 2) & 0x1C) | (codes & 0x80)
+        k = tl.join(lo, hi).reshape(BLOCK, DI).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        k = (k.reshape(BLOCK, GROUPS, 16) * s[:, :, None]).reshape(BLOCK, DI)
+    return k.to(dtype)
 
 
 @triton.jit
@@ -75,7 +124,8 @@ def _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, strid
     # a negative page id (a table the engine left unfilled) reads nothing and scores -inf
     page_ok = page >= 0
     if NVFP4:
-        k = _nvfp4_keys(cache_ptr, page, page_ok, stride_cp, BLOCK, DI, q.dtype)
+        # (MAX_SKIPS_NAN is the plan's "an NVIDIA GPU": the PTX form of the dequantization)
+        k = _nvfp4_keys(cache_ptr, page, page_ok, stride_cp, BLOCK, DI, q.dtype, MAX_SKIPS_NAN)
     else:
         k = tl.load(cache_ptr + page * stride_cp + offs[:, None] * stride_cb
                     + d[None, :] * stride_cd, mask=page_ok & (d[None, :] < DI),
