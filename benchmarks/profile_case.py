@@ -106,6 +106,23 @@ def _indexer(dname, batch, context, q_len, heads):
                                          config=INDEXER_CONFIG)
 
 
+def _nvfp4_indexer(batch, context, q_len, heads):
+    """_indexer on an NVFP4 cache (uint8 pages, openmsa.nvfp4) of the same step's keys, fp8
+    index queries (vLLM's pairing)."""
+    from openmsa import nvfp4
+    q, cache, cu, seq, table = run._index_step(batch, context, q_len, heads, torch.bfloat16)
+    pages = torch.empty(cache.shape[0], nvfp4.PAGE_TOKENS, nvfp4.TOKEN_BYTES, dtype=torch.uint8,
+                        device=cache.device)
+    codes, scales = nvfp4.quantize_index_keys(cache.reshape(-1, nvfp4.HEAD_DIM))
+    c, s = nvfp4.page_parts(pages)
+    c.copy_(codes.view(c.shape))
+    s.copy_(scales.view(s.shape))
+    del cache, codes, scales
+    q = q.to(run.DTYPES["fp8"])
+    return lambda: openmsa.select_blocks(q, pages, cu, seq, table, max_q_len=q_len,
+                                         config=INDEXER_CONFIG)
+
+
 def _fi_indexer(dname, batch, context, q_len, heads):
     """FlashInfer's indexer (msa_proxy_score + msa_topk_select) on _indexer's step, for
     --offsets / --breakdown beside ours (needs `. .peers/env.sh`)."""
@@ -177,6 +194,12 @@ CASES = {
     # an 8K prefill chunk after 120K: each call launches the request (decode) scoring launch,
     # then the tile launch, so a profiler wanting the tile launch skips an odd count of
     # _block_scores launches (scripts/ncu_cases.sh: idx-fp8-prefill-120k:_block_scores:3)
+    # NVFP4 index pages (72 bytes a token) beside the fp8 rows above
+    "idx-nvfp4-b32-128k": lambda: _nvfp4_indexer(32, 131072, 1, 4),
+    "idx-nvfp4-b1-1m": lambda: _nvfp4_indexer(1, 1 << 20, 1, 4),
+    "idx-nvfp4-b128-32k-q4": lambda: _nvfp4_indexer(128, 32768, 4, 4),
+    "idx-nvfp4-b64-128k-tp4": lambda: _nvfp4_indexer(64, 131072, 1, 1),
+    "idx-nvfp4-prefill-120k": lambda: _nvfp4_indexer(1, 120 * 1024 + 8192, 8192, 4),
     "idx-fp8-prefill-0k": lambda: _indexer("fp8", 1, 8192, 8192, 4),
     "idx-fp8-prefill-120k": lambda: _indexer("fp8", 1, 120 * 1024 + 8192, 8192, 4),
     "idx-bf16-prefill-120k": lambda: _indexer("bf16", 1, 120 * 1024 + 8192, 8192, 4),

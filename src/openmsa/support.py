@@ -82,12 +82,27 @@ def indexer_unsupported_reason(*, num_index_heads: int, index_head_dim: int, blo
                f"{num_index_heads}"
     if topk is not None and topk > MAX_TOPK:
         return f"the selection kernel takes topk up to {MAX_TOPK}, got {topk}"
+    if cache_dtype == torch.uint8:
+        return _nvfp4_reason(index_head_dim, block_size, query_dtype, device)
     ok = (query_dtype == cache_dtype and query_dtype in (*HALF, *FP8_TYPES, torch.float32)) or \
         (query_dtype in HALF and cache_dtype in FP8_TYPES)
     if not ok:
         return f"the indexer kernels take a {query_dtype} query only against a cache of the same " \
                f"type or fp8, got a {cache_dtype} cache"
     return _device_reason(device, cache_dtype if cache_dtype in FP8_TYPES else False)
+
+
+def _nvfp4_reason(index_head_dim, block_size, query_dtype, device) -> str | None:
+    """An NVFP4 index cache (uint8, openmsa.nvfp4): 128-token pages of 128-dim keys, an fp8
+    e4m3 or 16-bit query; the kernels turn the codes into e4m3 bytes and convert those with the
+    hardware's e4m3 conversion, so they need fp8 hardware (compute capability 8.9)."""
+    if block_size != 128 or index_head_dim != 128:
+        return f"an NVFP4 index cache holds 128-token pages of 128-dim keys, got block size " \
+               f"{block_size} and index head dim {index_head_dim}"
+    if query_dtype not in (FP8, *HALF):
+        return f"the indexer kernels take an fp8 e4m3, bf16 or fp16 query against an NVFP4 " \
+               f"index cache, got {query_dtype}"
+    return _device_reason(device, FP8)
 
 
 def attention_unsupported_reason(*, head_dim: int, block_size: int, group_size: int,
@@ -127,8 +142,9 @@ def unsupported_reason(config: MSAConfig | None = None, *, index_dtype: torch.dt
 
     Args:
         config: the layer (M3's defaults when None).
-        index_dtype: dtype of the index cache.
-        index_query_dtype: dtype of the index query (the index cache's when None).
+        index_dtype: dtype of the index cache (torch.uint8: NVFP4 pages, openmsa.nvfp4).
+        index_query_dtype: dtype of the index query (the index cache's when None; fp8 e4m3
+            for an NVFP4 cache).
         query_dtype: dtype of the main branch's q.
         kv_dtype: dtype of the main K/V cache.
         device: the target device; None skips the device checks.
@@ -137,7 +153,8 @@ def unsupported_reason(config: MSAConfig | None = None, *, index_dtype: torch.dt
     reason = indexer_unsupported_reason(
         num_index_heads=config.num_index_heads, index_head_dim=config.index_head_dim,
         block_size=config.block_size, topk=config.topk_blocks,
-        query_dtype=index_query_dtype or index_dtype, cache_dtype=index_dtype, device=device)
+        query_dtype=index_query_dtype or (FP8 if index_dtype == torch.uint8 else index_dtype),
+        cache_dtype=index_dtype, device=device)
     if reason is not None:
         return reason
     return attention_unsupported_reason(

@@ -895,3 +895,196 @@ def test_short_rows_prefill_and_graph_replay(c_dtype):
     assert not _short_rows_on(4 * num_req * 4, 4, width, 16, no_short)
     assert torch.equal(openmsa.select_blocks(*args, block_size=GB, max_q_len=4,
                                              config=no_short), eager)
+
+
+# --------------------------------------------------------------- NVFP4 index caches (nvfp4.py)
+def _nvfp4_cache(num_pages, page_stride=None, generator=None, device="cpu"):
+    """An NVFP4 cache of random keys, pages `page_stride` bytes apart (9216: packed), quantized
+    with nvfp4.quantize_index_keys; returns (cache uint8 [P, 128, 72] view, fp32 keys)."""
+    from openmsa import nvfp4
+    stride = page_stride or nvfp4.PAGE_BYTES
+    buf = torch.zeros(num_pages * stride, dtype=torch.uint8, device=device)
+    cache = buf.as_strided((num_pages, nvfp4.PAGE_TOKENS, nvfp4.TOKEN_BYTES),
+                           (stride, nvfp4.TOKEN_BYTES, 1))
+    keys = torch.randn(num_pages * nvfp4.PAGE_TOKENS, nvfp4.HEAD_DIM, generator=generator)
+    codes, scales = nvfp4.quantize_index_keys(keys.to(device))
+    c, s = nvfp4.page_parts(cache)
+    c.copy_(codes.view(num_pages, nvfp4.PAGE_TOKENS, -1))
+    s.copy_(scales.view(num_pages, nvfp4.PAGE_TOKENS, -1))
+    return cache, keys
+
+
+def _assert_nvfp4_matches(got_scores, got_sel, want_scores, pos, topk, init, local):
+    """Scores equal up to fp32 summation order (same -inf pattern); the selection equal to the
+    reference's selection on the kernel's own scores (no ties between random floats, so this is
+    exactly the reference selection wherever rounding does not reorder two blocks) and within
+    rounding of the reference's best."""
+    got_scores = got_scores.cpu()
+    assert torch.equal(got_scores.isinf(), want_scores.isinf())
+    fin = want_scores.isfinite()
+    torch.testing.assert_close(got_scores[fin], want_scores[fin], rtol=1e-5, atol=1e-3)
+    want_sel = indexer_ref.select_from_scores(got_scores, pos, topk=topk, init_blocks=init,
+                                              local_blocks=local, block_size=128)
+    assert torch.equal(got_sel.cpu(), want_sel)
+    assert_selection_near_optimal(got_sel.cpu(), want_scores, pos, topk=topk, init_blocks=init,
+                                  local_blocks=local, block_size=128, rtol=1e-4)
+
+
+# decode, a 16-token verify, a 3-token verify after a context shorter than topk blocks, q_len 0,
+# a 37-token prefill chunk (the tile launch) ending in a partial block, decode in the first block
+NV_Q_LENS = [1, 16, 3, 0, 37, 1]
+NV_SEQ_LENS = [700, 530, 200, 9, 420, 5]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("q_dtype", [FP8, torch.float16])
+@pytest.mark.parametrize("page_stride", [None, 9216 + 48])
+def test_nvfp4_cache_matches_reference(kernel_device, q_dtype, page_stride):
+    """NVFP4 pages (scattered, at a packed or a padded page stride, one table entry -1) scored
+    by the request launch (decode, verify up to 16) and the tile launch (a prefill chunk) in one
+    call, against the reference on the dequantized keys; padding tokens score -inf. (bf16
+    queries on the GPU tier: Triton's interpreter computes bf16 dots wrongly.)"""
+    g = torch.Generator().manual_seed(41)
+    step = make_step(NV_Q_LENS, NV_SEQ_LENS, block_size=128, extra_columns=1, pad_tokens=2,
+                     generator=g)
+    cache, _ = _nvfp4_cache(step.num_pages, page_stride, generator=g)
+    q = torch.randn(step.num_tokens, 2, 128, generator=g).to(q_dtype)
+    table = step.block_table.clone()
+    table[0, 2] = -1  # an unfilled entry: reads nothing, scores -inf
+    args = (step.cu_seqlens_q, step.seq_lens, table)
+    d = _to(make_step(NV_Q_LENS, NV_SEQ_LENS, block_size=128, extra_columns=1, pad_tokens=2,
+                      generator=torch.Generator().manual_seed(41)), kernel_device)
+    dargs = (d.cu_seqlens_q, d.seq_lens, table.to(kernel_device))
+    qd, cd = q.to(kernel_device), cache.to(kernel_device)
+    if page_stride is not None:  # (.to keeps the padded strides only on the same device)
+        cd = _nvfp4_cache(step.num_pages, page_stride, device=kernel_device)[0]
+        cd.copy_(cache.to(kernel_device))
+    assert set(_scoring_launches(qd, cd, *dargs, 128)) >= {"scores_request", "scores_tile"}
+    want = ref.block_scores(q, cache, *args, block_size=128)
+    got = openmsa.block_scores(qd, cd, *dargs, block_size=128)
+    sel = openmsa.select_blocks(qd, cd, *dargs, topk=4, init_blocks=1, local_blocks=1,
+                                block_size=128)
+    _, pos = token_layout(step.cu_seqlens_q, step.seq_lens, step.num_tokens)
+    _assert_nvfp4_matches(got, sel, want, pos, 4, 1, 1)
+    assert (got.cpu()[-2:] == float("-inf")).all()
+
+
+@pytest.mark.reference
+def test_nvfp4_reference_scores_dequantized_keys():
+    """The reference scores an NVFP4 cache exactly as the fp32 cache of its dequantized keys."""
+    from openmsa import nvfp4
+    g = torch.Generator().manual_seed(3)
+    step = make_step([1, 5], [300, 140], block_size=128, generator=g)
+    cache, _ = _nvfp4_cache(step.num_pages, 9216 + 16, generator=g)
+    q = torch.randn(step.num_tokens, 2, 128, generator=g)
+    args = (step.cu_seqlens_q, step.seq_lens, step.block_table)
+    dense = nvfp4.dequantize_index_pages(cache)
+    assert torch.equal(ref.block_scores(q, cache, *args), ref.block_scores(q, dense, *args))
+    assert torch.equal(ref.select_blocks(q, cache, *args, topk=2),
+                       ref.select_blocks(q, dense, *args, topk=2))
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("case", ["shape", "dim3", "token_stride", "overlap", "misaligned",
+                                  "block_size", "head_dim", "q_dtype"])
+def test_nvfp4_cache_is_checked(case):
+    """A uint8 index cache is NVFP4 pages or an error naming index_cache (never read as raw
+    bytes); the query and block size it pairs with are checked too."""
+    q = torch.zeros(1, 1, 128, dtype=FP8)
+    cache = torch.zeros(3, 128, 72, dtype=torch.uint8)
+    block_size, err = 128, ValueError
+    if case == "shape":
+        cache = torch.zeros(3, 128, 64, dtype=torch.uint8)
+    elif case == "dim3":
+        cache = torch.zeros(3, 128 * 72, dtype=torch.uint8)
+    elif case == "token_stride":
+        cache = torch.zeros(3, 128, 80, dtype=torch.uint8)[:, :, :72]
+    elif case == "overlap":
+        cache = torch.zeros(2 * 9216, dtype=torch.uint8).as_strided((3, 128, 72), (4608, 72, 1))
+    elif case == "misaligned":
+        cache = torch.zeros(3 * 9216 + 16, dtype=torch.uint8)[8:8 + 3 * 9216].view(3, 128, 72)
+    elif case == "block_size":
+        block_size = 64
+    elif case == "head_dim":
+        q = torch.zeros(1, 1, 64, dtype=FP8)
+    elif case == "q_dtype":
+        q, err = torch.zeros(1, 1, 128, dtype=torch.float8_e5m2), TypeError
+    args = (q, cache, torch.tensor([0, 1], dtype=torch.int32),
+            torch.tensor([1], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32))
+    match = "index_q" if case in ("head_dim", "q_dtype") else "index_cache|block_size"
+    for op in (openmsa.block_scores, openmsa.select_blocks):
+        with pytest.raises(err, match=match):
+            op(*args, block_size=block_size)
+
+
+@pytest.mark.reference
+def test_nvfp4_support_reasons():
+    """support.py: NVFP4 takes fp8 e4m3 / 16-bit queries, 128-token blocks of 128 dims; fp32
+    queries only on the reference."""
+    from openmsa.support import indexer_unsupported_reason as why
+    u8 = torch.uint8
+    ok = dict(num_index_heads=4, index_head_dim=128, block_size=128, topk=16, cache_dtype=u8)
+    for q in (FP8, torch.bfloat16, torch.float16):
+        assert why(query_dtype=q, **ok) is None
+    assert "query" in why(query_dtype=torch.float32, **ok)
+    assert "128" in why(query_dtype=FP8, **{**ok, "block_size": 64})
+    assert openmsa.unsupported_reason(index_dtype=u8) is None
+
+
+@pytest.mark.reference
+@compiled
+@pytest.mark.parametrize("tile_mode, q_type", [(False, "*fp8e4nv"), (True, "*fp8e4nv"),
+                                               (False, "*bf16"), (True, "*bf16")])
+def test_block_scores_kernel_compiles_nvfp4(tile_mode, q_type):
+    """The NVFP4 launches as plan.py makes them (M3's 4 index heads), compiled for sm_90: the
+    PTX dequantization (paired e4m3 -> f16 conversions, f16x2 scale multiplies), one wgmma
+    chain per block, and no register spills."""
+    from helpers.sm90 import assert_no_spills
+
+    from openmsa.ops.indexer.scores import _block_scores_kernel
+    q_dtype = FP8 if q_type == "*fp8e4nv" else torch.bfloat16
+    shape = IndexerShape(num_tokens=8192 if tile_mode else 64, num_heads=4, head_dim=128,
+                         num_requests=1 if tile_mode else 64, max_blocks=1024, block_size=128,
+                         q_dtype=q_dtype, cache_dtype=torch.uint8)
+    launch = plan(shape, DeviceFacts(kind="cuda", num_sms=132, capability=(9, 0),
+                                     gluon_hopper=True)).find(
+        "scores_tile" if tile_mode else "scores_request")
+    params = dict(launch.params)
+    options = dict(num_warps=params.pop("num_warps"), num_stages=params.pop("num_stages"))
+    params.pop("table_width", None)
+    assert params["NVFP4"]
+    k = _compile(_block_scores_kernel, dict(q_ptr=q_type, cache_ptr="*u8", out_ptr=F32, **STEP),
+                 {}, params, options=options)
+    ptx = k.asm["ptx"]
+    assert "cvt.rn.f16x2.e4m3x2" in ptx and "mul.rn.f16x2" in ptx and "wgmma" in ptx
+    assert_no_spills(ptx)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_dtype", [FP8, torch.bfloat16])
+@pytest.mark.parametrize("page_stride", [None, 9216 + 128])
+def test_nvfp4_realistic_steps(q_dtype, page_stride):
+    """M3's shapes on the GPU: decode at 128K and 300K, 4- and 16-token verifies, a 2K prefill
+    chunk after 20K and one from scratch, in one call, 4 index heads; NVFP4 pages at a packed
+    or padded stride with a -1 entry: scores within fp32 summation order of the reference and
+    the selection the reference's rule makes of them."""
+    g = torch.Generator().manual_seed(7)
+    q_lens, seq_lens = [1, 4, 16, 2048, 1, 1000], [131072, 300_001, 9000, 22_000, 200, 1000]
+    step = make_step(q_lens, seq_lens, block_size=GB, extra_columns=2, pad_tokens=5,
+                     generator=g)
+    cache, _ = _nvfp4_cache(step.num_pages, page_stride, generator=g)
+    q = torch.randn(step.num_tokens, 4, 128, generator=g).to(q_dtype)
+    table = step.block_table.clone()
+    table[1, 7] = -1
+    want = ref.block_scores(q, cache, step.cu_seqlens_q, step.seq_lens, table)
+    d = cuda_step(step)
+    dcache = _nvfp4_cache(step.num_pages, page_stride, device="cuda")[0]
+    dcache.copy_(cache.cuda())
+    dargs = (q.cuda(), dcache, d.cu_seqlens_q, d.seq_lens, table.cuda())
+    got = openmsa.block_scores(*dargs)
+    sel = openmsa.select_blocks(*dargs, topk=16, init_blocks=1, local_blocks=2)
+    _, pos = token_layout(step.cu_seqlens_q, step.seq_lens, step.num_tokens)
+    _assert_nvfp4_matches(got, sel, want, pos, 16, 1, 2)
+    # a decode-only step (the request launch alone) and the max_q_len hint
+    one = openmsa.select_blocks(*dargs, topk=16, init_blocks=1, local_blocks=2, max_q_len=2048)
+    assert torch.equal(one, sel)

@@ -263,3 +263,21 @@ def test_config_values_are_checked(field, value, error):
                         select_chunk_min_waves=0, select_group_min_blocks=0, ws_waves=0)
     config = dataclasses.replace(DEFAULT, select_sort_waves=0)
     assert not selection_layout(1, 64, 16, 132, config)[1]  # 0 waves: never the sort path
+
+
+@pytest.mark.parametrize("q_dtype", [FP8, torch.bfloat16])
+def test_nvfp4_cache_takes_the_triton_launches(q_dtype):
+    """An NVFP4 cache (uint8 pages) is scored by the Triton request and tile launches with
+    NVFP4 set (never the Gluon tile kernel, which cannot dequantize), the tile at most 64 rows
+    (128 spill); another cache's launches say NVFP4=False."""
+    shape = _shape(tokens=8192 + 64, requests=65, dtype=q_dtype, cache_dtype=torch.uint8)
+    assert shape.nvfp4
+    p = plan(shape, H200)
+    assert [k for k in p.kernels() if k.startswith("scores_")] == ["scores_request",
+                                                                   "scores_tile"]
+    for launch in p:
+        if launch.kernel.startswith("scores_"):
+            assert launch.params["NVFP4"] and not launch.params["CAST_K"]
+    assert p.find("scores_tile").params["ROWS_T"] == 64 // 4
+    fp8 = plan(_shape(tokens=8192 + 64, requests=65), H200)
+    assert not fp8.find("scores_request").params["NVFP4"] and "scores_tile_ws" in fp8.kernels()

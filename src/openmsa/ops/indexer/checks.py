@@ -3,8 +3,15 @@
 
 from __future__ import annotations
 
-from ..._checks import (check_block_size, check_index_dtypes, check_out, check_positive_int,
-                        check_step, check_tensor)
+import torch
+
+from ..._checks import (FP8, HALF, check_block_size, check_index_dtypes, check_out,
+                        check_positive_int, check_step, check_tensor)
+from ...nvfp4 import HEAD_DIM, check_nvfp4_cache, is_nvfp4_cache
+
+# the index queries an NVFP4 cache is scored with: fp8 e4m3 (vLLM's pairing), 16-bit, and fp32
+# (the reference's own precision; the kernels refuse it, support.py)
+NVFP4_QUERY_TYPES = (FP8, *HALF, torch.float32)
 
 
 def check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, block_size,
@@ -16,20 +23,37 @@ def check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table
     check_tensor("index_q", index_q, ndim=3)
     device = index_q.device
     check_tensor("index_cache", index_cache, ndim=3, device=device)
-    check_index_dtypes(index_q, index_cache)
-    check_block_size(block_size)
-    if index_cache.shape[1] != block_size:
-        raise ValueError(f"index_cache must be [pages, block_size={block_size}, index_head_dim], "
-                         f"got shape {tuple(index_cache.shape)}")
-    if index_cache.shape[2] != index_q.shape[2]:
-        raise ValueError(f"index_cache's last dim ({index_cache.shape[2]}) must equal index_q's "
-                         f"index_head_dim ({index_q.shape[2]})")
+    if is_nvfp4_cache(index_cache):
+        check_block_size(block_size)
+        _check_nvfp4_args(index_q, index_cache, block_size)
+    else:
+        check_index_dtypes(index_q, index_cache)
+        check_block_size(block_size)
+        if index_cache.shape[1] != block_size:
+            raise ValueError(f"index_cache must be [pages, block_size={block_size}, "
+                             f"index_head_dim], got shape {tuple(index_cache.shape)}")
+        if index_cache.shape[2] != index_q.shape[2]:
+            raise ValueError(f"index_cache's last dim ({index_cache.shape[2]}) must equal "
+                             f"index_q's index_head_dim ({index_q.shape[2]})")
     if index_q.shape[1] < 1:
         raise ValueError("index_q must have at least one index head")
     check_step(cu_seqlens_q, seq_lens, block_table, device)
     if out is not None:
         width = block_table.shape[1] if out_width is None else out_width
         check_out("out", out, (*index_q.shape[:2], width), out_dtype, device)
+
+
+def _check_nvfp4_args(index_q, index_cache, block_size) -> None:
+    """A uint8 cache is NVFP4 pages and nothing else (never read as raw bytes): its layout
+    (nvfp4.check_nvfp4_cache), 128-token blocks, index head dim 128 and a query it pairs with."""
+    check_nvfp4_cache("index_cache", index_cache, block_size=block_size)
+    if index_q.dtype not in NVFP4_QUERY_TYPES:
+        raise TypeError(f"index_q must be fp8 e4m3 (float8_e4m3fn), bf16, fp16 or float32 against "
+                        f"an NVFP4 index_cache (uint8), got "
+                        f"{str(index_q.dtype).replace('torch.', '')}")
+    if index_q.shape[2] != HEAD_DIM:
+        raise ValueError(f"an NVFP4 index_cache holds {HEAD_DIM}-dim index keys: index_q's "
+                         f"index_head_dim must be {HEAD_DIM}, got {index_q.shape[2]}")
 
 
 def check_select_args(topk, init_blocks, local_blocks) -> None:

@@ -56,6 +56,11 @@ PREFILL_STAGES = 2
 # fp32 scores of 8 blocks: one 32-byte sector of a score row (the Gluon tile launch's least split)
 SECTOR_BLOCKS = 8
 PREFILL_STAGES_FP8 = 3
+# an NVFP4 cache's (72-byte keys, smaller still than fp8's): fp8's stages (not measured yet)
+PREFILL_STAGES_NVFP4 = PREFILL_STAGES_FP8
+# the tile launch's most (token, head) rows with an NVFP4 cache: at 128 rows its dequantized key
+# tile, the dot's result and the score tile spill on 4 warps (sm_90 compile: 232 bytes); 64 fit
+NVFP4_MAX_ROWS = 64
 # the sort path's warps (few programs, each one's latency is the step's)
 SORT_WARPS = 4
 # scratch slots of a threshold-path program on long segments (at least 4 * KP)
@@ -134,7 +139,7 @@ DEFAULT = IndexerConfig()
 class IndexerShape:
     """What the plan reads of a step. tma_rows: index_q is [T * H, DI] rows and index_cache is
     [pages * BLOCK, DI] rows, each one strided 2-D array that TMA can describe (api.py).
-    topk None: scoring only (block_scores)."""
+    topk None: scoring only (block_scores). cache_dtype torch.uint8: NVFP4 pages (nvfp4)."""
 
     num_tokens: int
     num_heads: int
@@ -149,6 +154,12 @@ class IndexerShape:
     topk: int | None = None
     init_blocks: int = 0
     local_blocks: int = 1
+
+    @property
+    def nvfp4(self) -> bool:
+        """Whether the index cache is NVFP4 pages (openmsa.nvfp4: a uint8 cache is nothing
+        else), dequantized in registers by the Triton launches."""
+        return self.cache_dtype == torch.uint8
 
 
 def plan(shape: IndexerShape, device: DeviceFacts, config: IndexerConfig = DEFAULT) -> LaunchPlan:
@@ -168,9 +179,10 @@ def selection_plan(shape: IndexerShape, device: DeviceFacts,
 
 def ws_eligible(shape: IndexerShape, device: DeviceFacts) -> bool:
     """Whether the tile launch is scores_ws.py's Gluon kernel: Hopper, q and cache of one dtype
-    (fp8 or 16-bit), 128-key blocks, index head dim 128, a power-of-two number of heads, and
-    layouts TMA can describe (shape.tma_rows)."""
-    return (device.hopper and shape.q_dtype == shape.cache_dtype
+    (fp8 or 16-bit; never NVFP4 pages, which the Gluon kernel cannot dequantize), 128-key
+    blocks, index head dim 128, a power-of-two number of heads, and layouts TMA can describe
+    (shape.tma_rows)."""
+    return (device.hopper and not shape.nvfp4 and shape.q_dtype == shape.cache_dtype
             and shape.q_dtype in (FP8, *HALF) and shape.block_size == 128
             and shape.head_dim == 128 and shape.num_heads & (shape.num_heads - 1) == 0
             and shape.tma_rows)
@@ -194,7 +206,7 @@ def _scoring(shape: IndexerShape, device: DeviceFacts, config: IndexerConfig) ->
     common = dict(H=num_heads, HP=hp, DI=shape.head_dim, DIP=max(16, next_pow2(shape.head_dim)),
                   BLOCK=shape.block_size,
                   CAST_K=shape.q_dtype in HALF and shape.cache_dtype in FP8_TYPES, IEEE=ieee,
-                  MAX_SKIPS_NAN=device.nvidia, PDL=device.nvidia)
+                  MAX_SKIPS_NAN=device.nvidia, PDL=device.nvidia, NVFP4=shape.nvfp4)
     # skipped by the hint alone, the tile launch's requests go to the request launch, which then
     # takes any q_len (ANY_Q); with T <= SMALL_Q no request can be longer, and the bound stays
     any_q = only_requests and num_tokens > SMALL_Q
@@ -218,11 +230,13 @@ def _scoring(shape: IndexerShape, device: DeviceFacts, config: IndexerConfig) ->
     if only_requests:
         return launches
     fp8 = shape.cache_dtype in FP8_TYPES
-    rows_t = max(1, config.prefill_rows // hp)
+    rows = min(config.prefill_rows, NVFP4_MAX_ROWS) if shape.nvfp4 else config.prefill_rows
+    rows_t = max(1, rows // hp)
     tile_small_q = 0 if one_request else SMALL_Q
     tile = dict(BPS=config.prefill_bps, TILE_MODE=True, ROWS_T=rows_t, **common,
                 SMALL_Q=tile_small_q, KEYS_AS_ROWS=False, num_warps=PREFILL_WARPS,
-                num_stages=PREFILL_STAGES_FP8 if fp8 else PREFILL_STAGES)
+                num_stages=PREFILL_STAGES_NVFP4 if shape.nvfp4 else
+                PREFILL_STAGES_FP8 if fp8 else PREFILL_STAGES)
     tile_grid = (-(-num_tokens // rows_t), -(-shape.max_blocks // config.prefill_bps))
     if not ws_eligible(shape, device):
         launches.append(Launch("scores_tile", tile_grid, tile))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ...batch import num_causal_blocks, request_spans, token_layout
+from ...nvfp4 import dequantize_index_keys, is_nvfp4_cache, page_parts
 from .checks import check_indexer_args, check_select_args
 from .plan import IndexerConfig
 
@@ -21,7 +22,8 @@ def block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *,
 
     Args:
         index_q: [T, H, Di] query of each token and index head.
-        index_cache: [P, B, Di] one index key per token slot (B == block_size).
+        index_cache: [P, B, Di] one index key per token slot (B == block_size), or an NVFP4
+            cache (uint8 [P, 128, 72] pages, openmsa.nvfp4), scored on its exact fp32 keys.
         cu_seqlens_q: int32 [R+1]; seq_lens: int32 [R]; block_table: int32 [R, max_blocks].
         out: optional fp32 [T, H, max_blocks] (any strides), written in place.
         max_q_len: optional host int, an expected bound on every request's q_len (FlashInfer's
@@ -45,7 +47,7 @@ def block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *,
         nb = pages.shape[0]
         # a negative page id (an unfilled table entry) reads nothing: its block scores -inf
         unfilled = (pages < 0).repeat_interleave(block_size)  # [nb*B]
-        keys = index_cache[pages.clamp(min=0)].reshape(nb * block_size, -1).float()  # [nb*B, Di]
+        keys = _page_keys(index_cache, pages.clamp(min=0)).reshape(nb * block_size, -1)
         key_pos = torch.arange(nb * block_size, device=keys.device)
         step = max(1, _CHUNK_ELEMENTS // (num_heads * nb * block_size))
         for s in range(start, end, step):
@@ -66,6 +68,14 @@ def block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *,
         return scores
     out.copy_(scores)
     return out
+
+
+def _page_keys(index_cache, pages):
+    """fp32 [nb, B, Di]: the keys of the given pages (an NVFP4 cache dequantized, exactly)."""
+    if is_nvfp4_cache(index_cache):
+        codes, scales = page_parts(index_cache)
+        return dequantize_index_keys(codes[pages], scales[pages])
+    return index_cache[pages].float()
 
 
 def select_from_scores(scores, position, *, topk, init_blocks, local_blocks, block_size):

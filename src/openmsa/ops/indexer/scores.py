@@ -14,7 +14,8 @@ which of the two a step needs):
 
 Each program writes its [rows, BPS] score tile once, so stores are coalesced along b.
 Bytes: the request launch reads sum_r nb_r * B * Di * bytes(cache) plus the tiny query and score
-traffic; that is the whole cost model of decode.
+traffic; that is the whole cost model of decode. An NVFP4 cache (NVFP4=True) is 72 bytes a token,
+dequantized in registers by _nvfp4_keys.
 """
 
 import triton
@@ -31,21 +32,106 @@ def _max_skip_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.NONE)
 
 
+# one 32-bit word of codes (8 dims, 4 bytes) and its group's scale * 64 (fp16) to 8 fp16 keys:
+# the E4M3 bytes of the low nibbles (l) and of the high nibbles (h) for 4 bytes at once, then
+# interleaved into (dim 2j, 2j + 1) pairs, converted and scaled two at a time
+_NVFP4_WORD_ASM = tl.constexpr("""{
+.reg .b32 t, l, h, p, q, s2, a, b, c, d;
+.reg .b16 pa, pb, pc, pd;
+shl.b32 t, $8, 2;
+and.b32 l, t, 0x1C1C1C1C;
+shl.b32 t, $8, 4;
+and.b32 t, t, 0x80808080;
+or.b32 l, l, t;
+shr.b32 t, $8, 2;
+and.b32 h, t, 0x1C1C1C1C;
+and.b32 t, $8, 0x80808080;
+or.b32 h, h, t;
+prmt.b32 p, l, h, 0x5140;
+prmt.b32 q, l, h, 0x7362;
+mov.b32 {pa, pb}, p;
+mov.b32 {pc, pd}, q;
+mov.b32 s2, {$9, $9};
+cvt.rn.f16x2.e4m3x2 a, pa;
+cvt.rn.f16x2.e4m3x2 b, pb;
+cvt.rn.f16x2.e4m3x2 c, pc;
+cvt.rn.f16x2.e4m3x2 d, pd;
+mul.rn.f16x2 a, a, s2;
+mul.rn.f16x2 b, b, s2;
+mul.rn.f16x2 c, c, s2;
+mul.rn.f16x2 d, d, s2;
+mov.b32 {$0, $1}, a;
+mov.b32 {$2, $3}, b;
+mov.b32 {$4, $5}, c;
+mov.b32 {$6, $7}, d;
+}""")
+
+
+@triton.jit
+def _nvfp4_keys(cache_ptr, page, page_ok, stride_cp, BLOCK: tl.constexpr, DI: tl.constexpr,
+                dtype: tl.constexpr, PTX: tl.constexpr):
+    """[BLOCK, DI] keys of an NVFP4 page (openmsa/nvfp4.py) in `dtype` (fp16 or bf16), exact.
+
+    Hopper has no FP4 MMA, and at the HBM roof a 72-byte token leaves a few instructions per
+    key value (docs/design.md), so the codes become fp8 bytes by bit moves alone: the E2M1
+    nibble's exponent and mantissa bits shifted two places up are an E4M3 byte whose value is
+    exactly e2m1 * 2^-6 (E2M1's subnormal 0.5 lands on E4M3's subnormals), its sign bit moved to
+    bit 7. The hardware converts the bytes to fp16 in pairs; one fp16 multiply by scale * 64
+    per value (exact: products of 2 and 4 significant bits, 2^-10 <= |k| <= 2688) gives the
+    key, and the caller runs one K = DI MMA on it."""
+    GROUPS: tl.constexpr = DI // 16
+    tok = tl.arange(0, BLOCK)
+    base = cache_ptr + page * stride_cp
+    g = tl.arange(0, GROUPS)
+    scales = tl.load(base + BLOCK * (DI // 2) + tok[:, None] * GROUPS + g[None, :], mask=page_ok,
+                     other=0)  # uint8 [BLOCK, GROUPS]
+    s = scales.to(tl.float8e4nv, bitcast=True).to(tl.float16) * 64.0
+    if PTX:
+        # (NVIDIA GPUs: the bit moves on 4 code bytes at once, PTX's prmt and paired cvt; the
+        # interpreter and ROCm take the tl form below, the same values)
+        # a token's codes as 32-bit words (8 dims each; two words per scale group)
+        w = tl.arange(0, DI // 8)
+        words = tl.load(base.to(tl.pointer_type(tl.int32)) + tok[:, None] * (DI // 8) + w[None, :],
+                        mask=page_ok, other=0)  # int32 [BLOCK, DI / 8]
+        sw = tl.join(s, s).reshape(BLOCK, DI // 8)
+        v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+            _NVFP4_WORD_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, sw],
+            dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+        k = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)),
+                    tl.join(tl.join(v1, v5), tl.join(v3, v7))).reshape(BLOCK, DI)
+    else:
+        j = tl.arange(0, DI // 2)
+        codes = tl.load(base + tok[:, None] * (DI // 2) + j[None, :], mask=page_ok,
+                        other=0)  # uint8 [BLOCK, DI / 2]: dim 2j low nibble, 2j + 1 high
+        lo = ((codes & 0x07) << 2) | ((codes & 0x08) << 4)
+        hi = ((codes >> 2) & 0x1C) | (codes & 0x80)
+        k = tl.join(lo, hi).reshape(BLOCK, DI).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        k = (k.reshape(BLOCK, GROUPS, 16) * s[:, :, None]).reshape(BLOCK, DI)
+    return k.to(dtype)
+
+
 @triton.jit
 def _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, stride_cb, stride_cd,
                  d, DI: tl.constexpr, BLOCK: tl.constexpr, BPS: tl.constexpr,
                  CAST_K: tl.constexpr, IEEE: tl.constexpr, CAUSAL: tl.constexpr,
-                 KEYS_AS_ROWS: tl.constexpr, MAX_SKIPS_NAN: tl.constexpr):
-    """Column b - b_lo of the [rows, BPS] score tile: each row's max over block b's keys."""
+                 KEYS_AS_ROWS: tl.constexpr, MAX_SKIPS_NAN: tl.constexpr,
+                 NVFP4: tl.constexpr = False):
+    """Column b - b_lo of the [rows, BPS] score tile: each row's max over block b's keys.
+    NVFP4: the cache is NVFP4 pages (stride_cp apart; q is 16-bit, see _nvfp4_query)."""
     offs = tl.arange(0, BLOCK)
     cols = tl.arange(0, BPS)
     page = tl.sum(tl.where(cols == b - b_lo, split_pages, 0), axis=0).to(tl.int64)
     # a negative page id (a table the engine left unfilled) reads nothing and scores -inf
     page_ok = page >= 0
-    k = tl.load(cache_ptr + page * stride_cp + offs[:, None] * stride_cb + d[None, :] * stride_cd,
-                mask=page_ok & (d[None, :] < DI), other=0.0)  # [BLOCK, DIP]
-    if CAST_K:
-        k = k.to(q.dtype)
+    if NVFP4:
+        # (MAX_SKIPS_NAN is the plan's "an NVIDIA GPU": the PTX form of the dequantization)
+        k = _nvfp4_keys(cache_ptr, page, page_ok, stride_cp, BLOCK, DI, q.dtype, MAX_SKIPS_NAN)
+    else:
+        k = tl.load(cache_ptr + page * stride_cp + offs[:, None] * stride_cb
+                    + d[None, :] * stride_cd, mask=page_ok & (d[None, :] < DI),
+                    other=0.0)  # [BLOCK, DIP]
+        if CAST_K:
+            k = k.to(q.dtype)
     if KEYS_AS_ROWS:
         # keys are the matrix unit's M dimension (128 >= the 64 rows of a Hopper warpgroup MMA),
         # so an fp8 key tile feeds the tensor cores from shared memory as is; with the query rows
@@ -76,6 +162,15 @@ def _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, strid
 
 
 @triton.jit
+def _nvfp4_query(q):
+    """The query against NVFP4 keys: fp8 e4m3 as fp16 (exact), so that it meets the fp16 keys of
+    _nvfp4_keys in one fp16 MMA; a 16-bit query as is (the keys take its type)."""
+    if q.dtype.is_fp8():
+        q = q.to(tl.float16)
+    return q
+
+
+@triton.jit
 def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, seq_len, q_len,
                        t_req, b_lo, b_hi, stride_qt, stride_qh, stride_qd, stride_cp,
                        stride_cb, stride_cd, stride_btb, stride_ot, stride_oh, stride_ob,
@@ -83,11 +178,13 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
                        BLOCK: tl.constexpr, ROWS_T: tl.constexpr, BPS: tl.constexpr,
                        CAST_K: tl.constexpr, IEEE: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
                        MAX_SKIPS_NAN: tl.constexpr, split_pages_given=0,
-                       PAGES_GIVEN: tl.constexpr = False, ONE_LOOP: tl.constexpr = False):
+                       PAGES_GIVEN: tl.constexpr = False, ONE_LOOP: tl.constexpr = False,
+                       NVFP4: tl.constexpr = False):
     """Score tokens [t_begin, t_end) (< ROWS_T of them, all of one request whose first token is
     t_req) against blocks [b_lo, b_hi) and store the tile; rows are (token, head) pairs.
     PAGES_GIVEN: the caller loaded the split's page ids (split_pages_given, [BPS]); ONE_LOOP: one
-    causal-masked loop over the split instead of an unmasked loop and a masked one."""
+    causal-masked loop over the split instead of an unmasked loop and a masked one; NVFP4: the
+    cache is NVFP4 pages."""
     M: tl.constexpr = ROWS_T * HP
     rows = tl.arange(0, M)
     tok = t_begin + rows // HP  # [M]
@@ -99,6 +196,8 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
     q = tl.load(q_ptr + tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
                 + d[None, :] * stride_qd, mask=row_ok[:, None] & (d[None, :] < DI),
                 other=0.0)  # [M, DIP]
+    if NVFP4:
+        q = _nvfp4_query(q)
     cols = tl.arange(0, BPS)
     # the split's page ids up front: the loop then issues only key loads with addresses from
     # registers, which the software pipeline prefetches (no block-table -> key load chain)
@@ -118,11 +217,11 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
     for b in range(b_lo, b_full):
         tile = _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, stride_cb,
                             stride_cd, d, DI, BLOCK, BPS, CAST_K, IEEE, False, KEYS_AS_ROWS,
-                            MAX_SKIPS_NAN)
+                            MAX_SKIPS_NAN, NVFP4)
     for b in range(b_full, b_hi):
         tile = _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, stride_cb,
                             stride_cd, d, DI, BLOCK, BPS, CAST_K, IEEE, True, KEYS_AS_ROWS,
-                            MAX_SKIPS_NAN)
+                            MAX_SKIPS_NAN, NVFP4)
     blk = b_lo + cols
     out = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh \
         + blk.to(tl.int64)[None, :] * stride_ob
@@ -139,7 +238,7 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                          TILE_MODE: tl.constexpr, ROWS_T: tl.constexpr, CAST_K: tl.constexpr,
                          IEEE: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
                          MAX_SKIPS_NAN: tl.constexpr, PDL: tl.constexpr = False,
-                         table_width=0):
+                         table_width=0, NVFP4: tl.constexpr = False):
     if PDL:
         # the selection launch may start now (programmatic dependent launch): it takes effect
         # once every program of this launch has passed here, and the selection waits for this
@@ -192,7 +291,7 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                                            stride_cp, stride_cb, stride_cd, stride_btb,
                                            stride_ot, stride_oh, stride_ob, H, HP, DI, DIP,
                                            BLOCK, ROWS_T, BPS, CAST_K, IEEE, KEYS_AS_ROWS,
-                                           MAX_SKIPS_NAN)
+                                           MAX_SKIPS_NAN, NVFP4=NVFP4)
                 r += 1
     else:
         r = pid
@@ -215,4 +314,4 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                                    stride_qd, stride_cp, stride_cb, stride_cd, stride_btb,
                                    stride_ot, stride_oh, stride_ob, H, HP, DI, DIP, BLOCK,
                                    ROWS_T, BPS, CAST_K, IEEE, KEYS_AS_ROWS, MAX_SKIPS_NAN,
-                                   pages, True, True)
+                                   pages, True, True, NVFP4)
