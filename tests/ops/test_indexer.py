@@ -414,7 +414,8 @@ def test_gluon_launch_descriptors(dtype, heads):
                          max_blocks=7, block_size=128, q_dtype=dtype, cache_dtype=dtype,
                          tma_rows=True)
     ws = plan(shape, DeviceFacts()).find("scores_tile_ws")
-    assert ws.params["bps"] == 32 and ws.params["H"] == heads
+    # 7 blocks: one split of a whole 8-block sector
+    assert ws.params["bps"] == 8 and ws.params["H"] == heads
 
 
 # ------------------------------------------------------------- compiled for sm_90 (no GPU)
