@@ -412,3 +412,108 @@ def test_fnuz_cache_writes_match_reference(kernel_device):
                            slots.to(kernel_device), k_scale=0.5)
     assert torch.equal(got_k.cpu().view(torch.uint8), want_k.view(torch.uint8))
     assert torch.equal(got_v.cpu().view(torch.uint8), want_v.view(torch.uint8))
+
+
+# ------------------------------------------------------------------- NVFP4 index pages
+NVFP4_STRIDE = 9216 + 48  # pages apart in a wider buffer (a multiple of 16)
+MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def _ulps(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x and its fp32 neighbours up to n steps either side, [..., 2n + 1]."""
+    out = [x]
+    up, down = x, x
+    for _ in range(n):
+        up = torch.nextafter(up, torch.full_like(up, float("inf")))
+        down = torch.nextafter(down, torch.full_like(down, float("-inf")))
+        out += [up, down]
+    return torch.stack(out, -1)
+
+
+def _nvfp4_keys(seed=0) -> torch.Tensor:
+    """fp32 [N, 128] keys that hit every rule of the quantizer: random keys from 1e-6 to 1e4,
+    group maxima sweeping every e4m3 scale and the midpoints between scales (and one ulp around
+    them), below the 2^-9 floor and above the 448 cap; values whose product x * r lands exactly
+    on and a few ulps around every E2M1 midpoint; zeros, fp32 subnormals, +-1e30."""
+    g = torch.Generator().manual_seed(seed)
+    groups = []
+    groups.append((torch.randn(64, 8, 16, generator=g)
+                   * torch.logspace(-6, 4, 64)[:, None, None]).reshape(-1, 16))
+    e4m3 = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = (e4m3[1:] + e4m3[:-1]) / 2
+    scales = torch.cat([e4m3, _ulps(mids, 1).flatten(), torch.tensor([2.0 ** -12, 2.0 ** -10,
+                                                                      460.0, 1e4])])
+    amax = scales * 6
+    rest = (torch.rand(len(amax), 15, generator=g) * 2 - 1) * amax[:, None]
+    groups.append(torch.cat([amax[:, None] * torch.where(torch.rand(len(amax), 1, generator=g)
+                                                        < 0.5, 1.0, -1.0), rest], 1))
+    for s in e4m3[::5]:  # products on and around the midpoints: x = m / r and its neighbours
+        r = 1.0 / s
+        x = _ulps(torch.tensor(MIDPOINTS) / r, 2).flatten()
+        x = torch.cat([x, -x, torch.tensor(MIDPOINTS) * s])
+        for chunk in x.split(15):
+            row = torch.zeros(16)
+            row[0] = 6 * s  # the group's max sets the scale to s
+            row[1:1 + len(chunk)] = chunk
+            groups.append(row[None])
+    groups.append(torch.tensor([[0.0] * 16, [-0.0] * 16, [1e-40, -1e-41] * 8,
+                                [1e30, -1e30] + [1.0] * 14]))
+    rows = torch.cat(groups)
+    rows = torch.cat([rows, torch.zeros(-len(rows) % 8, 16)])
+    return rows.reshape(-1, 128)
+
+
+def _nvfp4_cache(pages, device, fill=0xAB):
+    buf = torch.full((pages * NVFP4_STRIDE,), fill, dtype=torch.uint8, device=device)
+    return buf, buf.as_strided((pages, 128, 72), (NVFP4_STRIDE, 72, 1))
+
+
+@pytest.mark.reference
+def test_nvfp4_reference_write_is_the_format_module():
+    keys = _nvfp4_keys()
+    n = keys.shape[0]
+    buf, cache = _nvfp4_cache(2, "cpu")
+    slots = torch.arange(n) - 1  # slot -1 skipped
+    ref.write_index_cache(keys, cache, slots)
+    codes, scales = openmsa.nvfp4.quantize_index_keys(keys[1:])
+    got_codes, got_scales = openmsa.nvfp4.page_parts(cache)
+    assert torch.equal(got_codes.reshape(-1, 64)[:n - 1], codes)
+    assert torch.equal(got_scales.reshape(-1, 8)[:n - 1], scales)
+    assert (got_codes.reshape(-1, 64)[n - 1:] == 0xAB).all()
+    # nothing outside the pages' 9216 bytes was touched
+    gaps = buf.view(2, NVFP4_STRIDE)[:, 9216:]
+    assert (gaps == 0xAB).all()
+
+
+def _check_nvfp4_write(device, keys, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = keys.shape[0]
+    pages = -(-n // 128) + 1
+    slots = torch.randperm(pages * 128, generator=g)[:n]
+    slots[::17] = -1
+    want_buf, want = _nvfp4_cache(pages, "cpu")
+    ref.write_index_cache(keys, want, slots)
+    got_buf, got = _nvfp4_cache(pages, device)
+    openmsa.write_index_cache(keys.to(device), got, slots.to(device))
+    got_buf = got_buf.cpu()
+    differ = (got_buf != want_buf).nonzero().flatten()
+    assert differ.numel() == 0, f"{differ.numel()} bytes differ, first at {differ[:8].tolist()}"
+
+
+@pytest.mark.interpret
+def test_nvfp4_index_write_kernel_is_bit_exact(kernel_device):
+    _check_nvfp4_write(kernel_device, _nvfp4_keys())
+
+
+@pytest.mark.interpret
+def test_nvfp4_index_write_kernel_from_16bit_keys(kernel_device):
+    keys = (torch.randn(40, 128, generator=torch.Generator().manual_seed(5)) * 3).bfloat16()
+    _check_nvfp4_write(kernel_device, keys, seed=1)
+
+
+@pytest.mark.gpu
+def test_nvfp4_index_write_kernel_is_bit_exact_on_gpu():
+    keys = torch.cat([_nvfp4_keys(seed) for seed in range(4)])
+    _check_nvfp4_write("cuda", keys)
+    big = torch.randn(20000, 128, generator=torch.Generator().manual_seed(9)) * 2
+    _check_nvfp4_write("cuda", big, seed=2)
