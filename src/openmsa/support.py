@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from . import nvfp4
 from ._checks import FP8, FP8_FNUZ, FP8_TYPES, HALF
 from ._dispatch import INTERPRET, capability
 from .config import MSAConfig
@@ -68,6 +69,19 @@ def _device_reason(device, needs_fp8: bool | torch.dtype) -> str | None:
     return None
 
 
+def _nvfp4_reason(index_head_dim: int, block_size: int, query_dtype: torch.dtype,
+                  device) -> str | None:
+    """An NVFP4 index cache (uint8, openmsa.nvfp4): the format fixes Di and the page at 128, and
+    its query is fp8 e4m3fn or 16-bit."""
+    reason = nvfp4.requirement_reason(index_head_dim, block_size)
+    if reason is not None:
+        return reason
+    if query_dtype not in (FP8, *HALF):
+        return f"an NVFP4 index cache takes a float8_e4m3fn, bfloat16 or float16 index query, " \
+               f"got {str(query_dtype).replace('torch.', '')}"
+    return _device_reason(device, query_dtype == FP8)
+
+
 def indexer_unsupported_reason(*, num_index_heads: int, index_head_dim: int, block_size: int,
                                topk: int | None, query_dtype: torch.dtype,
                                cache_dtype: torch.dtype, device=None) -> str | None:
@@ -82,6 +96,8 @@ def indexer_unsupported_reason(*, num_index_heads: int, index_head_dim: int, blo
                f"{num_index_heads}"
     if topk is not None and topk > MAX_TOPK:
         return f"the selection kernel takes topk up to {MAX_TOPK}, got {topk}"
+    if cache_dtype == nvfp4.DTYPE:
+        return _nvfp4_reason(index_head_dim, block_size, query_dtype, device)
     ok = (query_dtype == cache_dtype and query_dtype in (*HALF, *FP8_TYPES, torch.float32)) or \
         (query_dtype in HALF and cache_dtype in FP8_TYPES)
     if not ok:
@@ -127,8 +143,10 @@ def unsupported_reason(config: MSAConfig | None = None, *, index_dtype: torch.dt
 
     Args:
         config: the layer (M3's defaults when None).
-        index_dtype: dtype of the index cache.
-        index_query_dtype: dtype of the index query (the index cache's when None).
+        index_dtype: dtype of the index cache; torch.uint8 for NVFP4 index pages (72 bytes per
+            token; needs index_head_dim == block_size == 128).
+        index_query_dtype: dtype of the index query (the index cache's when None; fp8 e4m3
+            against NVFP4 pages).
         query_dtype: dtype of the main branch's q.
         kv_dtype: dtype of the main K/V cache.
         device: the target device; None skips the device checks.
@@ -137,7 +155,8 @@ def unsupported_reason(config: MSAConfig | None = None, *, index_dtype: torch.dt
     reason = indexer_unsupported_reason(
         num_index_heads=config.num_index_heads, index_head_dim=config.index_head_dim,
         block_size=config.block_size, topk=config.topk_blocks,
-        query_dtype=index_query_dtype or index_dtype, cache_dtype=index_dtype, device=device)
+        query_dtype=index_query_dtype or nvfp4.index_query_dtype(index_dtype),
+        cache_dtype=index_dtype, device=device)
     if reason is not None:
         return reason
     return attention_unsupported_reason(
