@@ -47,8 +47,8 @@ def write_index_cache(index_k, index_cache, slot_mapping, *, config: CacheConfig
     """index_k [T, Di] -> index_cache [P, B, Di] (any strides) at slot = page * B + offset.
 
     An fp8 cache gets a saturating cast (+-448, no scale); an NVFP4 cache (uint8 [P, 128, 72],
-    Di = 128) gets each key quantized exactly as `openmsa.nvfp4` does; a slot < 0 is skipped. Slots are not
-    range-checked (a device value); they must lie in [0, P * B) or be negative.
+    Di = 128) gets each key quantized exactly as `openmsa.nvfp4` does; a slot < 0 is skipped.
+    Slots are not range-checked (a device value); they must lie in [0, P * B) or be negative.
     """
     if not use_kernels(index_k):
         _check_config(config)
