@@ -326,6 +326,9 @@ def test_refusals(pair):
     fresh = copy.deepcopy(ref)
     for kw, match in ((dict(kv_cache_dtype="int8"), "kv_cache_dtype"),
                       (dict(index_cache_dtype=torch.int8), "index_cache_dtype"),
+                      (dict(kv_cache_dtype="nvfp4"), "kv_cache_dtype"),  # index caches only
+                      # NVFP4 pages need index_head_dim == block_size == 128
+                      (dict(index_cache_dtype="nvfp4"), "index_cache_dtype: an NVFP4"),
                       (dict(ops="dense"), "ops"), (dict(rope_angles="bf16"), "rope_angles"),
                       (dict(max_chunk_tokens=0), "max_chunk_tokens"),
                       (dict(prefill_chunk_size=-1), "prefill_chunk_size"),

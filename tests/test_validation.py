@@ -211,3 +211,84 @@ def test_unsupported_reason_fnuz_and_rocm():
     assert _rocm_reason("gfx950", fnuz) == \
         "gfx950's fp8 is float8_e4m3fn, got float8_e4m3fnuz inputs"
     assert "gfx942 and gfx950 only, this GPU is gfx90a" in _rocm_reason("gfx90a", None)
+
+
+# NVFP4 index caches (uint8 [P, 128, 72] pages): every bad cache is refused by name
+def _nvfp4_bad_caches():
+    u8 = dict(dtype=torch.uint8)
+    return [
+        (torch.zeros(2, 128, 64, **u8), r"\[P, 128, 72\]"),
+        (torch.zeros(2, 64, 72, **u8), r"\[P, 128, 72\]"),
+        (torch.zeros(2, 9216, **u8), "3-D"),
+        (torch.zeros(2, 72, 128, **u8).transpose(1, 2), "contiguous bytes"),
+        (torch.zeros(2 * 9216, **u8).as_strided((2, 128, 72), (9200, 72, 1)), "page stride"),
+        (torch.zeros(3 * 9224, **u8).as_strided((2, 128, 72), (9224, 72, 1)), "multiple of 16"),
+        (torch.zeros(2 * 9216 + 16, **u8)[1:].as_strided((2, 128, 72), (9216, 72, 1)),
+         "aligned"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(7))
+def test_nvfp4_index_write_bad_caches(case):
+    cache, match = _nvfp4_bad_caches()[case]
+    with pytest.raises(ValueError, match=match) as e:
+        openmsa.write_index_cache(torch.randn(3, 128), cache, torch.zeros(3, dtype=torch.int64))
+    assert str(e.value).startswith("index_cache")
+
+
+def test_nvfp4_index_write_needs_128_dim_keys():
+    cache = torch.zeros(2, 128, 72, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="index_k: an NVFP4 index cache holds 128-dim"):
+        openmsa.write_index_cache(torch.randn(3, 64), cache, torch.zeros(3, dtype=torch.int64))
+
+
+NVFP4_CFG = openmsa.MSAConfig(num_heads=4, num_kv_heads=1, head_dim=64, num_index_heads=1,
+                              index_head_dim=128, block_size=128, rotary_dim=32)
+
+
+def _prepare_args(cfg=NVFP4_CFG, index_cache=None):
+    t, d, di = 3, cfg.head_dim, cfg.index_head_dim
+    width = (cfg.num_heads + 2 * cfg.num_kv_heads) * d + (cfg.num_index_heads + 1) * di
+    kc = torch.zeros(2, cfg.block_size, cfg.num_kv_heads, d)
+    slots = torch.zeros(t, dtype=torch.int64)
+    if index_cache is None:
+        index_cache = torch.zeros(2, 128, 72, dtype=torch.uint8)
+    return [torch.randn(t, width), slots, cfg, torch.zeros(d), torch.zeros(d), torch.zeros(di),
+            torch.zeros(di), kc, kc.clone(), slots, index_cache, slots]
+
+
+@pytest.mark.parametrize("case", range(7))
+def test_nvfp4_fused_prepare_bad_caches(case):
+    cache, match = _nvfp4_bad_caches()[case]
+    with pytest.raises(ValueError, match=match) as e:
+        openmsa.fused_prepare(*_prepare_args(index_cache=cache))
+    assert str(e.value).startswith("index_cache")
+
+
+def test_nvfp4_fused_prepare_geometry_and_query():
+    q, iq = openmsa.fused_prepare(*_prepare_args())  # the good case runs
+    assert iq.dtype == FP8 and iq.shape == (3, 1, 128)
+    small = openmsa.MSAConfig(num_heads=4, num_kv_heads=1, head_dim=64, num_index_heads=1,
+                              index_head_dim=64, block_size=128, rotary_dim=32)
+    with pytest.raises(ValueError, match="config.index_head_dim: an NVFP4 index cache holds"):
+        openmsa.fused_prepare(*_prepare_args(small, torch.zeros(2, 128, 72, dtype=torch.uint8)))
+    paged64 = openmsa.MSAConfig(num_heads=4, num_kv_heads=1, head_dim=64, num_index_heads=1,
+                                index_head_dim=128, block_size=64, rotary_dim=32)
+    with pytest.raises(ValueError, match="block_size must be 128"):
+        openmsa.fused_prepare(*_prepare_args(paged64, torch.zeros(2, 128, 72,
+                                                                  dtype=torch.uint8)))
+    with pytest.raises(TypeError, match="index_q against an NVFP4 index cache"):
+        openmsa.fused_prepare(*_prepare_args(),
+                              index_q_out=torch.empty(3, 1, 128, dtype=torch.float8_e4m3fnuz))
+
+
+def test_unsupported_reason_nvfp4():
+    u8 = torch.uint8
+    assert openmsa.unsupported_reason(index_dtype=u8) is None  # M3: Di 128, 128-token pages
+    assert openmsa.unsupported_reason(index_dtype=u8, index_query_dtype=torch.bfloat16) is None
+    reason = openmsa.unsupported_reason(openmsa.MSAConfig(block_size=64), index_dtype=u8)
+    assert "NVFP4 index cache needs index_head_dim == 128 and block_size == 128" in reason
+    reason = openmsa.unsupported_reason(openmsa.MSAConfig(index_head_dim=64), index_dtype=u8)
+    assert "index_head_dim 64" in reason
+    reason = openmsa.unsupported_reason(index_dtype=u8, index_query_dtype=torch.float32)
+    assert "NVFP4 index cache takes a float8_e4m3fn, bfloat16 or float16 index query" in reason

@@ -4,7 +4,7 @@
 Public names only; see ../../README.md and docs/ for the layout of the package.
 """
 
-from . import reference
+from . import nvfp4, reference
 from .batch import validate_batch
 from .config import MSAConfig
 # each op's launch config (every knob of the op): `config=` of the op, `cache_config=` of
@@ -16,6 +16,7 @@ from .ops.cache.plan import CacheConfig
 from .ops.indexer.api import block_scores, select_blocks
 from .ops.indexer.plan import IndexerConfig
 from .layer import MSAAttention
+from .nvfp4 import dequantize_index_pages
 from .plan import MSAMetadata, MSAPlanner
 from .support import unsupported_reason
 
@@ -33,4 +34,5 @@ def __getattr__(name):
 __all__ = ["MSAConfig", "block_scores", "select_blocks", "sparse_attention", "sparse_page_table",
            "validate_batch", "write_index_cache", "write_kv_cache", "fused_prepare",
            "unsupported_reason", "reference", "MSAAttention", "MSAPlanner", "MSAMetadata",
-           "IndexerConfig", "AttentionConfig", "CacheConfig", "__version__"]
+           "IndexerConfig", "AttentionConfig", "CacheConfig", "nvfp4", "dequantize_index_pages",
+           "__version__"]

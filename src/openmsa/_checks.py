@@ -89,8 +89,14 @@ def check_out(name: str, out, shape: tuple[int, ...], dtype: torch.dtype,
 
 def check_index_dtypes(index_q: torch.Tensor, index_cache: torch.Tensor) -> None:
     """docs/spec.md, Caches and layouts: both fp8; a 16-bit query against the same 16-bit or an
-    fp8 cache; fp32 with fp32 (the reference's own precision, for tests)."""
+    fp8 cache; fp32 with fp32 (the reference's own precision, for tests). Against NVFP4 pages
+    (uint8): an fp8 e4m3fn, 16-bit or fp32 query."""
     q, c = index_q.dtype, index_cache.dtype
+    if c == torch.uint8:
+        if q not in (FP8, *HALF, torch.float32):
+            raise TypeError(f"index_q against an NVFP4 index cache (uint8) must be float8_e4m3fn, "
+                            f"bfloat16, float16 or float32, got {str(q).replace('torch.', '')}")
+        return
     ok = (q == c and q in (*HALF, *FP8_TYPES, torch.float32)) or (q in HALF and c in FP8_TYPES)
     if not ok:
         raise TypeError(f"index_q ({str(q).replace('torch.', '')}) and index_cache "

@@ -65,8 +65,12 @@ class MSAAttention(nn.Module):
             spec in PyTorch), or any object with `fused_prepare`, `select_blocks` and
             `sparse_attention` taking the public ops' arguments (the tests plug in dense
             attention this way).
-        index_query_dtype: the index query's dtype (None: the index cache's; a 16-bit type
-            against an fp8 cache is allowed).
+        index_query_dtype: the index query's dtype (None: the index cache's, or fp8 e4m3
+            against NVFP4 pages; a 16-bit type against an fp8 or NVFP4 cache is allowed).
+
+    The index cache is passed to `forward`; its dtype picks the format: bf16/fp16/fp8 pages
+    [P, B, Di], or NVFP4 pages (torch.uint8 [P, 128, 72], 72 bytes a token, Di = B = 128; see
+    `openmsa.nvfp4.index_cache_shape`).
     """
 
     def __init__(self, config: MSAConfig, hidden_size: int, *, tp_size: int = 1,
@@ -153,7 +157,8 @@ class MSAAttention(nn.Module):
         """hidden [T, hidden] -> this rank's o_proj partial output [T, hidden].
 
         kv_cache: (k_cache, v_cache) viewed [P, B, Hkv_rank, D] (any strides); index_cache
-        [P, B, Di]. The step's keys are written into the caches before attention reads them.
+        [P, B, Di], or NVFP4 pages (uint8 [P, 128, 72]). The step's keys are written into the
+        caches before attention reads them.
         """
         cfg = self.config
         ops = self._ops

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import nvfp4
 from .config import MSAConfig
 from .layer import MSAAttention
 from .ops.cache.reference import rms_norm
@@ -91,7 +92,10 @@ class ToyEngine:
         for _ in model.layers:
             packed = torch.zeros(num_pages, hkv, b, 2 * d, dtype=kv_dtype, device=device)
             kc, vc = packed[..., :d].permute(0, 2, 1, 3), packed[..., d:].permute(0, 2, 1, 3)
-            ic = torch.zeros(num_pages, b, cfg.index_head_dim, dtype=index_dtype, device=device)
+            # uint8: NVFP4 pages, [P, 128, 72] bytes
+            ic = torch.zeros(nvfp4.index_cache_shape(num_pages, b, cfg.index_head_dim,
+                                                     index_dtype), dtype=index_dtype,
+                             device=device)
             self.caches.append((kc, vc, ic))
         g = torch.Generator().manual_seed(seed)
         self.free = torch.randperm(num_pages, generator=g).tolist()

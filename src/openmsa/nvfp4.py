@@ -15,7 +15,8 @@ import torch
 
 __all__ = ["PAGE_TOKENS", "HEAD_DIM", "TOKEN_BYTES", "CODE_BYTES", "SCALE_BYTES", "PAGE_BYTES",
            "GROUP", "quantize_index_keys", "dequantize_index_keys", "page_parts",
-           "dequantize_index_pages", "is_nvfp4_cache", "check_nvfp4_cache"]
+           "dequantize_index_pages", "is_nvfp4_cache", "check_nvfp4_cache", "DTYPE",
+           "QUERY_DTYPE", "index_query_dtype", "index_cache_shape", "requirement_reason"]
 
 PAGE_TOKENS = 128   # tokens per page (the index block size)
 HEAD_DIM = 128      # index head dim
@@ -27,6 +28,11 @@ PAGE_BYTES = PAGE_TOKENS * TOKEN_BYTES  # 9216
 SCALES_AT = PAGE_TOKENS * CODE_BYTES    # 8192: where a page's scales start
 # what the kernels need of a page's base address (vector loads of a token's codes)
 ALIGN = 16
+
+# an index cache of this dtype is an NVFP4 one; its index query is fp8 e4m3 by default (vLLM's
+# "Q8KV4" pairing; a 16-bit query is accepted too)
+DTYPE = torch.uint8
+QUERY_DTYPE = torch.float8_e4m3fn
 
 # E2M1 magnitudes of codes 0..7
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -101,10 +107,38 @@ def dequantize_index_keys(codes: torch.Tensor, scales: torch.Tensor) -> torch.Te
     return (values.unflatten(-1, (SCALE_BYTES, GROUP)) * s[..., None]).flatten(-2)
 
 
+def index_query_dtype(cache_dtype: torch.dtype) -> torch.dtype:
+    """The index query's default dtype for an index cache of `cache_dtype`: the cache's own,
+    except fp8 e4m3 against NVFP4 pages (uint8 holds no query)."""
+    return QUERY_DTYPE if cache_dtype == DTYPE else cache_dtype
+
+
+def requirement_reason(index_head_dim: int, block_size: int) -> str | None:
+    """Why a layer cannot use NVFP4 index pages, in one sentence (None: it can): the format
+    fixes both the index head dim and the page size at 128."""
+    if index_head_dim != HEAD_DIM or block_size != PAGE_TOKENS:
+        return (f"an NVFP4 index cache needs index_head_dim == {HEAD_DIM} and block_size == "
+                f"{PAGE_TOKENS} (72-byte tokens in 9216-byte pages), got index_head_dim "
+                f"{index_head_dim} and block_size {block_size}")
+    return None
+
+
+def index_cache_shape(num_pages: int, block_size: int, index_head_dim: int,
+                      dtype: torch.dtype) -> tuple[int, int, int]:
+    """The shape of an index cache of `dtype`: [P, B, Di], or [P, 128, 72] bytes for NVFP4
+    (which needs B == Di == 128: ValueError otherwise)."""
+    if dtype != DTYPE:
+        return num_pages, block_size, index_head_dim
+    reason = requirement_reason(index_head_dim, block_size)
+    if reason is not None:
+        raise ValueError(reason)
+    return num_pages, PAGE_TOKENS, TOKEN_BYTES
+
+
 def is_nvfp4_cache(index_cache) -> bool:
     """Whether an index cache is an NVFP4 one: the uint8 dtype says so (a uint8 cache is never
     read as anything else)."""
-    return isinstance(index_cache, torch.Tensor) and index_cache.dtype == torch.uint8
+    return isinstance(index_cache, torch.Tensor) and index_cache.dtype == DTYPE
 
 
 def check_nvfp4_cache(name: str, index_cache: torch.Tensor, *, block_size: int | None = None

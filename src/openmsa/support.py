@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from . import nvfp4
 from ._checks import FP8, FP8_FNUZ, FP8_TYPES, HALF
 from ._dispatch import INTERPRET, capability
 from .config import MSAConfig
@@ -82,7 +83,7 @@ def indexer_unsupported_reason(*, num_index_heads: int, index_head_dim: int, blo
                f"{num_index_heads}"
     if topk is not None and topk > MAX_TOPK:
         return f"the selection kernel takes topk up to {MAX_TOPK}, got {topk}"
-    if cache_dtype == torch.uint8:
+    if cache_dtype == nvfp4.DTYPE:
         return _nvfp4_reason(index_head_dim, block_size, query_dtype, device)
     ok = (query_dtype == cache_dtype and query_dtype in (*HALF, *FP8_TYPES, torch.float32)) or \
         (query_dtype in HALF and cache_dtype in FP8_TYPES)
@@ -96,12 +97,12 @@ def _nvfp4_reason(index_head_dim, block_size, query_dtype, device) -> str | None
     """An NVFP4 index cache (uint8, openmsa.nvfp4): 128-token pages of 128-dim keys, an fp8
     e4m3 or 16-bit query; the kernels turn the codes into e4m3 bytes and convert those with the
     hardware's e4m3 conversion, so they need fp8 hardware (compute capability 8.9)."""
-    if block_size != 128 or index_head_dim != 128:
-        return f"an NVFP4 index cache holds 128-token pages of 128-dim keys, got block size " \
-               f"{block_size} and index head dim {index_head_dim}"
+    reason = nvfp4.requirement_reason(index_head_dim, block_size)
+    if reason is not None:
+        return reason
     if query_dtype not in (FP8, *HALF):
-        return f"the indexer kernels take an fp8 e4m3, bf16 or fp16 query against an NVFP4 " \
-               f"index cache, got {query_dtype}"
+        return f"an NVFP4 index cache takes a float8_e4m3fn, bfloat16 or float16 index query, " \
+               f"got {str(query_dtype).replace('torch.', '')}"
     return _device_reason(device, FP8)
 
 
@@ -142,9 +143,10 @@ def unsupported_reason(config: MSAConfig | None = None, *, index_dtype: torch.dt
 
     Args:
         config: the layer (M3's defaults when None).
-        index_dtype: dtype of the index cache (torch.uint8: NVFP4 pages, openmsa.nvfp4).
+        index_dtype: dtype of the index cache; torch.uint8 for NVFP4 index pages (72 bytes per
+            token; needs index_head_dim == block_size == 128).
         index_query_dtype: dtype of the index query (the index cache's when None; fp8 e4m3
-            for an NVFP4 cache).
+            against NVFP4 pages).
         query_dtype: dtype of the main branch's q.
         kv_dtype: dtype of the main K/V cache.
         device: the target device; None skips the device checks.
@@ -153,7 +155,7 @@ def unsupported_reason(config: MSAConfig | None = None, *, index_dtype: torch.dt
     reason = indexer_unsupported_reason(
         num_index_heads=config.num_index_heads, index_head_dim=config.index_head_dim,
         block_size=config.block_size, topk=config.topk_blocks,
-        query_dtype=index_query_dtype or (FP8 if index_dtype == torch.uint8 else index_dtype),
+        query_dtype=index_query_dtype or nvfp4.index_query_dtype(index_dtype),
         cache_dtype=index_dtype, device=device)
     if reason is not None:
         return reason

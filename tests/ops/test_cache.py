@@ -323,7 +323,10 @@ def test_cache_write_kernels_compile_sm90():
 
     compile_sm90(_write_index_cache_kernel, dict(src_ptr="*bf16", cache_ptr="*fp8e4nv",
                                              slot_ptr=I64), {},
-             dict(BLOCK=128, DI=128, DIP=128, SATURATE=True))
+             dict(BLOCK=128, DI=128, DIP=128, SATURATE=True, NVFP4=False))
+    compile_sm90(_write_index_cache_kernel, dict(src_ptr="*bf16", cache_ptr="*u8",
+                                             slot_ptr=I64), {},
+             dict(BLOCK=128, DI=128, DIP=128, SATURATE=False, NVFP4=True))
     compile_sm90(_write_kv_cache_kernel, dict(k_ptr="*bf16", v_ptr="*bf16", k_cache_ptr="*fp8e4nv",
                                           v_cache_ptr="*fp8e4nv", slot_ptr=I64,
                                           k_scale_ptr=F32, v_scale_ptr=F32), {},
@@ -334,20 +337,24 @@ def test_cache_write_kernels_compile_sm90():
 @pytest.mark.skipif(INTERPRET, reason=COMPILE_SKIP)
 @pytest.mark.parametrize("kv_type, index_type, fp32_angles, rope_scale",
                          [("*fp8e4nv", "*fp8e4nv", False, 1.0), ("*bf16", "*bf16", False, 1.0),
-                          ("*bf16", "*fp8e4nv", True, 1.0693147180559945)])  # fp32 form, YaRN
+                          ("*bf16", "*fp8e4nv", True, 1.0693147180559945),  # fp32 form, YaRN
+                          ("*bf16", "*u8", False, 1.0)])  # NVFP4 index pages
 def test_fused_prepare_kernel_compiles_sm90(kv_type, index_type, fp32_angles, rope_scale):
     from openmsa.ops.cache.prepare import _fused_prepare_kernel
 
     fp8 = kv_type == "*fp8e4nv"
+    nvfp4 = index_type == "*u8"
     compile_sm90(_fused_prepare_kernel,
              dict(qkv_ptr="*bf16", pos_ptr=I32, qw_ptr="*bf16", kw_ptr="*bf16", iqw_ptr="*bf16",
                   ikw_ptr="*bf16", table_ptr=F32, k_cache_ptr=kv_type, v_cache_ptr=kv_type,
                   slot_ptr=I64, index_cache_ptr=index_type, index_slot_ptr=I64,
-                  k_scale_ptr=F32, v_scale_ptr=F32, q_out_ptr="*bf16", iq_out_ptr=index_type),
+                  k_scale_ptr=F32, v_scale_ptr=F32, q_out_ptr="*bf16",
+                  iq_out_ptr="*fp8e4nv" if nvfp4 else index_type),
              dict(eps="fp32"),
              dict(HQ=64, HKV=4, H=4, D=128, DI=128, DP=128, DIP=128, ROT=64, NCOARSE=16384,
                   BLOCK=128, IBLOCK=128, HT=16, KV_SATURATE=fp8,
-                  INDEX_SATURATE=index_type == "*fp8e4nv", IQ_SATURATE=index_type == "*fp8e4nv",
+                  INDEX_SATURATE=index_type == "*fp8e4nv",
+                  IQ_SATURATE=index_type == "*fp8e4nv" or nvfp4, INDEX_NVFP4=nvfp4,
                   HAS_SCALE=fp8, FP32_ANGLES=fp32_angles, ROPE_SCALE=rope_scale))
 
 
@@ -412,3 +419,170 @@ def test_fnuz_cache_writes_match_reference(kernel_device):
                            slots.to(kernel_device), k_scale=0.5)
     assert torch.equal(got_k.cpu().view(torch.uint8), want_k.view(torch.uint8))
     assert torch.equal(got_v.cpu().view(torch.uint8), want_v.view(torch.uint8))
+
+
+# ------------------------------------------------------------------- NVFP4 index pages
+NVFP4_STRIDE = 9216 + 48  # pages apart in a wider buffer (a multiple of 16)
+MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def _ulps(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x and its fp32 neighbours up to n steps either side, [..., 2n + 1]."""
+    out = [x]
+    up, down = x, x
+    for _ in range(n):
+        up = torch.nextafter(up, torch.full_like(up, float("inf")))
+        down = torch.nextafter(down, torch.full_like(down, float("-inf")))
+        out += [up, down]
+    return torch.stack(out, -1)
+
+
+def _nvfp4_keys(seed=0) -> torch.Tensor:
+    """fp32 [N, 128] keys that hit every rule of the quantizer: random keys from 1e-6 to 1e4,
+    group maxima sweeping every e4m3 scale and the midpoints between scales (and one ulp around
+    them), below the 2^-9 floor and above the 448 cap; values whose product x * r lands exactly
+    on and a few ulps around every E2M1 midpoint; zeros, fp32 subnormals, +-1e30."""
+    g = torch.Generator().manual_seed(seed)
+    groups = []
+    groups.append((torch.randn(64, 8, 16, generator=g)
+                   * torch.logspace(-6, 4, 64)[:, None, None]).reshape(-1, 16))
+    e4m3 = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = (e4m3[1:] + e4m3[:-1]) / 2
+    scales = torch.cat([e4m3, _ulps(mids, 1).flatten(), torch.tensor([2.0 ** -12, 2.0 ** -10,
+                                                                      460.0, 1e4])])
+    amax = scales * 6
+    rest = (torch.rand(len(amax), 15, generator=g) * 2 - 1) * amax[:, None]
+    groups.append(torch.cat([amax[:, None] * torch.where(torch.rand(len(amax), 1, generator=g)
+                                                        < 0.5, 1.0, -1.0), rest], 1))
+    for s in e4m3[::5]:  # products on and around the midpoints: x = m / r and its neighbours
+        r = 1.0 / s
+        x = _ulps(torch.tensor(MIDPOINTS) / r, 2).flatten()
+        x = torch.cat([x, -x, torch.tensor(MIDPOINTS) * s])
+        for chunk in x.split(15):
+            row = torch.zeros(16)
+            row[0] = 6 * s  # the group's max sets the scale to s
+            row[1:1 + len(chunk)] = chunk
+            groups.append(row[None])
+    groups.append(torch.tensor([[0.0] * 16, [-0.0] * 16, [1e-40, -1e-41] * 8,
+                                [1e30, -1e30] + [1.0] * 14]))
+    rows = torch.cat(groups)
+    rows = torch.cat([rows, torch.zeros(-len(rows) % 8, 16)])
+    return rows.reshape(-1, 128)
+
+
+def _nvfp4_cache(pages, device, fill=0xAB):
+    buf = torch.full((pages * NVFP4_STRIDE,), fill, dtype=torch.uint8, device=device)
+    return buf, buf.as_strided((pages, 128, 72), (NVFP4_STRIDE, 72, 1))
+
+
+@pytest.mark.reference
+def test_nvfp4_reference_write_is_the_format_module():
+    keys = _nvfp4_keys()
+    n = keys.shape[0]
+    buf, cache = _nvfp4_cache(2, "cpu")
+    slots = torch.arange(n) - 1  # slot -1 skipped
+    ref.write_index_cache(keys, cache, slots)
+    codes, scales = openmsa.nvfp4.quantize_index_keys(keys[1:])
+    got_codes, got_scales = openmsa.nvfp4.page_parts(cache)
+    assert torch.equal(got_codes.reshape(-1, 64)[:n - 1], codes)
+    assert torch.equal(got_scales.reshape(-1, 8)[:n - 1], scales)
+    assert (got_codes.reshape(-1, 64)[n - 1:] == 0xAB).all()
+    # nothing outside the pages' 9216 bytes was touched
+    gaps = buf.view(2, NVFP4_STRIDE)[:, 9216:]
+    assert (gaps == 0xAB).all()
+
+
+def _check_nvfp4_write(device, keys, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = keys.shape[0]
+    pages = -(-n // 128) + 1
+    slots = torch.randperm(pages * 128, generator=g)[:n]
+    slots[::17] = -1
+    want_buf, want = _nvfp4_cache(pages, "cpu")
+    ref.write_index_cache(keys, want, slots)
+    got_buf, got = _nvfp4_cache(pages, device)
+    openmsa.write_index_cache(keys.to(device), got, slots.to(device))
+    got_buf = got_buf.cpu()
+    differ = (got_buf != want_buf).nonzero().flatten()
+    assert differ.numel() == 0, f"{differ.numel()} bytes differ, first at {differ[:8].tolist()}"
+
+
+@pytest.mark.interpret
+def test_nvfp4_index_write_kernel_is_bit_exact(kernel_device):
+    _check_nvfp4_write(kernel_device, _nvfp4_keys())
+
+
+@pytest.mark.interpret
+def test_nvfp4_index_write_kernel_from_16bit_keys(kernel_device):
+    keys = (torch.randn(40, 128, generator=torch.Generator().manual_seed(5)) * 3).bfloat16()
+    _check_nvfp4_write(kernel_device, keys, seed=1)
+
+
+@pytest.mark.gpu
+def test_nvfp4_index_write_kernel_is_bit_exact_on_gpu():
+    keys = torch.cat([_nvfp4_keys(seed) for seed in range(4)])
+    _check_nvfp4_write("cuda", keys)
+    big = torch.randn(20000, 128, generator=torch.Generator().manual_seed(9)) * 2
+    _check_nvfp4_write("cuda", big, seed=2)
+
+
+# the index branch at NVFP4's geometry (Di = 128, 128-token pages); a small main branch
+CFG_NVFP4 = openmsa.MSAConfig(num_heads=8, num_kv_heads=2, head_dim=64, num_index_heads=2,
+                              index_head_dim=128, block_size=128, rotary_dim=32,
+                              rope_theta=5e6)
+NVFP4_INDEX_SLOTS = [30, -1, 2, 140, 200, 201, 255, -1]
+
+
+def _nvfp4_prepare(device, fn, seed=0):
+    """fn's fused_prepare of one step into a strided NVFP4 index cache: (q, index_q, the cache's
+    buffer, k_cache)."""
+    g = torch.Generator().manual_seed(seed)
+    cfg, t = CFG_NVFP4, len(POSITIONS)
+    qkv = (torch.randn(t, _width(cfg), generator=g) * 3).to(torch.bfloat16)
+    w = [(torch.randn(n, generator=g) * 0.2).to(torch.bfloat16) for n in (64, 64, 128, 128)]
+    kc = torch.zeros(2, 128, 2, 64, dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    buf, ic = _nvfp4_cache(2, device)
+    ints = [torch.tensor(x, device=device) for x in (POSITIONS, SLOTS, NVFP4_INDEX_SLOTS)]
+    q, iq = fn(qkv.to(device), ints[0], cfg, *[x.to(device) for x in w], kc.to(device),
+               vc.to(device), ints[1], ic, ints[2])
+    return q, iq, buf.cpu(), kc
+
+
+@pytest.mark.interpret
+def test_fused_prepare_nvfp4_index_cache_is_bit_exact(kernel_device):
+    q, iq, buf, _ = _nvfp4_prepare(kernel_device, openmsa.fused_prepare)
+    wq, wiq, want, _ = _nvfp4_prepare("cpu", ref.fused_prepare)
+    assert iq.dtype == FP8 and wiq.dtype == FP8  # fp8 index query against NVFP4 pages
+    _close(q, wq, torch.bfloat16)
+    _close(iq, wiq, FP8)
+    # the index keys' bytes, quantized in the kernel: as the reference's, and only at the slots
+    differ = (buf != want).nonzero().flatten()
+    assert differ.numel() == 0, f"{differ.numel()} bytes differ, first at {differ[:8].tolist()}"
+    pages = want.view(2, NVFP4_STRIDE)
+    written = sorted(s for s in NVFP4_INDEX_SLOTS if s >= 0)
+    untouched = [s for s in range(256) if s not in written]
+    codes, scales = openmsa.nvfp4.page_parts(
+        want.as_strided((2, 128, 72), (NVFP4_STRIDE, 72, 1)))
+    assert (codes.reshape(256, 64)[untouched] == 0xAB).all()
+    assert (scales.reshape(256, 8)[written] != 0xAB).any(-1).all()
+    assert (pages[:, 9216:] == 0xAB).all()
+
+
+@pytest.mark.gpu
+def test_fused_prepare_nvfp4_on_gpu():
+    """On the GPU the fp32 index key may differ from the reference's by the RMS sum's order, so
+    a code can flip where a product sits at an E2M1 midpoint: the bytes must agree on all but a
+    few tokens, and every differing token's dequantized key within one code step."""
+    q, iq, buf, _ = _nvfp4_prepare("cuda", openmsa.fused_prepare)
+    wq, wiq, want, _ = _nvfp4_prepare("cpu", ref.fused_prepare)
+    _close(q, wq, torch.bfloat16)
+    _close(iq, wiq, FP8)
+    pages = [b.as_strided((2, 128, 72), (NVFP4_STRIDE, 72, 1)) for b in (buf, want)]
+    got_k, want_k = (openmsa.dequantize_index_pages(p) for p in pages)
+    # one code step is at most 2 scales (4 -> 6); a scale one e4m3 step apart moves a value by
+    # at most 1/8 of 6 scales: within 2 of the larger scale either way
+    scales = [openmsa.nvfp4.page_parts(p)[1].view(torch.float8_e4m3fn).float() for p in pages]
+    bound = 2 * torch.maximum(*scales).abs().repeat_interleave(16, dim=-1)  # 0xAB fill < 0
+    assert ((got_k - want_k).abs() <= bound).all()
+    assert (buf != want).float().mean().item() < 0.001

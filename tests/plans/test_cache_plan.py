@@ -49,6 +49,9 @@ def test_prepare_params_follow_dtypes_dims_and_scales():
         0].params
     assert (p["DP"], p["DIP"], p["KV_SATURATE"], p["INDEX_SATURATE"], p["HAS_SCALE"]) == \
         (128, 64, False, False, False)
+    assert p["INDEX_NVFP4"] is False
+    p = plan(_prepare(index=torch.uint8, index_q=FP8), H200).launches[0].params
+    assert (p["INDEX_NVFP4"], p["INDEX_SATURATE"], p["IQ_SATURATE"]) == (True, False, True)
 
 
 def test_prepare_knobs_come_from_the_config():
@@ -61,7 +64,9 @@ def test_prepare_knobs_come_from_the_config():
 def test_writes():
     launch, = plan(IndexWriteShape(7, 96, 64, FP8), H200)
     assert launch.kernel == "write_index_cache" and launch.grid == (7,)
-    assert dict(launch.params) == dict(BLOCK=64, DI=96, DIP=128, SATURATE=True)
+    assert dict(launch.params) == dict(BLOCK=64, DI=96, DIP=128, SATURATE=True, NVFP4=False)
+    nvfp4, = plan(IndexWriteShape(7, 128, 128, torch.uint8), H200)
+    assert dict(nvfp4.params) == dict(BLOCK=128, DI=128, DIP=128, SATURATE=False, NVFP4=True)
     launch, = plan(KVWriteShape(5, 3, 128, 16, torch.float16, False), H200)
     assert launch.kernel == "write_kv_cache" and launch.grid == (5,)
     assert dict(launch.params) == dict(BLOCK=16, HKV=3, HKVP=4, D=128, DP=128, SATURATE=False,

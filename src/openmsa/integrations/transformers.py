@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import nvfp4
 from ..config import MSAConfig
 from ..layer import MSAAttention
 from ..plan import MSAPlanner
@@ -43,6 +44,8 @@ _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.
            "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32,
            "float8_e4m3fn": torch.float8_e4m3fn, "fp8": torch.float8_e4m3fn}
 _CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
+# the index cache may also hold NVFP4 pages (openmsa.nvfp4): uint8, 72 bytes a token
+_INDEX_DTYPES = {**_DTYPES, "nvfp4": nvfp4.DTYPE, "uint8": nvfp4.DTYPE}
 
 
 def _modeling():
@@ -54,17 +57,21 @@ def _modeling():
     return m
 
 
-def _cache_dtype(name: str, value, default: torch.dtype) -> torch.dtype:
+def _cache_dtype(name: str, value, default: torch.dtype, *, index: bool = False
+                 ) -> torch.dtype:
+    """A cache dtype by name or dtype; `index`: the index cache's, which may be NVFP4."""
+    names = _INDEX_DTYPES if index else _DTYPES
     if value is None:
         return default
     if isinstance(value, str):
-        if value not in _DTYPES:
-            raise ValueError(f"{name} must be one of {sorted(_DTYPES)} or a torch.dtype, got "
+        if value not in names:
+            raise ValueError(f"{name} must be one of {sorted(names)} or a torch.dtype, got "
                              f"{value!r}")
-        value = _DTYPES[value]
-    if not isinstance(value, torch.dtype) or value not in _CACHE_DTYPES:
-        raise TypeError(f"{name} must be bfloat16, float16, float32 or float8_e4m3fn, got "
-                        f"{value!r}")
+        value = names[value]
+    allowed = _CACHE_DTYPES + ((nvfp4.DTYPE,) if index else ())
+    if not isinstance(value, torch.dtype) or value not in allowed:
+        also = ", float8_e4m3fn or uint8 (NVFP4)" if index else " or float8_e4m3fn"
+        raise TypeError(f"{name} must be bfloat16, float16, float32{also}, got {value!r}")
     return value
 
 
@@ -142,7 +149,8 @@ class _OpenMSAState:
         kw = dict(device=self.layers[layer].qkv_weight.device)  # the layer's own GPU
         k = torch.zeros(pages, b, c.num_kv_heads, c.head_dim, dtype=self.kv_dtype, **kw)
         v = torch.zeros_like(k)
-        ic = torch.zeros(pages, b, c.index_head_dim, dtype=self.index_dtype, **kw)
+        ic = torch.zeros(nvfp4.index_cache_shape(pages, b, c.index_head_dim, self.index_dtype),
+                         dtype=self.index_dtype, **kw)
         return k, v, ic
 
     def _grow(self, need: int) -> None:
@@ -413,7 +421,9 @@ def use_openmsa(model, *, kv_cache_dtype=None, index_cache_dtype=None, ops: str 
         model: `MiniMaxM3VLForCausalLM`, `MiniMaxM3SparseForConditionalGeneration` (its
             language model) or one of their base models, changed in place.
         kv_cache_dtype, index_cache_dtype: the paged caches' dtypes (bfloat16, float16,
-            float32 or float8_e4m3fn, or "bf16" / "fp8" / ...); None: the model's dtype.
+            float32 or float8_e4m3fn, or "bf16" / "fp8" / ...); None: the model's dtype. The
+            index cache may also be "nvfp4" (torch.uint8): NVFP4 pages of 72 bytes a token
+            (docs/spec.md), for index_head_dim == block_size == 128.
         ops: "kernels" (openmsa's public ops: Triton on CUDA, the reference on CPU) or
             "reference" (the pure-PyTorch reference everywhere).
         rope_angles: "fp32" (default: angles as transformers forms them, so the sparse layers
@@ -425,7 +435,8 @@ def use_openmsa(model, *, kv_cache_dtype=None, index_cache_dtype=None, ops: str 
             generation config sets one; None: no chunking unless asked for.
         num_pages: pages of `block_size` tokens to allocate up front (the caches grow by
             doubling past that).
-        index_query_dtype: the index query's dtype (None: the index cache's).
+        index_query_dtype: the index query's dtype (None: the index cache's; fp8 e4m3 with
+            an NVFP4 index cache).
 
     Refused with ValueError: beam search, assisted or prompt-lookup decoding, contrastive
     search, static / offloaded / quantized caches, 4-D attention masks, output_attentions,
@@ -448,7 +459,7 @@ def use_openmsa(model, *, kv_cache_dtype=None, index_cache_dtype=None, ops: str 
     weight = text.embed_tokens.weight
     dtype, device = weight.dtype, weight.device
     kv_dtype = _cache_dtype("kv_cache_dtype", kv_cache_dtype, dtype)
-    index_dtype = _cache_dtype("index_cache_dtype", index_cache_dtype, dtype)
+    index_dtype = _cache_dtype("index_cache_dtype", index_cache_dtype, dtype, index=True)
     iq_dtype = None if index_query_dtype is None else _cache_dtype("index_query_dtype",
                                                                    index_query_dtype, dtype)
     with warnings.catch_warnings():
@@ -457,6 +468,10 @@ def use_openmsa(model, *, kv_cache_dtype=None, index_cache_dtype=None, ops: str 
         warnings.simplefilter("ignore")
         config = MSAConfig.from_hf_config(text.config)
     config = _check_rope(replace(config, rope_angles=rope_angles), text)
+    if index_dtype == nvfp4.DTYPE:
+        reason = nvfp4.requirement_reason(config.index_head_dim, config.block_size)
+        if reason is not None:
+            raise ValueError(f"index_cache_dtype: {reason}")
     state = _OpenMSAState(config, device, kv_dtype, index_dtype, max_chunk_tokens, num_pages)
     m = _modeling()
     for i, layer in enumerate(text.layers):

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ... import rope
+from ... import nvfp4, rope
 from ..._checks import check_scale_arg
 from ..._dispatch import on_tensor_device, scale_args, use_kernels
 from ..common.launch import PlanCache, call_key, scale_key
@@ -46,8 +46,9 @@ def write_index_cache(index_k, index_cache, slot_mapping, *, config: CacheConfig
                       ) -> None:
     """index_k [T, Di] -> index_cache [P, B, Di] (any strides) at slot = page * B + offset.
 
-    An fp8 cache gets a saturating cast (+-448, no scale); a slot < 0 is skipped. Slots are not
-    range-checked (a device value); they must lie in [0, P * B) or be negative.
+    An fp8 cache gets a saturating cast (+-448, no scale); an NVFP4 cache (uint8 [P, 128, 72],
+    Di = 128) gets each key quantized exactly as `openmsa.nvfp4` does; a slot < 0 is skipped.
+    Slots are not range-checked (a device value); they must lie in [0, P * B) or be negative.
     """
     if not use_kernels(index_k):
         _check_config(config)
@@ -133,15 +134,16 @@ def fused_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_
             one rank (any strides). positions: int [T] (padding tokens may hold anything >= 0 or
             -1; positions >= 2^24 are not supported). config: the rank's MSAConfig.
         *_norm_weight: [D] or [Di] Gemma RMSNorm weights. k_cache, v_cache: [P, B, Hkv, D] any
-            strides; index_cache [P, B, Di]; slot_mapping, index_slot_mapping: int [T], < 0 skips.
+            strides; index_cache [P, B, Di], or NVFP4 pages (uint8 [P, 128, 72]);
+            slot_mapping, index_slot_mapping: int [T], < 0 skips.
         k_scale, v_scale: optional per-tensor scales of an fp8 main cache (stores x / scale).
         q_out [T, Hq, D], index_q_out [T, H, Di]: optional outputs (any strides).
         cache_config: the launch knobs (`CacheConfig`; None: the defaults). Named apart from
             `config`, which is the layer's geometry.
 
     Returns:
-        (q, index_q): q in qkv's dtype (or q_out's), index_q in the index cache's (or
-        index_q_out's) dtype.
+        (q, index_q): q in qkv's dtype (or q_out's), index_q in the index cache's (fp8 e4m3 for
+        an NVFP4 cache) or index_q_out's dtype.
     """
     if not use_kernels(qkv):
         _check_config(cache_config, "cache_config")
@@ -167,7 +169,8 @@ def fused_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_
             qkv.shape[0], config.num_heads, config.num_kv_heads, config.num_index_heads,
             config.head_dim, config.index_head_dim, config.rotary_dim, k_cache.shape[1],
             index_cache.shape[1], k_cache.dtype, index_cache.dtype,
-            index_cache.dtype if index_q_out is None else index_q_out.dtype,
+            nvfp4.index_query_dtype(index_cache.dtype) if index_q_out is None
+            else index_q_out.dtype,
             k_scale is not None or v_scale is not None, config.rope_angles == "fp32",
             rope.attention_factor(config))
         table = rope_table(config.rotary_dim, float(config.rope_theta), str(qkv.device),
@@ -181,7 +184,8 @@ def fused_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_
                             device=qkv.device)
     if index_q_out is None:
         index_q_out = torch.empty(num_tokens, config.num_index_heads, config.index_head_dim,
-                                  dtype=index_cache.dtype, device=qkv.device)
+                                  dtype=nvfp4.index_query_dtype(index_cache.dtype),
+                                  device=qkv.device)
     if not launches:
         return q_out, index_q_out
     _, ks, vs = scale_args(k_scale, v_scale, qkv.device, qkv)

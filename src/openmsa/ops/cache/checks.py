@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import torch
 
+from ... import nvfp4
 from ..._checks import FP8_TYPES, HALF, check_tensor, check_unit_stride
 
 CACHE_DTYPES = (*HALF, *FP8_TYPES, torch.float32)
+# an index cache may also hold NVFP4 pages (uint8, openmsa.nvfp4)
+INDEX_CACHE_DTYPES = (*CACHE_DTYPES, nvfp4.DTYPE)
 SOURCE_DTYPES = (*HALF, torch.float32)
 SLOT_DTYPES = (torch.int32, torch.int64)
 
@@ -15,15 +18,26 @@ SLOT_DTYPES = (torch.int32, torch.int64)
 def check_index_write(index_k, index_cache, slot_mapping) -> None:
     check_tensor("index_k", index_k, ndim=2, dtypes=SOURCE_DTYPES + FP8_TYPES)
     device = index_k.device
-    check_tensor("index_cache", index_cache, ndim=3, dtypes=CACHE_DTYPES, device=device)
+    check_tensor("index_cache", index_cache, ndim=3, dtypes=INDEX_CACHE_DTYPES, device=device)
     check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=SLOT_DTYPES, device=device)
     check_unit_stride("slot_mapping", slot_mapping)
-    if index_cache.shape[2] != index_k.shape[1]:
+    if nvfp4.is_nvfp4_cache(index_cache):
+        _check_nvfp4_index("index_k", index_k.shape[1], index_cache)
+    elif index_cache.shape[2] != index_k.shape[1]:
         raise ValueError(f"index_cache's last dim ({index_cache.shape[2]}) must equal index_k's "
                          f"({index_k.shape[1]})")
     if slot_mapping.shape[0] != index_k.shape[0]:
         raise ValueError(f"slot_mapping must have a slot per token ({index_k.shape[0]}), got "
                          f"{slot_mapping.shape[0]}")
+
+
+def _check_nvfp4_index(name: str, index_head_dim: int, index_cache, block_size=None) -> None:
+    """An NVFP4 index cache (uint8 [P, 128, 72] pages) and the index head dim written into it
+    (`name` says where that dim comes from)."""
+    nvfp4.check_nvfp4_cache("index_cache", index_cache, block_size=block_size)
+    if index_head_dim != nvfp4.HEAD_DIM:
+        raise ValueError(f"{name}: an NVFP4 index cache holds {nvfp4.HEAD_DIM}-dim index keys, "
+                         f"got index head dim {index_head_dim}")
 
 
 def check_kv_write(k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -83,11 +97,16 @@ def check_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_
     if k_cache.shape != v_cache.shape or tuple(k_cache.shape[2:]) != (hkv, d):
         raise ValueError(f"k_cache and v_cache must both be [pages, block, {hkv}, {d}], got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    check_tensor("index_cache", index_cache, ndim=3, dtypes=CACHE_DTYPES, device=device)
-    if index_cache.shape[2] != di:
+    check_tensor("index_cache", index_cache, ndim=3, dtypes=INDEX_CACHE_DTYPES, device=device)
+    nvfp4_index = nvfp4.is_nvfp4_cache(index_cache)
+    if nvfp4_index:
+        _check_nvfp4_index("config.index_head_dim", di, index_cache, config.block_size)
+    elif index_cache.shape[2] != di:
         raise ValueError(f"index_cache must be [pages, block, {di}], got "
                          f"{tuple(index_cache.shape)}")
-    for name, c in (("k_cache", k_cache), ("index_cache", index_cache)):
+    caches = (("k_cache", k_cache),) if nvfp4_index else (("k_cache", k_cache),
+                                                           ("index_cache", index_cache))
+    for name, c in caches:
         if c.shape[1] != config.block_size:
             raise ValueError(f"{name}'s pages must hold config.block_size = {config.block_size} "
                              f"tokens, got {c.shape[1]}")

@@ -18,6 +18,9 @@ from ..._checks import FP8_TYPES
 from ..._dispatch import next_pow2
 from ..common.plan import DeviceFacts, Launch, LaunchPlan
 
+# an index cache of this dtype holds NVFP4 pages (openmsa.nvfp4)
+NVFP4 = torch.uint8
+
 __all__ = ["CacheConfig", "DEFAULT", "IndexWriteShape", "KVWriteShape", "PrepareShape", "plan",
            "ROPE_MAX_POSITION", "ROPE_FINE"]
 
@@ -50,7 +53,8 @@ DEFAULT = CacheConfig()
 
 @dataclass(frozen=True)
 class IndexWriteShape:
-    """write_index_cache: T rows of `dim` into pages of `block_size` rows of `cache_dtype`."""
+    """write_index_cache: T rows of `dim` into pages of `block_size` rows of `cache_dtype`
+    (uint8: NVFP4 pages, 72 bytes a row)."""
 
     num_tokens: int
     dim: int
@@ -114,7 +118,7 @@ def plan(shape, device: DeviceFacts, config: CacheConfig = DEFAULT) -> LaunchPla
     if isinstance(shape, IndexWriteShape):
         return LaunchPlan([Launch("write_index_cache", (shape.num_tokens,), dict(
             BLOCK=shape.block_size, DI=shape.dim, DIP=next_pow2(shape.dim),
-            SATURATE=shape.cache_dtype in FP8_TYPES))])
+            SATURATE=shape.cache_dtype in FP8_TYPES, NVFP4=shape.cache_dtype == NVFP4))])
     if isinstance(shape, KVWriteShape):
         return LaunchPlan([Launch("write_kv_cache", (shape.num_tokens,), dict(
             BLOCK=shape.block_size, HKV=shape.num_kv_heads, HKVP=next_pow2(shape.num_kv_heads),
@@ -130,4 +134,5 @@ def plan(shape, device: DeviceFacts, config: CacheConfig = DEFAULT) -> LaunchPla
         BLOCK=shape.block_size, IBLOCK=shape.index_block_size, HT=ht,
         KV_SATURATE=shape.kv_cache_dtype in FP8_TYPES,
         INDEX_SATURATE=shape.index_cache_dtype in FP8_TYPES,
+        INDEX_NVFP4=shape.index_cache_dtype == NVFP4,
         IQ_SATURATE=shape.index_q_dtype in FP8_TYPES, num_warps=config.prepare_warps))])

@@ -6,7 +6,8 @@ to HT heads of one role of one token from the fused projection row `[q | k | v |
 * kv tiles: RMSNorm(k_norm) -> RoPE -> k_cache, and v (untouched) -> v_cache, at `slot`;
 * index-q tiles: RMSNorm(index_q_norm) -> RoPE -> cast -> index_q_out;
 * the index-k program: RMSNorm(index_k_norm) -> RoPE -> saturating cast -> index_cache at
-  `index_slot`.
+  `index_slot`; into an NVFP4 index cache (INDEX_NVFP4) it is quantized by `nvfp4_store`, the
+  same helper as write_index_cache's.
 
 Bytes per token: read the row (qkv dtype), write q, index_q, k, v, index_k: memory bound.
 
@@ -22,7 +23,7 @@ cos and sin (1.0 without scaling).
 import triton
 import triton.language as tl
 
-from .write import kv_scales, saturate_to
+from .write import kv_scales, nvfp4_store, saturate_to
 
 
 @triton.jit
@@ -89,7 +90,7 @@ def _fused_prepare_kernel(
         NCOARSE: tl.constexpr, FP32_ANGLES: tl.constexpr, ROPE_SCALE: tl.constexpr,
         BLOCK: tl.constexpr, IBLOCK: tl.constexpr, HT: tl.constexpr,
         KV_SATURATE: tl.constexpr, INDEX_SATURATE: tl.constexpr, IQ_SATURATE: tl.constexpr,
-        HAS_SCALE: tl.constexpr):
+        HAS_SCALE: tl.constexpr, INDEX_NVFP4: tl.constexpr):
     t = tl.program_id(0)
     tile = tl.program_id(1)
     NQ: tl.constexpr = (HQ + HT - 1) // HT
@@ -133,7 +134,15 @@ def _fused_prepare_kernel(
         tl.store(dst, saturate_to(y, iq_out_ptr.dtype.element_ty, IQ_SATURATE), mask=mask)
     else:
         slot = tl.load(index_slot_ptr + t).to(tl.int64)
-        if slot >= 0:
+        if INDEX_NVFP4:
+            if slot >= 0:
+                # a one-row tile: the quantizer takes the key as [128] (DI == IBLOCK == 128)
+                y, _ = _norm_rope(row, stride_xc, (HQ + 2 * HKV) * D + H * DI, 1, ikw_ptr, pos,
+                                  table_ptr, eps, 1, DI, DIP, ROT, NCOARSE, FP32_ANGLES,
+                                  ROPE_SCALE)
+                nvfp4_store(index_cache_ptr + (slot // IBLOCK) * stride_icp, slot % IBLOCK,
+                            tl.reshape(y, (DIP,)))
+        elif slot >= 0:
             y, mask = _norm_rope(row, stride_xc, (HQ + 2 * HKV) * D + H * DI, 1, ikw_ptr, pos,
                                  table_ptr, eps, HT, DI, DIP, ROT, NCOARSE, FP32_ANGLES, ROPE_SCALE)
             d = tl.arange(0, DIP)[None, :]

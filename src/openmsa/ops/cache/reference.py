@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ... import rope
+from ... import nvfp4, rope
 from ..._checks import FP8_TYPES, check_scale_arg, fp8_max
 from .checks import check_index_write, check_kv_write
 
@@ -44,8 +44,16 @@ def _scatter_rows(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.T
 def write_index_cache(index_k, index_cache, slot_mapping, *, config: CacheConfig | None = None
                       ) -> None:
     """index_k [T, Di] -> index_cache [P, B, Di] at slot = page * B + offset; slot < 0 skipped.
+    An NVFP4 cache (uint8 [P, 128, 72]) gets each key quantized by `openmsa.nvfp4`: its codes
+    and scales land in their halves of the page (docs/spec.md, NVFP4 index pages).
     (config: the kernels' launch config, accepted for the public signature and unused.)"""
     check_index_write(index_k, index_cache, slot_mapping)
+    if nvfp4.is_nvfp4_cache(index_cache):
+        codes, scales = nvfp4.quantize_index_keys(index_k)
+        code_pages, scale_pages = nvfp4.page_parts(index_cache)
+        _scatter_rows(code_pages, codes, slot_mapping)
+        _scatter_rows(scale_pages, scales, slot_mapping)
+        return
     _scatter_rows(index_cache, to_cache_dtype(index_k, index_cache.dtype), slot_mapping)
 
 
@@ -142,8 +150,8 @@ def fused_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_
     k and v into the main cache through `slot_mapping`, index_k (cast to the index cache dtype)
     into the index cache through `index_slot_mapping`; slots < 0 are skipped.
 
-    Returns (q [T, Hq, D] in qkv's dtype, index_q [T, H, Di] in the index cache's dtype), or
-    written into q_out / index_q_out (whose dtypes then rule).
+    Returns (q [T, Hq, D] in qkv's dtype, index_q [T, H, Di] in the index cache's dtype, fp8
+    e4m3 for an NVFP4 cache), or written into q_out / index_q_out (whose dtypes then rule).
     """
     from .checks import check_prepare
 
@@ -168,7 +176,8 @@ def fused_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_
                    v_scale=v_scale)
     write_index_cache(ikk, index_cache, index_slot_mapping)
     q_dtype = q_out.dtype if q_out is not None else qkv.dtype
-    iq_dtype = index_q_out.dtype if index_q_out is not None else index_cache.dtype
+    iq_dtype = index_q_out.dtype if index_q_out is not None else \
+        nvfp4.index_query_dtype(index_cache.dtype)
     qq, iqq = to_cache_dtype(qq, q_dtype), to_cache_dtype(iqq, iq_dtype)
     if q_out is not None:
         q_out.copy_(qq)

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Triton kernels of the cache writes: one program per token, rows scattered by slot mapping.
-Bytes: reads T * row * bytes(src), writes T * row * bytes(cache)."""
+Bytes: reads T * row * bytes(src), writes T * row * bytes(cache) (72 bytes for an NVFP4 index
+cache, whose quantizer `nvfp4_store` the fused preparation shares)."""
 
 import triton
 import triton.language as tl
@@ -36,17 +37,92 @@ def kv_scales(k_scale_ptr, v_scale_ptr, HAS_SCALE: tl.constexpr):
     return k_scale, v_scale
 
 
+# ------------------------------------------------------------------ NVFP4 (docs/spec.md)
+# Every step below is exact integer or correctly rounded fp32 math, so the bytes are the same on
+# every back end, Triton's interpreter included: its fp32 -> fp8 cast and its fma are not
+# IEEE-exact, and the GPU's plain `/` is an approximate division.
+
+@triton.jit
+def _e4m3_round(s):
+    """(e4m3fn byte, its fp32 value) of fp32 s in [2^-9, 448], rounded to nearest even on the
+    bits: keep 3 mantissa bits (fewer below 2^-6, where e4m3 is subnormal with step 2^-9)."""
+    b = s.to(tl.int32, bitcast=True)
+    e = ((b >> 23) & 0xFF) - 127
+    shift = 20 + tl.maximum(-6 - e, 0)
+    # the kept part's last bit; at shift 23 (s < 2^-8) it is the implicit 1 of 1 * 2^-9
+    lsb = tl.where(shift == 23, 1, (b >> shift) & 1)
+    b = ((b + (1 << (shift - 1)) - 1 + lsb) >> shift) << shift
+    v = b.to(tl.float32, bitcast=True)
+    e = ((b >> 23) & 0xFF) - 127
+    byte = tl.where(e >= -6, ((e + 7) << 3) | ((b >> 20) & 7), (v * 512.0).to(tl.int32))
+    return byte.to(tl.uint8), v
+
+
+@triton.jit
+def _mul_toward_zero(x, r):
+    """fp32 x * r rounded toward zero, for r > 0 normal: the 48-bit product of the significands
+    in int64 truncated to 24 bits. Only products in [1/8, 8] take this path: below, every
+    rounding gives code 0, above, code 7 (and there the exponent could leave fp32's range)."""
+    p = x * r
+    xb = x.to(tl.int32, bitcast=True)
+    rb = r.to(tl.int32, bitcast=True)
+    prod = ((xb & 0x7FFFFF) | 0x800000).to(tl.int64) * ((rb & 0x7FFFFF) | 0x800000).to(tl.int64)
+    wide = prod >= (1 << 47)
+    m = tl.where(wide, prod >> 24, prod >> 23).to(tl.float32)
+    k = ((xb >> 23) & 0xFF) + ((rb >> 23) & 0xFF) - 300 + tl.where(wide, 24, 23)
+    pow2 = ((tl.minimum(tl.maximum(k, -126), 127) + 127) << 23).to(tl.float32, bitcast=True)
+    mag = m * pow2
+    a = tl.abs(p)
+    return tl.where((a >= 0.125) & (a <= 8.0), tl.where(x < 0, -mag, mag), p)
+
+
+@triton.jit
+def _e2m1(x, r):
+    """4-bit E2M1 codes of x * r (rounded toward zero first): nearest, ties to the even code,
+    saturating at 6; sign in bit 3, none on a zero code. Counting the midpoints a magnitude lies
+    below (<= where the lower code is even) gives 7 for NaN, as the reference does."""
+    m = tl.abs(_mul_toward_zero(x, r))
+    below = ((m <= 0.25).to(tl.int32) + (m < 0.75).to(tl.int32) + (m <= 1.25).to(tl.int32)
+             + (m < 1.75).to(tl.int32) + (m <= 2.5).to(tl.int32) + (m < 3.5).to(tl.int32)
+             + (m <= 5.0).to(tl.int32))
+    code = 7 - below
+    return tl.where((x < 0) & (code != 0), code | 8, code)
+
+
+@triton.jit
+def nvfp4_store(page_ptr, t, x):
+    """Quantizes one token's index key x (fp32 [128]) as vLLM's NVFP4 writer does and stores its
+    64 code bytes at page_ptr + t * 64 and 8 scale bytes at page_ptr + 8192 + t * 8 (page_ptr:
+    uint8, the page's first byte). Per 16 dims: s = e4m3(max(amax / 6, 2^-9)), r = 1 / s."""
+    # [group g, pair i]: dims 16g + 2i (low nibble of byte 8g + i) and 16g + 2i + 1 (high)
+    lo, hi = tl.split(tl.reshape(x, (8, 8, 2)))
+    amax = tl.maximum(tl.max(tl.abs(lo), axis=1), tl.max(tl.abs(hi), axis=1))
+    s = tl.minimum(tl.maximum(tl.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)),
+                              2.0 ** -9), 448.0)
+    scale, v = _e4m3_round(s)
+    r = tl.div_rn(tl.full(v.shape, 1.0, tl.float32), v)[:, None]
+    codes = (_e2m1(lo, r) | (_e2m1(hi, r) << 4)).to(tl.uint8)
+    g = tl.arange(0, 8)
+    tl.store(page_ptr + t * 64 + g[:, None] * 8 + g[None, :], codes)
+    tl.store(page_ptr + 8192 + t * 8 + g, scale)
+
+
 @triton.jit
 def _write_index_cache_kernel(src_ptr, cache_ptr, slot_ptr, stride_st, stride_sd, stride_cp,
                               stride_cb, stride_cd, BLOCK: tl.constexpr, DI: tl.constexpr,
-                              DIP: tl.constexpr, SATURATE: tl.constexpr):
+                              DIP: tl.constexpr, SATURATE: tl.constexpr, NVFP4: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
         d = tl.arange(0, DIP)
         x = tl.load(src_ptr + t.to(tl.int64) * stride_st + d * stride_sd, mask=d < DI)
-        dst = cache_ptr + (slot // BLOCK) * stride_cp + (slot % BLOCK) * stride_cb + d * stride_cd
-        tl.store(dst, saturate_to(x, cache_ptr.dtype.element_ty, SATURATE), mask=d < DI)
+        if NVFP4:
+            # a page is 9216 bytes (codes, then scales) at stride_cp; DI == BLOCK == 128
+            nvfp4_store(cache_ptr + (slot // BLOCK) * stride_cp, slot % BLOCK, x.to(tl.float32))
+        else:
+            dst = (cache_ptr + (slot // BLOCK) * stride_cp + (slot % BLOCK) * stride_cb
+                   + d * stride_cd)
+            tl.store(dst, saturate_to(x, cache_ptr.dtype.element_ty, SATURATE), mask=d < DI)
 
 
 @triton.jit
