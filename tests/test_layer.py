@@ -444,21 +444,3 @@ def test_layer_with_nvfp4_index_cache_selects_on_the_dequantized_keys():
     # the pages hold exactly the keys the fp32 run dequantized
     deq = openmsa.dequantize_index_pages(nv_engine.caches[1][2])
     assert torch.equal(deq, fp_engine.caches[1][2])
-
-
-@pytest.mark.reference
-def test_layer_with_nvfp4_index_cache_on_the_reference_ops():
-    """With ops="reference" the indexer reference scores the NVFP4 pages itself (the indexer
-    side of issue 41); skipped while that reference does not take uint8 caches yet."""
-    model = TinyMSAModel(NVFP4_CFG, ops="reference", dtype=torch.float32, num_layers=1)
-    engine = ToyEngine(model, num_pages=24, max_tokens=1024, kv_dtype=torch.float32,
-                       index_dtype=torch.uint8)
-    steps = _nvfp4_steps()
-    try:
-        engine.step(steps[0])
-    except (TypeError, ValueError) as e:
-        if "index_cache" not in str(e):
-            raise
-        pytest.skip(f"the indexer reference takes no NVFP4 cache yet: {e}")
-    for s in steps[1:]:
-        assert torch.isfinite(engine.step(s)).all()
