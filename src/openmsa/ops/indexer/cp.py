@@ -134,14 +134,19 @@ def merge_candidates(candidates: torch.Tensor, position: torch.Tensor, *, topk: 
 
 
 def exchange_candidates(keys: torch.Tensor, group) -> torch.Tensor:
-    """Every rank's [T, H, k] candidate keys side by side, [T, H, W * k]: one
-    all_gather_into_tensor on `group` (NCCL captures it in a CUDA graph; gloo runs it on CPU)."""
+    """Every rank's [T, H, k] candidate keys side by side, [T, H, W * k]: one all-gather into a
+    [W * T, H, k] tensor on `group` (all_gather_single, named all_gather_into_tensor before torch
+    2.13: one NCCL allgather, which CUDA graphs capture; gloo runs it on CPU)."""
     import torch.distributed as dist
     world = dist.get_world_size(group)
     keys = keys.contiguous()
-    gathered = torch.empty((world, *keys.shape), dtype=keys.dtype, device=keys.device)
-    dist.all_gather_into_tensor(gathered, keys, group=group)
-    return gathered.permute(1, 2, 0, 3).reshape(keys.shape[0], keys.shape[1], -1)
+    num_tokens, num_heads, k = keys.shape
+    gathered = torch.empty((world * num_tokens, num_heads, k), dtype=keys.dtype,
+                           device=keys.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(gathered, keys, group=group)
+    return gathered.view(world, num_tokens, num_heads, k).permute(1, 2, 0, 3).reshape(
+        num_tokens, num_heads, world * k)
 
 
 def owned_table(block_table: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
