@@ -157,6 +157,17 @@ def test_gloo_group_kernels(world):
     _run_group(world, "quick")
 
 
+@pytest.mark.reference
+@pytest.mark.parametrize("world", [2, 4])
+def test_gloo_group_layer(world):
+    """MSAAttention(index_cp_group=...) at TP W over a sharded index cache (MSAPlanner's
+    index_cp_size): the same output as the layer without CP over a replicated cache, and a rank
+    writes index keys only into its own blocks' pages (cp_worker.layer_check)."""
+    if INTERPRET:
+        pytest.skip("reference ops")
+    _run_group(world, "layer")
+
+
 # ------------------------------------------------------------------------ planner: sharded writes
 @pytest.mark.reference
 def test_planner_shards_index_slots_and_table():

@@ -19,6 +19,53 @@ import openmsa  # noqa: E402
 from helpers.cp_cases import B, cases, shard  # noqa: E402
 
 
+def layer_check(group, rank, world):
+    """MSAAttention(tp_size=W, index_cp_group=group) with a sharded index cache planned by
+    MSAPlanner(index_cp_size=W) against the same rank's layer without CP over a replicated
+    cache, over three steps (prefill chunk + decode, then verify): equal outputs, and each
+    token's index key written by exactly one rank. Values are multiples of 1/8 with small
+    sums, so every projection is exact in fp32 whatever the GEMM's shape."""
+    from openmsa import MSAAttention, MSAConfig, MSAPlanner
+    from openmsa.model import random_layer_checkpoint
+    cfg = MSAConfig(num_heads=4, num_kv_heads=4, head_dim=16, num_index_heads=4,
+                    index_head_dim=16, block_size=B, topk_blocks=3, init_blocks=1,
+                    local_blocks=1, rotary_dim=16)
+    hidden_size, pages, max_blocks = 32, 40, 12
+    kw = dict(tp_size=world, tp_rank=rank, dtype=torch.float32, ops="reference")
+    plain = MSAAttention(cfg, hidden_size, **kw)
+    cp = MSAAttention(cfg, hidden_size, **kw, index_cp_group=group)
+    g = torch.Generator().manual_seed(0)
+    ckpt = {k: (v * 8).round() / 8 for k, v in random_layer_checkpoint(plain, g).items()}
+    plain.load_checkpoint(ckpt)
+    cp.load_checkpoint(ckpt)
+    planners = [MSAPlanner(cfg, max_requests=4, max_tokens=64, max_blocks=max_blocks,
+                           device="cpu", **extra)
+                for extra in ({}, dict(index_cp_size=world, index_cp_rank=rank))]
+    k_cache = torch.randn(pages, B, cfg.num_kv_heads // world, 16, generator=g)
+    kvs = [(k_cache.clone(), k_cache.clone() * 0.5) for _ in range(2)]
+    index = torch.randn(pages, B, 16, generator=g)
+    table = torch.randperm(pages, generator=g)[:3 * max_blocks].int().view(3, max_blocks)
+    # the replicated cache, and this rank's sharded one: other ranks' blocks NaN (never read)
+    caches = [index.clone(), shard(index, table, world, rank)[0]]
+    before = [c.clone() for c in caches]
+    ok = True
+    for q_lens, seq_lens in (([20, 1, 1], [20, 100, 60]), ([1, 3, 1], [21, 103, 61]),
+                             ([4, 1, 0], [25, 104, 61])):
+        hidden = torch.randint(-2, 3, (sum(q_lens), hidden_size), generator=g).float() / 8
+        outs = []
+        for layer, planner, kv_, ic in zip((plain, cp), planners, kvs, caches):
+            meta = planner.plan(q_lens, seq_lens, table)
+            outs.append(layer(hidden, meta, kv_, ic))
+        ok &= torch.equal(outs[0], outs[1])
+    # the sharded cache changed only at this rank's blocks' pages
+    changed = (caches[1] != before[1]) & ~before[1].isnan()
+    owned = table[:, rank::world]
+    other = torch.ones(pages, dtype=torch.bool)
+    other[owned.flatten().long()] = False
+    ok &= not bool(changed[other].any())
+    return ok
+
+
 def main():
     rank, world, init_file, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     torch.set_num_threads(1)
@@ -26,7 +73,11 @@ def main():
                             world_size=world)
     group = dist.new_group(list(range(world)))
     bad = []
-    for name, args, (topk, init, local) in cases(quick=mode == "quick"):
+    if mode == "layer":
+        if not layer_check(group, rank, world):
+            bad.append("layer")
+    for name, args, (topk, init, local) in ([] if mode == "layer" else
+                                            cases(quick=mode == "quick")):
         q, c, cu, seq, table = args
         rule = dict(topk=topk, init_blocks=init, local_blocks=local, block_size=B)
         want = openmsa.select_blocks(*args, **rule)

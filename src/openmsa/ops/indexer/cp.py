@@ -157,20 +157,22 @@ def owned_table(block_table: torch.Tensor, cp_size: int, cp_rank: int) -> torch.
 
 
 def local_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, cp_size,
-                       cp_rank, block_size=128, max_q_len=None, config=None) -> torch.Tensor:
+                       cp_rank, block_size=128, max_q_len=None, config=None,
+                       reference: bool = False) -> torch.Tensor:
     """fp32 [T, H, ceil(max_blocks / cp_size)]: column j scores global block j * cp_size +
     cp_rank, read through block_table[:, cp_rank::cp_size] only (other entries may be -1).
     Entries past a token's causal blocks are unspecified on the kernel path (-inf on the
-    reference path). Bit-identical, entry by entry, to block_scores over the whole table."""
+    reference path). Bit-identical, entry by entry, to block_scores over the whole table.
+    reference: the reference path whatever the device (openmsa.reference.select_blocks)."""
     from ..._dispatch import use_kernels
     _cp_shape(cp_size, cp_rank)
     max_blocks = block_table.shape[1]
     width = -(-max_blocks // cp_size)
-    if not use_kernels(index_q):
-        from . import reference
+    if reference or not use_kernels(index_q):
+        from . import reference as ref
         # the same shapes as the whole scan (so the same arithmetic per score), with pages of
         # other ranks' blocks as -1: their entries are masked out, never used
-        full = reference.block_scores(index_q, index_cache, cu_seqlens_q, seq_lens,
+        full = ref.block_scores(index_q, index_cache, cu_seqlens_q, seq_lens,
                                       owned_table(block_table, cp_size, cp_rank),
                                       block_size=block_size, max_q_len=max_q_len)
         local = torch.full((*index_q.shape[:2], width), float("-inf"), dtype=torch.float32,
@@ -186,12 +188,12 @@ def local_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table
 
 def rank_candidates(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, cp_size,
                     cp_rank, topk, init_blocks, local_blocks, block_size=128, max_q_len=None,
-                    config=None):
+                    config=None, reference: bool = False):
     """One rank's share: its local scores, then its int64 candidate keys [T, H, k] and the
     tokens' positions (for the merge)."""
     scores = local_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
                                 cp_size=cp_size, cp_rank=cp_rank, block_size=block_size,
-                                max_q_len=max_q_len, config=config)
+                                max_q_len=max_q_len, config=config, reference=reference)
     _, position = token_layout(cu_seqlens_q, seq_lens, index_q.shape[0])
     keys = local_candidates(scores, position, cp_size=cp_size, cp_rank=cp_rank,
                             max_blocks=block_table.shape[1], topk=topk, init_blocks=init_blocks,
@@ -201,14 +203,15 @@ def rank_candidates(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *
 
 def select_blocks_cp(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, cp_group,
                      topk, init_blocks, local_blocks, block_size=128, out=None, max_q_len=None,
-                     config=None):
+                     config=None, reference: bool = False):
     """select_blocks over a context-parallel group (see the module docstring)."""
     import torch.distributed as dist
     world, rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
     keys, position = rank_candidates(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
                                      cp_size=world, cp_rank=rank, topk=topk,
                                      init_blocks=init_blocks, local_blocks=local_blocks,
-                                     block_size=block_size, max_q_len=max_q_len, config=config)
+                                     block_size=block_size, max_q_len=max_q_len, config=config,
+                                     reference=reference)
     candidates = exchange_candidates(keys, cp_group) if world > 1 else keys
     return merge_candidates(candidates, position, topk=topk, init_blocks=init_blocks,
                             local_blocks=local_blocks, block_size=block_size, out=out)
