@@ -76,6 +76,52 @@ def test_merge_of_rank_candidates_equals_selection_from_scores(seed):
             assert torch.equal(got, want), (topk, init, local, world)
 
 
+@pytest.mark.interpret
+def test_candidate_and_merge_kernels_equal_torch(kernel_device):
+    """The Triton forms of the local candidates and the merge against the PyTorch ones on
+    random score rows (ties, NaN, +-0.0, -inf), a step with padding tokens and short contexts."""
+    from openmsa.ops.indexer.cp import local_candidates_kernel, merge_candidates_kernel
+    from helpers.steps import make_step
+    g = torch.Generator().manual_seed(5)
+    step = make_step([1, 3, 0, 20, 1, 0, 16], [70, 45, 9, 100, 5, 0, 200], block_size=B,
+                     extra_columns=2, pad_tokens=2, generator=g)
+    cu, seq = step.cu_seqlens_q, step.seq_lens
+    num_tokens, heads, max_blocks = step.num_tokens, 3, step.block_table.shape[1]
+    values = torch.tensor([float("nan"), float("-inf"), -0.0, 0.0, 1.0, 2.0, -1.0, float("inf")])
+    scores = values[torch.randint(0, len(values), (num_tokens, heads, max_blocks), generator=g)]
+    _, position = token_layout(cu, seq, num_tokens)
+    dev = kernel_device
+    for topk, init, local, world in [(3, 1, 1, 3), (6, 2, 2, 2), (16, 0, 1, 1)]:
+        want = indexer_ref.select_from_scores(scores, position, topk=topk, init_blocks=init,
+                                              local_blocks=local, block_size=B)
+        if True:
+            width = -(-max_blocks // world)
+            got_keys = []
+            for r in range(world):
+                local_scores = torch.full((num_tokens, heads, width), 7.0)
+                own = scores[:, :, r::world]
+                local_scores[:, :, :own.shape[2]] = own
+                rule = dict(cp_size=world, cp_rank=r, max_blocks=max_blocks, topk=topk,
+                            init_blocks=init, local_blocks=local, block_size=B)
+                keys = local_candidates(local_scores, position, **rule)
+                k_keys, k_pos = local_candidates_kernel(local_scores.to(dev), cu.to(dev),
+                                                        seq.to(dev), **rule)
+                assert torch.equal(k_pos.cpu(), position)
+                assert torch.equal(torch.sort(k_keys.cpu(), -1).values,
+                                   torch.sort(keys, -1).values)
+                got_keys.append(k_keys)
+            cand = torch.stack(got_keys, 2)
+            got = merge_candidates_kernel(cand, k_pos, topk=topk, init_blocks=init,
+                                          local_blocks=local, block_size=B)
+            assert torch.equal(got.cpu(), want), (topk, init, local, world)
+            # strided out, written in place
+            out = torch.full((heads, num_tokens, topk), -7, dtype=torch.int32,
+                             device=dev).transpose(0, 1)
+            merge_candidates_kernel(cand, k_pos, topk=topk, init_blocks=init,
+                                    local_blocks=local, block_size=B, out=out)
+            assert torch.equal(out.cpu(), want)
+
+
 @pytest.mark.reference
 def test_cp_group_is_checked():
     q, c, cu, seq, table = make_case(0)

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from openmsa.ops.indexer.cp import (local_candidates, merge_candidates, owned_table,
-                                    rank_candidates)
+from openmsa._dispatch import use_kernels
+from openmsa.ops.indexer.cp import (local_candidates, merge_candidates, merge_candidates_kernel,
+                                    owned_table, rank_candidates)
 
 from .steps import make_step, random_index_inputs
 
@@ -78,9 +79,11 @@ def simulate(args, rule, cp_size, *, sharded=False, max_q_len=None):
                                       topk=topk, init_blocks=init, local_blocks=local,
                                       block_size=B, max_q_len=max_q_len)
         keys.append(k)
-    cand = torch.stack(keys, 2).reshape(q.shape[0], q.shape[1], -1)
-    return merge_candidates(cand, position, topk=topk, init_blocks=init, local_blocks=local,
-                            block_size=B)
+    cand = torch.stack(keys, 2)  # [T, H, W, k], as the all-gather's view
+    rule = dict(topk=topk, init_blocks=init, local_blocks=local, block_size=B)
+    if use_kernels(q):
+        return merge_candidates_kernel(cand, position, **rule)
+    return merge_candidates(cand.reshape(q.shape[0], q.shape[1], -1), position, **rule)
 
 
 __all__ = ["B", "make_case", "shard", "cases", "simulate", "local_candidates"]

@@ -22,8 +22,11 @@ collective included, with NCCL).
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from ...batch import num_causal_blocks, token_layout
+from ..common.triton_utils import find_request
 
 __all__ = ["pack_keys", "key_block_ids", "local_candidates", "merge_candidates",
            "exchange_candidates", "local_block_scores", "select_blocks_cp", "owned_table"]
@@ -134,7 +137,7 @@ def merge_candidates(candidates: torch.Tensor, position: torch.Tensor, *, topk: 
 
 
 def exchange_candidates(keys: torch.Tensor, group) -> torch.Tensor:
-    """Every rank's [T, H, k] candidate keys side by side, [T, H, W * k]: one all-gather into a
+    """Every rank's [T, H, k] candidate keys, as a [T, H, W, k] view: one all-gather into a
     [W * T, H, k] tensor on `group` (all_gather_single, named all_gather_into_tensor before torch
     2.13: one NCCL allgather, which CUDA graphs capture; gloo runs it on CPU)."""
     import torch.distributed as dist
@@ -145,8 +148,132 @@ def exchange_candidates(keys: torch.Tensor, group) -> torch.Tensor:
                            device=keys.device)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(gathered, keys, group=group)
-    return gathered.view(world, num_tokens, num_heads, k).permute(1, 2, 0, 3).reshape(
-        num_tokens, num_heads, world * k)
+    return gathered.view(world, num_tokens, num_heads, k).permute(1, 2, 0, 3)
+
+
+# ---------------------------------------------------------------------------- kernel path
+# The same two steps as local_candidates / merge_candidates, each one Triton launch instead of
+# a dozen PyTorch ops (those remain the CPU reference path and the tests' oracle).
+
+@triton.jit
+def _int64_min():
+    return -9223372036854775807 - 1
+
+
+@triton.jit
+def _local_keys_kernel(scores_ptr, cu_ptr, seq_lens_ptr, keys_ptr, pos_ptr, num_requests,
+                       num_tokens, width, max_blocks, cp_size, cp_rank, init_blocks, local_blocks,
+                       stride_st, stride_sh, stride_sb, stride_kt, stride_kh, stride_kb,
+                       H: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """Program (t, c): token t's keys of local blocks [c * CHUNK, (c + 1) * CHUNK) for every
+    head (pack_keys of the causal, non-forced owned blocks, INT64_MIN elsewhere); program
+    (t, 0) also writes the token's position (-1: padding), which the merge reads."""
+    t = tl.program_id(0)
+    j = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    r = find_request(cu_ptr, num_requests, t,
+                     (t.to(tl.int64) * num_requests // tl.maximum(num_tokens, 1)).to(tl.int32))
+    p = -1
+    if r < num_requests:
+        t_req = tl.load(cu_ptr + r)
+        q_len = tl.load(cu_ptr + r + 1) - t_req
+        seq_len = tl.load(seq_lens_ptr + r)
+        if q_len <= seq_len:
+            p = seq_len - q_len + (t - t_req)
+    if tl.program_id(1) == 0:
+        tl.store(pos_ptr + t, p)
+    n = tl.where(p >= 0, p // BLOCK + 1, 0)
+    g = j.to(tl.int64) * cp_size + cp_rank
+    valid = (j < width) & (g < n) & (g < max_blocks) & (g >= init_blocks) \
+        & (g < n - local_blocks)
+    for h in tl.static_range(H):
+        s = tl.load(scores_ptr + t.to(tl.int64) * stride_st + h * stride_sh + j * stride_sb,
+                    mask=valid, other=0.0)
+        s = tl.where(s == s, s, float("-inf"))
+        s = tl.where(s == 0.0, 0.0, s)  # -0.0 -> +0.0
+        bits = s.to(tl.int32, bitcast=True)
+        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+        key = ordered * 4294967296 + (4294967295 - g)
+        key = tl.where(valid, key, _int64_min())
+        tl.store(keys_ptr + t.to(tl.int64) * stride_kt + h * stride_kh + j * stride_kb, key,
+                 mask=j < width)
+
+
+@triton.jit
+def _merge_kernel(cand_ptr, pos_ptr, out_ptr, num_ranks, per_rank, topk, init_blocks,
+                  local_blocks, stride_ct, stride_ch, stride_cw, stride_ck, stride_ot, stride_oh,
+                  stride_ok, H: tl.constexpr, BLOCK: tl.constexpr, CP2: tl.constexpr,
+                  KP2: tl.constexpr):
+    """Program (t * H + h): the selection of row (t, h) from candidates [T, H, W, k] (any
+    strides): init blocks, then the best topk - |forced| non-forced candidates ascending, then
+    the local blocks, then -1 (ascending overall: init < scored < local)."""
+    pid = tl.program_id(0)
+    t = pid // H
+    h = pid % H
+    p = tl.load(pos_ptr + t)
+    n = tl.where(p >= 0, p // BLOCK + 1, 0)
+    c = tl.arange(0, CP2)
+    w = c // per_rank
+    i = c % per_rank
+    ok = c < num_ranks * per_rank
+    keys = tl.load(cand_ptr + t.to(tl.int64) * stride_ct + h * stride_ch + w * stride_cw
+                   + i * stride_ck, mask=ok, other=_int64_min())
+    ids = 4294967295 - (keys & 4294967295)
+    forced = (ids < init_blocks) | (ids >= n - local_blocks)
+    keys = tl.where(forced, _int64_min(), keys)
+    n_init = tl.minimum(init_blocks, n)
+    lo = tl.maximum(n - local_blocks, init_blocks)
+    n_local = tl.maximum(n - lo, 0)
+    room = topk - n_init - n_local
+    best = tl.sort(keys, descending=True)
+    best_ids = 4294967295 - (best & 4294967295)
+    chosen = (c < room) & (best != _int64_min())
+    n_chosen = tl.sum(chosen.to(tl.int32), axis=0)
+    ascending = tl.sort(tl.where(chosen, best_ids, 4611686018427387904), descending=False)
+    row = out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh
+    tl.store(row + (n_init + c) * stride_ok, ascending.to(tl.int32), mask=c < n_chosen)
+    k = tl.arange(0, KP2)
+    tl.store(row + k * stride_ok, k, mask=k < n_init)
+    tl.store(row + (n_init + n_chosen + k) * stride_ok, (lo + k).to(tl.int32), mask=k < n_local)
+    tl.store(row + k * stride_ok, tl.full([KP2], -1, tl.int32),
+             mask=(k >= n_init + n_chosen + n_local) & (k < topk))
+
+
+def _pow2(x: int, least: int = 16) -> int:
+    return max(least, triton.next_power_of_2(max(1, x)))
+
+
+def local_candidates_kernel(local_scores, cu_seqlens_q, seq_lens, *, cp_size, cp_rank,
+                            max_blocks, topk, init_blocks, local_blocks, block_size):
+    """local_candidates on the kernel path: (keys [T, H, min(topk, width)], position [T])."""
+    num_tokens, num_heads, width = local_scores.shape
+    device = local_scores.device
+    keys = torch.empty((num_tokens, num_heads, width), dtype=torch.int64, device=device)
+    position = torch.empty(num_tokens, dtype=torch.int32, device=device)
+    if num_tokens:
+        chunk = min(1024, _pow2(width))
+        _local_keys_kernel[(num_tokens, triton.cdiv(max(width, 1), chunk))](
+            local_scores, cu_seqlens_q, seq_lens, keys, position, seq_lens.shape[0], num_tokens,
+            width, max_blocks, cp_size, cp_rank, init_blocks, local_blocks,
+            *local_scores.stride(), *keys.stride(), H=num_heads, BLOCK=block_size, CHUNK=chunk)
+    k = min(topk, width)
+    if k < width:
+        keys = torch.topk(keys, k, dim=-1, sorted=False).values
+    return keys, position
+
+
+def merge_candidates_kernel(candidates, position, *, topk, init_blocks, local_blocks,
+                            block_size, out=None):
+    """merge_candidates on the kernel path, from candidates [T, H, W, k] (any strides)."""
+    num_tokens, num_heads, num_ranks, per_rank = candidates.shape
+    if out is None:
+        out = torch.empty((num_tokens, num_heads, topk), dtype=torch.int32,
+                          device=candidates.device)
+    if num_tokens * num_heads:
+        _merge_kernel[(num_tokens * num_heads,)](
+            candidates, position, out, num_ranks, per_rank, topk, init_blocks, local_blocks,
+            *candidates.stride(), *out.stride(), H=num_heads, BLOCK=block_size,
+            CP2=_pow2(num_ranks * per_rank), KP2=_pow2(topk))
+    return out
 
 
 def owned_table(block_table: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -191,9 +318,15 @@ def rank_candidates(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *
                     config=None, reference: bool = False):
     """One rank's share: its local scores, then its int64 candidate keys [T, H, k] and the
     tokens' positions (for the merge)."""
+    from ..._dispatch import use_kernels
     scores = local_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
                                 cp_size=cp_size, cp_rank=cp_rank, block_size=block_size,
                                 max_q_len=max_q_len, config=config, reference=reference)
+    if not reference and use_kernels(index_q):
+        return local_candidates_kernel(scores, cu_seqlens_q, seq_lens, cp_size=cp_size,
+                                       cp_rank=cp_rank, max_blocks=block_table.shape[1],
+                                       topk=topk, init_blocks=init_blocks,
+                                       local_blocks=local_blocks, block_size=block_size)
     _, position = token_layout(cu_seqlens_q, seq_lens, index_q.shape[0])
     keys = local_candidates(scores, position, cp_size=cp_size, cp_rank=cp_rank,
                             max_blocks=block_table.shape[1], topk=topk, init_blocks=init_blocks,
@@ -212,6 +345,10 @@ def select_blocks_cp(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, 
                                      init_blocks=init_blocks, local_blocks=local_blocks,
                                      block_size=block_size, max_q_len=max_q_len, config=config,
                                      reference=reference)
-    candidates = exchange_candidates(keys, cp_group) if world > 1 else keys
-    return merge_candidates(candidates, position, topk=topk, init_blocks=init_blocks,
-                            local_blocks=local_blocks, block_size=block_size, out=out)
+    from ..._dispatch import use_kernels
+    candidates = exchange_candidates(keys, cp_group) if world > 1 else keys.unsqueeze(2)
+    rule = dict(topk=topk, init_blocks=init_blocks, local_blocks=local_blocks,
+                block_size=block_size, out=out)
+    if not reference and use_kernels(index_q):
+        return merge_candidates_kernel(candidates, position, **rule)
+    return merge_candidates(candidates.reshape(*keys.shape[:2], -1), position, **rule)
