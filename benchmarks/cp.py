@@ -29,7 +29,8 @@ import run as bench  # noqa: E402
 import shapes  # noqa: E402
 
 import openmsa  # noqa: E402
-from openmsa.ops.indexer.cp import merge_candidates, owned_table, rank_candidates  # noqa: E402
+from openmsa.ops.indexer.cp import (merge_candidates_kernel, owned_table,  # noqa: E402
+                                    rank_candidates)
 
 K = 1024
 NCCL_LATENCY_US = 25.0
@@ -74,9 +75,9 @@ def cp_fns(q, cache, cu, seq, table, world):
     keys = [rank_candidates(q, cache, cu, seq, tables[k], cp_size=world, cp_rank=k, **r)
             for k in range(world)]
     position = keys[0][1]
-    cand = torch.stack([k for k, _ in keys], 2).reshape(q.shape[0], q.shape[1], -1)
+    cand = torch.stack([k for k, _ in keys], 2)  # [T, H, W, k]: the all-gather's view
     out = torch.empty(q.shape[0], q.shape[1], r["topk"], dtype=torch.int32, device="cuda")
-    merged = merge_candidates(cand, position, topk=r["topk"], init_blocks=r["init_blocks"],
+    merged = merge_candidates_kernel(cand, position, topk=r["topk"], init_blocks=r["init_blocks"],
                               local_blocks=r["local_blocks"], block_size=r["block_size"], out=out)
     want = openmsa.select_blocks(q, cache, cu, seq, table, **r)
     exact = bool(torch.equal(merged, want))
@@ -85,12 +86,12 @@ def cp_fns(q, cache, cu, seq, table, world):
         rank_candidates(q, cache, cu, seq, tables[0], cp_size=world, cp_rank=0, **r)
 
     def merge():
-        merge_candidates(cand, position, topk=r["topk"], init_blocks=r["init_blocks"],
+        merge_candidates_kernel(cand, position, topk=r["topk"], init_blocks=r["init_blocks"],
                          local_blocks=r["local_blocks"], block_size=r["block_size"], out=out)
 
     def both():
         k, pos = rank_candidates(q, cache, cu, seq, tables[0], cp_size=world, cp_rank=0, **r)
-        merge_candidates(cand, pos, topk=r["topk"], init_blocks=r["init_blocks"],
+        merge_candidates_kernel(cand, pos, topk=r["topk"], init_blocks=r["init_blocks"],
                          local_blocks=r["local_blocks"], block_size=r["block_size"], out=out)
     return scan, merge, both, exact
 
@@ -129,7 +130,7 @@ def scan_rows(args):
                            ratio_with_collective=(t_both + t_coll) / today)
                 bench.record(**row)
                 rows.append(row)
-            del q, cache, table
+            q = cache = table = out = out1 = q1 = None  # free before the next case
             torch.cuda.empty_cache()
     return rows
 

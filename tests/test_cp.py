@@ -19,8 +19,9 @@ import openmsa
 from openmsa.batch import token_layout
 from openmsa.ops.indexer import reference as indexer_ref
 from openmsa.ops.indexer.cp import (INT64_MIN, key_block_ids, local_candidates,
-                                    merge_candidates, owned_table, pack_keys, rank_candidates)
-from helpers.cp_cases import B, cases, make_case, shard, simulate
+                                    merge_candidates, merge_candidates_kernel, owned_table,
+                                    pack_keys, rank_candidates)
+from helpers.cp_cases import B, cases, make_case, simulate
 from helpers.sm90 import INTERPRET
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -143,21 +144,20 @@ def test_ranks_one_after_another_reference():
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("world", [2, 3])
-def test_ranks_one_after_another_kernels(kernel_device, world):
-    """The Triton scoring kernel (request and tile launches, positions mapped per rank) run rank
-    by rank: bit-identical to select_blocks on the kernel path, ties and NaN keys included."""
-    quick = cases(quick=True)
+@pytest.mark.parametrize("world, max_q_len", [(2, None), (3, 20)])
+def test_ranks_one_after_another_kernels(kernel_device, world, max_q_len):
+    """The Triton scoring kernel (request and tile launches, positions mapped per rank), the
+    candidate and merge kernels, run rank by rank: bit-identical to select_blocks on the kernel
+    path, ties (integer inputs) and NaN keys included, replicated and sharded."""
+    name, args, rule = cases(quick=True)[0]
     nan_case = make_case(7, integer=False, nan_keys=True)
-    for name, args, rule in quick + [("nan", nan_case, (3, 1, 1))]:
+    for args, rule, sharded in ((args, rule, False), (nan_case, (5, 1, 2), True)):
         args = tuple(x.to(kernel_device) for x in args)
         topk, init, local = rule
-        for max_q_len in (None, 20):
-            want = openmsa.select_blocks(*args, topk=topk, init_blocks=init, local_blocks=local,
-                                         block_size=B, max_q_len=max_q_len)
-            for sharded in (False, True):
-                got = simulate(args, rule, world, sharded=sharded, max_q_len=max_q_len)
-                assert torch.equal(got, want), (name, max_q_len, sharded)
+        want = openmsa.select_blocks(*args, topk=topk, init_blocks=init, local_blocks=local,
+                                     block_size=B, max_q_len=max_q_len)
+        got = simulate(args, rule, world, sharded=sharded, max_q_len=max_q_len)
+        assert torch.equal(got, want), (rule, sharded)
 
 
 # ------------------------------------------------------------------------ multi-process (gloo)
@@ -217,7 +217,7 @@ def test_gloo_group_layer(world):
 # ------------------------------------------------------------------------ planner: sharded writes
 @pytest.mark.reference
 def test_planner_shards_index_slots_and_table():
-    from openmsa import MSAConfig, MSAPlanner
+    from openmsa import MSAPlanner
     cfg = _tiny_config()
     q_lens, seq_lens = [1, 5, 40], [33, 20, 40]
     bs = cfg.block_size
@@ -303,9 +303,8 @@ def test_gpu_ranks_one_after_another(dtype, q_len):
                 k, position = rank_candidates(*args[:4], tab, cp_size=world, cp_rank=r,
                                               **{**rule, "block_size": 128})
                 keys.append(k)
-            cand = torch.stack(keys, 2).reshape(*want.shape[:2], -1)
-            got = merge_candidates(cand, position, topk=16, init_blocks=1, local_blocks=1,
-                                   block_size=128)
+            got = merge_candidates_kernel(torch.stack(keys, 2), position, topk=16,
+                                          init_blocks=1, local_blocks=1, block_size=128)
             assert torch.equal(got, want), (world, sharded)
 
 
@@ -330,8 +329,8 @@ def test_gpu_prefill_chunk_ranks(dtype):
                                               cp_size=world, cp_rank=r, max_q_len=max_q_len,
                                               **rule)
                 keys.append(k)
-            got = merge_candidates(torch.stack(keys, 2).reshape(*want.shape[:2], -1), position,
-                                   topk=16, init_blocks=1, local_blocks=1, block_size=128)
+            got = merge_candidates_kernel(torch.stack(keys, 2), position, topk=16,
+                                          init_blocks=1, local_blocks=1, block_size=128)
             # the one-device plan may take the Gluon tile kernel for the prefill rows; the CP
             # ranks take the Triton form. Decode rows must match exactly; report prefill rows.
             assert torch.equal(got[0], want[0]) and torch.equal(got[-1], want[-1])
@@ -355,8 +354,8 @@ def test_gpu_graph_replay_of_a_cp_step(dtype):
             k, position = rank_candidates(q, c, cu, seq, table, cp_size=world, cp_rank=r,
                                           **rule)
             keys.append(k)
-        merge_candidates(torch.stack(keys, 2).reshape(q.shape[0], q.shape[1], -1), position,
-                         topk=16, init_blocks=1, local_blocks=1, block_size=128, out=out)
+        merge_candidates_kernel(torch.stack(keys, 2), position, topk=16, init_blocks=1,
+                                local_blocks=1, block_size=128, out=out)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())

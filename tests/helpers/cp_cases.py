@@ -61,7 +61,7 @@ def cases(device="cpu", quick=False):
         for integer, nan_keys in ((True, False),) if quick else ((True, False), (False, True)):
             args = make_case(10 * i + 3 * integer + nan_keys, q_dtype=qd, c_dtype=cd,
                              integer=integer, nan_keys=nan_keys, device=device)
-            rules = RULES[1:3] if quick else RULES
+            rules = RULES[2:3] if quick else RULES
             for rule in rules:
                 out.append((f"{qd}-{cd}-int{integer}-nan{nan_keys}-{rule}", args, rule))
     return out
