@@ -87,12 +87,12 @@ def test_candidate_and_merge_kernels_equal_torch(kernel_device):
     step = make_step([1, 3, 0, 20, 1, 0, 16], [70, 45, 9, 100, 5, 0, 200], block_size=B,
                      extra_columns=2, pad_tokens=2, generator=g)
     cu, seq = step.cu_seqlens_q, step.seq_lens
-    num_tokens, heads, max_blocks = step.num_tokens, 3, step.block_table.shape[1]
+    num_tokens, heads, max_blocks = step.num_tokens, 2, step.block_table.shape[1]
     values = torch.tensor([float("nan"), float("-inf"), -0.0, 0.0, 1.0, 2.0, -1.0, float("inf")])
     scores = values[torch.randint(0, len(values), (num_tokens, heads, max_blocks), generator=g)]
     _, position = token_layout(cu, seq, num_tokens)
     dev = kernel_device
-    for topk, init, local, world in [(3, 1, 1, 3), (6, 2, 2, 2), (16, 0, 1, 1)]:
+    for topk, init, local, world in [(6, 2, 2, 3), (16, 0, 1, 1)]:
         want = indexer_ref.select_from_scores(scores, position, topk=topk, init_blocks=init,
                                               local_blocks=local, block_size=B)
         if True:
@@ -264,6 +264,18 @@ def test_cp_scoring_kernel_compiles(tile_mode):
                       SMALL_Q=16, TILE_MODE=tile_mode, ROWS_T=32 if tile_mode else 4,
                       CAST_K=False, IEEE=False, KEYS_AS_ROWS=not tile_mode, MAX_SKIPS_NAN=True,
                       PDL=True, CP=True))
+
+
+@pytest.mark.reference
+@pytest.mark.skipif(INTERPRET, reason="compilation needs the real compiler")
+def test_cp_candidate_and_merge_kernels_compile():
+    from helpers.sm90 import F32, I32, I64, compile_sm90
+    from openmsa.ops.indexer.cp import _local_keys_kernel, _merge_kernel
+    compile_sm90(_local_keys_kernel, dict(scores_ptr=F32, cu_ptr=I32, seq_lens_ptr=I32,
+                                          keys_ptr=I64, pos_ptr=I32), {},
+                 dict(H=4, BLOCK=128, CHUNK=1024))
+    compile_sm90(_merge_kernel, dict(cand_ptr=I64, pos_ptr=I32, out_ptr=I32), {},
+                 dict(H=4, BLOCK=128, CP2=128, KP2=16))
 
 
 # ------------------------------------------------------------------------ GPU
