@@ -77,8 +77,9 @@ def cp_fns(q, cache, cu, seq, table, world):
     position = keys[0][1]
     cand = torch.stack([k for k, _ in keys], 2)  # [T, H, W, k]: the all-gather's view
     out = torch.empty(q.shape[0], q.shape[1], r["topk"], dtype=torch.int32, device="cuda")
-    merged = merge_candidates_kernel(cand, position, topk=r["topk"], init_blocks=r["init_blocks"],
-                              local_blocks=r["local_blocks"], block_size=r["block_size"], out=out)
+    merge_rule = dict(topk=r["topk"], init_blocks=r["init_blocks"],
+                      local_blocks=r["local_blocks"], block_size=r["block_size"], out=out)
+    merged = merge_candidates_kernel(cand, position, **merge_rule)
     want = openmsa.select_blocks(q, cache, cu, seq, table, **r)
     exact = bool(torch.equal(merged, want))
 
@@ -86,13 +87,11 @@ def cp_fns(q, cache, cu, seq, table, world):
         rank_candidates(q, cache, cu, seq, tables[0], cp_size=world, cp_rank=0, **r)
 
     def merge():
-        merge_candidates_kernel(cand, position, topk=r["topk"], init_blocks=r["init_blocks"],
-                         local_blocks=r["local_blocks"], block_size=r["block_size"], out=out)
+        merge_candidates_kernel(cand, position, **merge_rule)
 
     def both():
         k, pos = rank_candidates(q, cache, cu, seq, tables[0], cp_size=world, cp_rank=0, **r)
-        merge_candidates_kernel(cand, pos, topk=r["topk"], init_blocks=r["init_blocks"],
-                         local_blocks=r["local_blocks"], block_size=r["block_size"], out=out)
+        merge_candidates_kernel(cand, pos, **merge_rule)
     return scan, merge, both, exact
 
 
@@ -118,8 +117,8 @@ def scan_rows(args):
                 args.iters))
             for world in (4, 8):
                 scan, merge, both, exact = cp_fns(q, cache, cu, seq, table, world)
-                t_scan, t_merge, t_both = (bench.med(x) for x in bench.interleaved_device_times_us(
-                    [scan, merge, both], args.iters))
+                times = bench.interleaved_device_times_us([scan, merge, both], args.iters)
+                t_scan, t_merge, t_both = (bench.med(x) for x in times)
                 t_coll, nbytes = collective_us(q.shape[0], q.shape[1], r["topk"], world)
                 row = dict(section="cp-select", dtype=dname, B=batch, L=context, W=world,
                            H=q.shape[1], exact=exact, today_1head_us=today,
@@ -138,7 +137,8 @@ def scan_rows(args):
 def layer_estimate(args):
     """The sparse layer's decode at 1M tokens, B = 32, TP4 (one rank): today's layer time with
     its selection replaced by the CP share (scan + candidates + merge at W = 4, every head) and
-    the collective's model, against dense bf16 attention at TP4."""
+    the collective's model, against dense bf16 attention at TP4. Not counted: fused_prepare's
+    three more index-query heads per token (a few hundred bytes each) and their GEMM rows."""
     rows = []
     batch, context = (32, 1024 * K) if not args.quick else (8, 128 * K)
     model = M3.shard(4)
@@ -156,7 +156,7 @@ def layer_estimate(args):
         select_us = bench.med(bench.device_times_us(
             lambda: openmsa.select_blocks(iq, index_cache, meta.cu_seqlens_q, meta.seq_lens,
                                           meta.index_block_table, **r, out=out1), args.iters))
-        del sparse, dense, case
+        sparse = dense = case = k_cache = v_cache = index_cache = meta = qkv = w = None
         torch.cuda.empty_cache()
         q, cache, cu, seq, table = index_step(batch, context, M3.num_index_heads,
                                               bench.DTYPES[dname])
@@ -173,7 +173,7 @@ def layer_estimate(args):
             row["speedup_cp"] = dense_cache["dense"] / estimate
         bench.record(**row)
         rows.append(row)
-        del q, cache, table
+        q = cache = table = both = None
         torch.cuda.empty_cache()
     return rows
 
