@@ -149,14 +149,14 @@ def layer_estimate(args):
         layer_us = bench.med(bench.device_times_us(sparse, args.iters))
         if dense is not None:
             dense_cache["dense"] = bench.med(bench.device_times_us(dense, args.iters))
-        k_cache, v_cache, index_cache, meta, qkv, w = case
+        index_cache, meta = case[2], case[3]
         r = rule()
         iq = torch.randn(batch, 1, M3.index_head_dim, device="cuda").to(index_cache.dtype)
         out1 = torch.empty(batch, 1, r["topk"], dtype=torch.int32, device="cuda")
         select_us = bench.med(bench.device_times_us(
             lambda: openmsa.select_blocks(iq, index_cache, meta.cu_seqlens_q, meta.seq_lens,
                                           meta.index_block_table, **r, out=out1), args.iters))
-        sparse = dense = case = k_cache = v_cache = index_cache = meta = qkv = w = None
+        sparse = dense = case = index_cache = meta = None
         torch.cuda.empty_cache()
         q, cache, cu, seq, table = index_step(batch, context, M3.num_index_heads,
                                               bench.DTYPES[dname])
