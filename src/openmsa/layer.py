@@ -12,6 +12,7 @@ all-reduces across ranks, as for any row-parallel projection.
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 from typing import Mapping
 
@@ -67,6 +68,15 @@ class MSAAttention(nn.Module):
             attention this way).
         index_query_dtype: the index query's dtype (None: the index cache's, or fp8 e4m3
             against NVFP4 pages; a 16-bit type against an fp8 or NVFP4 cache is allowed).
+        index_cp_group: a torch.distributed process group (usually the TP group) for
+            context-parallel selection (select_blocks(cp_group=...)): rank r of the group scores
+            only the logical blocks b % W == r, for every index head, and the group exchanges
+            candidates. The layer then projects the index query of every index head (the
+            index-query rows of all heads are loaded on every rank: H * Di more rows of the
+            fused projection, 512 of M3's ~7.7K at TP4), selects for all heads, and attends
+            with its own heads' rows as without it. With a sharded index cache, plan with
+            MSAPlanner(index_cp_size=W, index_cp_rank=the rank in this group). Needs ops that
+            take cp_group ("kernels" or "reference").
 
     The index cache is passed to `forward`; its dtype picks the format: bf16/fp16/fp8 pages
     [P, B, Di], or NVFP4 pages (torch.uint8 [P, 128, 72], 72 bytes a token, Di = B = 128; see
@@ -76,7 +86,7 @@ class MSAAttention(nn.Module):
     def __init__(self, config: MSAConfig, hidden_size: int, *, tp_size: int = 1,
                  tp_rank: int = 0, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str | None = None, ops: str = "kernels",
-                 index_query_dtype: torch.dtype | None = None):
+                 index_query_dtype: torch.dtype | None = None, index_cp_group=None):
         super().__init__()
         if not isinstance(config, MSAConfig):
             raise TypeError(f"config must be an MSAConfig, got {type(config).__name__}")
@@ -91,7 +101,13 @@ class MSAAttention(nn.Module):
         d, di = cfg.head_dim, cfg.index_head_dim
         self.q_size = cfg.num_heads * d
         self.kv_size = cfg.num_kv_heads * d
-        self.iq_size = cfg.num_index_heads * di
+        self.index_cp_group = index_cp_group
+        # the index heads this rank projects: all of them under context-parallel selection
+        self._iq_heads = config.num_index_heads if index_cp_group is not None \
+            else cfg.num_index_heads
+        self._prepare_config = cfg if index_cp_group is None else dataclasses.replace(
+            cfg, num_index_heads=config.num_index_heads)
+        self.iq_size = self._iq_heads * di
         width = self.q_size + 2 * self.kv_size + self.iq_size + di
         kw = dict(dtype=dtype, device=device)
         # one fused projection weight: a single GEMM per step instead of five
@@ -143,7 +159,8 @@ class MSAAttention(nn.Module):
         fused = torch.cat([rows(w["q_proj.weight"], self.q_size),
                            rows(w["k_proj.weight"], self.kv_size),
                            rows(w["v_proj.weight"], self.kv_size),
-                           rows(w["index_q_proj.weight"], self.iq_size),
+                           w["index_q_proj.weight"] if self.index_cp_group is not None
+                           else rows(w["index_q_proj.weight"], self.iq_size),
                            w["index_k_proj.weight"]])  # the one index-key head: replicated
         self.qkv_weight.copy_(fused)
         self.o_weight.copy_(w["o_proj.weight"][:, r * self.q_size:(r + 1) * self.q_size])
@@ -167,16 +184,21 @@ class MSAAttention(nn.Module):
         qkv = F.linear(hidden, self.qkv_weight)
         iq_out = None
         if self.index_query_dtype is not None and self.index_query_dtype != index_cache.dtype:
-            iq_out = torch.empty(num_tokens, cfg.num_index_heads, cfg.index_head_dim,
+            iq_out = torch.empty(num_tokens, self._iq_heads, cfg.index_head_dim,
                                  dtype=self.index_query_dtype, device=hidden.device)
         q, index_q = ops.fused_prepare(
-            qkv, meta.positions, cfg, self.q_norm, self.k_norm, self.index_q_norm,
+            qkv, meta.positions, self._prepare_config, self.q_norm, self.k_norm, self.index_q_norm,
             self.index_k_norm, k_cache, v_cache, meta.slot_mapping, index_cache,
             meta.index_slot_mapping, k_scale=k_scale, v_scale=v_scale, index_q_out=iq_out)
+        cp = {} if self.index_cp_group is None else dict(cp_group=self.index_cp_group)
         indices = ops.select_blocks(
             index_q, index_cache, meta.cu_seqlens_q, meta.seq_lens, meta.index_block_table,
             topk=cfg.topk_blocks, init_blocks=cfg.init_blocks, local_blocks=cfg.local_blocks,
-            block_size=cfg.block_size, max_q_len=meta.max_q_len)
+            block_size=cfg.block_size, max_q_len=meta.max_q_len, **cp)
+        if self.index_cp_group is not None:
+            # every head's selection came back: this rank attends with its own heads'
+            h = cfg.num_index_heads
+            indices = indices[:, self.tp_rank * h:(self.tp_rank + 1) * h].contiguous()
         out = ops.sparse_attention(q, k_cache, v_cache, indices, meta.cu_seqlens_q,
                                    meta.seq_lens, meta.block_table, block_size=cfg.block_size,
                                    k_scale=k_scale, v_scale=v_scale)

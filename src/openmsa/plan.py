@@ -70,16 +70,31 @@ def _host_ints(name: str, x) -> list[int]:
 
 
 class MSAPlanner:
-    """Persistent device buffers sized for a capacity, filled by `plan` once per step."""
+    """Persistent device buffers sized for a capacity, filled by `plan` once per step.
+
+    index_cp_size, index_cp_rank: a sharded index cache for context-parallel selection
+    (select_blocks(cp_group=...), MSAAttention(index_cp_group=...)): this rank owns the logical
+    blocks b % index_cp_size == index_cp_rank of every request. Its index block table then has -1
+    at the other blocks and its index slot mapping -1 for tokens in them, so each token's index
+    key is written by exactly one rank of the group and a rank's index cache needs pages only for
+    its own blocks (1 / index_cp_size of them). The main KV cache is untouched."""
 
     def __init__(self, config: MSAConfig, *, max_requests: int, max_tokens: int, max_blocks: int,
-                 device: torch.device | str):
+                 device: torch.device | str, index_cp_size: int = 1, index_cp_rank: int = 0):
         if not isinstance(config, MSAConfig):
             raise TypeError(f"config must be an MSAConfig, got {type(config).__name__}")
         for name, v in (("max_requests", max_requests), ("max_tokens", max_tokens),
                         ("max_blocks", max_blocks)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if isinstance(index_cp_size, bool) or not isinstance(index_cp_size, int) \
+                or index_cp_size < 1:
+            raise ValueError(f"index_cp_size must be a positive int, got {index_cp_size!r}")
+        if isinstance(index_cp_rank, bool) or not isinstance(index_cp_rank, int) \
+                or not 0 <= index_cp_rank < index_cp_size:
+            raise ValueError(f"index_cp_rank must be in [0, index_cp_size={index_cp_size}), got "
+                             f"{index_cp_rank!r}")
+        self.index_cp_size, self.index_cp_rank = index_cp_size, index_cp_rank
         self.config = config
         self.max_requests, self.max_tokens, self.max_blocks = max_requests, max_tokens, max_blocks
         self.device = torch.device(device)
@@ -91,6 +106,9 @@ class MSAPlanner:
         self._positions = torch.full((max_tokens,), -1, **i32)
         self._slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=self.device)
         self._index_slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=self.device)
+        # columns (logical blocks) of the index table this rank does not own
+        self._not_owned = (torch.arange(max_blocks, device=self.device) % index_cp_size
+                           != index_cp_rank)
 
     def _upload(self, dst: torch.Tensor, values) -> None:
         src = values if isinstance(values, torch.Tensor) else torch.tensor(values,
@@ -164,6 +182,9 @@ class MSAPlanner:
             else:
                 buf[:len(ql), :rows.shape[1]].copy_(rows)
 
+        if self.index_cp_size > 1:
+            self._index_table.masked_fill_(self._not_owned[None, :], -1)
+
         cu_d, sl_d = self._cu[:num_requests + 1], self._seq_lens[:num_requests]
         request, pos = token_layout(cu_d, sl_d, num_tokens)
         self._positions[:num_tokens].copy_(pos)
@@ -181,6 +202,11 @@ class MSAPlanner:
                     self._upload(buf[:num_tokens], given.to(torch.int64))
             else:
                 buf[:num_tokens].copy_(slots_from_table(request, pos, tab, cfg.block_size))
+        if self.index_cp_size > 1 and index_slot_mapping is not None:
+            # the engine's own index slots: kept only for tokens of this rank's blocks
+            block = torch.div(pos.long(), cfg.block_size, rounding_mode="floor")
+            mine = (pos >= 0) & (block % self.index_cp_size == self.index_cp_rank)
+            self._index_slots[:num_tokens].masked_fill_(~mine, -1)
         return MSAMetadata(cu_d, sl_d, table, index_table, self._positions[:num_tokens],
                            self._slots[:num_tokens], self._index_slots[:num_tokens],
                            max_q_len=max(ql, default=0))

@@ -9,7 +9,9 @@ import torch
 
 from ..._dispatch import on_tensor_device, use_kernels
 from ...support import indexer_unsupported_reason
-from ..common.launch import PlanCache, call_key, tma_descriptor
+import dataclasses
+
+from ..common.launch import PlanCache, call_key, launch_planned, tma_descriptor
 from ..common.plan import DeviceFacts, LaunchPlan, config_or_default
 from . import reference
 from .checks import check_indexer_args, check_select_args
@@ -53,7 +55,7 @@ def _shape(index_q, index_cache, seq_lens, block_table, block_size, max_q_len, t
 
 
 def _run_scores(launches: LaunchPlan, index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
-                scores) -> None:
+                scores, cp: tuple[int, int] | None = None) -> None:
     """The plan's scoring launches. The Gluon tile launch ("scores_tile_ws") is planned with its
     Triton form ("scores_tile_unaligned") beside it, and exactly one of them runs: the Gluon one
     when both index_q's and index_cache's base addresses are 16-byte aligned (what TMA takes),
@@ -61,6 +63,14 @@ def _run_scores(launches: LaunchPlan, index_q, index_cache, cu_seqlens_q, seq_le
     args = (index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores, seq_lens.shape[0],
             index_q.shape[0], *index_q.stride(), *index_cache.stride(), *block_table.stride(),
             *scores.stride())
+    if cp is not None:
+        # a context-parallel rank's share (cp.py): the Triton launches with its (size, rank);
+        # its plan has no Gluon launch (_local_scores_kernels)
+        for launch in launches:
+            if launch.kernel in ("scores_request", "scores_tile", "scores_tile_unaligned"):
+                launch_planned(_block_scores_kernel, (launch.key, "cp", *cp), launch.grid, *args,
+                               **launch.params, cp_size=cp[0], cp_rank=cp[1], CP=True)
+        return
     aligned = index_q.data_ptr() % 16 == 0 and index_cache.data_ptr() % 16 == 0
     for launch in launches:
         if launch.kernel in ("scores_request", "scores_tile"):
@@ -199,10 +209,42 @@ def block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, b
     return out
 
 
+def _local_scores_kernels(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, cp_size,
+                          cp_rank, block_size, width, max_q_len, config):
+    """cp.local_block_scores on the kernel path: the scoring launches over the strided view
+    block_table[:, cp_rank::cp_size] (zero-copy), positions mapped into the rank's local key
+    space in the kernel (scores.py, CP)."""
+    config = _check_config(config)
+    view = block_table[:, cp_rank::cp_size]
+    scores = torch.empty((*index_q.shape[:2], width), dtype=torch.float32, device=index_q.device)
+    if view.shape[1] == 0:
+        return scores
+    key = _call_key("scores_cp", index_q, index_cache, cu_seqlens_q, seq_lens, view, None,
+                    block_size, max_q_len, config)
+    launches = _PLANS.get(key)
+    if launches is None:
+        _raise_if_unsupported(index_q, index_cache, block_size, None)
+        # the Gluon tile launch does not map positions: the plan takes the Triton tile form
+        shape = dataclasses.replace(_shape(index_q, index_cache, seq_lens, view, block_size,
+                                           max_q_len), tma_rows=False)
+        launches = plan(shape, DeviceFacts.of(index_q.device), config)
+        _PLANS.put(key, launches)
+    _run_scores(launches, index_q, index_cache, cu_seqlens_q, seq_lens, view, scores,
+                cp=(cp_size, cp_rank))
+    return scores
+
+
+def _check_cp_group(cp_group):
+    import torch.distributed as dist
+    if not (dist.is_available() and isinstance(cp_group, dist.ProcessGroup)):
+        raise TypeError(f"cp_group must be a torch.distributed ProcessGroup or None, got "
+                        f"{type(cp_group).__name__}")
+
+
 @on_tensor_device
 def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, topk=16,
                   init_blocks=0, local_blocks=1, block_size=128, out=None, max_q_len=None,
-                  config: IndexerConfig | None = None):
+                  config: IndexerConfig | None = None, cp_group=None):
     """The `topk` best blocks per (token, index head), forced init/local blocks included
     (docs/spec.md, "Selection: forced blocks and the tie rule").
 
@@ -219,8 +261,30 @@ def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, 
     (an 8K chunk after 1M tokens at 4 heads: 1 GB), plus, for launches of many long rows, a
     scratch row of 64 int64 per (token, head, 1024-block segment) (134 MB there) and, for rows
     of several segments, K int64 candidates per segment.
+
+    Context parallelism: with `cp_group` (a torch.distributed process group of W ranks, NCCL on
+    GPUs, gloo on CPU), rank r scores only the logical blocks b % W == r of every request, for
+    every head of the index_q it is given (each rank passes the same index_q, metadata and
+    selection arguments), reading block_table only at those blocks: a sharded index cache may
+    leave -1 (and no page) at the others. The ranks exchange their best topk (score, block)
+    candidates per (token, head) in one all_gather_into_tensor of T * H * topk int64, and every
+    rank returns the whole selection, bit-identical to cp_group=None on one device (ops/indexer/
+    cp.py, docs/spec.md "Context-parallel selection"). No host sync; with NCCL the collective is
+    captured by CUDA graphs. Temporary memory: the local scores, T * H * ceil(max_blocks / W) * 4
+    bytes, their int64 keys (twice that) and W * T * H * topk int64 candidates.
     """
     config = _check_config(config)
+    if cp_group is not None:
+        _check_cp_group(cp_group)
+        check_select_args(topk, init_blocks, local_blocks)
+        check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
+                           block_size=block_size, out=out, out_width=topk,
+                           out_dtype=torch.int32, max_q_len=max_q_len)
+        from .cp import select_blocks_cp
+        return select_blocks_cp(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
+                                cp_group=cp_group, topk=topk, init_blocks=init_blocks,
+                                local_blocks=local_blocks, block_size=block_size, out=out,
+                                max_q_len=max_q_len, config=config)
     if not use_kernels(index_q):
         return reference.select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
                                        topk=topk, init_blocks=init_blocks,

@@ -118,9 +118,10 @@ def select_from_scores(scores, position, *, topk, init_blocks, local_blocks, blo
 
 def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, topk=16,
                   init_blocks=0, local_blocks=1, block_size=128, out=None, max_q_len=None,
-                  config: IndexerConfig | None = None):
+                  config: IndexerConfig | None = None, cp_group=None):
     """Top-`topk` blocks per (token, index head) by block_scores, with forced init/local blocks
-    (max_q_len, config: the kernels' hint and knobs, see block_scores).
+    (max_q_len, config: the kernels' hint and knobs, see block_scores). cp_group: the
+    context-parallel selection of cp.py on this reference path (see api.select_blocks).
 
     Returns:
         int32 [T, H, topk]: ascending block ids (logical, into the request's block table), -1
@@ -130,6 +131,14 @@ def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, 
     check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
                        block_size=block_size, out=out, out_width=topk, out_dtype=torch.int32,
                        max_q_len=max_q_len)
+    if cp_group is not None:
+        from .api import _check_cp_group
+        from .cp import select_blocks_cp
+        _check_cp_group(cp_group)
+        return select_blocks_cp(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
+                                cp_group=cp_group, topk=topk, init_blocks=init_blocks,
+                                local_blocks=local_blocks, block_size=block_size, out=out,
+                                reference=True)
     num_tokens = index_q.shape[0]
     scores = block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
                           block_size=block_size)

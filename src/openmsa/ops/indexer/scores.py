@@ -13,6 +13,11 @@ which of the two a step needs):
   compute-bound prefill path.
 
 Each program writes its [rows, BPS] score tile once, so stores are coalesced along b.
+Context parallelism (CP, cp.py): with CP set, the kernel scores rank cp_rank's share of a group
+of cp_size ranks, the logical blocks b = j * cp_size + cp_rank, through the strided view
+block_table[:, cp_rank::cp_size] (local block j). Every causal position is then mapped into that
+local space (_cp_local_pos), so the same masks, loop bounds and tiles apply unchanged.
+
 Bytes: the request launch reads sum_r nb_r * B * Di * bytes(cache) plus the tiny query and score
 traffic; that is the whole cost model of decode. An NVFP4 cache (NVFP4=True) is 72 bytes a token,
 dequantized in registers by _nvfp4_keys.
@@ -111,6 +116,18 @@ def _nvfp4_keys(cache_ptr, page, page_ok, stride_cp, BLOCK: tl.constexpr, DI: tl
 
 
 @triton.jit
+def _cp_local_pos(p, cp_size, cp_rank, BLOCK: tl.constexpr):
+    """Token position p (>= 0) in the local key space of a CP rank: key j * BLOCK + o of local
+    block j (global block j * cp_size + cp_rank) is causal for p iff it is <= the result; -1
+    when the rank owns no block at or before p's. Nondecreasing in p."""
+    g = p // BLOCK
+    j = (g - cp_rank) // cp_size
+    own = j * cp_size + cp_rank == g
+    lp = tl.where(own, j * BLOCK + p % BLOCK, j * BLOCK + BLOCK - 1)
+    return tl.where(g < cp_rank, -1, lp)
+
+
+@triton.jit
 def _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, stride_cb, stride_cd,
                  d, DI: tl.constexpr, BLOCK: tl.constexpr, BPS: tl.constexpr,
                  CAST_K: tl.constexpr, IEEE: tl.constexpr, CAUSAL: tl.constexpr,
@@ -179,7 +196,8 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
                        CAST_K: tl.constexpr, IEEE: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
                        MAX_SKIPS_NAN: tl.constexpr, split_pages_given=0,
                        PAGES_GIVEN: tl.constexpr = False, ONE_LOOP: tl.constexpr = False,
-                       NVFP4: tl.constexpr = False):
+                       NVFP4: tl.constexpr = False, cp_size=1, cp_rank=0,
+                       CP: tl.constexpr = False):
     """Score tokens [t_begin, t_end) (< ROWS_T of them, all of one request whose first token is
     t_req) against blocks [b_lo, b_hi) and store the tile; rows are (token, head) pairs.
     PAGES_GIVEN: the caller loaded the split's page ids (split_pages_given, [BPS]); ONE_LOOP: one
@@ -192,6 +210,8 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
     row_ok = (tok < t_end) & (head < H)
     # right-aligned: token i of the request sits at seq_len - q_len + i
     pos = seq_len - q_len + (tok - t_req)  # [M]
+    if CP:
+        pos = _cp_local_pos(pos, cp_size, cp_rank, BLOCK)
     d = tl.arange(0, DIP)
     q = tl.load(q_ptr + tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
                 + d[None, :] * stride_qd, mask=row_ok[:, None] & (d[None, :] < DI),
@@ -212,8 +232,10 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
     if ONE_LOOP:
         b_full = b_lo
     else:
-        b_full = tl.minimum(tl.maximum((seq_len - q_len + (t_begin - t_req) + 1) // BLOCK, b_lo),
-                            b_hi)
+        pos_first = seq_len - q_len + (t_begin - t_req)
+        if CP:
+            pos_first = _cp_local_pos(pos_first, cp_size, cp_rank, BLOCK)
+        b_full = tl.minimum(tl.maximum((pos_first + 1) // BLOCK, b_lo), b_hi)
     for b in range(b_lo, b_full):
         tile = _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, stride_cb,
                             stride_cd, d, DI, BLOCK, BPS, CAST_K, IEEE, False, KEYS_AS_ROWS,
@@ -238,7 +260,8 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                          TILE_MODE: tl.constexpr, ROWS_T: tl.constexpr, CAST_K: tl.constexpr,
                          IEEE: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
                          MAX_SKIPS_NAN: tl.constexpr, PDL: tl.constexpr = False,
-                         table_width=0, NVFP4: tl.constexpr = False):
+                         table_width=0, NVFP4: tl.constexpr = False, cp_size=1, cp_rank=0,
+                         CP: tl.constexpr = False):
     if PDL:
         # the selection launch may start now (programmatic dependent launch): it takes effect
         # once every program of this launch has passed here, and the selection waits for this
@@ -283,7 +306,12 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                     t_end = tl.minimum(t_next, tile_end)
                     # causal: the tile's last token sees blocks < its position // B + 1
                     last_pos = seq_len - q_len + (t_end - 1 - t_req)
-                    b_hi = tl.minimum(b_first + BPS, last_pos // BLOCK + 1)
+                    if CP:
+                        last_pos = _cp_local_pos(last_pos, cp_size, cp_rank, BLOCK)
+                        b_hi = tl.minimum(b_first + BPS, tl.where(last_pos < 0, 0,
+                                                                  last_pos // BLOCK + 1))
+                    else:
+                        b_hi = tl.minimum(b_first + BPS, last_pos // BLOCK + 1)
                     if b_first < b_hi:
                         _score_token_range(q_ptr, cache_ptr, bt_ptr + r.to(tl.int64) * stride_btr,
                                            out_ptr, t_begin, t_end, seq_len, q_len, t_req,
@@ -291,7 +319,8 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                                            stride_cp, stride_cb, stride_cd, stride_btb,
                                            stride_ot, stride_oh, stride_ob, H, HP, DI, DIP,
                                            BLOCK, ROWS_T, BPS, CAST_K, IEEE, KEYS_AS_ROWS,
-                                           MAX_SKIPS_NAN, NVFP4=NVFP4)
+                                           MAX_SKIPS_NAN, NVFP4=NVFP4, cp_size=cp_size,
+                                           cp_rank=cp_rank, CP=CP)
                 r += 1
     else:
         r = pid
@@ -305,7 +334,11 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
         t_next = tl.minimum(tl.load(cu_ptr + r + 1), num_tokens)
         q_len = tl.load(cu_ptr + r + 1) - t_req
         seq_len = tl.load(seq_lens_ptr + r)
-        b_hi = tl.minimum(b_first + BPS, (seq_len + BLOCK - 1) // BLOCK)
+        if CP:
+            last_local = _cp_local_pos(seq_len - 1, cp_size, cp_rank, BLOCK)
+            b_hi = tl.minimum(b_first + BPS, tl.where(last_local < 0, 0, last_local // BLOCK + 1))
+        else:
+            b_hi = tl.minimum(b_first + BPS, (seq_len + BLOCK - 1) // BLOCK)
         if (q_len > 0) & (q_len <= SMALL_Q) & (seq_len >= q_len) & (b_first < b_hi):
             for t_begin in range(t_req, t_next, ROWS_T):
                 _score_token_range(q_ptr, cache_ptr, bt_ptr + r.to(tl.int64) * stride_btr,
@@ -314,4 +347,4 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                                    stride_qd, stride_cp, stride_cb, stride_cd, stride_btb,
                                    stride_ot, stride_oh, stride_ob, H, HP, DI, DIP, BLOCK,
                                    ROWS_T, BPS, CAST_K, IEEE, KEYS_AS_ROWS, MAX_SKIPS_NAN,
-                                   pages, True, True, NVFP4)
+                                   pages, True, True, NVFP4, cp_size, cp_rank, CP)
