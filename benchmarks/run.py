@@ -242,15 +242,28 @@ def load_flashinfer():
 
 
 def try_peer(fn):
-    """Run a peer call; None with the reason printed when it cannot run this shape."""
+    """A peer call (or a dense timing) that returns its result; None, with the reason printed,
+    when it cannot run this shape."""
     try:
         out = fn()
         torch.cuda.synchronize()
         return out
     except Exception as e:  # noqa: BLE001
+        print(f"#   not run: {type(e).__name__}: {e}".splitlines()[0][:180])
+        return None
+
+
+def peer_failure(fn) -> str | None:
+    """Run a peer call once: None when it ran, else why it cannot run this shape (printed too).
+    (Peers that write into an out= buffer return None, so the result itself says nothing.)"""
+    try:
+        fn()
+        torch.cuda.synchronize()
+        return None
+    except Exception as e:  # noqa: BLE001
         msg = f"{type(e).__name__}: {e}".splitlines()[0][:160]
         print(f"#   peer not run: {msg}")
-        return None
+        return msg
 
 
 def load_vllm():
@@ -560,11 +573,12 @@ def _indexer_decode_case(fi, model_name, heads, dname, context, batch, q_len, ar
     if VLLM is not None and not nvfp4:
         out_t = torch.empty(heads, q.shape[0], 16, dtype=torch.int32, device="cuda")
         run = _vllm_decode_select(VLLM, q, cache, seq, table, q_len, heads, out_t)
-        if try_peer(run) is not None:
+        failure = peer_failure(run)
+        if failure is None:
             check.update(selection_fields("vllm", out, out_t.transpose(0, 1), scores))
             peers["vllm"] = (run, out_t)
         else:
-            check["vllm"] = "not run"
+            check["vllm"] = f"not run: {failure}"
     if peers:
         # ours and the peers' calls alternate in one profiled loop: all in one GPU state
         dev, timed = time_peers(ours, peers, args.iters)
@@ -630,11 +644,12 @@ def _indexer_prefill_case(fi, model_name, heads, dname, context, chunk, args):
     if VLLM is not None:
         out_t = torch.empty(heads, chunk, 16, dtype=torch.int32, device="cuda")
         run = _vllm_prefill_select(VLLM, q, cache, cu, seq, table, chunk, heads, out_t)
-        if try_peer(run) is not None:
+        failure = peer_failure(run)
+        if failure is None:
             check.update(selection_fields("vllm", out, out_t.transpose(0, 1), scores))
             peers["vllm"] = (run, out_t)
         else:
-            check["vllm"] = "not run"
+            check["vllm"] = f"not run: {failure}"
     if peers:
         # interleaved, as in the decode sections: all sides in one GPU state
         dev, timed = time_peers(ours, peers, iters)
@@ -724,20 +739,22 @@ def _attention_decode_case(fi, model_name, model, dname, batch, context, q_len, 
         fo = torch.empty_like(q)
         run = lambda: fi.msa_sparse_decode_attention(  # noqa: E731
             q, kf, vf, idx_t, page_table=table, seqused_k=seq, seqlen_q=q_len, out=fo)
-        if try_peer(run) is not None:
+        failure = peer_failure(run)
+        if failure is None:
             check.update(output_fields("fi", out, fo))
             peers["fi"] = (run, fo)
         else:
-            check["fi"] = "not run"
+            check["fi"] = f"not run: {failure}"
     if VLLM is not None:
         vo = torch.empty_like(q)
         run = lambda: VLLM.attn_decode(  # noqa: E731
             q, packed, idx_t, table, seq, model.num_kv_heads, d ** -0.5, vo, q_len)
-        if try_peer(run) is not None:
+        failure = peer_failure(run)
+        if failure is None:
             check.update(output_fields("vllm", out, vo))
             peers["vllm"] = (run, vo)
         else:
-            check["vllm"] = "not run"
+            check["vllm"] = f"not run: {failure}"
     if peers:
         # ours and the peers' calls alternate in one profiled loop: all in one GPU state
         dev, timed = time_peers(ours, peers, args.iters)
@@ -867,8 +884,9 @@ def _vllm_prefill_attention(model, q, packed, idx, cu, seq, table, chunk, out, o
         run = lambda: VLLM.attn_prefill(  # noqa: E731
             q, packed, idx_t, table, cu, seq, prefix, chunk, model.num_kv_heads,
             model.head_dim ** -0.5, vo)
-        if try_peer(run) is None:
-            return {"vllm": "not run"}
+        failure = peer_failure(run)
+        if failure is not None:
+            return {"vllm": f"not run: {failure}"}
         fields = output_fields("vllm", out, vo)
         dev, timed = time_peers(ours, {"vllm": (run, vo)}, iters, graph=False)
         return dict(us=dev, **timed, **fields)
