@@ -23,6 +23,13 @@
 #   bash scripts/gpu_check.sh ab [args...]     # benchmarks/ab.py: this tree against .ab's base
 #                                              # (python3 benchmarks/prepare_ab.py REV first)
 #   bash scripts/gpu_check.sh host [cases...]  # benchmarks/host_cost.py (eager calls' host time)
+#   bash scripts/gpu_check.sh multigpu [args...]  # issue 43, on 2-4 GPUs (nvidia-h200-x2/-x4):
+#                                              # tests/test_multigpu.py (NCCL, world 2 and 4),
+#                                              # then benchmarks/cp_multigpu.py at W = 2 and, with
+#                                              # 4+ GPUs, W = 4 (args go to the benchmark);
+#                                              # logs and cp_multigpu-w*.json in $OUT/multigpu.
+#                                              # multigpu-tests / multigpu-bench run one half
+#                                              # (two device calls if one call's 600 s is short)
 # The device copy has no .git: write the commit first (`git rev-parse --short HEAD > REVISION`
 # and name REVISION in the call's carry) so the benchmark's provenance line names it.
 set -uo pipefail
@@ -66,6 +73,26 @@ case "$what" in
     python3 benchmarks/tune.py "$@" 2>&1 | tee -a "$OUT/tune.log" ;;
   host)
     python3 benchmarks/host_cost.py "$@" 2>&1 | tee -a "$OUT/host.log" ;;
+  multigpu|multigpu-tests|multigpu-bench)
+    mkdir -p "$OUT/multigpu"
+    gpus=$(nvidia-smi -L | grep -c '^GPU')
+    echo "$gpus GPUs" | tee "$OUT/multigpu/gpus.txt"
+    nvidia-smi topo -m > "$OUT/multigpu/topo.txt" 2>&1
+    rc=0
+    if [ "$what" != multigpu-bench ]; then
+      python3 -m pytest -q -rs --durations=10 tests/test_multigpu.py 2>&1 \
+        | tee "$OUT/multigpu/tests.log"
+      rc=${PIPESTATUS[0]}
+    fi
+    if [ "$what" != multigpu-tests ]; then
+      for w in 2 4; do
+        [ "$gpus" -ge "$w" ] || continue
+        python3 benchmarks/cp_multigpu.py --world "$w" --out "$OUT/multigpu" "$@" 2>&1 \
+          | tee "$OUT/multigpu/bench-w$w.log"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+      done
+    fi
+    exit $rc ;;
   all)
     python3 -m pytest -q -m "gpu or interpret" tests 2>&1 | tee "$OUT/tests.log"
     python3 benchmarks/run.py "$@" 2>&1 | tee "$OUT/bench.log" ;;
