@@ -289,6 +289,7 @@ def worker(args):
     for dname, batch, context in cases(args, gpu):
         row = measure(args, timer, group, rank, world, device, dname, batch, context)
         rows.append(row)
+        timer._graphs.clear()  # their pools, before the next case's cache
         if gpu:
             torch.cuda.empty_cache()
         if rank == 0:

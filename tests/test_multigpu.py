@@ -13,7 +13,8 @@ world sizes 2 and 4:
 
 The gpu-marked tests skip (and only skip) where fewer GPUs than the world size are present:
 
-    PYTHONPATH=src python3 -m pytest -q tests/test_multigpu.py     # or: scripts/gpu_check.sh multigpu
+    PYTHONPATH=src python3 -m pytest -q -rs tests/test_multigpu.py
+    bash scripts/gpu_check.sh multigpu      # the tests, then benchmarks/cp_multigpu.py
 
 The reference-marked test runs the same worker on CPU over gloo (world size 2, small shapes; the
 "graph" is the step function rerun on the same buffers): it proves the workers' logic on any
