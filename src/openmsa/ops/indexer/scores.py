@@ -352,6 +352,9 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
         else:
             b_hi = tl.minimum(b_first + BPS, (seq_len + BLOCK - 1) // BLOCK)
         if (q_len > 0) & (q_len <= SMALL_Q) & (seq_len >= q_len) & (b_first < b_hi):
+            # NVFP4: an unmasked loop and a causal one (ONE_LOOP off): the per-key causal
+            # compare and select (~24 instructions a block) leave the loop that scans the
+            # context; only a request's last split runs the masked loop, for its last block
             for t_begin in range(t_req, t_next, ROWS_T):
                 _score_token_range(q_ptr, cache_ptr, bt_ptr + r.to(tl.int64) * stride_btr,
                                    out_ptr, t_begin, tl.minimum(t_begin + ROWS_T, t_next),
@@ -359,4 +362,4 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                                    stride_qd, stride_cp, stride_cb, stride_cd, stride_btb,
                                    stride_ot, stride_oh, stride_ob, H, HP, DI, DIP, BLOCK,
                                    ROWS_T, BPS, CAST_K, IEEE, KEYS_AS_ROWS, MAX_SKIPS_NAN,
-                                   pages, True, True, NVFP4, cp_size, cp_rank, CP)
+                                   pages, True, not NVFP4, NVFP4, cp_size, cp_rank, CP)
