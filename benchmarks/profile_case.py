@@ -123,6 +123,14 @@ def _nvfp4_indexer(batch, context, q_len, heads):
                                          config=INDEXER_CONFIG)
 
 
+def _index_step_case(dname, batch, context, q_len, heads):
+    """_indexer on run._index_step's cache of `dname` ("nvfp4": quantized slice by slice, no
+    full-size 16-bit temporary, so B=128 at 1M fits beside nothing else)."""
+    q, cache, cu, seq, table = run._index_step(batch, context, q_len, heads, dname)
+    return lambda: openmsa.select_blocks(q, cache, cu, seq, table, max_q_len=q_len,
+                                         config=INDEXER_CONFIG)
+
+
 def _fi_indexer(dname, batch, context, q_len, heads):
     """FlashInfer's indexer (msa_proxy_score + msa_topk_select) on _indexer's step, for
     --offsets / --breakdown beside ours (needs `. .peers/env.sh`)."""
@@ -197,6 +205,10 @@ CASES = {
     # NVFP4 index pages (72 bytes a token) beside the fp8 rows above
     "idx-nvfp4-b32-128k": lambda: _nvfp4_indexer(32, 131072, 1, 4),
     "idx-nvfp4-b1-1m": lambda: _nvfp4_indexer(1, 1 << 20, 1, 4),
+    # the B=128 1M-context TP1 decode step in both caches, one GPU call compares them:
+    # profile_case.py --breakdown idx-nvfp4-b128-1m idx-fp8-b128-1m
+    "idx-nvfp4-b128-1m": lambda: _index_step_case("nvfp4", 128, 1 << 20, 1, 4),
+    "idx-fp8-b128-1m": lambda: _indexer("fp8", 128, 1 << 20, 1, 4),
     "idx-nvfp4-b128-32k-q4": lambda: _nvfp4_indexer(128, 32768, 4, 4),
     "idx-nvfp4-b64-128k-tp4": lambda: _nvfp4_indexer(64, 131072, 1, 1),
     "idx-nvfp4-prefill-120k": lambda: _nvfp4_indexer(1, 120 * 1024 + 8192, 8192, 4),

@@ -22,7 +22,8 @@ def target():
 def compile_sm90(fn, pointers, scalars, constexprs, *, gluon=False, attrs=None, options=None):
     """Compile `fn` for sm_90: pointer types by name, scalar types by name (default i32), the
     constexprs (one left out takes its default, as at a runtime launch), launch options
-    (num_warps, maxnreg, ...); `gluon` for a Gluon kernel, with `attrs` (e.g. divisibility)."""
+    (num_warps, maxnreg, ...); `gluon` for a Gluon kernel; `attrs` (e.g. divisibility, as
+    {(index,): [["tt.divisibility", 16]]}) as a runtime launch specializes them."""
     import triton
     from triton.compiler import ASTSource
 
@@ -35,7 +36,7 @@ def compile_sm90(fn, pointers, scalars, constexprs, *, gluon=False, attrs=None, 
         from triton.experimental.gluon._runtime import GluonASTSource
         src = GluonASTSource(fn, signature, index, attrs or {})
     else:
-        src = ASTSource(fn=fn, signature=signature, constexprs=index)
+        src = ASTSource(fn=fn, signature=signature, constexprs=index, attrs=attrs)
     return triton.compile(src, target=target(), options=options or None)
 
 

@@ -49,6 +49,10 @@ DECODE_ROWS = 16
 # nothing faster: docs/performance.md)
 DECODE_WARPS = 4
 DECODE_STAGES = 3
+# an NVFP4 cache's request launch: at most 128 registers a thread (ptxas alone takes ~155, no
+# spill at 128), so that 4 programs fit an SM (16 warps, not 12) to hide the dequantization's
+# and the block's barrier chain's latency (docs/design.md)
+DECODE_MAXNREG_NVFP4 = 128
 # the Triton tile launch's warps, and its stages for a 16-bit and an fp8 cache: a 16-bit key
 # tile is twice the bytes, and 2 stages on 4 warps fit 2 programs per SM (docs/performance.md)
 PREFILL_WARPS = 4
@@ -226,7 +230,10 @@ def _scoring(shape: IndexerShape, device: DeviceFacts, config: IndexerConfig) ->
                                dict(BPS=bps, TILE_MODE=False, ROWS_T=max(1, DECODE_ROWS // hp),
                                     **common, SMALL_Q=ANY_Q if any_q else SMALL_Q,
                                     KEYS_AS_ROWS=not ieee, num_warps=DECODE_WARPS, num_stages=DECODE_STAGES,
-                                    table_width=shape.max_blocks)))
+                                    table_width=shape.max_blocks,
+                                    **(dict(maxnreg=DECODE_MAXNREG_NVFP4)
+                                       if shape.nvfp4 and device.nvidia
+                                       else {}))))
     if only_requests:
         return launches
     fp8 = shape.cache_dtype in FP8_TYPES

@@ -132,12 +132,19 @@ def _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, strid
                  d, DI: tl.constexpr, BLOCK: tl.constexpr, BPS: tl.constexpr,
                  CAST_K: tl.constexpr, IEEE: tl.constexpr, CAUSAL: tl.constexpr,
                  KEYS_AS_ROWS: tl.constexpr, MAX_SKIPS_NAN: tl.constexpr,
-                 NVFP4: tl.constexpr = False):
+                 NVFP4: tl.constexpr = False, page_ptr=None):
     """Column b - b_lo of the [rows, BPS] score tile: each row's max over block b's keys.
-    NVFP4: the cache is NVFP4 pages (stride_cp apart; q is 16-bit, see _nvfp4_query)."""
+    NVFP4: the cache is NVFP4 pages (stride_cp apart; q is 16-bit, see _nvfp4_query), and the
+    page id is read from the table (page_ptr: block b's entry) as one scalar load instead of taken
+    out of split_pages: that cross-thread sum (a warp reduction, two barriers and shared-memory
+    round trips a block) sat on the chain to the next block's prefetch; the scalar load is an
+    L1 hit (a split's ids share two lines) and the same id."""
     offs = tl.arange(0, BLOCK)
     cols = tl.arange(0, BPS)
-    page = tl.sum(tl.where(cols == b - b_lo, split_pages, 0), axis=0).to(tl.int64)
+    if NVFP4:
+        page = tl.load(page_ptr).to(tl.int64)
+    else:
+        page = tl.sum(tl.where(cols == b - b_lo, split_pages, 0), axis=0).to(tl.int64)
     # a negative page id (a table the engine left unfilled) reads nothing and scores -inf
     page_ok = page >= 0
     if NVFP4:
@@ -236,14 +243,19 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
         if CP:
             pos_first = _cp_local_pos(pos_first, cp_size, cp_rank, BLOCK)
         b_full = tl.minimum(tl.maximum((pos_first + 1) // BLOCK, b_lo), b_hi)
+    # (NVFP4: block b's table entry, a pointer carried through the loops: an address computed
+    # from b made LLVM widen b to 64 bits, and with it every causal compare)
+    page_ptr = bt_row_ptr + b_lo * stride_btb
     for b in range(b_lo, b_full):
         tile = _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, stride_cb,
                             stride_cd, d, DI, BLOCK, BPS, CAST_K, IEEE, False, KEYS_AS_ROWS,
-                            MAX_SKIPS_NAN, NVFP4)
+                            MAX_SKIPS_NAN, NVFP4, page_ptr)
+        page_ptr += stride_btb
     for b in range(b_full, b_hi):
         tile = _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, stride_cb,
                             stride_cd, d, DI, BLOCK, BPS, CAST_K, IEEE, True, KEYS_AS_ROWS,
-                            MAX_SKIPS_NAN, NVFP4)
+                            MAX_SKIPS_NAN, NVFP4, page_ptr)
+        page_ptr += stride_btb
     blk = b_lo + cols
     out = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh \
         + blk.to(tl.int64)[None, :] * stride_ob
@@ -340,6 +352,9 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
         else:
             b_hi = tl.minimum(b_first + BPS, (seq_len + BLOCK - 1) // BLOCK)
         if (q_len > 0) & (q_len <= SMALL_Q) & (seq_len >= q_len) & (b_first < b_hi):
+            # NVFP4: an unmasked loop and a causal one (ONE_LOOP off): the per-key causal
+            # compare and select (~24 instructions a block) leave the loop that scans the
+            # context; only a request's last split runs the masked loop, for its last block
             for t_begin in range(t_req, t_next, ROWS_T):
                 _score_token_range(q_ptr, cache_ptr, bt_ptr + r.to(tl.int64) * stride_btr,
                                    out_ptr, t_begin, tl.minimum(t_begin + ROWS_T, t_next),
@@ -347,4 +362,4 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                                    stride_qd, stride_cp, stride_cb, stride_cd, stride_btb,
                                    stride_ot, stride_oh, stride_ob, H, HP, DI, DIP, BLOCK,
                                    ROWS_T, BPS, CAST_K, IEEE, KEYS_AS_ROWS, MAX_SKIPS_NAN,
-                                   pages, True, True, NVFP4, cp_size, cp_rank, CP)
+                                   pages, True, not NVFP4, NVFP4, cp_size, cp_rank, CP)
