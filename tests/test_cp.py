@@ -95,32 +95,31 @@ def test_candidate_and_merge_kernels_equal_torch(kernel_device):
     for topk, init, local, world in [(6, 2, 2, 3), (16, 0, 1, 1)]:
         want = indexer_ref.select_from_scores(scores, position, topk=topk, init_blocks=init,
                                               local_blocks=local, block_size=B)
-        if True:
-            width = -(-max_blocks // world)
-            got_keys = []
-            for r in range(world):
-                local_scores = torch.full((num_tokens, heads, width), 7.0)
-                own = scores[:, :, r::world]
-                local_scores[:, :, :own.shape[2]] = own
-                rule = dict(cp_size=world, cp_rank=r, max_blocks=max_blocks, topk=topk,
-                            init_blocks=init, local_blocks=local, block_size=B)
-                keys = local_candidates(local_scores, position, **rule)
-                k_keys, k_pos = local_candidates_kernel(local_scores.to(dev), cu.to(dev),
-                                                        seq.to(dev), **rule)
-                assert torch.equal(k_pos.cpu(), position)
-                assert torch.equal(torch.sort(k_keys.cpu(), -1).values,
-                                   torch.sort(keys, -1).values)
-                got_keys.append(k_keys)
-            cand = torch.stack(got_keys, 2)
-            got = merge_candidates_kernel(cand, k_pos, topk=topk, init_blocks=init,
-                                          local_blocks=local, block_size=B)
-            assert torch.equal(got.cpu(), want), (topk, init, local, world)
-            # strided out, written in place
-            out = torch.full((heads, num_tokens, topk), -7, dtype=torch.int32,
-                             device=dev).transpose(0, 1)
-            merge_candidates_kernel(cand, k_pos, topk=topk, init_blocks=init,
-                                    local_blocks=local, block_size=B, out=out)
-            assert torch.equal(out.cpu(), want)
+        width = -(-max_blocks // world)
+        got_keys = []
+        for r in range(world):
+            local_scores = torch.full((num_tokens, heads, width), 7.0)
+            own = scores[:, :, r::world]
+            local_scores[:, :, :own.shape[2]] = own
+            rule = dict(cp_size=world, cp_rank=r, max_blocks=max_blocks, topk=topk,
+                        init_blocks=init, local_blocks=local, block_size=B)
+            keys = local_candidates(local_scores, position, **rule)
+            k_keys, k_pos = local_candidates_kernel(local_scores.to(dev), cu.to(dev),
+                                                    seq.to(dev), **rule)
+            assert torch.equal(k_pos.cpu(), position)
+            assert torch.equal(torch.sort(k_keys.cpu(), -1).values,
+                               torch.sort(keys, -1).values)
+            got_keys.append(k_keys)
+        cand = torch.stack(got_keys, 2)
+        got = merge_candidates_kernel(cand, k_pos, topk=topk, init_blocks=init,
+                                      local_blocks=local, block_size=B)
+        assert torch.equal(got.cpu(), want), (topk, init, local, world)
+        # strided out, written in place
+        out = torch.full((heads, num_tokens, topk), -7, dtype=torch.int32,
+                         device=dev).transpose(0, 1)
+        merge_candidates_kernel(cand, k_pos, topk=topk, init_blocks=init,
+                                local_blocks=local, block_size=B, out=out)
+        assert torch.equal(out.cpu(), want)
 
 
 @pytest.mark.reference
@@ -132,6 +131,7 @@ def test_cp_group_is_checked():
 
 # ------------------------------------------------------------------------ rank by rank
 @pytest.mark.reference
+@pytest.mark.dispatch
 def test_ranks_one_after_another_reference():
     """The reference path: every case, group sizes 1-5, replicated and sharded."""
     for name, args, (topk, init, local) in cases():
@@ -244,6 +244,28 @@ def test_planner_shards_index_slots_and_table():
     assert torch.equal(written, want)
 
 
+@pytest.mark.reference
+def test_layer_refuses_a_table_sharded_for_another_rank():
+    """A step planned for a sharded index cache is refused by a layer whose group (here: none)
+    differs, by name, instead of selecting from -1 entries; a whole table runs."""
+    from openmsa import MSAAttention, MSAPlanner
+    cfg = _tiny_config()
+    layer = MSAAttention(cfg, 32, dtype=torch.float32, ops="reference")
+    table = torch.arange(8, dtype=torch.int32).view(1, 8)
+    kv = (torch.zeros(8, B, cfg.num_kv_heads, cfg.head_dim),
+          torch.zeros(8, B, cfg.num_kv_heads, cfg.head_dim))
+    index_cache = torch.zeros(8, B, cfg.index_head_dim)
+    hidden = torch.randn(3, 32)
+    sharded = MSAPlanner(cfg, max_requests=1, max_tokens=8, max_blocks=8, device="cpu",
+                         index_cp_size=2, index_cp_rank=1).plan([3], [3], table)
+    with pytest.raises(ValueError, match="index_cp_size"):
+        layer(hidden, sharded, kv, index_cache)
+    whole = MSAPlanner(cfg, max_requests=1, max_tokens=8, max_blocks=8, device="cpu").plan(
+        [3], [3], table)
+    # (the layer's weights are uninitialised: only that the step runs is checked)
+    assert layer(hidden, whole, kv, index_cache).shape == hidden.shape
+
+
 def _tiny_config():
     from openmsa import MSAConfig
     return MSAConfig(num_heads=4, num_kv_heads=4, head_dim=16, num_index_heads=4,
@@ -343,8 +365,8 @@ def test_gpu_prefill_chunk_ranks(dtype):
                 keys.append(k)
             got = merge_candidates_kernel(torch.stack(keys, 2), position, topk=16,
                                           init_blocks=1, local_blocks=1, block_size=128)
-            # the one-device plan may take the Gluon tile kernel for the prefill rows; the CP
-            # ranks take the Triton form. Decode rows must match exactly; report prefill rows.
+            # the one-device plan may take the Gluon tile kernel for the prefill rows, the CP
+            # ranks the Triton form: the two score bit for bit alike, so every row must match
             assert torch.equal(got[0], want[0]) and torch.equal(got[-1], want[-1])
             mismatch = (got != want).any(-1).sum().item()
             assert mismatch == 0, f"{mismatch} (token, head) rows differ (world {world})"

@@ -102,6 +102,11 @@ class MSAAttention(nn.Module):
         self.q_size = cfg.num_heads * d
         self.kv_size = cfg.num_kv_heads * d
         self.index_cp_group = index_cp_group
+        # (size, this rank) of the group, which a step's sharded index table must match
+        self._index_cp = (1, 0)
+        if index_cp_group is not None:
+            import torch.distributed as dist
+            self._index_cp = (dist.get_world_size(index_cp_group), dist.get_rank(index_cp_group))
         # the index heads this rank projects: all of them under context-parallel selection
         self._iq_heads = config.num_index_heads if index_cp_group is not None \
             else cfg.num_index_heads
@@ -191,6 +196,12 @@ class MSAAttention(nn.Module):
             self.index_k_norm, k_cache, v_cache, meta.slot_mapping, index_cache,
             meta.index_slot_mapping, k_scale=k_scale, v_scale=v_scale, index_q_out=iq_out)
         cp = {} if self.index_cp_group is None else dict(cp_group=self.index_cp_group)
+        # a whole (replicated) index table serves any group; a sharded one only its own rank
+        if meta.index_cp != (1, 0) and meta.index_cp != self._index_cp:
+            raise ValueError(f"meta's index cache is sharded as (index_cp_size, index_cp_rank) = "
+                             f"{meta.index_cp}, but this layer's index_cp_group is "
+                             f"{self._index_cp} (size, rank): plan with MSAPlanner(index_cp_size="
+                             f"{self._index_cp[0]}, index_cp_rank={self._index_cp[1]})")
         indices = ops.select_blocks(
             index_q, index_cache, meta.cu_seqlens_q, meta.seq_lens, meta.index_block_table,
             topk=cfg.topk_blocks, init_blocks=cfg.init_blocks, local_blocks=cfg.local_blocks,

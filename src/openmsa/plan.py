@@ -29,6 +29,9 @@ class MSAMetadata:
     [R, max_blocks], positions int32 [T] (-1 for padding tokens), slot_mapping and
     index_slot_mapping int64 [T] (-1 for padding tokens). max_q_len: the step's longest q_len
     (a host int, None when unknown), which the indexer takes as a speed hint (select_blocks).
+    index_cp: (W, r) of a sharded index cache (MSAPlanner's index_cp_size / index_cp_rank), (1, 0)
+    for a whole one; the layer checks it against its index_cp_group, since a table sharded for
+    another rank would select wrongly without an error.
     """
     cu_seqlens_q: torch.Tensor
     seq_lens: torch.Tensor
@@ -38,6 +41,7 @@ class MSAMetadata:
     slot_mapping: torch.Tensor
     index_slot_mapping: torch.Tensor
     max_q_len: int | None = None
+    index_cp: tuple[int, int] = (1, 0)
 
     @property
     def num_tokens(self) -> int:
@@ -209,4 +213,5 @@ class MSAPlanner:
             self._index_slots[:num_tokens].masked_fill_(~mine, -1)
         return MSAMetadata(cu_d, sl_d, table, index_table, self._positions[:num_tokens],
                            self._slots[:num_tokens], self._index_slots[:num_tokens],
-                           max_q_len=max(ql, default=0))
+                           max_q_len=max(ql, default=0),
+                           index_cp=(self.index_cp_size, self.index_cp_rank))

@@ -264,7 +264,7 @@ class _OpenMSAState:
             index = step.index
             if device.type == "cuda":
                 index = index.pin_memory().to(device, non_blocking=True)
-            plan = step.plans[device] = (index.to(device), chunks)
+            plan = step.plans[device] = (index, chunks)
         return plan
 
     def _plan_host(self, step: _Step, cache) -> None:

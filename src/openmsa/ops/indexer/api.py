@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 
 from ..._dispatch import on_tensor_device, use_kernels
+from ...nvfp4 import ALIGN as NVFP4_ALIGN
+from ...nvfp4 import check_nvfp4_cache, is_nvfp4_cache
 from ...support import indexer_unsupported_reason
 import dataclasses
 
@@ -60,6 +62,10 @@ def _run_scores(launches: LaunchPlan, index_q, index_cache, cu_seqlens_q, seq_le
     Triton form ("scores_tile_unaligned") beside it, and exactly one of them runs: the Gluon one
     when both index_q's and index_cache's base addresses are 16-byte aligned (what TMA takes),
     the Triton one otherwise."""
+    if is_nvfp4_cache(index_cache) and index_cache.data_ptr() % NVFP4_ALIGN:
+        # the plan's key has no address: a misaligned cache of a cached shape is refused here,
+        # by name, rather than faulting in the kernel's 32-bit code loads
+        check_nvfp4_cache("index_cache", index_cache)
     args = (index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores, seq_lens.shape[0],
             index_q.shape[0], *index_q.stride(), *index_cache.stride(), *block_table.stride(),
             *scores.stride())
@@ -67,7 +73,7 @@ def _run_scores(launches: LaunchPlan, index_q, index_cache, cu_seqlens_q, seq_le
         # a context-parallel rank's share (cp.py): the Triton launches with its (size, rank);
         # its plan has no Gluon launch (_local_scores_kernels)
         for launch in launches:
-            if launch.kernel in ("scores_request", "scores_tile", "scores_tile_unaligned"):
+            if launch.kernel in ("scores_request", "scores_tile"):
                 launch_planned(_block_scores_kernel, (launch.key, "cp", *cp), launch.grid, *args,
                                **launch.params, cp_size=cp[0], cp_rank=cp[1], CP=True)
         return
@@ -219,8 +225,10 @@ def _local_scores_kernels(index_q, index_cache, cu_seqlens_q, seq_lens, block_ta
     scores = torch.empty((*index_q.shape[:2], width), dtype=torch.float32, device=index_q.device)
     if view.shape[1] == 0:
         return scores
+    # the view's width does not fix the scores' width (two tables of widths 2w - 1 + r and
+    # 2w + r, r >= 1, give views of one width): both are in the key
     key = _call_key("scores_cp", index_q, index_cache, cu_seqlens_q, seq_lens, view, None,
-                    block_size, max_q_len, config)
+                    block_size, max_q_len, config, width, block_table.shape[1])
     launches = _PLANS.get(key)
     if launches is None:
         _raise_if_unsupported(index_q, index_cache, block_size, None)
@@ -280,6 +288,9 @@ def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, 
         check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
                            block_size=block_size, out=out, out_width=topk,
                            out_dtype=torch.int32, max_q_len=max_q_len)
+        if use_kernels(index_q):
+            # the merge sorts W * topk candidates in one program: the kernels' topk bound holds
+            _raise_if_unsupported(index_q, index_cache, block_size, topk)
         from .cp import select_blocks_cp
         return select_blocks_cp(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
                                 cp_group=cp_group, topk=topk, init_blocks=init_blocks,

@@ -268,7 +268,11 @@ def merge_candidates_kernel(candidates, position, *, topk, init_blocks, local_bl
     if out is None:
         out = torch.empty((num_tokens, num_heads, topk), dtype=torch.int32,
                           device=candidates.device)
-    if num_tokens * num_heads:
+    if per_rank == 0:
+        # a table of no columns: no request has a block (the argument checks hold the table
+        # wide enough for every seq_len), so every row is empty
+        out.fill_(-1)
+    elif num_tokens * num_heads:
         _merge_kernel[(num_tokens * num_heads,)](
             candidates, position, out, num_ranks, per_rank, topk, init_blocks, local_blocks,
             *candidates.stride(), *out.stride(), H=num_heads, BLOCK=block_size,
