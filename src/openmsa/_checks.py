@@ -9,6 +9,8 @@ from typing import Iterable
 
 import torch
 
+from .nvfp4 import DTYPE as NVFP4_DTYPE
+
 FP8 = torch.float8_e4m3fn
 # AMD gfx942's (MI300X/MI325X) fp8: e4m3 without negative zero or infinities, NaN 0x80, max 240
 FP8_FNUZ = torch.float8_e4m3fnuz
@@ -92,7 +94,7 @@ def check_index_dtypes(index_q: torch.Tensor, index_cache: torch.Tensor) -> None
     fp8 cache; fp32 with fp32 (the reference's own precision, for tests). Against NVFP4 pages
     (uint8): an fp8 e4m3fn, 16-bit or fp32 query."""
     q, c = index_q.dtype, index_cache.dtype
-    if c == torch.uint8:
+    if c == NVFP4_DTYPE:
         if q not in (FP8, *HALF, torch.float32):
             raise TypeError(f"index_q against an NVFP4 index cache (uint8) must be float8_e4m3fn, "
                             f"bfloat16, float16 or float32, got {str(q).replace('torch.', '')}")

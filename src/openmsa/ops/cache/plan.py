@@ -16,10 +16,8 @@ import torch
 
 from ..._checks import FP8_TYPES
 from ..._dispatch import next_pow2
+from ...nvfp4 import DTYPE as NVFP4  # an index cache of this dtype holds NVFP4 pages
 from ..common.plan import DeviceFacts, Launch, LaunchPlan
-
-# an index cache of this dtype holds NVFP4 pages (openmsa.nvfp4)
-NVFP4 = torch.uint8
 
 __all__ = ["CacheConfig", "DEFAULT", "IndexWriteShape", "KVWriteShape", "PrepareShape", "plan",
            "ROPE_MAX_POSITION", "ROPE_FINE"]

@@ -34,6 +34,7 @@ import torch
 
 from ..._checks import FP8, FP8_TYPES, HALF
 from ..._dispatch import next_pow2
+from ...nvfp4 import DTYPE as NVFP4_DTYPE
 from ..common.plan import DeviceFacts, Launch, LaunchPlan
 
 __all__ = ["IndexerConfig", "DEFAULT", "IndexerShape", "plan", "selection_plan", "selection_layout",
@@ -163,7 +164,7 @@ class IndexerShape:
     def nvfp4(self) -> bool:
         """Whether the index cache is NVFP4 pages (openmsa.nvfp4: a uint8 cache is nothing
         else), dequantized in registers by the Triton launches."""
-        return self.cache_dtype == torch.uint8
+        return self.cache_dtype == NVFP4_DTYPE
 
 
 def plan(shape: IndexerShape, device: DeviceFacts, config: IndexerConfig = DEFAULT) -> LaunchPlan:
