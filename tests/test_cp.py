@@ -266,6 +266,28 @@ def test_layer_refuses_a_table_sharded_for_another_rank():
     assert layer(hidden, whole, kv, index_cache).shape == hidden.shape
 
 
+@pytest.mark.reference
+@pytest.mark.parametrize("kwargs, kind, name", [
+    (dict(index_cp_size=0), ValueError, "index_cp_size"),
+    (dict(index_cp_size=True), ValueError, "index_cp_size"),
+    (dict(index_cp_size=2, index_cp_rank=2), ValueError, "index_cp_rank"),
+    (dict(index_cp_size=2, index_cp_rank=-1), ValueError, "index_cp_rank"),
+])
+def test_planner_cp_arguments_are_checked(kwargs, kind, name):
+    from openmsa import MSAPlanner
+    with pytest.raises(kind, match=name):
+        MSAPlanner(_tiny_config(), max_requests=1, max_tokens=8, max_blocks=8, device="cpu",
+                   **kwargs)
+
+
+@pytest.mark.reference
+def test_layer_index_cp_group_is_checked():
+    from openmsa import MSAAttention
+    with pytest.raises(TypeError, match="index_cp_group"):
+        MSAAttention(_tiny_config(), 32, dtype=torch.float32, ops="reference",
+                     index_cp_group=2)
+
+
 def _tiny_config():
     from openmsa import MSAConfig
     return MSAConfig(num_heads=4, num_kv_heads=4, head_dim=16, num_index_heads=4,

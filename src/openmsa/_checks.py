@@ -129,3 +129,11 @@ def check_scale_arg(name, value, device) -> None:
     if value.numel() != 1 or value.dtype != torch.float32 or value.device != device:
         raise ValueError(f"{name} must be a one-element float32 tensor on {device}, got "
                          f"{tuple(value.shape)} {value.dtype} on {value.device}")
+
+
+def check_process_group(name: str, group) -> None:
+    """A torch.distributed process group (context-parallel selection's cp_group)."""
+    import torch.distributed as dist
+    if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        raise TypeError(f"{name} must be a torch.distributed ProcessGroup or None, got "
+                        f"{type(group).__name__}")

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import reference
+from ._checks import check_process_group
 from .config import MSAConfig
 from .ops.attention.api import sparse_attention
 from .ops.cache.api import fused_prepare
@@ -106,6 +107,7 @@ class MSAAttention(nn.Module):
         self._index_cp = (1, 0)
         if index_cp_group is not None:
             import torch.distributed as dist
+            check_process_group("index_cp_group", index_cp_group)
             self._index_cp = (dist.get_world_size(index_cp_group), dist.get_rank(index_cp_group))
         # the index heads this rank projects: all of them under context-parallel selection
         self._iq_heads = config.num_index_heads if index_cp_group is not None \

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..._dispatch import on_tensor_device, use_kernels
+from ..._checks import check_process_group
 from ...nvfp4 import ALIGN as NVFP4_ALIGN
 from ...nvfp4 import check_nvfp4_cache, is_nvfp4_cache
 from ...support import indexer_unsupported_reason
@@ -242,13 +243,6 @@ def _local_scores_kernels(index_q, index_cache, cu_seqlens_q, seq_lens, block_ta
     return scores
 
 
-def _check_cp_group(cp_group):
-    import torch.distributed as dist
-    if not (dist.is_available() and isinstance(cp_group, dist.ProcessGroup)):
-        raise TypeError(f"cp_group must be a torch.distributed ProcessGroup or None, got "
-                        f"{type(cp_group).__name__}")
-
-
 @on_tensor_device
 def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, topk=16,
                   init_blocks=0, local_blocks=1, block_size=128, out=None, max_q_len=None,
@@ -283,7 +277,7 @@ def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, 
     """
     config = _check_config(config)
     if cp_group is not None:
-        _check_cp_group(cp_group)
+        check_process_group("cp_group", cp_group)
         check_select_args(topk, init_blocks, local_blocks)
         check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
                            block_size=block_size, out=out, out_width=topk,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..._checks import check_process_group
 from ...batch import num_causal_blocks, request_spans, token_layout
 from ...nvfp4 import dequantize_index_keys, is_nvfp4_cache, page_parts
 from .checks import check_indexer_args, check_select_args
@@ -132,9 +133,8 @@ def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, 
                        block_size=block_size, out=out, out_width=topk, out_dtype=torch.int32,
                        max_q_len=max_q_len)
     if cp_group is not None:
-        from .api import _check_cp_group
         from .cp import select_blocks_cp
-        _check_cp_group(cp_group)
+        check_process_group("cp_group", cp_group)
         return select_blocks_cp(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
                                 cp_group=cp_group, topk=topk, init_blocks=init_blocks,
                                 local_blocks=local_blocks, block_size=block_size, out=out,
