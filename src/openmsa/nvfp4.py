@@ -141,10 +141,14 @@ def is_nvfp4_cache(index_cache) -> bool:
     return isinstance(index_cache, torch.Tensor) and index_cache.dtype == DTYPE
 
 
-def check_nvfp4_cache(name: str, index_cache: torch.Tensor, *, block_size: int | None = None
-                      ) -> None:
+def check_nvfp4_cache(name: str, index_cache: torch.Tensor, *, block_size: int | None = None,
+                      head_dim: tuple[str, int] | None = None) -> None:
     """A uint8 index cache must be [P, 128, 72] pages, each page 9216 contiguous bytes at a page
-    stride that keeps every page 16-byte aligned; raises ValueError naming the argument."""
+    stride that keeps every page 16-byte aligned; raises ValueError naming the argument.
+    head_dim: (where it comes from, its value) of the index keys read or written: 128."""
+    if head_dim is not None and head_dim[1] != HEAD_DIM:
+        raise ValueError(f"{head_dim[0]}: an NVFP4 index cache holds {HEAD_DIM}-dim index keys, "
+                         f"got index head dim {head_dim[1]}")
     if index_cache.dim() != 3 or tuple(index_cache.shape[1:]) != (PAGE_TOKENS, TOKEN_BYTES):
         raise ValueError(f"{name}: an NVFP4 index cache (uint8) must be [P, {PAGE_TOKENS}, "
                          f"{TOKEN_BYTES}] pages, got shape {tuple(index_cache.shape)}")

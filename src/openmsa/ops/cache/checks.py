@@ -22,22 +22,14 @@ def check_index_write(index_k, index_cache, slot_mapping) -> None:
     check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=SLOT_DTYPES, device=device)
     check_unit_stride("slot_mapping", slot_mapping)
     if nvfp4.is_nvfp4_cache(index_cache):
-        _check_nvfp4_index("index_k", index_k.shape[1], index_cache)
+        nvfp4.check_nvfp4_cache("index_cache", index_cache,
+                                head_dim=("index_k", index_k.shape[1]))
     elif index_cache.shape[2] != index_k.shape[1]:
         raise ValueError(f"index_cache's last dim ({index_cache.shape[2]}) must equal index_k's "
                          f"({index_k.shape[1]})")
     if slot_mapping.shape[0] != index_k.shape[0]:
         raise ValueError(f"slot_mapping must have a slot per token ({index_k.shape[0]}), got "
                          f"{slot_mapping.shape[0]}")
-
-
-def _check_nvfp4_index(name: str, index_head_dim: int, index_cache, block_size=None) -> None:
-    """An NVFP4 index cache (uint8 [P, 128, 72] pages) and the index head dim written into it
-    (`name` says where that dim comes from)."""
-    nvfp4.check_nvfp4_cache("index_cache", index_cache, block_size=block_size)
-    if index_head_dim != nvfp4.HEAD_DIM:
-        raise ValueError(f"{name}: an NVFP4 index cache holds {nvfp4.HEAD_DIM}-dim index keys, "
-                         f"got index head dim {index_head_dim}")
 
 
 def check_kv_write(k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -100,7 +92,8 @@ def check_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_
     check_tensor("index_cache", index_cache, ndim=3, dtypes=INDEX_CACHE_DTYPES, device=device)
     nvfp4_index = nvfp4.is_nvfp4_cache(index_cache)
     if nvfp4_index:
-        _check_nvfp4_index("config.index_head_dim", di, index_cache, config.block_size)
+        nvfp4.check_nvfp4_cache("index_cache", index_cache, block_size=config.block_size,
+                                head_dim=("config.index_head_dim", di))
     elif index_cache.shape[2] != di:
         raise ValueError(f"index_cache must be [pages, block, {di}], got "
                          f"{tuple(index_cache.shape)}")

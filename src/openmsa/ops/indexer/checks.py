@@ -7,7 +7,7 @@ import torch
 
 from ..._checks import (FP8, HALF, check_block_size, check_index_dtypes, check_out,
                         check_positive_int, check_step, check_tensor)
-from ...nvfp4 import HEAD_DIM, check_nvfp4_cache, is_nvfp4_cache
+from ...nvfp4 import check_nvfp4_cache, is_nvfp4_cache
 
 # the index queries an NVFP4 cache is scored with: fp8 e4m3 (vLLM's pairing), 16-bit, and fp32
 # (the reference's own precision; the kernels refuse it, support.py)
@@ -46,14 +46,12 @@ def check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table
 def _check_nvfp4_args(index_q, index_cache, block_size) -> None:
     """A uint8 cache is NVFP4 pages and nothing else (never read as raw bytes): its layout
     (nvfp4.check_nvfp4_cache), 128-token blocks, index head dim 128 and a query it pairs with."""
-    check_nvfp4_cache("index_cache", index_cache, block_size=block_size)
+    check_nvfp4_cache("index_cache", index_cache, block_size=block_size,
+                      head_dim=("index_q", index_q.shape[2]))
     if index_q.dtype not in NVFP4_QUERY_TYPES:
         raise TypeError(f"index_q must be fp8 e4m3 (float8_e4m3fn), bf16, fp16 or float32 against "
                         f"an NVFP4 index_cache (uint8), got "
                         f"{str(index_q.dtype).replace('torch.', '')}")
-    if index_q.shape[2] != HEAD_DIM:
-        raise ValueError(f"an NVFP4 index_cache holds {HEAD_DIM}-dim index keys: index_q's "
-                         f"index_head_dim must be {HEAD_DIM}, got {index_q.shape[2]}")
 
 
 def check_select_args(topk, init_blocks, local_blocks) -> None:

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..._dispatch import next_pow2
 from ...batch import num_causal_blocks, token_layout
 from ..common.triton_utils import find_request
 
@@ -239,7 +240,8 @@ def _merge_kernel(cand_ptr, pos_ptr, out_ptr, num_ranks, per_rank, topk, init_bl
 
 
 def _pow2(x: int, least: int = 16) -> int:
-    return max(least, triton.next_power_of_2(max(1, x)))
+    """A tl.arange length: a power of two, at least `least` (16: a tile Triton lays out)."""
+    return max(least, next_pow2(x))
 
 
 def local_candidates_kernel(local_scores, cu_seqlens_q, seq_lens, *, cp_size, cp_rank,
