@@ -277,14 +277,20 @@ def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, 
     """
     config = _check_config(config)
     if cp_group is not None:
-        check_process_group("cp_group", cp_group)
-        check_select_args(topk, init_blocks, local_blocks)
-        check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
-                           block_size=block_size, out=out, out_width=topk,
-                           out_dtype=torch.int32, max_q_len=max_q_len)
-        if use_kernels(index_q):
-            # the merge sorts W * topk candidates in one program: the kernels' topk bound holds
-            _raise_if_unsupported(index_q, index_cache, block_size, topk)
+        # the checks once per call key, as on the one-device path (the plans are cp.py's own)
+        key = _call_key("select_cp", index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
+                        out, block_size, max_q_len, topk, init_blocks, local_blocks, config,
+                        id(cp_group))
+        if _PLANS.get(key) is None:
+            check_process_group("cp_group", cp_group)
+            check_select_args(topk, init_blocks, local_blocks)
+            check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
+                               block_size=block_size, out=out, out_width=topk,
+                               out_dtype=torch.int32, max_q_len=max_q_len)
+            if use_kernels(index_q):
+                # the merge sorts W * topk candidates in one program: the kernels' topk bound
+                _raise_if_unsupported(index_q, index_cache, block_size, topk)
+            _PLANS.put(key, LaunchPlan())
         from .cp import select_blocks_cp
         return select_blocks_cp(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
                                 cp_group=cp_group, topk=topk, init_blocks=init_blocks,
