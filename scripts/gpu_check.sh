@@ -19,6 +19,9 @@
 # The peers: FlashInfer 0.7.4 from the machine's Python, and vLLM 0.34's MiniMax-M3 kernels from
 # .peers-vllm (made by the shared tool prepare-vllm-peer.sh; name .peers-vllm in the call's
 # carry): this script puts it first on PYTHONPATH. Without it the vLLM columns read "absent".
+#   bash scripts/gpu_check.sh nvfp4 [cases...]  # issue 41: the NVFP4 GPU tests, then
+#                                              # profile_case.py --breakdown of NVFP4 decode
+#                                              # cases beside fp8 (or the cases named)
 #   bash scripts/gpu_check.sh tune [args...]   # benchmarks/tune.py with args (appends tune.log)
 #   bash scripts/gpu_check.sh ab [args...]     # benchmarks/ab.py: this tree against .ab's base
 #                                              # (python3 benchmarks/prepare_ab.py REV first)
@@ -69,6 +72,12 @@ case "$what" in
     mkdir -p "$OUT/bench-$part"
     python3 benchmarks/run.py "${sel[@]}" --budget-s "${BENCH_BUDGET_S:-540}" \
       --out "$OUT/bench-$part" "$@" 2>&1 | tee "$OUT/bench-$part/bench.log" ;;
+  nvfp4)
+    python3 -m pytest -q -m gpu -k nvfp4 tests/ops/test_indexer.py tests/ops/test_cache.py \
+      tests/test_layer.py 2>&1 | tee "$OUT/nvfp4-tests.log"
+    [ $# -gt 0 ] || set -- idx-nvfp4-b128-1m idx-fp8-b128-1m idx-nvfp4-b1-1m idx-nvfp4-b32-128k \
+      idx-nvfp4-b128-32k-q4 idx-nvfp4-b64-128k-tp4
+    python3 benchmarks/profile_case.py --breakdown "$@" 2>&1 | tee "$OUT/nvfp4-breakdown.log" ;;
   tune)
     python3 benchmarks/tune.py "$@" 2>&1 | tee -a "$OUT/tune.log" ;;
   host)

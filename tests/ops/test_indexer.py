@@ -1100,3 +1100,114 @@ def test_nvfp4_realistic_steps(q_dtype, page_stride):
     # a decode-only step (the request launch alone) and the max_q_len hint
     one = openmsa.select_blocks(*dargs, topk=16, init_blocks=1, local_blocks=2, max_q_len=2048)
     assert torch.equal(one, sel)
+
+
+@pytest.mark.reference
+@compiled
+@pytest.mark.parametrize("np_rows", [8, 16])
+def test_nvfp4_request_kernel_compiles(np_rows):
+    """The Gluon NVFP4 request launch (scores_nvfp4.py) compiled for sm_90 as plan.py makes it
+    (4 index heads): the key operand reaches the MMA (mma.sync) straight from the registers the
+    bit moves fill (the relabelling is a layout change without data movement: no shared memory
+    in the loop) and nothing spills."""
+    from helpers.sm90 import assert_no_spills
+
+    from openmsa.ops.indexer.scores_nvfp4 import _nvfp4_request_kernel
+    shape = IndexerShape(num_tokens=64, num_heads=4, head_dim=128, num_requests=64,
+                         max_blocks=1024, block_size=128, q_dtype=FP8,
+                         cache_dtype=torch.uint8, max_q_len=2 if np_rows == 8 else None)
+    launch = plan(shape, DeviceFacts(kind="cuda", num_sms=132, capability=(9, 0),
+                                     gluon_hopper=True)).find("scores_request_nvfp4")
+    params = dict(launch.params)
+    assert params["NP"] == np_rows
+    options = dict(num_warps=params.pop("num_warps"))
+    div16 = ("q_ptr", "cache_ptr", "cu_ptr", "seq_lens_ptr", "bt_ptr", "out_ptr", "stride_cp",
+             "stride_qt", "stride_qh", "stride_btr", "stride_ot", "stride_oh")
+    attrs = {(_nvfp4_request_kernel.arg_names.index(n),): [["tt.divisibility", 16]]
+             for n in div16}
+    params.update(stride_qd=1, stride_btb=1, stride_ob=1)
+    k = _compile(_nvfp4_request_kernel, dict(q_ptr="*fp8e4nv", cache_ptr="*u8", out_ptr=F32,
+                                             **STEP), {}, params, options=options,
+                 attrs=attrs, gluon=True)
+    ptx = k.asm["ptx"]
+    assert "mma.sync.aligned.m16n8k16" in ptx and "prmt.b32" in ptx
+    assert "st.shared" not in ptx and "bar.sync" not in ptx
+    assert_no_spills(ptx)
+
+
+def _random_nvfp4_pages(num_pages, page_stride, generator, device):
+    """NVFP4 pages of arbitrary bytes: every code, and scales over E4M3's whole finite range
+    (subnormal scales included, NaN bytes 0x7f / 0xff excluded)."""
+    from openmsa import nvfp4
+    cache = _nvfp4_cache(num_pages, page_stride, device=device)[0]
+    codes, scales = nvfp4.page_parts(cache)
+    codes.copy_(torch.randint(0, 256, codes.shape, generator=generator, dtype=torch.uint8))
+    s = torch.randint(0, 0x7f, scales.shape, generator=generator, dtype=torch.uint8)
+    scales.copy_(s)
+    return cache
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_dtype", [FP8, torch.float16])
+@pytest.mark.parametrize("page_stride", [None, 9216 + 48])
+def test_nvfp4_request_kernel_is_exact_per_dim(q_dtype, page_stride):
+    """One-hot queries read one head dim each, so every score is one dequantized key value's
+    maximum over a block: exact, whatever the summation order. 32 decode requests of 4 heads
+    cover all 128 dims (the kernel's head-dim order in the MMA registers, its bit moves on every
+    code and its scales from E4M3's subnormals to 448), over scattered pages of arbitrary
+    bytes, a -1 table entry, and partial last blocks; the scores equal the reference's."""
+    g = torch.Generator().manual_seed(5)
+    seq_lens = [900 + 37 * i for i in range(32)]
+    step = make_step([1] * 32, seq_lens, block_size=128, extra_columns=1, generator=g)
+    cache = _random_nvfp4_pages(step.num_pages, page_stride, g, "cpu")
+    q = torch.zeros(32, 4, 128)
+    q.view(128, 128)[torch.arange(128), torch.randperm(128, generator=g)] = 1.0
+    q = q.to(q_dtype)
+    table = step.block_table.clone()
+    table[3, 1] = -1
+    want = ref.block_scores(q, cache, step.cu_seqlens_q, step.seq_lens, table)
+    d = cuda_step(step)
+    dcache = _nvfp4_cache(step.num_pages, page_stride, device="cuda")[0]
+    dcache.copy_(cache.cuda())
+    dargs = (q.cuda(), dcache, d.cu_seqlens_q, d.seq_lens, table.cuda())
+    assert "scores_request_nvfp4" in _scoring_launches(*dargs, 128)
+    got = openmsa.block_scores(*dargs)
+    assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.gpu
+def test_nvfp4_request_kernel_cuda_graph_and_strided_query():
+    """The Gluon NVFP4 request launch on a strided fp8 query ([T, H, D] view of a wider
+    buffer), NaN-poisoned score buffer, verify steps of up to 16 tokens (several 16-row
+    passes), captured in a CUDA graph and replayed with new lengths and tables: the scores of
+    the eager call on the same inputs."""
+    g = torch.Generator().manual_seed(9)
+    q_lens, seq_lens = [1, 4, 16, 3], [5000, 70_000, 9000, 129]
+    step = make_step(q_lens, seq_lens, block_size=128, extra_columns=3, generator=g)
+    cache, _ = _nvfp4_cache(step.num_pages, None, generator=g)
+    wide = torch.randn(step.num_tokens, 4, 192, generator=g).to(FP8)
+    q = wide[:, :, 32:160]
+    want = ref.block_scores(q, cache, step.cu_seqlens_q, step.seq_lens, step.block_table)
+    d = cuda_step(step)
+    qd, cd = wide.cuda()[:, :, 32:160], cache.cuda()
+    out = nan_poison(torch.empty(step.num_tokens, 4, step.block_table.shape[1], device="cuda"))
+    args = (qd, cd, d.cu_seqlens_q, d.seq_lens, d.block_table)
+    assert "scores_request_nvfp4" in _scoring_launches(*args, 128, max_q_len=16)
+    openmsa.block_scores(*args, out=out, max_q_len=16)
+    fin = want.isfinite()
+    assert torch.equal(out.cpu().isinf(), want.isinf())
+    torch.testing.assert_close(out.cpu()[fin], want[fin], rtol=1e-5, atol=1e-3)
+    # the graph: captured on these buffers, replayed after the step's lengths and table change
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        openmsa.block_scores(*args, out=out, max_q_len=16)
+    new_lens = torch.tensor([4000, 60_000, 9100, 300], dtype=torch.int32)
+    d.seq_lens.copy_(new_lens)
+    perm = torch.randperm(step.num_pages, generator=g).to(torch.int32)
+    table2 = torch.where(step.block_table >= 0, perm[step.block_table.clamp(min=0).long()],
+                         step.block_table)
+    d.block_table.copy_(table2)
+    graph.replay()
+    eager = openmsa.block_scores(*args, max_q_len=16)
+    assert torch.equal(out.isinf(), eager.isinf())
+    assert torch.equal(out[eager.isfinite()], eager[eager.isfinite()])

@@ -265,19 +265,30 @@ def test_config_values_are_checked(field, value, error):
     assert not selection_layout(1, 64, 16, 132, config)[1]  # 0 waves: never the sort path
 
 
-@pytest.mark.parametrize("q_dtype", [FP8, torch.bfloat16])
-def test_nvfp4_cache_takes_the_triton_launches(q_dtype):
-    """An NVFP4 cache (uint8 pages) is scored by the Triton request and tile launches with
-    NVFP4 set (never the Gluon tile kernel, which cannot dequantize), the tile at most 64 rows
-    (128 spill); another cache's launches say NVFP4=False."""
+@pytest.mark.parametrize("q_dtype", [FP8, torch.float16, torch.bfloat16])
+def test_nvfp4_cache_launches(q_dtype):
+    """An NVFP4 cache (uint8 pages): on Hopper the request launch is the Gluon kernel for an
+    fp8 or fp16 query and the Triton one (NVFP4 set) for bf16; the tile launch is Triton's
+    (never the Gluon tile kernel, which cannot dequantize), at most 64 rows (128 spill);
+    another cache's launches say NVFP4=False."""
     shape = _shape(tokens=8192 + 64, requests=65, dtype=q_dtype, cache_dtype=torch.uint8)
     assert shape.nvfp4
     p = plan(shape, H200)
-    assert [k for k in p.kernels() if k.startswith("scores_")] == ["scores_request",
-                                                                   "scores_tile"]
+    gluon = q_dtype != torch.bfloat16
+    assert [k for k in p.kernels() if k.startswith("scores_")] == [
+        "scores_request_nvfp4" if gluon else "scores_request", "scores_tile"]
     for launch in p:
-        if launch.kernel.startswith("scores_"):
+        if launch.kernel in ("scores_request", "scores_tile"):
             assert launch.params["NVFP4"] and not launch.params["CAST_K"]
     assert p.find("scores_tile").params["ROWS_T"] == 64 // 4
+    if gluon:
+        # 16 rows a pass without a q_len bound; 8 when max_q_len says 1 token x 4 heads fit
+        assert p.find("scores_request_nvfp4").params["NP"] == 16
+        hinted = plan(dataclasses.replace(shape, max_q_len=2), H200)
+        assert hinted.find("scores_request_nvfp4").params["NP"] == 8
+        # a context-parallel share and a GPU without the Hopper kernels keep Triton's
+        for other, device in ((dataclasses.replace(shape, cp=True), H200),
+                              (shape, dataclasses.replace(H200, gluon_hopper=False))):
+            assert "scores_request" in plan(other, device).kernels()
     fp8 = plan(_shape(tokens=8192 + 64, requests=65), H200)
     assert not fp8.find("scores_request").params["NVFP4"] and "scores_tile_ws" in fp8.kernels()

@@ -82,6 +82,12 @@ def _run_scores(launches: LaunchPlan, index_q, index_cache, cu_seqlens_q, seq_le
     for launch in launches:
         if launch.kernel in ("scores_request", "scores_tile"):
             launch.run(_block_scores_kernel, *args)
+        elif launch.kernel == "scores_request_nvfp4":
+            from .scores_nvfp4 import _nvfp4_request_kernel
+            launch.run(_nvfp4_request_kernel, index_q, index_cache, cu_seqlens_q, seq_lens,
+                       block_table, scores, seq_lens.shape[0], index_q.shape[0],
+                       *index_q.stride(), index_cache.stride(0), *block_table.stride(),
+                       *scores.stride())
         elif launch.kernel == "scores_tile_ws" and aligned:
             _run_ws(launch, index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores)
         elif launch.kernel == "scores_tile_unaligned" and not aligned:
@@ -233,9 +239,9 @@ def _local_scores_kernels(index_q, index_cache, cu_seqlens_q, seq_lens, block_ta
     launches = _PLANS.get(key)
     if launches is None:
         _raise_if_unsupported(index_q, index_cache, block_size, None)
-        # the Gluon tile launch does not map positions: the plan takes the Triton tile form
+        # the Gluon launches do not map positions: the plan takes the Triton forms
         shape = dataclasses.replace(_shape(index_q, index_cache, seq_lens, view, block_size,
-                                           max_q_len), tma_rows=False)
+                                           max_q_len), tma_rows=False, cp=True)
         launches = plan(shape, DeviceFacts.of(index_q.device), config)
         _PLANS.put(key, launches)
     _run_scores(launches, index_q, index_cache, cu_seqlens_q, seq_lens, view, scores,

@@ -38,7 +38,7 @@ from ...nvfp4 import DTYPE as NVFP4_DTYPE
 from ..common.plan import DeviceFacts, Launch, LaunchPlan
 
 __all__ = ["IndexerConfig", "DEFAULT", "IndexerShape", "plan", "selection_plan", "selection_layout",
-           "ws_eligible", "SMALL_Q"]
+           "ws_eligible", "nvfp4_request_eligible", "SMALL_Q"]
 
 # requests with q_len <= SMALL_Q (decode, speculative verify) take the request launch
 SMALL_Q = 16
@@ -50,10 +50,13 @@ DECODE_ROWS = 16
 # nothing faster: docs/performance.md)
 DECODE_WARPS = 4
 DECODE_STAGES = 3
-# an NVFP4 cache's request launch: at most 128 registers a thread (ptxas alone takes ~155, no
-# spill at 128), so that 4 programs fit an SM (16 warps, not 12) to hide the dequantization's
-# and the block's barrier chain's latency (docs/design.md)
+# an NVFP4 cache's Triton request launch (off Hopper): at most 128 registers a thread (ptxas
+# alone takes ~155, no spill at 128), so that 4 programs fit an SM (16 warps, not 12) to hide
+# the dequantization's and the block's barrier chain's latency (docs/design.md)
 DECODE_MAXNREG_NVFP4 = 128
+# the Gluon NVFP4 request launch (scores_nvfp4.py, one warp a program): programs per SM its
+# splits aim for
+NVFP4_DECODE_PROGRAMS = 32
 # the Triton tile launch's warps, and its stages for a 16-bit and an fp8 cache: a 16-bit key
 # tile is twice the bytes, and 2 stages on 4 warps fit 2 programs per SM (docs/performance.md)
 PREFILL_WARPS = 4
@@ -159,12 +162,21 @@ class IndexerShape:
     topk: int | None = None
     init_blocks: int = 0
     local_blocks: int = 1
+    cp: bool = False
 
     @property
     def nvfp4(self) -> bool:
         """Whether the index cache is NVFP4 pages (openmsa.nvfp4: a uint8 cache is nothing
-        else), dequantized in registers by the Triton launches."""
+        else), dequantized in registers by the kernels."""
         return self.cache_dtype == NVFP4_DTYPE
+
+
+def nvfp4_request_eligible(shape: IndexerShape, device: DeviceFacts) -> bool:
+    """Whether the request launch is scores_nvfp4.py's Gluon kernel: NVFP4 pages on Hopper, an
+    fp8 e4m3fn or fp16 query (fp16 keys meet it in one MMA; a bf16 query keeps the Triton
+    launch), not a context-parallel share (whose positions only scores.py maps)."""
+    return (device.hopper and shape.nvfp4 and shape.q_dtype in (FP8, torch.float16)
+            and not shape.cp)
 
 
 def plan(shape: IndexerShape, device: DeviceFacts, config: IndexerConfig = DEFAULT) -> LaunchPlan:
@@ -220,7 +232,9 @@ def _scoring(shape: IndexerShape, device: DeviceFacts, config: IndexerConfig) ->
     # which would find nothing to do (~1 µs of device time), is not made
     one_request = shape.num_requests == 1 and not only_requests
     launches = []
-    if not one_request:
+    if not one_request and nvfp4_request_eligible(shape, device):
+        launches.append(_nvfp4_request(shape, device, config, any_q))
+    elif not one_request:
         # enough splits of each request's blocks to fill the GPU
         programs = device.num_sms * (config.decode_waves if device.cuda else 1)
         splits = -(-programs // shape.num_requests)
@@ -267,6 +281,21 @@ def _scoring(shape: IndexerShape, device: DeviceFacts, config: IndexerConfig) ->
                                 num_warps=4, launch_pdl=not one_request)))
     launches.append(Launch("scores_tile_unaligned", tile_grid, tile))
     return launches
+
+
+def _nvfp4_request(shape: IndexerShape, device: DeviceFacts, config: IndexerConfig,
+                   any_q: bool) -> Launch:
+    """The Gluon NVFP4 request launch: grid (R, splits) of one-warp programs, each a split's
+    blocks for all of its request's (token, head) rows, 8 or 16 at a time (NP: the MMA's N; 8
+    when the step's rows per request are known to fit)."""
+    q_bound = min(shape.num_tokens, shape.max_q_len or SMALL_Q, SMALL_Q)
+    np_rows = 8 if q_bound * shape.num_heads <= 8 else 16
+    programs = device.num_sms * NVFP4_DECODE_PROGRAMS
+    splits = -(-programs // shape.num_requests)
+    bps = min(config.decode_max_bps, next_pow2(-(-shape.max_blocks // splits)))
+    return Launch("scores_request_nvfp4", (shape.num_requests, -(-shape.max_blocks // bps)),
+                  dict(H=shape.num_heads, NP=np_rows, BPS=bps, BLOCK=shape.block_size,
+                       SMALL_Q=ANY_Q if any_q else SMALL_Q, PDL=True, num_warps=1))
 
 
 def selection_layout(rows: int, max_blocks: int, kp: int, per_wave: int,

@@ -1,0 +1,264 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Gluon kernel of the request launch (decode, speculative verify) on NVFP4 index pages.
+
+The same scores as scores.py's request launch, S[t, h, b] = max over block b's causal keys of
+q[t, h] . key, for requests of q_len <= SMALL_Q against an NVFP4 cache (openmsa/nvfp4.py), with
+an fp8 e4m3 or fp16 index query. A decode scan reads every page once, so at the HBM roof a
+72-byte token arrives every ~16 ps and leaves ~3.7 thread instructions per key value for
+everything (docs/design.md). The Triton form spends them on a trip of the dequantized tile
+through shared memory to the MMA and on a maximum across warps each block; this kernel has
+neither:
+
+* a program is one warp. It walks the blocks of one split of one request and keeps its own
+  maxima, so nothing is shared or synchronised; an SM holds ~20 of them, whose loads overlap.
+* A thread loads 16 contiguous code bytes (4 words, 32 values of two scale groups) per token
+  row and turns them into fp16 values straight in the registers the MMA (m16n8k16) reads as
+  its key operand. The head-dim order in those registers is whatever the bit moves leave
+  (_dims below): the query operand, loaded once, is gathered in the same order.
+* The bit moves (_DEQUANT_ASM): an E2M1 code's exponent and mantissa bits placed at bits 9-11
+  of an fp16 and its sign at bit 15 are the fp16 value e2m1 * 2^-14, subnormal range included
+  (both formats give the subnormal step the same weight). Four such high bytes are built per
+  code word at once (shift and mask), and a byte permute puts two of them, with zero low bytes,
+  in one fp16x2 register. One fp16x2 multiply by the group's scale * 128 then gives
+  e2m1 * scale * 2^-7, exact (at most 5 significant bits, |k| in [2^-17, 21]); the score is the
+  fp32 accumulator times 128.
+
+Keys as the MMA's M (tokens), the (token, head) rows as its N: 8 or 16 rows a program (a
+decode step at TP1 has 4, a verify step of 4 tokens 16); a request with more rows takes
+several programs (grid axis 2), each reading the keys.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from ..common.gluon_utils import launch_dependents
+
+# code words (32-bit, 8 values) of a token (Di = 128), and the words of a thread's 16-byte load
+WORDS = gl.constexpr(16)
+VEC = gl.constexpr(4)
+
+# Per call (pack=4): one thread's 4 code words of a token row (w0-w3, 32 values; w0, w1 in
+# scale group 2c, w2, w3 in 2c + 1) and its two E4M3 scale bytes (low byte group 2c) ->
+# 8 outputs of 2 fp16x2 registers: output i, register h is word x = 2h + (i >> 2)'s byte pair
+# p = i & 3 (p 0, 1: the low codes of bytes 0-1, 2-3; p 2, 3: the high codes), times its
+# group's scale * 128.
+_DEQUANT_ASM = gl.constexpr("""{
+.reg .b32 t, u, z, c, sf, s0, s1, l<4>, h<4>;
+.reg .b16 sa, sb;
+mov.b32 z, 0;
+mov.b32 c, 0x58005800;
+mov.b32 {sa, sb}, $20;
+cvt.rn.f16x2.e4m3x2 sf, sa;
+mul.rn.f16x2 sf, sf, c;
+prmt.b32 s0, sf, z, 0x1010;
+prmt.b32 s1, sf, z, 0x3232;
+shl.b32 t, $16, 1;
+and.b32 t, t, 0x0E0E0E0E;
+shl.b32 u, $16, 4;
+and.b32 u, u, 0x80808080;
+or.b32 l0, t, u;
+shr.b32 t, $16, 3;
+and.b32 t, t, 0x0E0E0E0E;
+and.b32 u, $16, 0x80808080;
+or.b32 h0, t, u;
+shl.b32 t, $17, 1;
+and.b32 t, t, 0x0E0E0E0E;
+shl.b32 u, $17, 4;
+and.b32 u, u, 0x80808080;
+or.b32 l1, t, u;
+shr.b32 t, $17, 3;
+and.b32 t, t, 0x0E0E0E0E;
+and.b32 u, $17, 0x80808080;
+or.b32 h1, t, u;
+shl.b32 t, $18, 1;
+and.b32 t, t, 0x0E0E0E0E;
+shl.b32 u, $18, 4;
+and.b32 u, u, 0x80808080;
+or.b32 l2, t, u;
+shr.b32 t, $18, 3;
+and.b32 t, t, 0x0E0E0E0E;
+and.b32 u, $18, 0x80808080;
+or.b32 h2, t, u;
+shl.b32 t, $19, 1;
+and.b32 t, t, 0x0E0E0E0E;
+shl.b32 u, $19, 4;
+and.b32 u, u, 0x80808080;
+or.b32 l3, t, u;
+shr.b32 t, $19, 3;
+and.b32 t, t, 0x0E0E0E0E;
+and.b32 u, $19, 0x80808080;
+or.b32 h3, t, u;
+prmt.b32 $0, l0, z, 0x1404;
+prmt.b32 $2, l0, z, 0x3424;
+prmt.b32 $4, h0, z, 0x1404;
+prmt.b32 $6, h0, z, 0x3424;
+prmt.b32 $8, l1, z, 0x1404;
+prmt.b32 $10, l1, z, 0x3424;
+prmt.b32 $12, h1, z, 0x1404;
+prmt.b32 $14, h1, z, 0x3424;
+prmt.b32 $1, l2, z, 0x1404;
+prmt.b32 $3, l2, z, 0x3424;
+prmt.b32 $5, h2, z, 0x1404;
+prmt.b32 $7, h2, z, 0x3424;
+prmt.b32 $9, l3, z, 0x1404;
+prmt.b32 $11, l3, z, 0x3424;
+prmt.b32 $13, h3, z, 0x1404;
+prmt.b32 $15, h3, z, 0x3424;
+mul.rn.f16x2 $0, $0, s0;
+mul.rn.f16x2 $2, $2, s0;
+mul.rn.f16x2 $4, $4, s0;
+mul.rn.f16x2 $6, $6, s0;
+mul.rn.f16x2 $8, $8, s0;
+mul.rn.f16x2 $10, $10, s0;
+mul.rn.f16x2 $12, $12, s0;
+mul.rn.f16x2 $14, $14, s0;
+mul.rn.f16x2 $1, $1, s1;
+mul.rn.f16x2 $3, $3, s1;
+mul.rn.f16x2 $5, $5, s1;
+mul.rn.f16x2 $7, $7, s1;
+mul.rn.f16x2 $9, $9, s1;
+mul.rn.f16x2 $11, $11, s1;
+mul.rn.f16x2 $13, $13, s1;
+mul.rn.f16x2 $15, $15, s1;
+}""")
+
+
+@gluon.jit
+def _dims(i: gl.constexpr, k):
+    """The head dim at MMA k index k (0..15) of chunk i (0..7): thread c = (k >> 1) & 3 of a
+    row holds its token's code words 4c..4c+3 (dims 32c..32c+31), h = k >> 3 picks word 2h +
+    (i >> 2) (scale group 2c + h), and byte pair i & 3 of it the code (low codes of bytes 0-1
+    and 2-3: codes 0, 2 and 4, 6; high codes: 1, 3 and 5, 7), k & 1 the pair's second byte."""
+    p: gl.constexpr = i & 3
+    return 32 * ((k >> 1) & 3) + 16 * (k >> 3) + 8 * (i >> 2) + 4 * (p & 1) + (p >> 1) \
+        + 2 * (k & 1)
+
+
+@gluon.jit
+def _relabel(x, TOKS: gl.constexpr):
+    """[TOKS, 16] in the load's layout (thread c: elements 4c + e of a row) -> the same
+    registers indexed as the MMA's k: element 4c + 2h + e0 is k = 8h + 2c + e0."""
+    return x.reshape([TOKS, 4, 2, 2]).permute([0, 2, 1, 3]).reshape([TOKS, WORDS])
+
+
+@gluon.jit
+def _query_chunk(q_ptr, tok, head, row_ok, stride_qt, stride_qh, stride_qd, i: gl.constexpr,
+                 NP: gl.constexpr, layout: gl.constexpr):
+    """The MMA's second operand for chunk i: [16, NP], element (k, n) = q[tok_n, head_n,
+    _dims(i, k)], fp16 (an fp8 query converts exactly)."""
+    k = gl.arange(0, WORDS, layout=gl.SliceLayout(1, layout))
+    d = _dims(i, k)
+    q = gl.load(q_ptr + tok.to(gl.int64)[None, :] * stride_qt + head[None, :] * stride_qh
+                + d[:, None] * stride_qd, mask=row_ok[None, :], other=0.0)
+    return q.to(gl.float16)
+
+
+@gluon.jit
+def _nvfp4_request_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr, num_requests,
+                          num_tokens, stride_qt, stride_qh, stride_qd, stride_cp, stride_btr,
+                          stride_btb, stride_ot, stride_oh, stride_ob,
+                          H: gl.constexpr, NP: gl.constexpr, BPS: gl.constexpr,
+                          BLOCK: gl.constexpr, SMALL_Q: gl.constexpr, PDL: gl.constexpr):
+    """Program (r, s): request r's blocks [s * BPS, (s + 1) * BPS) for all its (token, head)
+    rows, NP at a time."""
+    if PDL:
+        launch_dependents()
+    r = gl.program_id(0)
+    b_lo = gl.program_id(1) * BPS
+    t_req = gl.load(cu_ptr + r)
+    q_len = gl.minimum(gl.load(cu_ptr + r + 1), num_tokens) - t_req
+    seq_len = gl.load(seq_lens_ptr + r)
+    b_hi = gl.minimum(b_lo + BPS, (seq_len + BLOCK - 1) // BLOCK)
+    if (q_len > 0) & (q_len <= SMALL_Q) & (seq_len >= q_len) & (b_lo < b_hi):
+        for row0 in range(0, q_len * H, NP):
+            _score_rows(q_ptr, cache_ptr, bt_ptr + r.to(gl.int64) * stride_btr, out_ptr,
+                        t_req, q_len, seq_len, row0, b_lo, b_hi, stride_qt, stride_qh,
+                        stride_qd, stride_cp, stride_btb, stride_ot, stride_oh, stride_ob, H,
+                        NP, BLOCK)
+
+
+@gluon.jit
+def _score_rows(q_ptr, cache_ptr, row_bt, out_ptr, t_req, q_len, seq_len, row0, b_lo, b_hi,
+                stride_qt, stride_qh, stride_qd, stride_cp, stride_btb, stride_ot, stride_oh,
+                stride_ob, H: gl.constexpr, NP: gl.constexpr, BLOCK: gl.constexpr):
+    """Rows [row0, row0 + NP) of a request (row n: its token n // H, head n % H) against
+    blocks [b_lo, b_hi), each block's maxima stored as it completes."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
+                                                  instr_shape=[16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    # a token row's code words: 4 contiguous words (16 bytes) a thread, 4 threads a row
+    w_l: gl.constexpr = gl.BlockedLayout([1, VEC], [8, 4], [1, 1], [1, 0])
+    qload_l: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, 1], [0, 1])
+    # keys per step of a block's loop: one MMA tile's (16), so that a step's dequantized keys
+    # (32 registers a thread) are consumed before the next step's are made
+    TOK: gl.constexpr = 16
+    rows = q_len * H
+    n_q = row0 + gl.arange(0, NP, layout=gl.SliceLayout(0, qload_l))
+    tok_q = t_req + n_q // H
+    head_q = n_q % H
+    ok_q = n_q < rows
+    q0 = gl.convert_layout(_query_chunk(q_ptr, tok_q, head_q, ok_q, stride_qt, stride_qh,
+                                        stride_qd, 0, NP, qload_l), b_l)
+    q1 = gl.convert_layout(_query_chunk(q_ptr, tok_q, head_q, ok_q, stride_qt, stride_qh,
+                                        stride_qd, 1, NP, qload_l), b_l)
+    q2 = gl.convert_layout(_query_chunk(q_ptr, tok_q, head_q, ok_q, stride_qt, stride_qh,
+                                        stride_qd, 2, NP, qload_l), b_l)
+    q3 = gl.convert_layout(_query_chunk(q_ptr, tok_q, head_q, ok_q, stride_qt, stride_qh,
+                                        stride_qd, 3, NP, qload_l), b_l)
+    q4 = gl.convert_layout(_query_chunk(q_ptr, tok_q, head_q, ok_q, stride_qt, stride_qh,
+                                        stride_qd, 4, NP, qload_l), b_l)
+    q5 = gl.convert_layout(_query_chunk(q_ptr, tok_q, head_q, ok_q, stride_qt, stride_qh,
+                                        stride_qd, 5, NP, qload_l), b_l)
+    q6 = gl.convert_layout(_query_chunk(q_ptr, tok_q, head_q, ok_q, stride_qt, stride_qh,
+                                        stride_qd, 6, NP, qload_l), b_l)
+    q7 = gl.convert_layout(_query_chunk(q_ptr, tok_q, head_q, ok_q, stride_qt, stride_qh,
+                                        stride_qd, 7, NP, qload_l), b_l)
+    # the rows along the accumulator's N: positions (right-aligned tokens) and score rows
+    n_a = row0 + gl.arange(0, NP, layout=gl.SliceLayout(0, mma))
+    pos = seq_len - q_len + n_a // H
+    out_row = out_ptr + (t_req + n_a // H).to(gl.int64) * stride_ot + (n_a % H) * stride_oh
+    store_ok = n_a < rows
+    keys = gl.arange(0, TOK, layout=gl.SliceLayout(1, mma))
+    # blocks wholly at or before the earliest row's position need no causal mask
+    b_full = (seq_len - q_len + row0 // H + 1) // BLOCK
+    # a token row's words and its two scale bytes (groups 2c, 2c + 1), in the load layout
+    tok_w = gl.arange(0, TOK, layout=gl.SliceLayout(1, w_l))
+    j_w = gl.arange(0, WORDS, layout=gl.SliceLayout(0, w_l))
+    word_off = tok_w[:, None] * WORDS + j_w[None, :]
+    scale_off = tok_w[:, None] * 4 + (j_w // VEC)[None, :]
+    page = gl.load(row_bt + b_lo * stride_btb)
+    for b in range(b_lo, b_hi):
+        page_next = gl.load(row_bt + (b + 1) * stride_btb, mask=b + 1 < b_hi, other=-1)
+        ok = page >= 0
+        base = cache_ptr + page.to(gl.int64) * stride_cp
+        words_ptr = base.to(gl.pointer_type(gl.int32))
+        scales_ptr = (base + BLOCK * 64).to(gl.pointer_type(gl.int16))
+        best = gl.full([TOK, NP], float("-inf"), gl.float32, layout=mma)
+        for st in gl.static_range(BLOCK // TOK):
+            w = _relabel(gl.load(words_ptr + st * TOK * WORDS + word_off, mask=ok, other=0),
+                         TOK)
+            s = _relabel(gl.load(scales_ptr + st * TOK * 4 + scale_off, mask=ok,
+                                 other=0).to(gl.int32), TOK)
+            o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
+                _DEQUANT_ASM, "=r," * 16 + "r,r,r,r,r,r,r,r", [w, s],
+                dtype=(gl.float16,) * 8, is_pure=True, pack=4)
+            acc = gl.zeros([TOK, NP], gl.float32, layout=mma)
+            acc = mma_v2(gl.convert_layout(o0, a_l, assert_trivial=True), q0, acc)
+            acc = mma_v2(gl.convert_layout(o1, a_l, assert_trivial=True), q1, acc)
+            acc = mma_v2(gl.convert_layout(o2, a_l, assert_trivial=True), q2, acc)
+            acc = mma_v2(gl.convert_layout(o3, a_l, assert_trivial=True), q3, acc)
+            acc = mma_v2(gl.convert_layout(o4, a_l, assert_trivial=True), q4, acc)
+            acc = mma_v2(gl.convert_layout(o5, a_l, assert_trivial=True), q5, acc)
+            acc = mma_v2(gl.convert_layout(o6, a_l, assert_trivial=True), q6, acc)
+            acc = mma_v2(gl.convert_layout(o7, a_l, assert_trivial=True), q7, acc)
+            if b >= b_full:
+                acc = gl.where((b * BLOCK + st * TOK + keys)[:, None] <= pos[None, :], acc,
+                               float("-inf"))
+            best = gl.maximum(best, acc)
+        # the max skips NaN (PTX max.f32): only an all-NaN block is left to clean
+        m = gl.max(best, axis=0) * 128.0
+        m = gl.where(ok & (m == m), m, float("-inf"))
+        gl.store(out_row + b.to(gl.int64) * stride_ob, m, mask=store_ok)
+        page = page_next
