@@ -331,8 +331,35 @@ def _indexer(args, only):
     sweep("indexer", knobs, variants, cases, args.iters)
     del cases
     torch.cuda.empty_cache()
+    _indexer_nvfp4(args)
     if "indexer-prefill" in only:
         _indexer_prefill(args)
+
+
+def _indexer_nvfp4(args):
+    """The Gluon NVFP4 request launch's knobs (decode on NVFP4 pages, fp8 index query), with
+    the fp8 cache's step beside them for scale."""
+    variants = pick(args, [{}, dict(nvfp4_maxnreg=96), dict(nvfp4_maxnreg=112),
+                           dict(nvfp4_programs=16), dict(nvfp4_programs=64),
+                           dict(decode_max_bps=32), dict(decode_max_bps=128)])
+    print("indexer nvfp4 decode variants:", variants)
+    knobs = {}
+    cases = []
+    for dname, batch, ctx, q_len, heads in (
+            ("nvfp4", 128, 1 << 20, 1, 4), ("fp8", 128, 1 << 20, 1, 4),
+            ("nvfp4", 1, 1 << 20, 1, 4), ("nvfp4", 1, 131072, 1, 4),
+            ("nvfp4", 32, 131072, 1, 4), ("nvfp4", 32, 1 << 20, 4, 4),
+            ("nvfp4", 64, 131072, 1, 1), ("nvfp4", 128, 131072, 4, 1)):
+        name = f"dec {dname} B{batch} L{ctx // 1024}K q{q_len} H{heads}"
+        if not wanted(args, name):
+            continue
+        q, cache, cu, seq, table = run._index_step(batch, ctx, q_len, heads, dname)
+        cases.append((name, (lambda q=q, cache=cache, cu=cu, seq=seq, table=table, q_len=q_len:
+                             openmsa.block_scores(q, cache, cu, seq, table, max_q_len=q_len,
+                                                  config=_indexer_config(knobs)))))
+    sweep("nvfp4", knobs, variants, cases, args.iters)
+    del cases
+    torch.cuda.empty_cache()
 
 
 def _indexer_prefill(args):

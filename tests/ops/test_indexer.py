@@ -1190,7 +1190,7 @@ def test_nvfp4_request_kernel_cuda_graph_and_strided_query():
     want = ref.block_scores(q, cache, step.cu_seqlens_q, step.seq_lens, step.block_table)
     d = cuda_step(step)
     qd, cd = wide.cuda()[:, :, 32:160], cache.cuda()
-    out = nan_poison(torch.empty(step.num_tokens, 4, step.block_table.shape[1], device="cuda"))
+    out = nan_poison((step.num_tokens, 4, step.block_table.shape[1]), torch.float32, "cuda")
     args = (qd, cd, d.cu_seqlens_q, d.seq_lens, d.block_table)
     assert "scores_request_nvfp4" in _scoring_launches(*args, 128, max_q_len=16)
     openmsa.block_scores(*args, out=out, max_q_len=16)
