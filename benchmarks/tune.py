@@ -353,7 +353,8 @@ def _indexer_nvfp4(args):
         name = f"dec {dname} B{batch} L{ctx // 1024}K q{q_len} H{heads}"
         if not wanted(args, name):
             continue
-        q, cache, cu, seq, table = run._index_step(batch, ctx, q_len, heads, dname)
+        q, cache, cu, seq, table = run._index_step(batch, ctx, q_len, heads,
+                                                   run.DTYPES.get(dname, dname))
         cases.append((name, (lambda q=q, cache=cache, cu=cu, seq=seq, table=table, q_len=q_len:
                              openmsa.block_scores(q, cache, cu, seq, table, max_q_len=q_len,
                                                   config=_indexer_config(knobs)))))
