@@ -92,6 +92,7 @@ class IndexerConfig:
     # splits aim for, and its threads' register cap (0: ptxas's own choice)
     nvfp4_programs: int = 32
     nvfp4_maxnreg: int = 0
+    nvfp4_stages: int = 4
     # Triton tile launch: (token, head) rows per tile and blocks per split (prefill chunks off
     # Hopper, or where TMA cannot take the layouts)
     prefill_rows: int = 128
@@ -140,7 +141,8 @@ class IndexerConfig:
 
 _POW2_FIELDS = ("decode_max_bps", "prefill_rows", "prefill_bps", "select_segment", "select_chunk",
                 "select_short_tpr")
-_POSITIVE_FIELDS = ("decode_waves", "ws_stages", "ws_stages_16", "nvfp4_programs")
+_POSITIVE_FIELDS = ("decode_waves", "ws_stages", "ws_stages_16", "nvfp4_programs",
+                    "nvfp4_stages")
 DEFAULT = IndexerConfig()
 
 
@@ -297,6 +299,7 @@ def _nvfp4_request(shape: IndexerShape, device: DeviceFacts, config: IndexerConf
     return Launch("scores_request_nvfp4", (shape.num_requests, -(-shape.max_blocks // bps)),
                   dict(H=shape.num_heads, NP=np_rows, BPS=bps, BLOCK=shape.block_size,
                        SMALL_Q=ANY_Q if any_q else SMALL_Q, PDL=True, num_warps=1,
+                       STAGES=max(2, config.nvfp4_stages),
                        **(dict(maxnreg=config.nvfp4_maxnreg) if config.nvfp4_maxnreg else {})))
 
 

@@ -30,7 +30,7 @@ several programs (grid axis 2), each reading the keys.
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from ..common.gluon_utils import launch_dependents
 
@@ -159,7 +159,8 @@ def _nvfp4_request_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
                           num_tokens, stride_qt, stride_qh, stride_qd, stride_cp, stride_btr,
                           stride_btb, stride_ot, stride_oh, stride_ob,
                           H: gl.constexpr, NP: gl.constexpr, BPS: gl.constexpr,
-                          BLOCK: gl.constexpr, SMALL_Q: gl.constexpr, PDL: gl.constexpr):
+                          BLOCK: gl.constexpr, SMALL_Q: gl.constexpr, PDL: gl.constexpr,
+                          STAGES: gl.constexpr = 4):
     """Program (r, s): request r's blocks [s * BPS, (s + 1) * BPS) for all its (token, head)
     rows, NP at a time."""
     if PDL:
@@ -171,29 +172,65 @@ def _nvfp4_request_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
     seq_len = gl.load(seq_lens_ptr + r)
     b_hi = gl.minimum(b_lo + BPS, (seq_len + BLOCK - 1) // BLOCK)
     if (q_len > 0) & (q_len <= SMALL_Q) & (seq_len >= q_len) & (b_lo < b_hi):
+        # a ring of STAGES half-blocks of code words and scales, filled by cp.async ahead of
+        # the loop that reads them: the bytes in flight cost shared memory, not registers
+        words_s = gl.allocate_shared_memory(gl.int32, [STAGES, UNIT, WORDS], _FLAT2)
+        scales_s = gl.allocate_shared_memory(gl.int32, [STAGES, UNIT // 2, 4], _FLAT2)
         for row0 in range(0, q_len * H, NP):
             _score_rows(q_ptr, cache_ptr, bt_ptr + r.to(gl.int64) * stride_btr, out_ptr,
-                        t_req, q_len, seq_len, row0, b_lo, b_hi, stride_qt, stride_qh,
-                        stride_qd, stride_cp, stride_btb, stride_ot, stride_oh, stride_ob, H,
-                        NP, BLOCK)
+                        words_s, scales_s, t_req, q_len, seq_len, row0, b_lo, b_hi, stride_qt,
+                        stride_qh, stride_qd, stride_cp, stride_btb, stride_ot, stride_oh,
+                        stride_ob, H, NP, BLOCK, STAGES)
+
+
+# tokens per stage of the ring (half a block), and unswizzled shared layouts (a warp's 16-byte
+# reads of 8 consecutive 64-byte token rows are conflict-free as is)
+UNIT = gl.constexpr(64)
+_FLAT2 = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
 
 
 @gluon.jit
-def _score_rows(q_ptr, cache_ptr, row_bt, out_ptr, t_req, q_len, seq_len, row0, b_lo, b_hi,
-                stride_qt, stride_qh, stride_qd, stride_cp, stride_btb, stride_ot, stride_oh,
-                stride_ob, H: gl.constexpr, NP: gl.constexpr, BLOCK: gl.constexpr):
+def _issue(words_s, scales_s, row_bt, cache_ptr, unit, n_units, b_lo, stride_btb, stride_cp,
+           BLOCK: gl.constexpr, STAGES: gl.constexpr):
+    """cp.async copies of unit `unit` (block b_lo + unit // 2, its half unit % 2: 64 tokens'
+    code words and scales) into ring slot unit % STAGES, as one commit group (empty past the
+    split or for a page id < 0)."""
+    cw_l: gl.constexpr = gl.BlockedLayout([1, VEC], [8, 4], [1, 1], [1, 0])
+    cs_l: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [1, 1], [1, 0])
+    live = unit < n_units
+    page = gl.load(row_bt + (b_lo + unit // 2) * stride_btb, mask=live, other=-1)
+    ok = live & (page >= 0)
+    base = cache_ptr + page.to(gl.int64) * stride_cp
+    half = unit % 2
+    tok = gl.arange(0, UNIT, layout=gl.SliceLayout(1, cw_l))
+    j = gl.arange(0, WORDS, layout=gl.SliceLayout(0, cw_l))
+    wp = base.to(gl.pointer_type(gl.int32)) + (half * UNIT + tok)[:, None] * WORDS + j[None, :]
+    slot = unit % STAGES
+    async_copy.async_copy_global_to_shared(words_s.index(slot), wp, mask=ok)
+    e = gl.arange(0, UNIT // 2, layout=gl.SliceLayout(1, cs_l))
+    f = gl.arange(0, 4, layout=gl.SliceLayout(0, cs_l))
+    sp = (base + BLOCK * 64).to(gl.pointer_type(gl.int32)) + half * UNIT * 2 + e[:, None] * 4 \
+        + f[None, :]
+    async_copy.async_copy_global_to_shared(scales_s.index(slot), sp, mask=ok)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _score_rows(q_ptr, cache_ptr, row_bt, out_ptr, words_s, scales_s, t_req, q_len, seq_len,
+                row0, b_lo, b_hi, stride_qt, stride_qh, stride_qd, stride_cp, stride_btb,
+                stride_ot, stride_oh, stride_ob, H: gl.constexpr, NP: gl.constexpr,
+                BLOCK: gl.constexpr, STAGES: gl.constexpr):
     """Rows [row0, row0 + NP) of a request (row n: its token n // H, head n % H) against
     blocks [b_lo, b_hi), each block's maxima stored as it completes."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
                                                   instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    # a token row's code words: 4 contiguous words (16 bytes) a thread, 4 threads a row
+    # an MMA tile's token rows: 4 contiguous code words (16 bytes) a thread, 4 threads a row,
+    # and the thread's two scale bytes (groups 2c, 2c + 1) as one int16
     w_l: gl.constexpr = gl.BlockedLayout([1, VEC], [8, 4], [1, 1], [1, 0])
+    s_l: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [1, 1], [1, 0])
     qload_l: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, 1], [0, 1])
-    # keys per step of a block's loop: one MMA tile's (16), so that a step's dequantized keys
-    # (32 registers a thread) are consumed before the next step's are made
-    TOK: gl.constexpr = 16
     rows = q_len * H
     n_q = row0 + gl.arange(0, NP, layout=gl.SliceLayout(0, qload_l))
     tok_q = t_req + n_q // H
@@ -220,31 +257,33 @@ def _score_rows(q_ptr, cache_ptr, row_bt, out_ptr, t_req, q_len, seq_len, row0, 
     pos = seq_len - q_len + n_a // H
     out_row = out_ptr + (t_req + n_a // H).to(gl.int64) * stride_ot + (n_a % H) * stride_oh
     store_ok = n_a < rows
-    keys = gl.arange(0, TOK, layout=gl.SliceLayout(1, mma))
+    keys = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
     # blocks wholly at or before the earliest row's position need no causal mask
     b_full = (seq_len - q_len + row0 // H + 1) // BLOCK
-    # a token row's words and its two scale bytes (groups 2c, 2c + 1), in the load layout
-    tok_w = gl.arange(0, TOK, layout=gl.SliceLayout(1, w_l))
-    j_w = gl.arange(0, WORDS, layout=gl.SliceLayout(0, w_l))
-    word_off = tok_w[:, None] * WORDS + j_w[None, :]
-    scale_off = tok_w[:, None] * 4 + (j_w // VEC)[None, :]
-    page = gl.load(row_bt + b_lo * stride_btb)
-    for b in range(b_lo, b_hi):
-        page_next = gl.load(row_bt + (b + 1) * stride_btb, mask=b + 1 < b_hi, other=-1)
-        ok = page >= 0
-        base = cache_ptr + page.to(gl.int64) * stride_cp
-        words_ptr = base.to(gl.pointer_type(gl.int32))
-        scales_ptr = (base + BLOCK * 64).to(gl.pointer_type(gl.int16))
-        best = gl.full([TOK, NP], float("-inf"), gl.float32, layout=mma)
-        for st in gl.static_range(BLOCK // TOK):
-            w = _relabel(gl.load(words_ptr + st * TOK * WORDS + word_off, mask=ok, other=0),
-                         TOK)
-            s = _relabel(gl.load(scales_ptr + st * TOK * 4 + scale_off, mask=ok,
-                                 other=0).to(gl.int32), TOK)
+    n_units = 2 * (b_hi - b_lo)
+    for v in gl.static_range(STAGES - 1):
+        _issue(words_s, scales_s, row_bt, cache_ptr, v, n_units, b_lo, stride_btb, stride_cp,
+               BLOCK, STAGES)
+    best = gl.full([16, NP], float("-inf"), gl.float32, layout=mma)
+    for u in range(n_units):
+        # unit u's copies done (this thread's), then everyone's: and every read of the slot
+        # the next copies overwrite (unit u - 1's) is behind the barrier
+        async_copy.wait_group(STAGES - 2)
+        gl.thread_barrier()
+        _issue(words_s, scales_s, row_bt, cache_ptr, u + STAGES - 1, n_units, b_lo, stride_btb,
+               stride_cp, BLOCK, STAGES)
+        b = b_lo + u // 2
+        ws = words_s.index(u % STAGES)
+        ss = scales_s.index(u % STAGES)._reinterpret(gl.int16, [UNIT, 4], _FLAT2)
+        for mt in gl.static_range(UNIT // 16):
+            w = _relabel(ws.slice(mt * 16, 16, dim=0).load(w_l), 16)
+            s4 = ss.slice(mt * 16, 16, dim=0).load(s_l).to(gl.int32)
+            s = gl.join(gl.join(s4, s4), gl.join(s4, s4)).reshape([16, WORDS])
+            s = _relabel(gl.convert_layout(s, w_l), 16)
             o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
                 _DEQUANT_ASM, "=r," * 16 + "r,r,r,r,r,r,r,r", [w, s],
                 dtype=(gl.float16,) * 8, is_pure=True, pack=4)
-            acc = gl.zeros([TOK, NP], gl.float32, layout=mma)
+            acc = gl.zeros([16, NP], gl.float32, layout=mma)
             acc = mma_v2(gl.convert_layout(o0, a_l, assert_trivial=True), q0, acc)
             acc = mma_v2(gl.convert_layout(o1, a_l, assert_trivial=True), q1, acc)
             acc = mma_v2(gl.convert_layout(o2, a_l, assert_trivial=True), q2, acc)
@@ -254,11 +293,15 @@ def _score_rows(q_ptr, cache_ptr, row_bt, out_ptr, t_req, q_len, seq_len, row0, 
             acc = mma_v2(gl.convert_layout(o6, a_l, assert_trivial=True), q6, acc)
             acc = mma_v2(gl.convert_layout(o7, a_l, assert_trivial=True), q7, acc)
             if b >= b_full:
-                acc = gl.where((b * BLOCK + st * TOK + keys)[:, None] <= pos[None, :], acc,
-                               float("-inf"))
+                kpos = b * BLOCK + (u % 2) * UNIT + mt * 16 + keys
+                acc = gl.where(kpos[:, None] <= pos[None, :], acc, float("-inf"))
             best = gl.maximum(best, acc)
-        # the max skips NaN (PTX max.f32): only an all-NaN block is left to clean
-        m = gl.max(best, axis=0) * 128.0
-        m = gl.where(ok & (m == m), m, float("-inf"))
-        gl.store(out_row + b.to(gl.int64) * stride_ob, m, mask=store_ok)
-        page = page_next
+        if u % 2 == 1:
+            # the block's maxima; the max skips NaN (PTX max.f32): only an all-NaN block is
+            # left to clean, and a page id < 0 (its copies were skipped) scores -inf
+            page = gl.load(row_bt + b * stride_btb)
+            m = gl.max(best, axis=0) * 128.0
+            m = gl.where((page >= 0) & (m == m), m, float("-inf"))
+            gl.store(out_row + b.to(gl.int64) * stride_ob, m, mask=store_ok)
+            best = gl.full([16, NP], float("-inf"), gl.float32, layout=mma)
+    async_copy.wait_group(0)
