@@ -54,6 +54,14 @@ DECODE_STAGES = 3
 # alone takes ~155, no spill at 128), so that 4 programs fit an SM (16 warps, not 12) to hide
 # the dequantization's and the block's barrier chain's latency (docs/design.md)
 DECODE_MAXNREG_NVFP4 = 128
+# the Gluon NVFP4 request launch (scores_nvfp4.py): one-warp programs per SM its splits aim for,
+# its ring's half-block stages and, with 8 rows a pass, its threads' register cap. At 3 stages
+# (14 KB of shared memory a warp) and 112 registers 16 warps share an SM; 4 or 6 stages, 96
+# or 128 registers and 16 or 64 programs an SM were no faster, and 16-row passes were faster
+# uncapped (they spill at 112) (docs/performance.md, "NVFP4 index pages")
+NVFP4_PROGRAMS = 32
+NVFP4_STAGES = 3
+NVFP4_MAXNREG_8_ROWS = 112
 # the Triton tile launch's warps, and its stages for a 16-bit and an fp8 cache: a 16-bit key
 # tile is twice the bytes, and 2 stages on 4 warps fit 2 programs per SM (docs/performance.md)
 PREFILL_WARPS = 4
@@ -88,11 +96,6 @@ class IndexerConfig:
     decode_waves: int = 2
     # request launch: most blocks per split (long contexts, where splits would exceed the waves)
     decode_max_bps: int = 64
-    # Gluon NVFP4 request launch (decode on NVFP4 pages, Hopper): one-warp programs per SM its
-    # splits aim for, and its threads' register cap (0: ptxas's own choice)
-    nvfp4_programs: int = 32
-    nvfp4_maxnreg: int = 0
-    nvfp4_stages: int = 4
     # Triton tile launch: (token, head) rows per tile and blocks per split (prefill chunks off
     # Hopper, or where TMA cannot take the layouts)
     prefill_rows: int = 128
@@ -141,8 +144,7 @@ class IndexerConfig:
 
 _POW2_FIELDS = ("decode_max_bps", "prefill_rows", "prefill_bps", "select_segment", "select_chunk",
                 "select_short_tpr")
-_POSITIVE_FIELDS = ("decode_waves", "ws_stages", "ws_stages_16", "nvfp4_programs",
-                    "nvfp4_stages")
+_POSITIVE_FIELDS = ("decode_waves", "ws_stages", "ws_stages_16")
 DEFAULT = IndexerConfig()
 
 
@@ -293,14 +295,14 @@ def _nvfp4_request(shape: IndexerShape, device: DeviceFacts, config: IndexerConf
     when the step's rows per request are known to fit)."""
     q_bound = min(shape.num_tokens, shape.max_q_len or SMALL_Q, SMALL_Q)
     np_rows = 8 if q_bound * shape.num_heads <= 8 else 16
-    programs = device.num_sms * config.nvfp4_programs
+    programs = device.num_sms * NVFP4_PROGRAMS
     splits = -(-programs // shape.num_requests)
     bps = min(config.decode_max_bps, next_pow2(-(-shape.max_blocks // splits)))
     return Launch("scores_request_nvfp4", (shape.num_requests, -(-shape.max_blocks // bps)),
                   dict(H=shape.num_heads, NP=np_rows, BPS=bps, BLOCK=shape.block_size,
-                       SMALL_Q=ANY_Q if any_q else SMALL_Q, PDL=True, num_warps=1,
-                       STAGES=max(2, config.nvfp4_stages),
-                       **(dict(maxnreg=config.nvfp4_maxnreg) if config.nvfp4_maxnreg else {})))
+                       SMALL_Q=ANY_Q if any_q else SMALL_Q, PDL=True, STAGES=NVFP4_STAGES,
+                       num_warps=1,
+                       **(dict(maxnreg=NVFP4_MAXNREG_8_ROWS) if np_rows == 8 else {})))
 
 
 def selection_layout(rows: int, max_blocks: int, kp: int, per_wave: int,

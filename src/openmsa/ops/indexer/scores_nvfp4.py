@@ -160,7 +160,7 @@ def _nvfp4_request_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
                           stride_btb, stride_ot, stride_oh, stride_ob,
                           H: gl.constexpr, NP: gl.constexpr, BPS: gl.constexpr,
                           BLOCK: gl.constexpr, SMALL_Q: gl.constexpr, PDL: gl.constexpr,
-                          STAGES: gl.constexpr = 4):
+                          STAGES: gl.constexpr):
     """Program (r, s): request r's blocks [s * BPS, (s + 1) * BPS) for all its (token, head)
     rows, NP at a time."""
     if PDL:
