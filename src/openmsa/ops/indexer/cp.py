@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..._checks import check_cp_shape
 from ..._dispatch import next_pow2
 from ...batch import num_causal_blocks, token_layout
 from ..common.launch import PlanCache, call_key
@@ -37,13 +38,6 @@ __all__ = ["pack_keys", "key_block_ids", "local_candidates", "merge_candidates",
 INT64_MIN = -(2 ** 63)
 INT64_MAX = 2 ** 63 - 1
 _LOW = 2 ** 32 - 1
-
-
-def _cp_shape(cp_size: int, cp_rank: int) -> None:
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
-        raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
-    if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank must be in [0, cp_size={cp_size}), got {cp_rank!r}")
 
 
 def pack_keys(scores: torch.Tensor, block_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -327,7 +321,7 @@ def local_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table
     reference path). Bit-identical, entry by entry, to block_scores over the whole table.
     reference: the reference path whatever the device (openmsa.reference.select_blocks)."""
     from ..._dispatch import use_kernels
-    _cp_shape(cp_size, cp_rank)
+    check_cp_shape(cp_size, cp_rank)
     max_blocks = block_table.shape[1]
     width = -(-max_blocks // cp_size)
     if reference or not use_kernels(index_q):
