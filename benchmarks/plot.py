@@ -26,6 +26,9 @@ import os
 
 FIGURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
                        "figures")
+# the indexer figure's panels: batch sizes that run.py's full and --quick indexer-decode grids
+# both have (shapes.INDEXER_DECODE, INDEXER_DECODE_QUICK; tests/test_plot.py checks)
+DEFAULT_BATCHES = "1,32"
 
 
 def load(paths) -> tuple[list[str], list[dict]]:
@@ -99,6 +102,9 @@ def plot_indexer(rows, batches, path, note=""):
     drawn = 0
     for ax, b in zip(axes[0], batches):
         series = indexer_series(rows, b)
+        if not series:
+            print(f"indexer_decode.png: no indexer-decode rows at B = {b} (TP1, q_len 1): an "
+                  f"empty panel (--batches names others)")
         xs = sorted({x for pts in series.values() for x, _ in pts})
         for label, pts in series.items():
             style = "--" if label.startswith("dense") else "-"
@@ -147,7 +153,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("bench", nargs="+", help="bench.json files of one run")
     p.add_argument("--out", default=FIGURES)
-    p.add_argument("--batches", default="1,32", help="the indexer figure's two batch sizes")
+    p.add_argument("--batches", default=DEFAULT_BATCHES,
+                   help="the indexer figure's batch sizes, one panel each")
     p.add_argument("--layer-batch", type=int, default=32)
     args = p.parse_args(argv)
     prov, rows = load(args.bench)

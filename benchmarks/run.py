@@ -516,27 +516,33 @@ def _vllm_prefill_select(vl, q, cache, cu, seq, table, chunk, heads, out_t):
     return run
 
 
-def indexer_decode(args, fi):
-    grid = shapes.INDEXER_DECODE
-    batches, contexts = grid["batches"], grid["contexts"]
-    if args.quick:
-        batches, contexts = (1, 128), (128 * 1024, 1024 * 1024)
+def indexer_decode_grid(args) -> dict:
+    return shapes.INDEXER_DECODE_QUICK if args.quick else shapes.INDEXER_DECODE
+
+
+def indexer_decode_steps(grid):
+    """(model, dtype, L, B) of the indexer-decode section in run order (each at every q_len);
+    an index cache of over 40 GB is left out."""
     dtypes = tuple(grid["dtypes"]) + tuple(grid.get("openmsa_only_dtypes", ()))
     for model_name in filter(_keep, ("m3-tp1", "m3-tp4")):
-        heads = shapes.MODELS[model_name].num_index_heads
         for dname in dtypes:
-            for context in contexts:
-                for batch in batches:
-                    if batch * context * 128 * (2 if dname == "bf16" else 1) > 40e9:
-                        continue
-                    for q_len in grid["q_lens"]:
-                        try:
-                            _indexer_decode_case(fi, model_name, heads, dname, context, batch,
-                                                 q_len, args)
-                        except Exception as e:  # noqa: BLE001
-                            record(section="indexer-decode", model=model_name, dtype=dname,
-                                   L=context, B=batch, q_len=q_len, note=_not_run(e))
-                    torch.cuda.empty_cache()
+            for context in grid["contexts"]:
+                for batch in grid["batches"]:
+                    if batch * context * 128 * (2 if dname == "bf16" else 1) <= 40e9:
+                        yield model_name, dname, context, batch
+
+
+def indexer_decode(args, fi):
+    grid = indexer_decode_grid(args)
+    for model_name, dname, context, batch in indexer_decode_steps(grid):
+        heads = shapes.MODELS[model_name].num_index_heads
+        for q_len in grid["q_lens"]:
+            try:
+                _indexer_decode_case(fi, model_name, heads, dname, context, batch, q_len, args)
+            except Exception as e:  # noqa: BLE001
+                record(section="indexer-decode", model=model_name, dtype=dname, L=context,
+                       B=batch, q_len=q_len, note=_not_run(e))
+        torch.cuda.empty_cache()
 
 
 # the largest dense K + V (bf16) the indexer section allocates for its dense-attention time
@@ -1154,7 +1160,7 @@ def dry_run(args):
     vl = None if args.no_peers or args.no_vllm else load_vllm()
     print(f"# dry run: FlashInfer {'importable' if fi else 'absent'}, vLLM kernels "
           f"{'importable' if vl else 'absent'}; out: {args.out}; sections: {args.sections}")
-    grids = {"indexer-decode": [shapes.INDEXER_DECODE], "indexer-prefill":
+    grids = {"indexer-decode": [indexer_decode_grid(args)], "indexer-prefill":
              [shapes.INDEXER_PREFILL, shapes.INDEXER_PREFILL_SHORT],
              "attention-decode": [shapes.ATTENTION_DECODE],
              "attention-prefill": [shapes.ATTENTION_PREFILL],
@@ -1162,6 +1168,10 @@ def dry_run(args):
     for name in args.sections.split(","):
         for grid in grids.get(name, ()):
             print(f"## {name}: {grid}")
+            if name == "indexer-decode":
+                steps = len(list(indexer_decode_steps(grid)))
+                print(f"#   {steps * len(grid['q_lens'])} cases ({steps} steps x "
+                      f"{len(grid['q_lens'])} q_lens)")
     return 0
 
 
@@ -1169,7 +1179,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sections", default=",".join(SECTIONS))
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--quick", action="store_true", help="a subset of the decode grid")
+    parser.add_argument("--quick", action="store_true",
+                        help="a subset of the indexer-decode grid (shapes.INDEXER_DECODE_QUICK)")
     parser.add_argument("--no-peers", action="store_true", help="openmsa alone")
     parser.add_argument("--no-vllm", action="store_true", help="FlashInfer as the only peer")
     parser.add_argument("--models", default=None,

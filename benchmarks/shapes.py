@@ -20,6 +20,11 @@ INDEXER_DECODE = dict(batches=(1, 8, 32, 64, 128), contexts=(32 * K, 128 * K, 10
                       q_lens=(1, 4), dtypes=("bf16", "fp8"),
                       # timed for openmsa alone (no peer reads it): NVFP4 keys, fp8 query
                       openmsa_only_dtypes=("nvfp4",))
+# run.py --quick: a subset with benchmarks/plot.py's default panels (B = 1 and 32) and the
+# bandwidth-bound B = 128, at 128K and 1M: 72 cases (2 models x 3 dtypes x 2 L x 3 B x 2 q_lens)
+# against the full grid's 180, which runs as two device calls of a 540 s budget each
+# (scripts/gpu_check.sh bench-part 1 and 2, 90 cases each)
+INDEXER_DECODE_QUICK = dict(INDEXER_DECODE, batches=(1, 32, 128), contexts=(128 * K, 1024 * K))
 # prefill chunks of 8192 tokens after 0, 120K and ~1M (1M - 8K, so the request ends at 1M)
 INDEXER_PREFILL = dict(chunk=8192, contexts=(0, 120 * K, 1024 * K - 8192), dtypes=("fp8", "bf16"),
                        models=("m3-tp1",))

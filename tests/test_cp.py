@@ -273,11 +273,21 @@ def test_layer_refuses_a_table_sharded_for_another_rank():
     (dict(index_cp_size=2, index_cp_rank=2), ValueError, "index_cp_rank"),
     (dict(index_cp_size=2, index_cp_rank=-1), ValueError, "index_cp_rank"),
 ])
-def test_planner_cp_arguments_are_checked(kwargs, kind, name):
+def test_planner_and_op_cp_arguments_are_checked(kwargs, kind, name):
+    """MSAPlanner's index_cp_size / index_cp_rank, and the same check (_checks.check_cp_shape)
+    of cp.py's cp_size / cp_rank, each error naming its own argument."""
     from openmsa import MSAPlanner
-    with pytest.raises(kind, match=name):
+    from openmsa.ops.indexer.cp import local_block_scores
+    from helpers.steps import make_step
+    with pytest.raises(kind, match=f"^{name} must"):
         MSAPlanner(_tiny_config(), max_requests=1, max_tokens=8, max_blocks=8, device="cpu",
                    **kwargs)
+    cp = {k.replace("index_", ""): v for k, v in kwargs.items()}
+    step = make_step([1], [5], block_size=B)
+    with pytest.raises(kind, match=f"^{name.replace('index_', '')} must"):
+        local_block_scores(torch.zeros(1, 1, 16), torch.zeros(step.num_pages, B, 16),
+                           step.cu_seqlens_q, step.seq_lens, step.block_table,
+                           **{"cp_rank": 0, **cp}, block_size=B, reference=True)
 
 
 @pytest.mark.reference

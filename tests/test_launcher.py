@@ -216,3 +216,30 @@ def test_gluon_descriptor_arguments(compiled, monkeypatch):
     assert len(compiled) == 2
     launcher((2,), x, desc(cache.clone()), 5, 32, 0.5, 9, A=4)
     assert len(compiled) == 2
+
+
+def test_cp_kernels_launch_through_the_cached_launcher(compiled, monkeypatch):
+    """ops/indexer/cp.py's two kernels run through Launch.run (launch_planned) under a Launch
+    cached by call key: a repeated call compiles nothing, and the suite's VERIFY_PLAN_KEYS
+    checks on every call that the key names Triton's own specialisation (other ranks, widths,
+    rules and a strided out among the calls)."""
+    from openmsa.ops.indexer import cp
+    for fn in (cp._local_keys_kernel, cp._merge_kernel):  # fresh launchers, dropped after
+        monkeypatch.setattr(fn, "_openmsa_launcher", launch_mod.Launcher(fn), raising=False)
+    cu = torch.tensor([0, 1, 3], dtype=torch.int32)
+    seq = torch.tensor([300, 700], dtype=torch.int32)
+    calls = 0
+    for _ in range(3):
+        for cp_size, cp_rank, topk in [(1, 0, 4), (2, 0, 4), (2, 1, 4), (2, 1, 2)]:
+            rule = dict(topk=topk, init_blocks=1, local_blocks=1, block_size=128)
+            scores = torch.zeros(3, 2, -(-6 // cp_size))
+            keys, position = cp.local_candidates_kernel(scores, cu, seq, cp_size=cp_size,
+                                                        cp_rank=cp_rank, max_blocks=6, **rule)
+            cand = keys.unsqueeze(2).expand(3, 2, cp_size, keys.shape[2])
+            out = torch.empty(2, 3, topk, dtype=torch.int32).transpose(0, 1)
+            for o in (None, out):
+                cp.merge_candidates_kernel(cand, position, out=o, **rule)
+            calls += 3
+    # the first round compiled or found every kernel, the next two launched them cached
+    assert sum(len(c.launches) for c in compiled) == calls - len(compiled)
+    assert len(compiled) <= calls // 3

@@ -78,6 +78,14 @@ def test_series_skip_disagreeing_peers():
                           for kv in ("bf16 K/V", "fp8 K/V", "fp8 K/V, NVFP4 keys")}
 
 
+def test_default_panels_are_in_the_run_grids():
+    """plot.py's default batch sizes are rows of run.py's indexer-decode grid, --quick too."""
+    shapes = pytest.importorskip("shapes")
+    default = {int(b) for b in plot.DEFAULT_BATCHES.split(",")}
+    for grid in (shapes.INDEXER_DECODE, shapes.INDEXER_DECODE_QUICK):
+        assert default <= set(grid["batches"])
+
+
 def test_figures_written(bench, tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "figures"

@@ -131,6 +131,18 @@ def check_scale_arg(name, value, device) -> None:
                          f"{tuple(value.shape)} {value.dtype} on {value.device}")
 
 
+def check_cp_shape(cp_size, cp_rank, *,
+                   names: tuple[str, str] = ("cp_size", "cp_rank")) -> None:
+    """A context-parallel (size, rank): a positive int size and an int rank in [0, size), the
+    errors naming the arguments `names` (the ops' cp_size / cp_rank, MSAPlanner's
+    index_cp_size / index_cp_rank)."""
+    size_name, rank_name = names
+    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
+        raise ValueError(f"{size_name} must be a positive int, got {cp_size!r}")
+    if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"{rank_name} must be in [0, {size_name}={cp_size}), got {cp_rank!r}")
+
+
 def check_process_group(name: str, group) -> None:
     """A torch.distributed process group (context-parallel selection's cp_group)."""
     import torch.distributed as dist

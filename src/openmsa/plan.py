@@ -15,6 +15,7 @@ from typing import Sequence
 
 import torch
 
+from ._checks import check_cp_shape
 from .batch import token_layout
 from .config import MSAConfig
 
@@ -91,13 +92,7 @@ class MSAPlanner:
                         ("max_blocks", max_blocks)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if isinstance(index_cp_size, bool) or not isinstance(index_cp_size, int) \
-                or index_cp_size < 1:
-            raise ValueError(f"index_cp_size must be a positive int, got {index_cp_size!r}")
-        if isinstance(index_cp_rank, bool) or not isinstance(index_cp_rank, int) \
-                or not 0 <= index_cp_rank < index_cp_size:
-            raise ValueError(f"index_cp_rank must be in [0, index_cp_size={index_cp_size}), got "
-                             f"{index_cp_rank!r}")
+        check_cp_shape(index_cp_size, index_cp_rank, names=("index_cp_size", "index_cp_rank"))
         self.index_cp_size, self.index_cp_rank = index_cp_size, index_cp_rank
         self.config = config
         self.max_requests, self.max_tokens, self.max_blocks = max_requests, max_tokens, max_blocks

@@ -1012,7 +1012,8 @@ def test_nvfp4_cache_is_checked(case):
         q, err = torch.zeros(1, 1, 128, dtype=torch.float8_e5m2), TypeError
     args = (q, cache, torch.tensor([0, 1], dtype=torch.int32),
             torch.tensor([1], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32))
-    match = "index_q" if case in ("head_dim", "q_dtype") else "index_cache|block_size"
+    match = {"head_dim": "index_q", "q_dtype": "index_q against an NVFP4 index cache"}.get(
+        case, "index_cache|block_size")
     for op in (openmsa.block_scores, openmsa.select_blocks):
         with pytest.raises(err, match=match):
             op(*args, block_size=block_size)

@@ -3,15 +3,9 @@
 
 from __future__ import annotations
 
-import torch
-
-from ..._checks import (FP8, HALF, check_block_size, check_index_dtypes, check_out,
-                        check_positive_int, check_step, check_tensor)
+from ..._checks import (check_block_size, check_index_dtypes, check_out, check_positive_int,
+                        check_step, check_tensor)
 from ...nvfp4 import check_nvfp4_cache, is_nvfp4_cache
-
-# the index queries an NVFP4 cache is scored with: fp8 e4m3 (vLLM's pairing), 16-bit, and fp32
-# (the reference's own precision; the kernels refuse it, support.py)
-NVFP4_QUERY_TYPES = (FP8, *HALF, torch.float32)
 
 
 def check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, block_size,
@@ -45,13 +39,12 @@ def check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table
 
 def _check_nvfp4_args(index_q, index_cache, block_size) -> None:
     """A uint8 cache is NVFP4 pages and nothing else (never read as raw bytes): its layout
-    (nvfp4.check_nvfp4_cache), 128-token blocks, index head dim 128 and a query it pairs with."""
+    (nvfp4.check_nvfp4_cache), 128-token blocks, index head dim 128 and a query it pairs with
+    (_checks.check_index_dtypes: fp8 e4m3fn, 16-bit, or fp32 for the reference; the kernels
+    refuse fp32, support.py)."""
     check_nvfp4_cache("index_cache", index_cache, block_size=block_size,
                       head_dim=("index_q", index_q.shape[2]))
-    if index_q.dtype not in NVFP4_QUERY_TYPES:
-        raise TypeError(f"index_q must be fp8 e4m3 (float8_e4m3fn), bf16, fp16 or float32 against "
-                        f"an NVFP4 index_cache (uint8), got "
-                        f"{str(index_q.dtype).replace('torch.', '')}")
+    check_index_dtypes(index_q, index_cache)
 
 
 def check_select_args(topk, init_blocks, local_blocks) -> None:

@@ -25,8 +25,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ..._checks import check_cp_shape
 from ..._dispatch import next_pow2
 from ...batch import num_causal_blocks, token_layout
+from ..common.launch import PlanCache, call_key
+from ..common.plan import Launch
 from ..common.triton_utils import find_request
 
 __all__ = ["pack_keys", "key_block_ids", "local_candidates", "merge_candidates",
@@ -35,13 +38,6 @@ __all__ = ["pack_keys", "key_block_ids", "local_candidates", "merge_candidates",
 INT64_MIN = -(2 ** 63)
 INT64_MAX = 2 ** 63 - 1
 _LOW = 2 ** 32 - 1
-
-
-def _cp_shape(cp_size: int, cp_rank: int) -> None:
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
-        raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
-    if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank must be in [0, cp_size={cp_size}), got {cp_rank!r}")
 
 
 def pack_keys(scores: torch.Tensor, block_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -244,6 +240,22 @@ def _pow2(x: int, least: int = 16) -> int:
     return max(least, next_pow2(x))
 
 
+# the two kernels' launches by call key, run through the cached launcher (Launch.run) like the
+# ops' plans: a key holds the shapes, strides, dtypes and devices of the tensors given and the
+# ints, from which every int, constexpr and grid the launch passes follows (the tensors made
+# here are contiguous, of fixed dtypes)
+_LAUNCHES = PlanCache()
+
+
+def _launch(kernel: str, key, grid_and_params) -> Launch:
+    """The cached Launch under `key`, made on a miss from grid_and_params() -> (grid, params)."""
+    launch = _LAUNCHES.get(key)
+    if launch is None:
+        launch = Launch(kernel, *grid_and_params())
+        _LAUNCHES.put(key, launch)
+    return launch
+
+
 def local_candidates_kernel(local_scores, cu_seqlens_q, seq_lens, *, cp_size, cp_rank,
                             max_blocks, topk, init_blocks, local_blocks, block_size):
     """local_candidates on the kernel path: (keys [T, H, min(topk, width)], position [T])."""
@@ -252,11 +264,17 @@ def local_candidates_kernel(local_scores, cu_seqlens_q, seq_lens, *, cp_size, cp
     keys = torch.empty((num_tokens, num_heads, width), dtype=torch.int64, device=device)
     position = torch.empty(num_tokens, dtype=torch.int32, device=device)
     if num_tokens:
-        chunk = min(1024, _pow2(width))
-        _local_keys_kernel[(num_tokens, triton.cdiv(max(width, 1), chunk))](
-            local_scores, cu_seqlens_q, seq_lens, keys, position, seq_lens.shape[0], num_tokens,
-            width, max_blocks, cp_size, cp_rank, init_blocks, local_blocks,
-            *local_scores.stride(), *keys.stride(), H=num_heads, BLOCK=block_size, CHUNK=chunk)
+        def grid_and_params():
+            chunk = min(1024, _pow2(width))
+            return ((num_tokens, triton.cdiv(max(width, 1), chunk)),
+                    dict(H=num_heads, BLOCK=block_size, CHUNK=chunk))
+        key = call_key((local_scores, cu_seqlens_q, seq_lens),
+                       ("local_keys", max_blocks, cp_size, cp_rank, init_blocks, local_blocks,
+                        block_size))
+        _launch("local_keys", key, grid_and_params).run(
+            _local_keys_kernel, local_scores, cu_seqlens_q, seq_lens, keys, position,
+            seq_lens.shape[0], num_tokens, width, max_blocks, cp_size, cp_rank, init_blocks,
+            local_blocks, *local_scores.stride(), *keys.stride())
     k = min(topk, width)
     if k < width:
         keys = torch.topk(keys, k, dim=-1, sorted=False).values
@@ -275,10 +293,15 @@ def merge_candidates_kernel(candidates, position, *, topk, init_blocks, local_bl
         # wide enough for every seq_len), so every row is empty
         out.fill_(-1)
     elif num_tokens * num_heads:
-        _merge_kernel[(num_tokens * num_heads,)](
-            candidates, position, out, num_ranks, per_rank, topk, init_blocks, local_blocks,
-            *candidates.stride(), *out.stride(), H=num_heads, BLOCK=block_size,
-            CP2=_pow2(num_ranks * per_rank), KP2=_pow2(topk))
+        def grid_and_params():
+            return ((num_tokens * num_heads,),
+                    dict(H=num_heads, BLOCK=block_size, CP2=_pow2(num_ranks * per_rank),
+                         KP2=_pow2(topk)))
+        key = call_key((candidates, position, out),
+                       ("merge", topk, init_blocks, local_blocks, block_size))
+        _launch("merge", key, grid_and_params).run(
+            _merge_kernel, candidates, position, out, num_ranks, per_rank, topk, init_blocks,
+            local_blocks, *candidates.stride(), *out.stride())
     return out
 
 
@@ -298,7 +321,7 @@ def local_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table
     reference path). Bit-identical, entry by entry, to block_scores over the whole table.
     reference: the reference path whatever the device (openmsa.reference.select_blocks)."""
     from ..._dispatch import use_kernels
-    _cp_shape(cp_size, cp_rank)
+    check_cp_shape(cp_size, cp_rank)
     max_blocks = block_table.shape[1]
     width = -(-max_blocks // cp_size)
     if reference or not use_kernels(index_q):
