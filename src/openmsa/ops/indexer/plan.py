@@ -179,9 +179,9 @@ class IndexerShape:
     max_q_len: int | None = None
     tma_rows: bool = False
     topk: int | None = None
-    tma_q: bool = False
     init_blocks: int = 0
     local_blocks: int = 1
+    tma_q: bool = False
 
     @property
     def nvfp4(self) -> bool:
