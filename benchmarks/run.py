@@ -614,9 +614,10 @@ def indexer_prefill(args, fi):
         grids.append(shapes.INDEXER_PREFILL_SHORT)
     for grid in grids:
         chunk = grid["chunk"]
+        dtypes = tuple(grid["dtypes"]) + tuple(grid.get("openmsa_only_dtypes", ()))
         for model_name in filter(_keep, grid.get("models", ("m3-tp1",))):
             heads = shapes.MODELS[model_name].num_index_heads
-            for dname in grid["dtypes"]:
+            for dname in dtypes:
                 for context in grid["contexts"]:
                     try:
                         _indexer_prefill_case(fi, model_name, heads, dname, context, chunk, args)
@@ -626,19 +627,28 @@ def indexer_prefill(args, fi):
                     torch.cuda.empty_cache()
 
 
+# the indexer-prefill rows of an NVFP4 index cache (fp8 query): dtype name -> the prefill form
+# (IndexerConfig.nvfp4_prefill) they time, openmsa alone
+NVFP4_PREFILL_FORMS = {"nvfp4": "inkernel", "nvfp4-staged": "staged"}
+
+
 def _indexer_prefill_case(fi, model_name, heads, dname, context, chunk, args):
     check_budget()
-    q, cache, cu, seq, table = _index_step(1, context + chunk, chunk, heads, DTYPES[dname])
+    form = NVFP4_PREFILL_FORMS.get(dname)
+    q, cache, cu, seq, table = _index_step(1, context + chunk, chunk, heads,
+                                           "nvfp4" if form else DTYPES[dname])
+    config = openmsa.IndexerConfig(nvfp4_prefill=form or "inkernel")
     out = torch.empty(chunk, heads, 16, dtype=torch.int32, device="cuda")
     ours = lambda: openmsa.select_blocks(q, cache, cu, seq, table, out=out,  # noqa: E731
-                                         max_q_len=chunk)
+                                         max_q_len=chunk, config=config)
     ours()
     torch.cuda.synchronize()
     flops = 2 * heads * 128 * chunk * (context + chunk / 2)
     iters = max(5, args.iters // 4)
-    scores = functools.partial(openmsa.block_scores, q, cache, cu, seq, table, max_q_len=chunk)
+    scores = functools.partial(openmsa.block_scores, q, cache, cu, seq, table, max_q_len=chunk,
+                               config=config)
     peers, check = {}, {}
-    if fi is not None:
+    if fi is not None and not form:
         run = _fi_select(fi, q, cache, cu, seq, table, chunk)
         theirs = try_peer(run)
         if theirs is not None:
@@ -647,7 +657,7 @@ def _indexer_prefill_case(fi, model_name, heads, dname, context, chunk, args):
             peers["fi"] = run
         else:
             check["fi"] = "not run"
-    if VLLM is not None:
+    if VLLM is not None and not form:
         out_t = torch.empty(heads, chunk, 16, dtype=torch.int32, device="cuda")
         run = _vllm_prefill_select(VLLM, q, cache, cu, seq, table, chunk, heads, out_t)
         failure = peer_failure(run)
@@ -661,10 +671,13 @@ def _indexer_prefill_case(fi, model_name, heads, dname, context, chunk, args):
         dev, timed = time_peers(ours, peers, iters)
     else:
         dev, timed = med(device_times_us(ours, iters)), {}
+    # (both NVFP4 forms run 16-bit MMAs: fp16 keys against the fp8 query as fp16)
     ceil = CEIL["fp8_tflops" if dname == "fp8" else "bf16_tflops"]
     row = dict(section="indexer-prefill", model=model_name, dtype=dname, context=context,
                T=chunk, us=dev, call_us=graph_call_us(ours, iters), tflops=flops / dev / 1e6,
                pct_mm=100 * flops / dev / 1e6 / ceil if ceil else None, **timed, **check)
+    if form:
+        row.update(query="fp8", form=form)
     for name in ("fi", "vllm"):
         if row.get(f"{name}_us"):
             row[f"{name}_tflops"] = flops / row[f"{name}_us"] / 1e6

@@ -27,11 +27,14 @@ INDEXER_DECODE = dict(batches=(1, 8, 32, 64, 128), contexts=(32 * K, 128 * K, 10
 INDEXER_DECODE_QUICK = dict(INDEXER_DECODE, batches=(1, 32, 128), contexts=(128 * K, 1024 * K))
 # prefill chunks of 8192 tokens after 0, 120K and ~1M (1M - 8K, so the request ends at 1M)
 INDEXER_PREFILL = dict(chunk=8192, contexts=(0, 120 * K, 1024 * K - 8192), dtypes=("fp8", "bf16"),
-                       models=("m3-tp1",))
+                       models=("m3-tp1",),
+                       # timed for openmsa alone: NVFP4 keys (fp8 query) in both prefill forms,
+                       # in-kernel dequantization and staged (IndexerConfig.nvfp4_prefill)
+                       openmsa_only_dtypes=("nvfp4", "nvfp4-staged"))
 # TP4 geometry (one index head) at short contexts: an 8K chunk with no context, after 8K, after
 # 32K, where a call's fixed costs weigh most (issue 40)
 INDEXER_PREFILL_SHORT = dict(chunk=8192, contexts=(0, 8 * K, 32 * K), dtypes=("fp8", "bf16"),
-                             models=("m3-tp4",))
+                             models=("m3-tp4",), openmsa_only_dtypes=("nvfp4", "nvfp4-staged"))
 ATTENTION_DECODE = dict(batches=(1, 8, 64, 128), context=64 * K, q_lens=(1, 4),
                         dtypes=("bf16", "fp8"), models=("m3-tp1", "m3-tp4", "m3-tp8"))
 ATTENTION_PREFILL = dict(chunk=8192, contexts=(8 * K, 128 * K), dtypes=("bf16", "fp8"),

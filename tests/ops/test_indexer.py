@@ -382,7 +382,8 @@ def test_config_is_checked():
                                         ("page_padding", False), ("q_transposed", False)])
 def test_shape_says_where_tma_rows_fit(case, want):
     """api.py's step shape: q as [T * H, DI] rows and the cache as [pages * BLOCK, DI] rows,
-    each one strided 2-D array (what the Gluon tile launch's TMA descriptors take)."""
+    each one strided 2-D array (what the Gluon tile launch's TMA descriptors take); tma_q: q's
+    alone (the staged NVFP4 form's, whose staging cache always is)."""
     q = torch.empty(64, 8 if case == "q_slice" else 4, 128, device="meta")
     if case == "q_slice":
         q = q[:, :4]
@@ -394,7 +395,8 @@ def test_shape_says_where_tma_rows_fit(case, want):
     assert shape == IndexerShape(num_tokens=64, num_heads=4, head_dim=128, num_requests=2,
                                  max_blocks=7, block_size=128, q_dtype=q.dtype,
                                  cache_dtype=c.dtype, max_q_len=4, tma_rows=want, topk=16,
-                                 init_blocks=1, local_blocks=2)
+                                 init_blocks=1, local_blocks=2,
+                                 tma_q=case in ("flat", "page_padding"))
 
 
 @pytest.mark.reference
@@ -1213,3 +1215,176 @@ def test_nvfp4_request_kernel_cuda_graph_and_strided_query():
     eager = openmsa.block_scores(*args, max_q_len=16)
     assert torch.equal(out.isinf(), eager.isinf())
     assert torch.equal(out[eager.isfinite()], eager[eager.isfinite()])
+
+
+# ------------------------------------- NVFP4 prefill, staged form (stage.py; issue 41)
+STAGED = _config(nvfp4_prefill="staged")
+# three long requests (40, 21 and 18 tokens: staging slots 0, 1, 2) between decode, verify, q_len
+# 0 and a 16-token verify (the request launch's longest); partial last blocks, a request whose
+# chunk starts inside its last block, 3 padding tokens
+ST_Q_LENS = [1, 40, 3, 0, 21, 16, 18, 1]
+ST_SEQ_LENS = [700, 300, 200, 9, 420, 150, 18, 5]
+
+
+def _exact_nvfp4_cache(num_pages, generator, device="cpu"):
+    """An NVFP4 cache of random codes with scales 0.5, 1 and 2: every key a multiple of 0.25
+    of magnitude <= 12, so that dot products with small-integer queries are exact in fp32 in
+    any summation order (scores equal the reference's bit for bit; ties are common, and the
+    tie rule decides them alike)."""
+    from openmsa import nvfp4
+    cache = torch.empty(num_pages, nvfp4.PAGE_TOKENS, nvfp4.TOKEN_BYTES, dtype=torch.uint8)
+    codes, scales = nvfp4.page_parts(cache)
+    codes.copy_(torch.randint(0, 256, codes.shape, generator=generator, dtype=torch.uint8))
+    e4m3 = torch.tensor([0.5, 1.0, 2.0], dtype=FP8).view(torch.uint8)
+    scales.copy_(e4m3[torch.randint(0, 3, scales.shape, generator=generator)])
+    return cache.to(device)
+
+
+def _staged_plan(q, cache, cu, seq, table, max_q_len=None):
+    """The staged form's plan for these arguments (as select_blocks makes it)."""
+    shape = indexer_api._shape(q, cache, seq, table, GB, max_q_len)
+    return plan(shape, DeviceFacts.of(q.device), STAGED)
+
+
+def _staged_case(q_lens, seq_lens, q_dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    step = make_step(q_lens, seq_lens, block_size=GB, extra_columns=1, pad_tokens=3,
+                     generator=g)
+    cache = _exact_nvfp4_cache(step.num_pages, g)
+    q = torch.randint(-4, 5, (step.num_tokens, 2, 128), generator=g).to(q_dtype)
+    table = step.block_table.clone()
+    if len(q_lens) == len(ST_Q_LENS):
+        # unfilled entries inside long requests' causal blocks (any negative id), and a decode's
+        table[1, 1] = -1
+        table[4, 3] = -7
+        table[0, 2] = -1
+    return step, q, cache, table
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("q_dtype, max_q_len", [(FP8, None), (FP8, 40), (torch.float16, None)])
+def test_nvfp4_staged_prefill_matches_reference(kernel_device, q_dtype, max_q_len):
+    """The staged form (the long requests' pages dequantized into a 16-bit staging cache, then
+    the 16-bit tile launch) gives the reference's scores and selection exactly, on a ragged
+    step mixing decode, verify and three prefill chunks over scattered pages with negative
+    table entries; the request launch is the in-kernel one's. (bf16: the staging alone below,
+    end to end on the GPU tier: Triton's interpreter computes bf16 dots wrongly.)"""
+    step, q, cache, table = _staged_case(ST_Q_LENS, ST_SEQ_LENS, q_dtype, kernel_device, 5)
+    args = (q, cache, step.cu_seqlens_q, step.seq_lens, table)
+    dargs = tuple(a.to(kernel_device) for a in args)
+    kernels = _scoring_launches(*dargs, GB, max_q_len, STAGED)
+    assert kernels[:2] == ["scores_request", "scores_tile" if INTERPRET else "scores_tile_ws"]
+    assert _staged_plan(*dargs, max_q_len).kernels()[0] == "stage_nvfp4"
+    want = ref.block_scores(*args, block_size=GB)
+    got = openmsa.block_scores(*dargs, block_size=GB, max_q_len=max_q_len, config=STAGED)
+    assert torch.equal(got.cpu(), want)
+    rule = dict(topk=4, init_blocks=1, local_blocks=1, block_size=GB, max_q_len=max_q_len)
+    sel = openmsa.select_blocks(*dargs, **rule, config=STAGED)
+    assert torch.equal(sel.cpu(), ref.select_blocks(*args, **rule))
+
+
+@pytest.mark.interpret
+def test_nvfp4_staged_one_request_step(kernel_device):
+    """A prefill chunk alone (the tile launch takes it whatever its q_len; no request launch),
+    ending in a partial block, with a -1 entry: staged scores and selection exactly the
+    reference's."""
+    step, q, cache, table = _staged_case([150], [530], FP8, kernel_device, 6)
+    table[0, 1] = -1
+    args = (q, cache, step.cu_seqlens_q, step.seq_lens, table)
+    dargs = tuple(a.to(kernel_device) for a in args)
+    assert "scores_request" not in _scoring_launches(*dargs, GB, None, STAGED)
+    want = ref.block_scores(*args, block_size=GB)
+    assert torch.equal(openmsa.block_scores(*dargs, block_size=GB, config=STAGED).cpu(), want)
+    rule = dict(topk=3, init_blocks=1, local_blocks=1, block_size=GB)
+    assert torch.equal(openmsa.select_blocks(*dargs, **rule, config=STAGED).cpu(),
+                       ref.select_blocks(*args, **rule))
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("q_dtype", [FP8, torch.bfloat16])
+def test_nvfp4_staging_cache_and_table(kernel_device, q_dtype):
+    """stage.py alone: each long request's causal pages dequantized exactly (fp16 for an fp8
+    query, bf16 for a bf16 one) into its own slot of max_blocks pages, in request order; its
+    negative entries kept; every other entry of the remapped table -1; and the query in the
+    staging dtype (an fp8 one as an exact contiguous fp16 copy)."""
+    from openmsa import nvfp4
+    from openmsa.ops.indexer.plan import stage_dtype
+    step, q, cache, table = _staged_case(ST_Q_LENS, ST_SEQ_LENS, q_dtype, kernel_device, 7)
+    dargs = tuple(a.to(kernel_device) for a in (q, cache, step.cu_seqlens_q, step.seq_lens,
+                                                   table))
+    p = _staged_plan(*dargs)
+    pages = p.sizes["staged_pages"]
+    width = table.shape[1]
+    # at most min(R, T // 17) long requests: 8 requests, 103 tokens -> 6 slots
+    assert pages == min(len(ST_Q_LENS), step.num_tokens // (SMALL_Q + 1)) * width
+    tile_q, staged, remapped = indexer_api._stage_nvfp4(p.find("stage_nvfp4"), pages, *dargs)
+    dtype = stage_dtype(q_dtype)
+    assert staged.dtype == dtype and tuple(staged.shape) == (pages, GB, 128)
+    assert tile_q.dtype == dtype and tile_q.is_contiguous()
+    assert torch.equal(tile_q.cpu().float(), q.float())
+    keys = nvfp4.dequantize_index_pages(cache)
+    staged, remapped = staged.cpu(), remapped.cpu()
+    want = torch.full_like(table, -1)
+    rank = 0
+    for r, (ql, sl) in enumerate(zip(ST_Q_LENS, ST_SEQ_LENS)):
+        if ql <= SMALL_Q:
+            continue
+        for b in range(-(-sl // GB)):
+            page = int(table[r, b])
+            want[r, b] = rank * width + b if page >= 0 else page
+            if page >= 0:
+                assert torch.equal(staged[rank * width + b].float(), keys[page])
+        rank += 1
+    assert rank == 3 and torch.equal(remapped, want)
+
+
+@pytest.mark.reference
+@compiled
+@pytest.mark.parametrize("out_type", ["*fp16", "*bf16"])
+def test_stage_kernel_compiles(out_type):
+    """The staging launch as plan.py makes it at M3's 1M-token prefill, compiled for sm_90:
+    the PTX dequantization (paired e4m3 -> f16 conversions) and no register spills."""
+    from helpers.sm90 import assert_no_spills
+
+    from openmsa.ops.indexer.stage import _stage_nvfp4_kernel
+    shape = IndexerShape(num_tokens=8192, num_heads=4, head_dim=128, num_requests=1,
+                         max_blocks=8192, block_size=128, q_dtype=FP8, cache_dtype=torch.uint8,
+                         tma_q=True)
+    launch = plan(shape, DeviceFacts(), STAGED).find("stage_nvfp4")
+    params = dict(launch.params)
+    options = dict(num_warps=params.pop("num_warps"))
+    params.pop("slots")
+    assert params["PTX"] and params["BPP"] == 16
+    k = _compile(_stage_nvfp4_kernel, dict(cache_ptr="*u8", staged_ptr=out_type,
+                                           staged_bt_ptr=I32, **STEP), {}, params,
+                 options=options)
+    ptx = k.asm["ptx"]
+    assert "cvt.rn.f16x2.e4m3x2" in ptx
+    assert_no_spills(ptx)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_dtype", [FP8, torch.bfloat16, torch.float16])
+def test_nvfp4_staged_realistic_steps(q_dtype):
+    """M3's shapes on the GPU, both forms: decode at 128K, 4- and 16-token verifies, a 2K
+    chunk after 20K and a 1000-token one from scratch, 4 index heads, a -1 entry; the staged
+    form's tile is the Gluon kernel (16-bit query and staging cache), its scores within fp32
+    summation order of the reference and its selection the reference rule's on them."""
+    g = torch.Generator().manual_seed(8)
+    q_lens, seq_lens = [1, 4, 16, 2048, 1, 1000], [131072, 9000, 9000, 22_000, 200, 1000]
+    step = make_step(q_lens, seq_lens, block_size=GB, extra_columns=2, pad_tokens=5,
+                     generator=g)
+    cache, _ = _nvfp4_cache(step.num_pages, generator=g)
+    q = torch.randn(step.num_tokens, 4, 128, generator=g).to(q_dtype)
+    table = step.block_table.clone()
+    table[3, 7] = -1
+    want = ref.block_scores(q, cache, step.cu_seqlens_q, step.seq_lens, table)
+    d = cuda_step(step)
+    dargs = (q.cuda(), cache.cuda(), d.cu_seqlens_q, d.seq_lens, table.cuda())
+    assert "scores_tile_ws" in _scoring_launches(*dargs, GB, None, STAGED)
+    got = openmsa.block_scores(*dargs, config=STAGED)
+    sel = openmsa.select_blocks(*dargs, topk=16, init_blocks=1, local_blocks=2, config=STAGED)
+    _, pos = token_layout(step.cu_seqlens_q, step.seq_lens, step.num_tokens)
+    _assert_nvfp4_matches(got, sel, want, pos, 16, 1, 2)
+    inkernel = openmsa.block_scores(*dargs)
+    torch.testing.assert_close(got, inkernel, rtol=1e-5, atol=1e-3)

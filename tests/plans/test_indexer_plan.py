@@ -21,11 +21,12 @@ CPU = DeviceFacts(kind="cpu", num_sms=4, capability=(0, 0), gluon_hopper=False)
 
 
 def _shape(tokens=8192, heads=4, requests=1, blocks=1024, dtype=FP8, cache_dtype=None, dim=128,
-           block=128, max_q_len=None, tma_rows=True, topk=None):
+           block=128, max_q_len=None, tma_rows=True, topk=None, tma_q=None):
     return IndexerShape(num_tokens=tokens, num_heads=heads, head_dim=dim, num_requests=requests,
                         max_blocks=blocks, block_size=block, q_dtype=dtype,
                         cache_dtype=cache_dtype or dtype, max_q_len=max_q_len,
-                        tma_rows=tma_rows, topk=topk)
+                        tma_rows=tma_rows, topk=topk,
+                        tma_q=tma_rows if tma_q is None else tma_q)
 
 
 def test_config_lists_every_knob():
@@ -292,3 +293,74 @@ def test_nvfp4_cache_launches(q_dtype):
             assert "scores_request" in plan(other, device).kernels()
     fp8 = plan(_shape(tokens=8192 + 64, requests=65), H200)
     assert not fp8.find("scores_request").params["NVFP4"] and "scores_tile_ws" in fp8.kernels()
+
+
+STAGED = dataclasses.replace(DEFAULT, nvfp4_prefill="staged")
+
+
+@pytest.mark.parametrize("q_dtype, stage", [(FP8, torch.float16), (torch.bfloat16, torch.bfloat16),
+                                            (torch.float16, torch.float16)])
+def test_nvfp4_staged_prefill_takes_the_gluon_tile_on_hopper(q_dtype, stage):
+    """nvfp4_prefill="staged" on an H200: the staging launch first (so that the tile launch, a
+    programmatic dependent of the request launch, finds it complete), the request launch as
+    in the in-kernel form (NVFP4 pages, decode and verify), and the tile launch of a 16-bit
+    query against the 16-bit staging cache (bf16 for a bf16 query): the Gluon kernel, with
+    the 16-bit cache's stages. The staging cache: min(R, T // 17) slots of max_blocks pages."""
+    shape = _shape(tokens=8192 + 64, requests=65, dtype=q_dtype, cache_dtype=torch.uint8,
+                   tma_rows=False, tma_q=True)
+    inkernel, staged = plan(shape, H200), plan(shape, H200, STAGED)
+    request = "scores_request" if q_dtype == torch.bfloat16 else "scores_request_nvfp4"
+    assert staged.kernels()[:4] == ("stage_nvfp4", request, "scores_tile_ws",
+                                    "scores_tile_unaligned")
+    assert staged.find(request) == inkernel.find(request)
+    assert staged.sizes["staged_pages"] == 65 * 1024
+    stage_launch = staged.find("stage_nvfp4")
+    assert stage_launch.grid == (65, 1024 // 2) and stage_launch.params["SMALL_Q"] == SMALL_Q
+    assert stage_launch.params["slots"] == 65 and stage_launch.params["PTX"]
+    ws = staged.find("scores_tile_ws")
+    assert ws.params["STAGES"] == DEFAULT.ws_stages_16 and ws.params["launch_pdl"]
+    want = plan(_shape(tokens=8192 + 64, requests=65, dtype=stage), H200)
+    assert ws.grid == want.find("scores_tile_ws").grid
+    unaligned = staged.find("scores_tile_unaligned").params
+    assert not unaligned["NVFP4"] and unaligned["ROWS_T"] == DEFAULT.prefill_rows // 4
+    # the selection is the same either way
+    assert staged.kernels()[4:] == inkernel.kernels()[2:]
+
+
+def test_nvfp4_staged_prefill_routes():
+    """The staged form changes only the tile launch: the default (in-kernel) plan is as ever;
+    a step of short requests (max_q_len <= 16, or T <= 16) stages nothing; a one-request
+    chunk stages one slot (any q_len) and its tile is no programmatic dependent; a 16-bit
+    query whose rows TMA cannot take scores the staging cache with the Triton tile (an fp8
+    one is copied, so it still takes the Gluon kernel); off Hopper, the Triton tile."""
+    nv = dict(dtype=FP8, cache_dtype=torch.uint8, tma_rows=False, tma_q=True)
+    assert "stage_nvfp4" not in plan(_shape(requests=3, **nv), H200).kernels()
+    assert "stage_nvfp4" not in plan(_shape(requests=3, max_q_len=SMALL_Q, **nv), H200,
+                                     STAGED).kernels()
+    assert plan(_shape(tokens=SMALL_Q, requests=3, **nv), H200, STAGED).kernels() == (
+        "scores_request_nvfp4",)
+    one = plan(_shape(tokens=8192, requests=1, **nv), H200, STAGED)
+    assert one.kernels()[:2] == ("stage_nvfp4", "scores_tile_ws")
+    assert one.sizes["staged_pages"] == 1024 and one.find("stage_nvfp4").params["SMALL_Q"] == 0
+    assert not one.find("scores_tile_ws").params["launch_pdl"]
+    # at most T // 17 long requests: 200 tokens of 64 requests leave 11 slots
+    assert plan(_shape(tokens=200, requests=64, **nv), H200, STAGED).sizes["staged_pages"] \
+        == 11 * 1024
+    strided = dict(nv, dtype=torch.bfloat16, tma_q=False)
+    assert "scores_tile_ws" not in plan(_shape(requests=3, **strided), H200, STAGED).kernels()
+    assert "scores_tile_ws" in plan(_shape(requests=3, **dict(nv, tma_q=False)), H200,
+                                    STAGED).kernels()
+    cpu = plan(_shape(requests=3, **nv), CPU, STAGED)
+    assert cpu.kernels()[:3] == ("stage_nvfp4", "scores_request", "scores_tile")
+    assert not cpu.find("stage_nvfp4").params["PTX"]
+    tile = cpu.find("scores_tile").params
+    assert not tile["NVFP4"] and not tile["CAST_K"]
+    # a non-NVFP4 cache ignores the option
+    assert plan(_shape(requests=3), H200, STAGED).kernels() == plan(_shape(requests=3),
+                                                                    H200).kernels()
+
+
+@pytest.mark.parametrize("value", ["stage", "", 1, None])
+def test_nvfp4_prefill_option_is_checked(value):
+    with pytest.raises(ValueError, match="IndexerConfig.nvfp4_prefill"):
+        dataclasses.replace(DEFAULT, nvfp4_prefill=value)

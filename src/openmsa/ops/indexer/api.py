@@ -18,7 +18,7 @@ from ..common.launch import PlanCache, call_key, launch_planned, tma_descriptor
 from ..common.plan import DeviceFacts, LaunchPlan, config_or_default
 from . import reference
 from .checks import check_indexer_args, check_select_args
-from .plan import DEFAULT, IndexerConfig, IndexerShape, plan, selection_plan
+from .plan import DEFAULT, IndexerConfig, IndexerShape, plan, selection_plan, stage_dtype
 from .scores import _block_scores_kernel
 from .select import (_group_bound_select_kernel, _group_max_kernel, _merge_topk_kernel,
                      _segment_topk_kernel)
@@ -44,17 +44,17 @@ def _shape(index_q, index_cache, seq_lens, block_table, block_size, max_q_len, t
     num_tokens, num_heads, head_dim = index_q.shape
     # what a TMA descriptor describes: q as [T * H, DI] rows, the cache as [pages * BLOCK, DI]
     # rows, each one strided 2-D array with int32 row counts (base alignment: at launch)
-    tma_rows = (index_q.stride(2) == 1 and index_q.stride(1) == head_dim
-                and index_q.stride(0) == num_heads * head_dim
-                and index_cache.stride(2) == 1 and index_cache.stride(1) == head_dim
+    tma_q = (index_q.stride(2) == 1 and index_q.stride(1) == head_dim
+             and index_q.stride(0) == num_heads * head_dim and num_tokens * num_heads < 2 ** 31)
+    tma_rows = (tma_q and index_cache.stride(2) == 1 and index_cache.stride(1) == head_dim
                 and index_cache.stride(0) == block_size * head_dim
-                and index_cache.shape[0] * block_size < 2 ** 31
-                and num_tokens * num_heads < 2 ** 31)
+                and index_cache.shape[0] * block_size < 2 ** 31)
     return IndexerShape(num_tokens=num_tokens, num_heads=num_heads, head_dim=head_dim,
                         num_requests=seq_lens.shape[0], max_blocks=block_table.shape[1],
                         block_size=block_size, q_dtype=index_q.dtype,
                         cache_dtype=index_cache.dtype, max_q_len=max_q_len, tma_rows=tma_rows,
-                        topk=topk, init_blocks=init_blocks, local_blocks=local_blocks)
+                        topk=topk, init_blocks=init_blocks, local_blocks=local_blocks,
+                        tma_q=tma_q)
 
 
 def _run_scores(launches: LaunchPlan, index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
@@ -62,7 +62,9 @@ def _run_scores(launches: LaunchPlan, index_q, index_cache, cu_seqlens_q, seq_le
     """The plan's scoring launches. The Gluon tile launch ("scores_tile_ws") is planned with its
     Triton form ("scores_tile_unaligned") beside it, and exactly one of them runs: the Gluon one
     when both index_q's and index_cache's base addresses are 16-byte aligned (what TMA takes),
-    the Triton one otherwise."""
+    the Triton one otherwise. With a staging launch ("stage_nvfp4", the staged NVFP4 form), the
+    tile launches score the 16-bit staging cache through the remapped table, with the query
+    in the staging dtype; the request launch reads the NVFP4 pages as ever."""
     if is_nvfp4_cache(index_cache) and index_cache.data_ptr() % NVFP4_ALIGN:
         # the plan's key has no address: a misaligned cache of a cached shape is refused here,
         # by name, rather than faulting in the kernel's 32-bit code loads
@@ -78,9 +80,18 @@ def _run_scores(launches: LaunchPlan, index_q, index_cache, cu_seqlens_q, seq_le
                 launch_planned(_block_scores_kernel, (launch.key, "cp", *cp), launch.grid, *args,
                                **launch.params, cp_size=cp[0], cp_rank=cp[1], CP=True)
         return
-    aligned = index_q.data_ptr() % 16 == 0 and index_cache.data_ptr() % 16 == 0
+    tile_q, tile_cache, tile_table, tile_args = index_q, index_cache, block_table, args
+    stage = launches.find("stage_nvfp4")
+    if stage is not None:
+        tile_q, tile_cache, tile_table = _stage_nvfp4(stage, launches.sizes["staged_pages"],
+                                                      index_q, index_cache, cu_seqlens_q,
+                                                      seq_lens, block_table)
+        tile_args = (tile_q, tile_cache, cu_seqlens_q, seq_lens, tile_table, scores,
+                     seq_lens.shape[0], tile_q.shape[0], *tile_q.stride(), *tile_cache.stride(),
+                     *tile_table.stride(), *scores.stride())
+    aligned = tile_q.data_ptr() % 16 == 0 and tile_cache.data_ptr() % 16 == 0
     for launch in launches:
-        if launch.kernel in ("scores_request", "scores_tile"):
+        if launch.kernel == "scores_request":
             launch.run(_block_scores_kernel, *args)
         elif launch.kernel == "scores_request_nvfp4":
             from .scores_nvfp4 import _nvfp4_request_kernel
@@ -88,10 +99,30 @@ def _run_scores(launches: LaunchPlan, index_q, index_cache, cu_seqlens_q, seq_le
                        block_table, scores, seq_lens.shape[0], index_q.shape[0],
                        *index_q.stride(), index_cache.stride(0), *block_table.stride(),
                        *scores.stride())
+        elif launch.kernel == "scores_tile":
+            launch.run(_block_scores_kernel, *tile_args)
         elif launch.kernel == "scores_tile_ws" and aligned:
-            _run_ws(launch, index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores)
+            _run_ws(launch, tile_q, tile_cache, cu_seqlens_q, seq_lens, tile_table, scores)
         elif launch.kernel == "scores_tile_unaligned" and not aligned:
-            launch.run(_block_scores_kernel, *args)
+            launch.run(_block_scores_kernel, *tile_args)
+
+
+def _stage_nvfp4(launch, pages, index_q, index_cache, cu_seqlens_q, seq_lens, block_table):
+    """The staged NVFP4 form's inputs of the tile launch (stage.py): (the query in the staging
+    dtype, the staging cache [pages, 128, 128], the remapped table [R, max_blocks] int32).
+    An fp8 query is converted to a contiguous fp16 copy (exact; the plan counted on its
+    rows being TMA-describable); a 16-bit one is used as it is."""
+    from .stage import _stage_nvfp4_kernel
+    dtype = stage_dtype(index_q.dtype)
+    tile_q = index_q if index_q.dtype == dtype else index_q.to(
+        dtype, memory_format=torch.contiguous_format)
+    num_requests, width = block_table.shape
+    staged = torch.empty((pages, index_cache.shape[1], index_q.shape[2]), dtype=dtype,
+                         device=index_q.device)
+    table = torch.empty((num_requests, width), dtype=torch.int32, device=index_q.device)
+    launch.run(_stage_nvfp4_kernel, index_cache, cu_seqlens_q, seq_lens, block_table, staged,
+               table, num_requests, width, index_cache.stride(0), *block_table.stride())
+    return tile_q, staged, table
 
 
 def _ws_descriptors(index_q, index_cache) -> tuple:
@@ -239,10 +270,12 @@ def _local_scores_kernels(index_q, index_cache, cu_seqlens_q, seq_lens, block_ta
     launches = _PLANS.get(key)
     if launches is None:
         _raise_if_unsupported(index_q, index_cache, block_size, None)
-        # the Gluon launches do not map positions: the plan takes the Triton forms
+        # the Gluon launches do not map positions: the plan takes the Triton forms, and for
+        # NVFP4 pages the in-kernel form (_run_scores' CP branch runs no staging)
         shape = dataclasses.replace(_shape(index_q, index_cache, seq_lens, view, block_size,
                                            max_q_len), tma_rows=False, cp=True)
-        launches = plan(shape, DeviceFacts.of(index_q.device), config)
+        launches = plan(shape, DeviceFacts.of(index_q.device),
+                        dataclasses.replace(config, nvfp4_prefill="inkernel"))
         _PLANS.put(key, launches)
     _run_scores(launches, index_q, index_cache, cu_seqlens_q, seq_lens, view, scores,
                 cp=(cp_size, cp_rank))

@@ -28,6 +28,7 @@ The measurements behind each rule are in docs/performance.md ("What was tried").
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +39,8 @@ from ...nvfp4 import DTYPE as NVFP4_DTYPE
 from ..common.plan import DeviceFacts, Launch, LaunchPlan
 
 __all__ = ["IndexerConfig", "DEFAULT", "IndexerShape", "plan", "selection_plan", "selection_layout",
-           "ws_eligible", "nvfp4_request_eligible", "SMALL_Q"]
+           "ws_eligible", "nvfp4_request_eligible", "SMALL_Q", "NVFP4_PREFILL_FORMS",
+           "stage_dtype"]
 
 # requests with q_len <= SMALL_Q (decode, speculative verify) take the request launch
 SMALL_Q = 16
@@ -74,6 +76,13 @@ PREFILL_STAGES_NVFP4 = PREFILL_STAGES_FP8
 # the tile launch's most (token, head) rows with an NVFP4 cache: at 128 rows its dequantized key
 # tile, the dot's result and the score tile spill on 4 warps (sm_90 compile: 232 bytes); 64 fit
 NVFP4_MAX_ROWS = 64
+# the forms of an NVFP4 cache's prefill scoring (IndexerConfig.nvfp4_prefill)
+NVFP4_PREFILL_FORMS = ("inkernel", "staged")
+# the staging launch (stage.py): most blocks per program, and programs per SM its splits of a
+# request's blocks aim for (its programs each dequantize whole pages: memory-bound)
+STAGE_MAX_BPP = 16
+STAGE_WAVES = 4
+STAGE_WARPS = 4
 # the sort path's warps (few programs, each one's latency is the step's)
 SORT_WARPS = 4
 # scratch slots of a threshold-path program on long segments (at least 4 * KP)
@@ -126,11 +135,24 @@ class IndexerConfig:
     # thread, up to a warp, on wider rows)
     select_short_max: int = 1024
     select_short_tpr: int = 4
+    # NVFP4 index pages, prefill (the tile launch; decode and verify always dequantize in
+    # registers): "inkernel", scores.py's Triton tile dequantizing each block in registers (at
+    # most 64 rows a tile), or "staged", stage.py dequantizing the long requests' pages into a
+    # 16-bit staging cache first (32 KB a page: see plan._staging for its size), which the
+    # 16-bit tile launch then scores (on Hopper the Gluon kernel). Issue 41: to be measured on
+    # the GPU (benchmarks/run.py's indexer-prefill rows "nvfp4" and "nvfp4-staged"); the
+    # default stays the in-kernel form until then.
+    nvfp4_prefill: str = "inkernel"
 
     def __post_init__(self):
+        if self.nvfp4_prefill not in NVFP4_PREFILL_FORMS:
+            raise ValueError(f"IndexerConfig.nvfp4_prefill must be one of "
+                             f"{NVFP4_PREFILL_FORMS}, got {self.nvfp4_prefill!r}")
         # tile sizes are tl.arange extents (powers of two; select_chunk 0: unchunked); the
         # waves and block thresholds may be 0 (0 waves: one split, never sort, always chunk)
         for name, value in vars(self).items():
+            if name == "nvfp4_prefill":
+                continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"IndexerConfig.{name} must be an int, got {value!r}")
             if name in _POW2_FIELDS:
@@ -151,7 +173,8 @@ DEFAULT = IndexerConfig()
 @dataclass(frozen=True)
 class IndexerShape:
     """What the plan reads of a step. tma_rows: index_q is [T * H, DI] rows and index_cache is
-    [pages * BLOCK, DI] rows, each one strided 2-D array that TMA can describe (api.py).
+    [pages * BLOCK, DI] rows, each one strided 2-D array that TMA can describe (api.py); tma_q:
+    index_q alone is (what the staged NVFP4 form needs: its staging cache always is).
     topk None: scoring only (block_scores). cache_dtype torch.uint8: NVFP4 pages (nvfp4)."""
 
     num_tokens: int
@@ -168,6 +191,7 @@ class IndexerShape:
     init_blocks: int = 0
     local_blocks: int = 1
     cp: bool = False
+    tma_q: bool = False
 
     @property
     def nvfp4(self) -> bool:
@@ -188,7 +212,8 @@ def plan(shape: IndexerShape, device: DeviceFacts, config: IndexerConfig = DEFAU
     """The step's launches in order: scoring, then (with topk) the selection; sizes: the
     selection's temporary buffers (see _selection)."""
     selection = selection_plan(shape, device, config)
-    return LaunchPlan((*_scoring(shape, device, config), *selection), selection.sizes)
+    scoring, sizes = _scoring(shape, device, config)
+    return LaunchPlan((*scoring, *selection), {**selection.sizes, **sizes})
 
 
 def selection_plan(shape: IndexerShape, device: DeviceFacts,
@@ -210,25 +235,25 @@ def ws_eligible(shape: IndexerShape, device: DeviceFacts) -> bool:
             and shape.tma_rows)
 
 
-def _scoring(shape: IndexerShape, device: DeviceFacts, config: IndexerConfig) -> list[Launch]:
+def stage_dtype(q_dtype: torch.dtype) -> torch.dtype:
+    """The staged NVFP4 form's key and query dtype for an index query of q_dtype: bf16 for a
+    bf16 query (which fp16 cannot hold exactly), fp16 otherwise (an fp8 e4m3 query converts to
+    fp16 exactly). Keys (code * scale) are exact in both."""
+    return torch.bfloat16 if q_dtype == torch.bfloat16 else torch.float16
+
+
+def _scoring(shape: IndexerShape, device: DeviceFacts,
+             config: IndexerConfig) -> tuple[list[Launch], dict]:
     """The request launch (unless the step is one request of more than SMALL_Q tokens) and,
-    unless every request is known to be short, the tile launch."""
+    unless every request is known to be short, the tile launch; with the staged NVFP4 form,
+    the staging launch first (its sizes: "staged_pages", the staging cache's pages)."""
     num_tokens, num_heads = shape.num_tokens, shape.num_heads
     if num_tokens == 0 or shape.num_requests == 0 or shape.max_blocks == 0:
-        return []
+        return [], {}
     # a decode/verify step: one launch (the tile launch of a step of > SMALL_Q tokens costs a
     # launch even when its programs find no long request)
     only_requests = num_tokens <= SMALL_Q or (shape.max_q_len is not None
                                               and shape.max_q_len <= SMALL_Q)
-    hp = next_pow2(num_heads)
-    ieee = shape.q_dtype == torch.float32
-    # the GPU's max skips NaN by itself; the interpreter's does not (see scores.py). PDL: the
-    # selection launch after this one starts early (programmatic dependent launch, NVIDIA only;
-    # on ROCm neither is assumed)
-    common = dict(H=num_heads, HP=hp, DI=shape.head_dim, DIP=max(16, next_pow2(shape.head_dim)),
-                  BLOCK=shape.block_size,
-                  CAST_K=shape.q_dtype in HALF and shape.cache_dtype in FP8_TYPES, IEEE=ieee,
-                  MAX_SKIPS_NAN=device.nvidia, PDL=device.nvidia, NVFP4=shape.nvfp4)
     # skipped by the hint alone, the tile launch's requests go to the request launch, which then
     # takes any q_len (ANY_Q); with T <= SMALL_Q no request can be longer, and the bound stays
     any_q = only_requests and num_tokens > SMALL_Q
@@ -247,27 +272,88 @@ def _scoring(shape: IndexerShape, device: DeviceFacts, config: IndexerConfig) ->
         # keys as the MMA's rows (see scores.py); the fp32 reference-precision path keeps the
         # IEEE dot
         launches.append(Launch("scores_request", (shape.num_requests, -(-shape.max_blocks // bps)),
-                               dict(BPS=bps, TILE_MODE=False, ROWS_T=max(1, DECODE_ROWS // hp),
-                                    **common, SMALL_Q=ANY_Q if any_q else SMALL_Q,
-                                    KEYS_AS_ROWS=not ieee, num_warps=DECODE_WARPS, num_stages=DECODE_STAGES,
+                               dict(BPS=bps, TILE_MODE=False,
+                                    ROWS_T=max(1, DECODE_ROWS // _hp(shape)),
+                                    **_common(shape, device), SMALL_Q=ANY_Q if any_q else SMALL_Q,
+                                    KEYS_AS_ROWS=shape.q_dtype != torch.float32,
+                                    num_warps=DECODE_WARPS, num_stages=DECODE_STAGES,
                                     table_width=shape.max_blocks,
                                     **(dict(maxnreg=DECODE_MAXNREG_NVFP4)
                                        if shape.nvfp4 and device.nvidia
                                        else {}))))
     if only_requests:
-        return launches
+        return launches, {}
+    tile_small_q = 0 if one_request else SMALL_Q
+    if shape.nvfp4 and config.nvfp4_prefill == "staged":
+        stage, staged_shape, pages = _staging(shape, device, tile_small_q, one_request)
+        # first, so that the tile launch, a programmatic dependent of the request launch (which
+        # reads from its start), reads a staging cache that is complete
+        return [stage, *launches, *_tile(staged_shape, device, config, one_request,
+                                         tile_small_q)], dict(staged_pages=pages)
+    return [*launches, *_tile(shape, device, config, one_request, tile_small_q)], {}
+
+
+def _hp(shape: IndexerShape) -> int:
+    """The heads padded to a tl.arange extent."""
+    return next_pow2(shape.num_heads)
+
+
+def _common(shape: IndexerShape, device: DeviceFacts) -> dict:
+    """The Triton scoring kernel's constexprs that both its launches share."""
+    # the GPU's max skips NaN by itself; the interpreter's does not (see scores.py). PDL: the
+    # selection launch after this one starts early (programmatic dependent launch, NVIDIA only;
+    # on ROCm neither is assumed)
+    return dict(H=shape.num_heads, HP=_hp(shape), DI=shape.head_dim,
+                DIP=max(16, next_pow2(shape.head_dim)), BLOCK=shape.block_size,
+                CAST_K=shape.q_dtype in HALF and shape.cache_dtype in FP8_TYPES,
+                IEEE=shape.q_dtype == torch.float32, MAX_SKIPS_NAN=device.nvidia,
+                PDL=device.nvidia, NVFP4=shape.nvfp4)
+
+
+def _staging(shape: IndexerShape, device: DeviceFacts, small_q: int,
+             one_request: bool) -> tuple[Launch, IndexerShape, int]:
+    """The staged NVFP4 form: the staging launch (stage.py), the shape the tile launch then
+    scores (a 16-bit query against a 16-bit cache of 128-key pages, TMA-describable when the
+    query is: a converted fp8 query is a contiguous copy), and the staging cache's pages.
+
+    Its size comes from shapes alone (no host sync): a slot of max_blocks pages per request
+    the tile launch can take, of which there are at most min(R, T // (SMALL_Q + 1)) (each has
+    more than SMALL_Q of the T tokens), or the one request of a one-request step. That is
+    32 KB x max_blocks per slot: an 8K chunk after 1M tokens stages 8192 pages, 256 MB; a step
+    mixing it with 64 decode requests has 65 slots (17 GB), as many as the bound allows."""
+    slots = 1 if one_request else min(shape.num_requests,
+                                      shape.num_tokens // (SMALL_Q + 1))
+    pages = slots * shape.max_blocks
+    dtype = stage_dtype(shape.q_dtype)
+    q_rows = shape.tma_q or shape.q_dtype != dtype
+    staged = dataclasses.replace(shape, q_dtype=dtype, cache_dtype=dtype,
+                                 tma_rows=q_rows and pages * shape.block_size < 2 ** 31,
+                                 tma_q=q_rows)
+    programs = max(1, device.num_sms * STAGE_WAVES)
+    bpp = min(STAGE_MAX_BPP, next_pow2(-(-shape.max_blocks // programs)))
+    from .stage import RANK_CHUNK
+    stage = Launch("stage_nvfp4", (shape.num_requests, -(-shape.max_blocks // bpp)),
+                   dict(slots=slots, SMALL_Q=small_q, BPP=bpp, BLOCK=shape.block_size,
+                        DI=shape.head_dim, RCH=RANK_CHUNK, PTX=device.nvidia,
+                        num_warps=STAGE_WARPS))
+    return stage, staged, pages
+
+
+def _tile(shape: IndexerShape, device: DeviceFacts, config: IndexerConfig, one_request: bool,
+          tile_small_q: int) -> list[Launch]:
+    """The tile launch: scores_ws.py's Gluon kernel on Hopper where ws_eligible (with its
+    Triton form beside it for unaligned bases), scores.py's Triton tile otherwise."""
+    num_tokens, num_heads = shape.num_tokens, shape.num_heads
     fp8 = shape.cache_dtype in FP8_TYPES
     rows = min(config.prefill_rows, NVFP4_MAX_ROWS) if shape.nvfp4 else config.prefill_rows
-    rows_t = max(1, rows // hp)
-    tile_small_q = 0 if one_request else SMALL_Q
-    tile = dict(BPS=config.prefill_bps, TILE_MODE=True, ROWS_T=rows_t, **common,
+    rows_t = max(1, rows // _hp(shape))
+    tile = dict(BPS=config.prefill_bps, TILE_MODE=True, ROWS_T=rows_t, **_common(shape, device),
                 SMALL_Q=tile_small_q, KEYS_AS_ROWS=False, num_warps=PREFILL_WARPS,
                 num_stages=PREFILL_STAGES_NVFP4 if shape.nvfp4 else
                 PREFILL_STAGES_FP8 if fp8 else PREFILL_STAGES)
     tile_grid = (-(-num_tokens // rows_t), -(-shape.max_blocks // config.prefill_bps))
     if not ws_eligible(shape, device):
-        launches.append(Launch("scores_tile", tile_grid, tile))
-        return launches
+        return [Launch("scores_tile", tile_grid, tile)]
     from .scores_ws import CH, CONSUMERS, WG_ROWS
     rows_t = CONSUMERS.value * WG_ROWS.value // num_heads
     tiles = -(-num_tokens // rows_t)
@@ -280,12 +366,11 @@ def _scoring(shape: IndexerShape, device: DeviceFacts, config: IndexerConfig) ->
     bps = -(-per_split // grain) * grain
     # a programmatic dependent of the request launch, waiting for it only at its end; alone,
     # it is no dependent, but still lets the selection after it start early
-    launches.append(Launch("scores_tile_ws", (tiles, -(-shape.max_blocks // bps)),
-                           dict(bps=bps, H=num_heads, SMALL_Q=tile_small_q,
-                                STAGES=config.ws_stages if fp8 else config.ws_stages_16,
-                                num_warps=4, launch_pdl=not one_request)))
-    launches.append(Launch("scores_tile_unaligned", tile_grid, tile))
-    return launches
+    return [Launch("scores_tile_ws", (tiles, -(-shape.max_blocks // bps)),
+                   dict(bps=bps, H=num_heads, SMALL_Q=tile_small_q,
+                        STAGES=config.ws_stages if fp8 else config.ws_stages_16,
+                        num_warps=4, launch_pdl=not one_request)),
+            Launch("scores_tile_unaligned", tile_grid, tile)]
 
 
 def _nvfp4_request(shape: IndexerShape, device: DeviceFacts, config: IndexerConfig,
