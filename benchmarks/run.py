@@ -637,7 +637,7 @@ def _indexer_prefill_case(fi, model_name, heads, dname, context, chunk, args):
     form = NVFP4_PREFILL_FORMS.get(dname)
     q, cache, cu, seq, table = _index_step(1, context + chunk, chunk, heads,
                                            "nvfp4" if form else DTYPES[dname])
-    config = openmsa.IndexerConfig(nvfp4_prefill=form or "inkernel")
+    config = openmsa.IndexerConfig(nvfp4_prefill=form or "auto")
     out = torch.empty(chunk, heads, 16, dtype=torch.int32, device="cuda")
     ours = lambda: openmsa.select_blocks(q, cache, cu, seq, table, out=out,  # noqa: E731
                                          max_q_len=chunk, config=config)
@@ -715,6 +715,16 @@ def _attention_step(model, batch, context, q_len, dname, seed=0, shared=1, jitte
                      (n - 1).int()[:, None, None].expand(-1, model.num_index_heads, 1)], -1)
     idx = idx.sort(-1).values.contiguous()
     return q, packed, idx, cu, seq, table
+
+
+def _restrict_grids(key: str, values: set) -> None:
+    """Every shapes grid's `key` (contexts, batches) restricted to `values`, where that leaves
+    any (a section's grid is a dict of shapes; the restriction is for one run)."""
+    for grid in vars(shapes).values():
+        if isinstance(grid, dict) and isinstance(grid.get(key), tuple):
+            kept = tuple(v for v in grid[key] if v in values)
+            if kept:
+                grid[key] = kept
 
 
 def _models(grid):
@@ -1208,7 +1218,15 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--flush", choices=("read", "write"), default=FLUSH_MODE,
                         help="how the L2 is emptied before each timed call (see FLUSH_MODE)")
+    parser.add_argument("--contexts", default=None,
+                        help="comma-separated context lengths (tokens): the grids' contexts "
+                             "restricted to these (a grid left with none keeps its own)")
+    parser.add_argument("--batches", default=None,
+                        help="comma-separated batch sizes, as --contexts for the grids' batches")
     args = parser.parse_args()
+    for option, key in ((args.contexts, "contexts"), (args.batches, "batches")):
+        if option:
+            _restrict_grids(key, {int(v) for v in option.split(",")})
     unknown = [n for n in args.sections.split(",") if n not in SECTIONS]
     if unknown:
         parser.error(f"unknown sections {unknown}; known: {','.join(SECTIONS)}")

@@ -63,6 +63,8 @@ DECODE_MAXNREG_NVFP4 = 128
 # uncapped (they spill at 112) (docs/performance.md, "NVFP4 index pages")
 NVFP4_PROGRAMS = 32
 NVFP4_STAGES = 3
+# ... and its most blocks per split: 32 (64 and 128 were 1.3% and 2.8% slower at B = 128, 1M)
+NVFP4_MAX_BPS = 32
 NVFP4_MAXNREG_8_ROWS = 112
 # the Triton tile launch's warps, and its stages for a 16-bit and an fp8 cache: a 16-bit key
 # tile is twice the bytes, and 2 stages on 4 warps fit 2 programs per SM (docs/performance.md)
@@ -77,7 +79,7 @@ PREFILL_STAGES_NVFP4 = PREFILL_STAGES_FP8
 # tile, the dot's result and the score tile spill on 4 warps (sm_90 compile: 232 bytes); 64 fit
 NVFP4_MAX_ROWS = 64
 # the forms of an NVFP4 cache's prefill scoring (IndexerConfig.nvfp4_prefill)
-NVFP4_PREFILL_FORMS = ("inkernel", "staged")
+NVFP4_PREFILL_FORMS = ("auto", "inkernel", "staged")
 # the staging launch (stage.py): most blocks per program, and programs per SM its splits of a
 # request's blocks aim for (its programs each dequantize whole pages: memory-bound)
 STAGE_MAX_BPP = 16
@@ -135,14 +137,14 @@ class IndexerConfig:
     # thread, up to a warp, on wider rows)
     select_short_max: int = 1024
     select_short_tpr: int = 4
-    # NVFP4 index pages, prefill (the tile launch; decode and verify always dequantize in
-    # registers): "inkernel", scores.py's Triton tile dequantizing each block in registers (at
-    # most 64 rows a tile), or "staged", stage.py dequantizing the long requests' pages into a
-    # 16-bit staging cache first (32 KB a page: see plan._staging for its size), which the
-    # 16-bit tile launch then scores (on Hopper the Gluon kernel). Issue 41: to be measured on
-    # the GPU (benchmarks/run.py's indexer-prefill rows "nvfp4" and "nvfp4-staged"); the
-    # default stays the in-kernel form until then.
-    nvfp4_prefill: str = "inkernel"
+    # NVFP4 prefill scoring (the tile launch): "inkernel", the Triton tile launch dequantizing
+    # in registers (at most 64 rows a tile), or "staged", stage.py dequantizing the long
+    # requests' pages into a 16-bit staging cache first (32 KB a page: plan._staging), which
+    # the 16-bit tile launch then scores (on Hopper the Gluon kernel): 2.7x faster after 120K,
+    # but its cache is sized for every request that could be long. "auto": staged when the
+    # tile launch takes one request (a prefill chunk alone: max_blocks pages), else in-kernel
+    # (docs/performance.md, "NVFP4 index pages")
+    nvfp4_prefill: str = "auto"
 
     def __post_init__(self):
         if self.nvfp4_prefill not in NVFP4_PREFILL_FORMS:
@@ -284,7 +286,9 @@ def _scoring(shape: IndexerShape, device: DeviceFacts,
     if only_requests:
         return launches, {}
     tile_small_q = 0 if one_request else SMALL_Q
-    if shape.nvfp4 and config.nvfp4_prefill == "staged":
+    staged = config.nvfp4_prefill == "staged" or (config.nvfp4_prefill == "auto"
+                                                  and one_request)
+    if shape.nvfp4 and staged:
         stage, staged_shape, pages = _staging(shape, device, tile_small_q, one_request)
         # first, so that the tile launch, a programmatic dependent of the request launch (which
         # reads from its start), reads a staging cache that is complete
@@ -382,7 +386,7 @@ def _nvfp4_request(shape: IndexerShape, device: DeviceFacts, config: IndexerConf
     np_rows = 8 if q_bound * shape.num_heads <= 8 else 16
     programs = device.num_sms * NVFP4_PROGRAMS
     splits = -(-programs // shape.num_requests)
-    bps = min(config.decode_max_bps, next_pow2(-(-shape.max_blocks // splits)))
+    bps = min(config.decode_max_bps, NVFP4_MAX_BPS, next_pow2(-(-shape.max_blocks // splits)))
     return Launch("scores_request_nvfp4", (shape.num_requests, -(-shape.max_blocks // bps)),
                   dict(H=shape.num_heads, NP=np_rows, BPS=bps, BLOCK=shape.block_size,
                        SMALL_Q=ANY_Q if any_q else SMALL_Q, PDL=True, STAGES=NVFP4_STAGES,
