@@ -10,8 +10,10 @@ through shared memory to the MMA and on a maximum across warps each block; this 
 neither:
 
 * a program is one warp. It walks the blocks of one split of one request and keeps its own
-  maxima, so nothing is shared or synchronised; an SM holds ~20 of them, whose loads overlap.
-* A thread loads 16 contiguous code bytes (4 words, 32 values of two scale groups) per token
+  maxima, so no tile is shared and no maximum crosses warps. Its pages arrive by cp.async in a
+  ring of half-block stages in shared memory (bytes in flight cost no registers), and 16 such
+  warps share an SM (plan.py: NVFP4_STAGES, NVFP4_MAXNREG_8_ROWS).
+* A thread reads 16 contiguous code bytes (4 words, 32 values of two scale groups) per token
   row and turns them into fp16 values straight in the registers the MMA (m16n8k16) reads as
   its key operand. The head-dim order in those registers is whatever the bit moves leave
   (_dims below): the query operand, loaded once, is gathered in the same order.
@@ -23,9 +25,9 @@ neither:
   e2m1 * scale * 2^-7, exact (at most 5 significant bits, |k| in [2^-17, 21]); the score is the
   fp32 accumulator times 128.
 
-Keys as the MMA's M (tokens), the (token, head) rows as its N: 8 or 16 rows a program (a
-decode step at TP1 has 4, a verify step of 4 tokens 16); a request with more rows takes
-several programs (grid axis 2), each reading the keys.
+Keys as the MMA's M (tokens), the (token, head) rows as its N: 8 or 16 rows a pass (a decode
+step at TP1 has 4, a verify step of 4 tokens 16); a request with more rows takes several passes
+over its split, each reading the keys again.
 """
 
 from triton.experimental import gluon
@@ -42,7 +44,9 @@ VEC = gl.constexpr(4)
 # scale group 2c, w2, w3 in 2c + 1) and its two E4M3 scale bytes (low byte group 2c) ->
 # 8 outputs of 2 fp16x2 registers: output i, register h is word x = 2h + (i >> 2)'s byte pair
 # p = i & 3 (p 0, 1: the low codes of bytes 0-1, 2-3; p 2, 3: the high codes), times its
-# group's scale * 128.
+# group's scale * 128. (pack=4 hands the asm a thread's 4 consecutive register elements, in the
+# load layout one token row's 4 words; the outputs keep those slots, so a value may come from
+# another slot's word: the GPU test of one-hot queries pins every dim's place.)
 _DEQUANT_ASM = gl.constexpr("""{
 .reg .b32 t, u, z, c, sf, s0, s1, l<4>, h<4>;
 .reg .b16 sa, sb;
