@@ -97,3 +97,20 @@ def test_tune_cases_filter():
     assert pick("B8 L128K|B1 L128K") == [rows[0], rows[2]]
     assert pick("s1 j") == []  # 's16 j' does not contain 's1 j'
     assert pick("fp8 s1") == [rows[3]]
+
+
+def test_grid_restriction_keeps_only_named_values(monkeypatch):
+    """--contexts / --batches restrict every grid's contexts / batches to the values named, and
+    a grid that would be left with none keeps its own (the restriction is for one run)."""
+    import shapes
+    # the real grids restricted are copies, put back after the test
+    for name, value in list(vars(shapes).items()):
+        if isinstance(value, dict):
+            monkeypatch.setattr(shapes, name, dict(value))
+    grids = {"a": dict(contexts=(1, 2, 3), batches=(8, 32)), "b": dict(contexts=(5,))}
+    for name, grid in grids.items():
+        monkeypatch.setattr(shapes, f"_TEST_GRID_{name}", grid, raising=False)
+    run._restrict_grids("contexts", {2, 3})
+    run._restrict_grids("batches", {32, 64})
+    assert grids["a"] == dict(contexts=(2, 3), batches=(32,))
+    assert grids["b"] == dict(contexts=(5,))
