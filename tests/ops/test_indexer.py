@@ -1052,8 +1052,10 @@ def test_block_scores_kernel_compiles_nvfp4(tile_mode, q_type):
     shape = IndexerShape(num_tokens=8192 if tile_mode else 64, num_heads=4, head_dim=128,
                          num_requests=1 if tile_mode else 64, max_blocks=1024, block_size=128,
                          q_dtype=q_dtype, cache_dtype=torch.uint8)
+    # (the in-kernel tile: what a mixed step's chunks take; a chunk alone is staged)
     launch = plan(shape, DeviceFacts(kind="cuda", num_sms=132, capability=(9, 0),
-                                     gluon_hopper=True)).find(
+                                     gluon_hopper=True),
+                  dataclasses.replace(DEFAULT, nvfp4_prefill="inkernel")).find(
         "scores_tile" if tile_mode else "scores_request")
     params = dict(launch.params)
     options = dict(num_warps=params.pop("num_warps"), num_stages=params.pop("num_stages"))

@@ -364,3 +364,16 @@ def test_nvfp4_staged_prefill_routes():
 def test_nvfp4_prefill_option_is_checked(value):
     with pytest.raises(ValueError, match="IndexerConfig.nvfp4_prefill"):
         dataclasses.replace(DEFAULT, nvfp4_prefill=value)
+
+
+def test_nvfp4_prefill_auto_stages_a_chunk_alone():
+    """The default nvfp4_prefill="auto": a step whose tile launch takes one request (a prefill
+    chunk alone) is staged (its staging cache: max_blocks pages), a mixed step (whose staging
+    bound grows with its requests) is scored in-kernel, and a decode step stages nothing."""
+    nv = dict(dtype=FP8, cache_dtype=torch.uint8, tma_rows=False, tma_q=True)
+    assert DEFAULT.nvfp4_prefill == "auto"
+    alone = plan(_shape(tokens=8192, requests=1, **nv), H200)
+    assert alone.kernels()[0] == "stage_nvfp4" and alone.sizes["staged_pages"] == 1024
+    mixed = plan(_shape(tokens=8192 + 64, requests=65, **nv), H200)
+    assert "stage_nvfp4" not in mixed.kernels() and mixed.find("scores_tile").params["NVFP4"]
+    assert "stage_nvfp4" not in plan(_shape(tokens=64, requests=64, **nv), H200).kernels()
