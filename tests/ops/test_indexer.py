@@ -60,6 +60,15 @@ def _index_case(device, q_dtype, c_dtype, integer, heads=2, dim=32, seed=0):
                            device)
 
 
+def _request_launch(q, c, cu, seq, table, block_size=128):
+    """The request launch's name for these arguments: the Gluon NVFP4 one on Hopper for an fp8
+    or fp16 query against NVFP4 pages, the Triton one otherwise."""
+    from openmsa.ops.indexer.plan import nvfp4_request_eligible
+    shape = indexer_api._shape(q, c, seq, table, block_size, None)
+    return ("scores_request_nvfp4" if nvfp4_request_eligible(shape, DeviceFacts.of(q.device))
+            else "scores_request")
+
+
 def _scoring_launches(q, c, cu, seq, table, block_size, max_q_len=None, config=DEFAULT):
     """The scoring launches select_blocks makes for these arguments (its plan)."""
     shape = indexer_api._shape(q, c, seq, table, block_size, max_q_len)
@@ -962,7 +971,8 @@ def test_nvfp4_cache_matches_reference(kernel_device, q_dtype, page_stride):
     if page_stride is not None:  # (.to keeps the padded strides only on the same device)
         cd = _nvfp4_cache(step.num_pages, page_stride, device=kernel_device)[0]
         cd.copy_(cache.to(kernel_device))
-    assert set(_scoring_launches(qd, cd, *dargs, 128)) >= {"scores_request", "scores_tile"}
+    assert set(_scoring_launches(qd, cd, *dargs, 128)) >= {_request_launch(qd, cd, *dargs),
+                                                           "scores_tile"}
     want = ref.block_scores(q, cache, *args, block_size=128)
     got = openmsa.block_scores(qd, cd, *dargs, block_size=128)
     sel = openmsa.select_blocks(qd, cd, *dargs, topk=4, init_blocks=1, local_blocks=1,
@@ -1269,13 +1279,15 @@ def test_nvfp4_staged_prefill_matches_reference(kernel_device, q_dtype, max_q_le
     """The staged form (the long requests' pages dequantized into a 16-bit staging cache, then
     the 16-bit tile launch) gives the reference's scores and selection exactly, on a ragged
     step mixing decode, verify and three prefill chunks over scattered pages with negative
-    table entries; the request launch is the in-kernel one's. (bf16: the staging alone below,
+    table entries; the request launch is the one the in-kernel form makes. (bf16: the staging
+    alone below,
     end to end on the GPU tier: Triton's interpreter computes bf16 dots wrongly.)"""
     step, q, cache, table = _staged_case(ST_Q_LENS, ST_SEQ_LENS, q_dtype, kernel_device, 5)
     args = (q, cache, step.cu_seqlens_q, step.seq_lens, table)
     dargs = tuple(a.to(kernel_device) for a in args)
     kernels = _scoring_launches(*dargs, GB, max_q_len, STAGED)
-    assert kernels[:2] == ["scores_request", "scores_tile" if INTERPRET else "scores_tile_ws"]
+    assert kernels[:2] == [_request_launch(*dargs),
+                           "scores_tile" if INTERPRET else "scores_tile_ws"]
     assert _staged_plan(*dargs, max_q_len).kernels()[0] == "stage_nvfp4"
     want = ref.block_scores(*args, block_size=GB)
     got = openmsa.block_scores(*dargs, block_size=GB, max_q_len=max_q_len, config=STAGED)

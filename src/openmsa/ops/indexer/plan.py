@@ -58,7 +58,7 @@ DECODE_STAGES = 3
 DECODE_MAXNREG_NVFP4 = 128
 # the Gluon NVFP4 request launch (scores_nvfp4.py): one-warp programs per SM its splits aim for,
 # its ring's half-block stages and, with 8 rows a pass, its threads' register cap. At 3 stages
-# (14 KB of shared memory a warp) and 112 registers 16 warps share an SM; 4 or 6 stages, 96
+# (14 KB of shared memory a warp) and 112 registers 15 warps share an SM; 4 or 6 stages, 96
 # or 128 registers and 16 or 64 programs an SM were no faster, and 16-row passes were faster
 # uncapped (they spill at 112) (docs/performance.md, "NVFP4 index pages")
 NVFP4_PROGRAMS = 32
@@ -143,7 +143,9 @@ class IndexerConfig:
     # the 16-bit tile launch then scores (on Hopper the Gluon kernel): 2.7x faster after 120K,
     # but its cache is sized for every request that could be long. "auto": staged when the
     # tile launch takes one request (a prefill chunk alone: max_blocks pages), else in-kernel
-    # (docs/performance.md, "NVFP4 index pages")
+    # (docs/performance.md, "NVFP4 index pages"). Like the tile launch itself, it takes a lone
+    # decode or verify request padded past 16 tokens for a chunk unless max_q_len says
+    # otherwise: then it stages the whole context for a few tokens
     nvfp4_prefill: str = "auto"
 
     def __post_init__(self):

@@ -11,18 +11,19 @@ neither:
 
 * a program is one warp. It walks the blocks of one split of one request and keeps its own
   maxima, so no tile is shared and no maximum crosses warps. Its pages arrive by cp.async in a
-  ring of half-block stages in shared memory (bytes in flight cost no registers), and 16 such
-  warps share an SM (plan.py: NVFP4_STAGES, NVFP4_MAXNREG_8_ROWS).
+  ring of half-block stages in shared memory (bytes in flight cost no registers), and 15 such
+  warps share an SM (14 KB of ring each, plus the 1 KB an sm_90 block reserves; plan.py:
+  NVFP4_STAGES, NVFP4_MAXNREG_8_ROWS).
 * A thread reads 16 contiguous code bytes (4 words, 32 values of two scale groups) per token
   row and turns them into fp16 values straight in the registers the MMA (m16n8k16) reads as
   its key operand. The head-dim order in those registers is whatever the bit moves leave
-  (_dims below): the query operand, loaded once, is gathered in the same order.
+  (_dims below): the query operand, loaded once a row pass, is gathered in the same order.
 * The bit moves (_DEQUANT_ASM): an E2M1 code's exponent and mantissa bits placed at bits 9-11
   of an fp16 and its sign at bit 15 are the fp16 value e2m1 * 2^-14, subnormal range included
   (both formats give the subnormal step the same weight). Four such high bytes are built per
   code word at once (shift and mask), and a byte permute puts two of them, with zero low bytes,
   in one fp16x2 register. One fp16x2 multiply by the group's scale * 128 then gives
-  e2m1 * scale * 2^-7, exact (at most 5 significant bits, |k| in [2^-17, 21]); the score is the
+  e2m1 * scale * 2^-7, exact (at most 6 significant bits, |k| in [2^-17, 21]); the score is the
   fp32 accumulator times 128.
 
 Keys as the MMA's M (tokens), the (token, head) rows as its N: 8 or 16 rows a pass (a decode
@@ -173,7 +174,11 @@ def _nvfp4_request_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
     r = gl.program_id(0)
     b_lo = gl.program_id(1) * BPS
     t_req = gl.load(cu_ptr + r)
-    q_len = gl.minimum(gl.load(cu_ptr + r + 1), num_tokens) - t_req
+    cu_next = gl.load(cu_ptr + r + 1)
+    # q_len decides positions and which launch takes the request, as in scores.py; the rows
+    # scored stop at the packed tokens' end (a cu_seqlens_q past T)
+    q_len = cu_next - t_req
+    n_tok = gl.minimum(cu_next, num_tokens) - t_req
     seq_len = gl.load(seq_lens_ptr + r)
     b_hi = gl.minimum(b_lo + BPS, (seq_len + BLOCK - 1) // BLOCK)
     if (q_len > 0) & (q_len <= SMALL_Q) & (seq_len >= q_len) & (b_lo < b_hi):
@@ -181,11 +186,11 @@ def _nvfp4_request_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
         # the loop that reads them: the bytes in flight cost shared memory, not registers
         words_s = gl.allocate_shared_memory(gl.int32, [STAGES, UNIT, WORDS], _FLAT2)
         scales_s = gl.allocate_shared_memory(gl.int32, [STAGES, UNIT // 2, 4], _FLAT2)
-        for row0 in range(0, q_len * H, NP):
+        for row0 in range(0, n_tok * H, NP):
             _score_rows(q_ptr, cache_ptr, bt_ptr + r.to(gl.int64) * stride_btr, out_ptr,
-                        words_s, scales_s, t_req, q_len, seq_len, row0, b_lo, b_hi, stride_qt,
-                        stride_qh, stride_qd, stride_cp, stride_btb, stride_ot, stride_oh,
-                        stride_ob, H, NP, BLOCK, STAGES)
+                        words_s, scales_s, t_req, q_len, n_tok, seq_len, row0, b_lo, b_hi,
+                        stride_qt, stride_qh, stride_qd, stride_cp, stride_btb, stride_ot,
+                        stride_oh, stride_ob, H, NP, BLOCK, STAGES)
 
 
 # tokens per stage of the ring (half a block), and unswizzled shared layouts (a warp's 16-byte
@@ -221,11 +226,12 @@ def _issue(words_s, scales_s, row_bt, cache_ptr, unit, n_units, b_lo, stride_btb
 
 
 @gluon.jit
-def _score_rows(q_ptr, cache_ptr, row_bt, out_ptr, words_s, scales_s, t_req, q_len, seq_len,
-                row0, b_lo, b_hi, stride_qt, stride_qh, stride_qd, stride_cp, stride_btb,
-                stride_ot, stride_oh, stride_ob, H: gl.constexpr, NP: gl.constexpr,
-                BLOCK: gl.constexpr, STAGES: gl.constexpr):
-    """Rows [row0, row0 + NP) of a request (row n: its token n // H, head n % H) against
+def _score_rows(q_ptr, cache_ptr, row_bt, out_ptr, words_s, scales_s, t_req, q_len, n_tok,
+                seq_len, row0, b_lo, b_hi, stride_qt, stride_qh, stride_qd, stride_cp,
+                stride_btb, stride_ot, stride_oh, stride_ob, H: gl.constexpr,
+                NP: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr):
+    """Rows [row0, row0 + NP) of a request's first n_tok tokens (row n: its token n // H, head
+    n % H) against
     blocks [b_lo, b_hi), each block's maxima stored as it completes."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
                                                   instr_shape=[16, 8])
@@ -236,7 +242,7 @@ def _score_rows(q_ptr, cache_ptr, row_bt, out_ptr, words_s, scales_s, t_req, q_l
     w_l: gl.constexpr = gl.BlockedLayout([1, VEC], [8, 4], [1, 1], [1, 0])
     s_l: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [1, 1], [1, 0])
     qload_l: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, 1], [0, 1])
-    rows = q_len * H
+    rows = n_tok * H
     n_q = row0 + gl.arange(0, NP, layout=gl.SliceLayout(0, qload_l))
     tok_q = t_req + n_q // H
     head_q = n_q % H
@@ -309,4 +315,6 @@ def _score_rows(q_ptr, cache_ptr, row_bt, out_ptr, words_s, scales_s, t_req, q_l
             m = gl.where((page >= 0) & (m == m), m, float("-inf"))
             gl.store(out_row + b.to(gl.int64) * stride_ob, m, mask=store_ok)
             best = gl.full([16, NP], float("-inf"), gl.float32, layout=mma)
+    # every copy landed and every read done before the next row pass refills the ring
     async_copy.wait_group(0)
+    gl.thread_barrier()
