@@ -231,8 +231,7 @@ def _score_rows(q_ptr, cache_ptr, row_bt, out_ptr, words_s, scales_s, t_req, q_l
                 stride_btb, stride_ot, stride_oh, stride_ob, H: gl.constexpr,
                 NP: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr):
     """Rows [row0, row0 + NP) of a request's first n_tok tokens (row n: its token n // H, head
-    n % H) against
-    blocks [b_lo, b_hi), each block's maxima stored as it completes."""
+    n % H) against blocks [b_lo, b_hi), each block's maxima stored as it completes."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
                                                   instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -247,22 +246,11 @@ def _score_rows(q_ptr, cache_ptr, row_bt, out_ptr, words_s, scales_s, t_req, q_l
     tok_q = t_req + n_q // H
     head_q = n_q % H
     ok_q = n_q < rows
-    q0 = gl.convert_layout(_query_chunk(q_ptr, tok_q, head_q, ok_q, stride_qt, stride_qh,
-                                        stride_qd, 0, NP, qload_l), b_l)
-    q1 = gl.convert_layout(_query_chunk(q_ptr, tok_q, head_q, ok_q, stride_qt, stride_qh,
-                                        stride_qd, 1, NP, qload_l), b_l)
-    q2 = gl.convert_layout(_query_chunk(q_ptr, tok_q, head_q, ok_q, stride_qt, stride_qh,
-                                        stride_qd, 2, NP, qload_l), b_l)
-    q3 = gl.convert_layout(_query_chunk(q_ptr, tok_q, head_q, ok_q, stride_qt, stride_qh,
-                                        stride_qd, 3, NP, qload_l), b_l)
-    q4 = gl.convert_layout(_query_chunk(q_ptr, tok_q, head_q, ok_q, stride_qt, stride_qh,
-                                        stride_qd, 4, NP, qload_l), b_l)
-    q5 = gl.convert_layout(_query_chunk(q_ptr, tok_q, head_q, ok_q, stride_qt, stride_qh,
-                                        stride_qd, 5, NP, qload_l), b_l)
-    q6 = gl.convert_layout(_query_chunk(q_ptr, tok_q, head_q, ok_q, stride_qt, stride_qh,
-                                        stride_qd, 6, NP, qload_l), b_l)
-    q7 = gl.convert_layout(_query_chunk(q_ptr, tok_q, head_q, ok_q, stride_qt, stride_qh,
-                                        stride_qd, 7, NP, qload_l), b_l)
+    # the MMA's second operand of each of the 8 key chunks, loaded once a row pass
+    qs = ()
+    for i in gl.static_range(8):
+        qs = qs + (gl.convert_layout(_query_chunk(q_ptr, tok_q, head_q, ok_q, stride_qt,
+                                                  stride_qh, stride_qd, i, NP, qload_l), b_l),)
     # the rows along the accumulator's N: positions (right-aligned tokens) and score rows
     n_a = row0 + gl.arange(0, NP, layout=gl.SliceLayout(0, mma))
     pos = seq_len - q_len + n_a // H
@@ -291,18 +279,12 @@ def _score_rows(q_ptr, cache_ptr, row_bt, out_ptr, words_s, scales_s, t_req, q_l
             s4 = ss.slice(mt * 16, 16, dim=0).load(s_l).to(gl.int32)
             s = gl.join(gl.join(s4, s4), gl.join(s4, s4)).reshape([16, WORDS])
             s = _relabel(gl.convert_layout(s, w_l), 16)
-            o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
+            chunks = gl.inline_asm_elementwise(
                 _DEQUANT_ASM, "=r," * 16 + "r,r,r,r,r,r,r,r", [w, s],
                 dtype=(gl.float16,) * 8, is_pure=True, pack=4)
             acc = gl.zeros([16, NP], gl.float32, layout=mma)
-            acc = mma_v2(gl.convert_layout(o0, a_l, assert_trivial=True), q0, acc)
-            acc = mma_v2(gl.convert_layout(o1, a_l, assert_trivial=True), q1, acc)
-            acc = mma_v2(gl.convert_layout(o2, a_l, assert_trivial=True), q2, acc)
-            acc = mma_v2(gl.convert_layout(o3, a_l, assert_trivial=True), q3, acc)
-            acc = mma_v2(gl.convert_layout(o4, a_l, assert_trivial=True), q4, acc)
-            acc = mma_v2(gl.convert_layout(o5, a_l, assert_trivial=True), q5, acc)
-            acc = mma_v2(gl.convert_layout(o6, a_l, assert_trivial=True), q6, acc)
-            acc = mma_v2(gl.convert_layout(o7, a_l, assert_trivial=True), q7, acc)
+            for i in gl.static_range(8):
+                acc = mma_v2(gl.convert_layout(chunks[i], a_l, assert_trivial=True), qs[i], acc)
             if b >= b_full:
                 kpos = b * BLOCK + (u % 2) * UNIT + mt * 16 + keys
                 acc = gl.where(kpos[:, None] <= pos[None, :], acc, float("-inf"))
