@@ -270,9 +270,8 @@ def _scoring(shape: IndexerShape, device: DeviceFacts,
         launches.append(_nvfp4_request(shape, device, config, any_q))
     elif not one_request:
         # enough splits of each request's blocks to fill the GPU
-        programs = device.num_sms * (config.decode_waves if device.cuda else 1)
-        splits = -(-programs // shape.num_requests)
-        bps = min(config.decode_max_bps, next_pow2(-(-shape.max_blocks // splits)))
+        bps = _request_bps(shape, device.num_sms * (config.decode_waves if device.cuda else 1),
+                           config.decode_max_bps)
         # keys as the MMA's rows (see scores.py); the fp32 reference-precision path keeps the
         # IEEE dot
         launches.append(Launch("scores_request", (shape.num_requests, -(-shape.max_blocks // bps)),
@@ -297,6 +296,13 @@ def _scoring(shape: IndexerShape, device: DeviceFacts,
         return [stage, *launches, *_tile(staged_shape, device, config, one_request,
                                          tile_small_q)], dict(staged_pages=pages)
     return [*launches, *_tile(shape, device, config, one_request, tile_small_q)], {}
+
+
+def _request_bps(shape: IndexerShape, programs: int, max_bps: int) -> int:
+    """Blocks per split of a request launch: enough splits of each request's blocks for about
+    `programs` programs (a power of two), at most max_bps."""
+    splits = -(-programs // shape.num_requests)
+    return min(max_bps, next_pow2(-(-shape.max_blocks // splits)))
 
 
 def _hp(shape: IndexerShape) -> int:
@@ -386,9 +392,8 @@ def _nvfp4_request(shape: IndexerShape, device: DeviceFacts, config: IndexerConf
     when the step's rows per request are known to fit)."""
     q_bound = min(shape.num_tokens, shape.max_q_len or SMALL_Q, SMALL_Q)
     np_rows = 8 if q_bound * shape.num_heads <= 8 else 16
-    programs = device.num_sms * NVFP4_PROGRAMS
-    splits = -(-programs // shape.num_requests)
-    bps = min(config.decode_max_bps, NVFP4_MAX_BPS, next_pow2(-(-shape.max_blocks // splits)))
+    bps = _request_bps(shape, device.num_sms * NVFP4_PROGRAMS,
+                       min(config.decode_max_bps, NVFP4_MAX_BPS))
     return Launch("scores_request_nvfp4", (shape.num_requests, -(-shape.max_blocks // bps)),
                   dict(H=shape.num_heads, NP=np_rows, BPS=bps, BLOCK=shape.block_size,
                        SMALL_Q=ANY_Q if any_q else SMALL_Q, PDL=True, STAGES=NVFP4_STAGES,
