@@ -1151,15 +1151,17 @@ def test_nvfp4_request_kernel_compiles(np_rows):
     assert_no_spills(ptx)
 
 
-def _random_nvfp4_pages(num_pages, page_stride, generator, device):
-    """NVFP4 pages of arbitrary bytes: every code, and scales over E4M3's whole finite range
-    (subnormal scales included, NaN bytes 0x7f / 0xff excluded)."""
+def _random_nvfp4_pages(num_pages, page_stride, generator, device, scale_bytes=None):
+    """NVFP4 pages of arbitrary codes (every code) and scales drawn from scale_bytes (default:
+    E4M3's whole finite range, subnormals included, NaN bytes 0x7f / 0xff excluded)."""
     from openmsa import nvfp4
     cache = _nvfp4_cache(num_pages, page_stride, device=device)[0]
     codes, scales = nvfp4.page_parts(cache)
     codes.copy_(torch.randint(0, 256, codes.shape, generator=generator, dtype=torch.uint8))
-    s = torch.randint(0, 0x7f, scales.shape, generator=generator, dtype=torch.uint8)
-    scales.copy_(s)
+    if scale_bytes is None:
+        scale_bytes = torch.arange(0x7f, dtype=torch.uint8)
+    scales.copy_(scale_bytes[torch.randint(0, len(scale_bytes), scales.shape,
+                                           generator=generator)])
     return cache
 
 
@@ -1243,13 +1245,8 @@ def _exact_nvfp4_cache(num_pages, generator, device="cpu"):
     of magnitude <= 12, so that dot products with small-integer queries are exact in fp32 in
     any summation order (scores equal the reference's bit for bit; ties are common, and the
     tie rule decides them alike)."""
-    from openmsa import nvfp4
-    cache = torch.empty(num_pages, nvfp4.PAGE_TOKENS, nvfp4.TOKEN_BYTES, dtype=torch.uint8)
-    codes, scales = nvfp4.page_parts(cache)
-    codes.copy_(torch.randint(0, 256, codes.shape, generator=generator, dtype=torch.uint8))
     e4m3 = torch.tensor([0.5, 1.0, 2.0], dtype=FP8).view(torch.uint8)
-    scales.copy_(e4m3[torch.randint(0, 3, scales.shape, generator=generator)])
-    return cache.to(device)
+    return _random_nvfp4_pages(num_pages, None, generator, "cpu", e4m3).to(device)
 
 
 def _staged_plan(q, cache, cu, seq, table, max_q_len=None):
