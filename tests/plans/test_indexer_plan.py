@@ -377,3 +377,15 @@ def test_nvfp4_prefill_auto_stages_a_chunk_alone():
     mixed = plan(_shape(tokens=8192 + 64, requests=65, **nv), H200)
     assert "stage_nvfp4" not in mixed.kernels() and mixed.find("scores_tile").params["NVFP4"]
     assert "stage_nvfp4" not in plan(_shape(tokens=64, requests=64, **nv), H200).kernels()
+
+
+def test_cp_share_takes_the_triton_forms():
+    """A context-parallel share (cp=True) is scored by scores.py's Triton launches alone: no
+    Gluon request launch, and an NVFP4 chunk is not staged, whatever nvfp4_prefill says."""
+    nv = dict(dtype=FP8, cache_dtype=torch.uint8, tma_rows=False, tma_q=True)
+    for config in (DEFAULT, STAGED):
+        for shape in (_shape(tokens=8192, requests=1, **nv),
+                      _shape(tokens=8192 + 64, requests=65, **nv)):
+            kernels = plan(dataclasses.replace(shape, cp=True), H200, config).kernels()
+            assert "stage_nvfp4" not in kernels and "scores_request_nvfp4" not in kernels
+            assert "scores_tile" in kernels

@@ -69,9 +69,7 @@ def _run_scores(launches: LaunchPlan, index_q, index_cache, cu_seqlens_q, seq_le
         # the plan's key has no address: a misaligned cache of a cached shape is refused here,
         # by name, rather than faulting in the kernel's 32-bit code loads
         check_nvfp4_cache("index_cache", index_cache)
-    args = (index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores, seq_lens.shape[0],
-            index_q.shape[0], *index_q.stride(), *index_cache.stride(), *block_table.stride(),
-            *scores.stride())
+    args = _triton_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores)
     if cp is not None:
         # a context-parallel rank's share (cp.py): the Triton launches with its (size, rank);
         # its plan has no Gluon launch (_local_scores_kernels)
@@ -86,9 +84,7 @@ def _run_scores(launches: LaunchPlan, index_q, index_cache, cu_seqlens_q, seq_le
         tile_q, tile_cache, tile_table = _stage_nvfp4(stage, launches.sizes["staged_pages"],
                                                       index_q, index_cache, cu_seqlens_q,
                                                       seq_lens, block_table)
-        tile_args = (tile_q, tile_cache, cu_seqlens_q, seq_lens, tile_table, scores,
-                     seq_lens.shape[0], tile_q.shape[0], *tile_q.stride(), *tile_cache.stride(),
-                     *tile_table.stride(), *scores.stride())
+        tile_args = _triton_args(tile_q, tile_cache, cu_seqlens_q, seq_lens, tile_table, scores)
     aligned = tile_q.data_ptr() % 16 == 0 and tile_cache.data_ptr() % 16 == 0
     for launch in launches:
         if launch.kernel == "scores_request":
@@ -105,6 +101,13 @@ def _run_scores(launches: LaunchPlan, index_q, index_cache, cu_seqlens_q, seq_le
             _run_ws(launch, tile_q, tile_cache, cu_seqlens_q, seq_lens, tile_table, scores)
         elif launch.kernel == "scores_tile_unaligned" and not aligned:
             launch.run(_block_scores_kernel, *tile_args)
+
+
+def _triton_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores) -> tuple:
+    """scores.py's kernel arguments for these tensors."""
+    return (index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores, seq_lens.shape[0],
+            index_q.shape[0], *index_q.stride(), *index_cache.stride(), *block_table.stride(),
+            *scores.stride())
 
 
 def _stage_nvfp4(launch, pages, index_q, index_cache, cu_seqlens_q, seq_lens, block_table):
@@ -270,12 +273,11 @@ def _local_scores_kernels(index_q, index_cache, cu_seqlens_q, seq_lens, block_ta
     launches = _PLANS.get(key)
     if launches is None:
         _raise_if_unsupported(index_q, index_cache, block_size, None)
-        # the Gluon launches do not map positions: the plan takes the Triton forms, and for
-        # NVFP4 pages the in-kernel form (_run_scores' CP branch runs no staging)
+        # the Gluon launches and the staged NVFP4 form do not map positions: a CP shape's plan
+        # takes the Triton forms (plan.py)
         shape = dataclasses.replace(_shape(index_q, index_cache, seq_lens, view, block_size,
                                            max_q_len), tma_rows=False, cp=True)
-        launches = plan(shape, DeviceFacts.of(index_q.device),
-                        dataclasses.replace(config, nvfp4_prefill="inkernel"))
+        launches = plan(shape, DeviceFacts.of(index_q.device), config)
         _PLANS.put(key, launches)
     _run_scores(launches, index_q, index_cache, cu_seqlens_q, seq_lens, view, scores,
                 cp=(cp_size, cp_rank))

@@ -179,7 +179,8 @@ class IndexerShape:
     """What the plan reads of a step. tma_rows: index_q is [T * H, DI] rows and index_cache is
     [pages * BLOCK, DI] rows, each one strided 2-D array that TMA can describe (api.py); tma_q:
     index_q alone is (what the staged NVFP4 form needs: its staging cache always is).
-    topk None: scoring only (block_scores). cache_dtype torch.uint8: NVFP4 pages (nvfp4)."""
+    topk None: scoring only (block_scores). cache_dtype torch.uint8: NVFP4 pages (nvfp4). cp: a
+    context-parallel rank's share (cp.py), which only scores.py's Triton launches score."""
 
     num_tokens: int
     num_heads: int
@@ -287,9 +288,10 @@ def _scoring(shape: IndexerShape, device: DeviceFacts,
     if only_requests:
         return launches, {}
     tile_small_q = 0 if one_request else SMALL_Q
+    # (a context-parallel share never stages: its positions are mapped in scores.py alone)
     staged = config.nvfp4_prefill == "staged" or (config.nvfp4_prefill == "auto"
                                                   and one_request)
-    if shape.nvfp4 and staged:
+    if shape.nvfp4 and staged and not shape.cp:
         stage, staged_shape, pages = _staging(shape, device, tile_small_q, one_request)
         # first, so that the tile launch, a programmatic dependent of the request launch (which
         # reads from its start), reads a staging cache that is complete
