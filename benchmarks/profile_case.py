@@ -215,6 +215,13 @@ CASES = {
     "idx-fp8-prefill-0k": lambda: _indexer("fp8", 1, 8192, 8192, 4),
     "idx-fp8-prefill-120k": lambda: _indexer("fp8", 1, 120 * 1024 + 8192, 8192, 4),
     "idx-bf16-prefill-120k": lambda: _indexer("bf16", 1, 120 * 1024 + 8192, 8192, 4),
+    # the TP4 geometry's chunks (one index head) where FlashInfer was ahead (issue 40), and its
+    # calls on the same steps
+    "idx-fp8-prefill-0k-tp4": lambda: _indexer("fp8", 1, 8192, 8192, 1),
+    "idx-fp8-prefill-8k-tp4": lambda: _indexer("fp8", 1, 16384, 8192, 1),
+    "idx-bf16-prefill-0k-tp4": lambda: _indexer("bf16", 1, 8192, 8192, 1),
+    "fi-idx-fp8-prefill-0k-tp4": lambda: _fi_indexer("fp8", 1, 8192, 8192, 1),
+    "fi-idx-fp8-prefill-8k-tp4": lambda: _fi_indexer("fp8", 1, 16384, 8192, 1),
 }
 
 def kernel_offsets_us(fn, iters: int = 20) -> dict[str, tuple[float, float]]:
