@@ -727,6 +727,18 @@ def _restrict_grids(key: str, values: set) -> None:
                 grid[key] = kept
 
 
+def _restrict_dtypes(values: set) -> None:
+    """Every shapes grid's key dtypes (peers' and openmsa-only ones together) restricted to
+    `values`, where that leaves any (for one run, as _restrict_grids)."""
+    for grid in vars(shapes).values():
+        if isinstance(grid, dict) and isinstance(grid.get("dtypes"), tuple):
+            names = ("dtypes", "openmsa_only_dtypes")
+            if any(v in values for name in names for v in grid.get(name, ())):
+                for name in names:
+                    if name in grid:
+                        grid[name] = tuple(v for v in grid[name] if v in values)
+
+
 def _models(grid):
     """(name, config) of the models a section's grid names."""
     return [(name, shapes.MODELS[name]) for name in grid["models"] if _keep(name)]
@@ -1223,10 +1235,15 @@ def main():
                              "restricted to these (a grid left with none keeps its own)")
     parser.add_argument("--batches", default=None,
                         help="comma-separated batch sizes, as --contexts for the grids' batches")
+    parser.add_argument("--dtypes", default=None,
+                        help="comma-separated key dtypes (bf16, fp8, nvfp4, nvfp4-staged), as "
+                             "--contexts for the grids' dtypes")
     args = parser.parse_args()
     for option, key in ((args.contexts, "contexts"), (args.batches, "batches")):
         if option:
             _restrict_grids(key, {int(v) for v in option.split(",")})
+    if args.dtypes:
+        _restrict_dtypes(set(args.dtypes.split(",")))
     unknown = [n for n in args.sections.split(",") if n not in SECTIONS]
     if unknown:
         parser.error(f"unknown sections {unknown}; known: {','.join(SECTIONS)}")
