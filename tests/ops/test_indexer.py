@@ -1143,7 +1143,6 @@ def test_nvfp4_request_kernel_compiles(np_rows):
     attrs = {(_nvfp4_request_kernel.arg_names.index(n),): [["tt.divisibility", 16]]
              for n in div16}
     params.update(stride_qd=1, stride_btb=1, stride_ob=1)
-    params.pop("bps")  # a runtime value
     k = _compile(_nvfp4_request_kernel, dict(q_ptr="*fp8e4nv", cache_ptr="*u8", out_ptr=F32,
                                              **STEP), {}, params, options=options,
                  attrs=attrs, gluon=True)

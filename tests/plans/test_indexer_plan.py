@@ -295,31 +295,6 @@ def test_nvfp4_cache_launches(q_dtype):
     assert not fp8.find("scores_request").params["NVFP4"] and "scores_tile_ws" in fp8.kernels()
 
 
-@pytest.mark.parametrize("requests, blocks, want_bps, want_splits", [
-    (128, 256, 18, 15),    # B = 128 at 32K: one wave of 1920 programs (4096 in 32 took 3)
-    (32, 1024, 17, 61),    # B = 32 at 128K: one wave of 1952
-    (128, 1024, 23, 45),   # B = 128 at 128K: three waves
-    (128, 8192, 32, 256),  # B = 128 at 1M: 17 waves of 32-block splits
-    (1, 1024, 1, 1024),    # B = 1 at 128K: a block a program
-    (4000, 64, 32, 2),     # more requests than slots: waves of whole requests' splits
-])
-def test_nvfp4_request_splits_fill_whole_waves(requests, blocks, want_bps, want_splits):
-    """The Gluon NVFP4 request launch's programs are all one size, and 1980 of them (15 an SM:
-    the shared memory of their rings) run at once on an H200: its splits take the fewest waves
-    whose splits hold at most 32 blocks, as many splits as those waves hold, any block count."""
-    shape = _shape(requests, requests=requests, blocks=blocks, max_q_len=1,
-                   cache_dtype=torch.uint8)
-    launch = plan(shape, H200).find("scores_request_nvfp4")
-    assert launch.params["bps"] == want_bps and launch.grid == (requests, want_splits)
-    slots = 132 * 15
-    waves = -(-requests * want_splits // slots)
-    assert want_bps <= 32 and waves == -(-requests * -(-blocks // 32) // slots)
-    assert (want_splits - 1) * want_bps < blocks <= want_splits * want_bps
-    # a split cap below 32 (IndexerConfig.decode_max_bps) holds too
-    capped = plan(shape, H200, dataclasses.replace(DEFAULT, decode_max_bps=16))
-    assert capped.find("scores_request_nvfp4").params["bps"] <= 16
-
-
 STAGED = dataclasses.replace(DEFAULT, nvfp4_prefill="staged")
 
 

@@ -56,14 +56,13 @@ DECODE_STAGES = 3
 # alone takes ~155, no spill at 128), so that 4 programs fit an SM (16 warps, not 12) to hide
 # the dequantization's and the block's barrier chain's latency (docs/design.md)
 DECODE_MAXNREG_NVFP4 = 128
-# the Gluon NVFP4 request launch (scores_nvfp4.py): its ring's half-block stages and, with 8
-# rows a pass, its threads' register cap. 4 or 6 stages and 96 or 128 registers were no faster,
-# and 16-row passes were faster uncapped (they spill at 112) (docs/performance.md, "NVFP4 index
-# pages")
+# the Gluon NVFP4 request launch (scores_nvfp4.py): one-warp programs per SM its splits aim for,
+# its ring's half-block stages and, with 8 rows a pass, its threads' register cap. At 3 stages
+# (14 KB of shared memory a warp) and 112 registers 15 warps share an SM; 4 or 6 stages, 96
+# or 128 registers and 16 or 64 programs an SM were no faster, and 16-row passes were faster
+# uncapped (they spill at 112) (docs/performance.md, "NVFP4 index pages")
+NVFP4_PROGRAMS = 32
 NVFP4_STAGES = 3
-# ... and its one-warp programs an SM holds at once: sm_90's 228 KB of shared memory over a
-# program's ring (64 tokens of 72 bytes a stage) plus the 1 KB reserved per block: 15
-NVFP4_RESIDENT = 228 * 1024 // (NVFP4_STAGES * 64 * 72 + 1024)
 # ... and its most blocks per split: 32 (64 and 128 were 1.3% and 2.8% slower at B = 128, 1M)
 NVFP4_MAX_BPS = 32
 NVFP4_MAXNREG_8_ROWS = 112
@@ -308,17 +307,6 @@ def _request_bps(shape: IndexerShape, programs: int, max_bps: int) -> int:
     return min(max_bps, next_pow2(-(-shape.max_blocks // splits)))
 
 
-def _wave_bps(shape: IndexerShape, slots: int, max_bps: int) -> int:
-    """Blocks per split (any count) for a launch of equal programs, `slots` of which run at
-    once: such a launch takes whole waves, a last wave of a few programs as long as a full one.
-    So: the fewest waves whose splits hold at most max_bps blocks, and as many splits as those
-    waves hold (fewer blocks a program)."""
-    requests, blocks = shape.num_requests, max(shape.max_blocks, 1)
-    waves = -(-requests * -(-blocks // max_bps) // slots)
-    splits = max(1, min(blocks, waves * slots // requests))
-    return -(-blocks // splits)
-
-
 def _hp(shape: IndexerShape) -> int:
     """The heads padded to a tl.arange extent."""
     return next_pow2(shape.num_heads)
@@ -406,10 +394,10 @@ def _nvfp4_request(shape: IndexerShape, device: DeviceFacts, config: IndexerConf
     when the step's rows per request are known to fit)."""
     q_bound = min(shape.num_tokens, shape.max_q_len or SMALL_Q, SMALL_Q)
     np_rows = 8 if q_bound * shape.num_heads <= 8 else 16
-    bps = _wave_bps(shape, device.num_sms * NVFP4_RESIDENT,
-                    min(config.decode_max_bps, NVFP4_MAX_BPS))
+    bps = _request_bps(shape, device.num_sms * NVFP4_PROGRAMS,
+                       min(config.decode_max_bps, NVFP4_MAX_BPS))
     return Launch("scores_request_nvfp4", (shape.num_requests, -(-shape.max_blocks // bps)),
-                  dict(H=shape.num_heads, NP=np_rows, bps=bps, BLOCK=shape.block_size,
+                  dict(H=shape.num_heads, NP=np_rows, BPS=bps, BLOCK=shape.block_size,
                        SMALL_Q=ANY_Q if any_q else SMALL_Q, PDL=True, STAGES=NVFP4_STAGES,
                        num_warps=1,
                        **(dict(maxnreg=NVFP4_MAXNREG_8_ROWS) if np_rows == 8 else {})))

@@ -163,16 +163,16 @@ def _query_chunk(q_ptr, tok, head, row_ok, stride_qt, stride_qh, stride_qd, i: g
 @gluon.jit
 def _nvfp4_request_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr, num_requests,
                           num_tokens, stride_qt, stride_qh, stride_qd, stride_cp, stride_btr,
-                          stride_btb, stride_ot, stride_oh, stride_ob, bps,
-                          H: gl.constexpr, NP: gl.constexpr, BLOCK: gl.constexpr,
-                          SMALL_Q: gl.constexpr, PDL: gl.constexpr, STAGES: gl.constexpr):
-    """Program (r, s): request r's blocks [s * bps, (s + 1) * bps) for all its (token, head)
-    rows, NP at a time (bps a runtime value: plan.py sizes splits to fill whole waves, any
-    count of blocks, without a compilation per size)."""
+                          stride_btb, stride_ot, stride_oh, stride_ob,
+                          H: gl.constexpr, NP: gl.constexpr, BPS: gl.constexpr,
+                          BLOCK: gl.constexpr, SMALL_Q: gl.constexpr, PDL: gl.constexpr,
+                          STAGES: gl.constexpr):
+    """Program (r, s): request r's blocks [s * BPS, (s + 1) * BPS) for all its (token, head)
+    rows, NP at a time."""
     if PDL:
         launch_dependents()
     r = gl.program_id(0)
-    b_lo = gl.program_id(1) * bps
+    b_lo = gl.program_id(1) * BPS
     t_req = gl.load(cu_ptr + r)
     cu_next = gl.load(cu_ptr + r + 1)
     # q_len decides positions and which launch takes the request, as in scores.py; the rows
@@ -180,7 +180,7 @@ def _nvfp4_request_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
     q_len = cu_next - t_req
     n_tok = gl.minimum(cu_next, num_tokens) - t_req
     seq_len = gl.load(seq_lens_ptr + r)
-    b_hi = gl.minimum(b_lo + bps, (seq_len + BLOCK - 1) // BLOCK)
+    b_hi = gl.minimum(b_lo + BPS, (seq_len + BLOCK - 1) // BLOCK)
     if (q_len > 0) & (q_len <= SMALL_Q) & (seq_len >= q_len) & (b_lo < b_hi):
         # a ring of STAGES half-blocks of code words and scales, filled by cp.async ahead of
         # the loop that reads them: the bytes in flight cost shared memory, not registers
