@@ -141,15 +141,26 @@ def test_prefill_tile_launch_is_the_gluon_kernel_on_hopper(heads, want_grid, wan
     assert triton_tile.params["TILE_MODE"] and ws.key != triton_tile.key
 
 
-@pytest.mark.parametrize("heads, want_grid, want_bps", [
-    (1, (32, 8), 8),    # TP4, 8K chunk, no context: 64 blocks in sectors of 8, not 2 chunks of 32
-    (4, (128, 4), 16),  # TP1 the same: 4 splits of 16 blocks
+@pytest.mark.parametrize("heads, blocks, want_grid, want_bps", [
+    (1, 64, (32, 4), 16),    # TP4, 8K chunk, no context (measured: 8-block splits 21.3 µs, 16 17.4)
+    (1, 128, (32, 4), 32),   # TP4 after 8K (8: 39.7, 16: 33.0, 32: 28.7)
+    (1, 320, (32, 14), 24),  # TP4 after 32K
+    (4, 64, (128, 2), 32),   # TP1, no context (16-block splits: 58.3 µs at fb15c16; 32: 45.6 at 53c6b83)
 ])
-def test_short_prefill_splits_take_sectors(heads, want_grid, want_bps):
-    """A split shorter than a chunk of CH blocks takes whole 8-block sectors, so a chunk with
-    little context fills the GPU instead of leaving one program of 32 blocks per tile."""
-    ws = plan(_shape(heads=heads, blocks=64), H200).find("scores_tile_ws")
+def test_short_prefill_splits_weigh_starts_against_balance(heads, blocks, want_grid, want_bps):
+    """A split shorter than a chunk of CH blocks takes whole 8-block sectors, as many as the
+    start-cost model (plan._short_tile_bps) finds fastest: the orderings measured on the H200."""
+    ws = plan(_shape(heads=heads, blocks=blocks), H200).find("scores_tile_ws")
     assert ws.grid == want_grid and ws.params["bps"] == want_bps
+
+
+def test_short_tile_splits_model_extremes():
+    """With an SM per program the longest program decides (the shortest splits win); with one
+    SM every start adds up (the longest win)."""
+    from openmsa.ops.indexer.plan import _short_tile_bps
+    shape = _shape(heads=1, blocks=64)
+    assert _short_tile_bps(shape, 10 ** 4, 256, 32, 32) == 8
+    assert _short_tile_bps(shape, 1, 256, 32, 32) == 32
 
 
 @pytest.mark.parametrize("tokens, requests, max_q_len, want", [

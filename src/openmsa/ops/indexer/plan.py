@@ -29,6 +29,7 @@ The measurements behind each rule are in docs/performance.md ("What was tried").
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +73,12 @@ PREFILL_WARPS = 4
 PREFILL_STAGES = 2
 # fp32 scores of 8 blocks: one 32-byte sector of a score row (the Gluon tile launch's least split)
 SECTOR_BLOCKS = 8
+# the Gluon tile launch's program start (three dependent round trips and the queries' load,
+# scores_ws.py) and a program that finds no block, in block steps of its loop: the costs
+# _short_tile_bps weighs splits with (a start of 4 steps orders the measured splits of the TP4
+# and TP1 chunks with little context as they ran: docs/performance.md)
+WS_START_BLOCKS = 4
+WS_EMPTY_BLOCKS = 1
 PREFILL_STAGES_FP8 = 3
 # an NVFP4 cache's (72-byte keys, smaller still than fp8's): fp8's stages (not measured yet)
 PREFILL_STAGES_NVFP4 = PREFILL_STAGES_FP8
@@ -372,12 +379,14 @@ def _tile(shape: IndexerShape, device: DeviceFacts, config: IndexerConfig, one_r
     rows_t = CONSUMERS.value * WG_ROWS.value // num_heads
     tiles = -(-num_tokens // rows_t)
     # splits for ws_waves programs per SM (one program fits on an SM), whole chunks of CH
-    # blocks; a split shorter than a chunk (short contexts, where few tiles would leave SMs
-    # idle behind the causal triangle's longest rows) takes whole 32-byte sectors of scores
+    # blocks; where that makes splits shorter than a chunk (short contexts), whole 32-byte
+    # sectors of scores, as many as _short_tile_bps finds fastest
     splits = max(1, round(config.ws_waves * device.num_sms / tiles))
     per_split = max(1, -(-shape.max_blocks // splits))
-    grain = CH.value if per_split >= CH.value else SECTOR_BLOCKS
-    bps = -(-per_split // grain) * grain
+    if per_split >= CH.value:
+        bps = -(-per_split // CH.value) * CH.value
+    else:
+        bps = _short_tile_bps(shape, device.num_sms, rows_t, tiles, CH.value)
     # a programmatic dependent of the request launch, waiting for it only at its end; alone,
     # it is no dependent, but still lets the selection after it start early
     return [Launch("scores_tile_ws", (tiles, -(-shape.max_blocks // bps)),
@@ -385,6 +394,31 @@ def _tile(shape: IndexerShape, device: DeviceFacts, config: IndexerConfig, one_r
                         STAGES=config.ws_stages if fp8 else config.ws_stages_16,
                         num_warps=4, launch_pdl=not one_request)),
             Launch("scores_tile_unaligned", tile_grid, tile)]
+
+
+def _short_tile_bps(shape: IndexerShape, num_sms: int, rows_t: int, tiles: int,
+                    chunk: int) -> int:
+    """Blocks per split of the Gluon tile launch at short contexts: the multiple of
+    SECTOR_BLOCKS up to a chunk whose programs end first, placed in launch order (each split's
+    tiles last first, scores_ws.py) on whichever SM frees first. A program holds its SM alone
+    (its registers), so each start (WS_START_BLOCKS) is paid in full: shorter splits balance
+    the causal triangle but pay more starts. The step is taken as one request whose last
+    num_tokens tokens are the chunk and which spans max_blocks blocks."""
+    num_tokens, block = shape.num_tokens, shape.block_size
+    context = max(shape.max_blocks * block - num_tokens, 0)
+    # blocks each tile's last token sees, longest first (the launch order)
+    seen = [(context + min((t + 1) * rows_t, num_tokens) - 1) // block + 1
+            for t in reversed(range(tiles))]
+
+    def makespan(bps: int) -> float:
+        free = [0.0] * num_sms
+        for first in range(0, shape.max_blocks, bps):
+            for n in seen:
+                n = min(bps, n - first)
+                heapq.heapreplace(free, free[0] + (WS_START_BLOCKS + n if n > 0
+                                                   else WS_EMPTY_BLOCKS))
+        return max(free)
+    return min(range(SECTOR_BLOCKS, chunk + 1, SECTOR_BLOCKS), key=makespan)
 
 
 def _nvfp4_request(shape: IndexerShape, device: DeviceFacts, config: IndexerConfig,
