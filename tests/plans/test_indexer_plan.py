@@ -142,10 +142,12 @@ def test_prefill_tile_launch_is_the_gluon_kernel_on_hopper(heads, want_grid, wan
 
 
 @pytest.mark.parametrize("heads, blocks, want_grid, want_bps", [
-    (1, 64, (32, 4), 16),    # TP4, 8K chunk, no context (measured: 8-block splits 21.3 µs, 16 17.4)
+    # TP4, 8K chunk, no context (scoring with 8-block splits 21.3 µs, 16-block 17.4)
+    (1, 64, (32, 4), 16),
     (1, 128, (32, 4), 32),   # TP4 after 8K (8: 39.7, 16: 33.0, 32: 28.7)
     (1, 320, (32, 14), 24),  # TP4 after 32K
-    (4, 64, (128, 2), 32),   # TP1, no context (16-block splits: 58.3 µs at fb15c16; 32: 45.6 at 53c6b83)
+    # TP1, no context (the whole call: 16-block splits 58.3 µs at fb15c16, 32-block 46.1)
+    (4, 64, (128, 2), 32),
 ])
 def test_short_prefill_splits_weigh_starts_against_balance(heads, blocks, want_grid, want_bps):
     """A split shorter than a chunk of CH blocks takes whole 8-block sectors, as many as the
