@@ -37,6 +37,8 @@
 # and name REVISION in the call's carry) so the benchmark's provenance line names it.
 set -uo pipefail
 OUT=${OUT:-/tmp/openmsa-out}
+# at exit: more files than the device tool brings back are packed into $OUT/out.tgz
+trap 'bash "$(dirname "$0")/pack_out.sh"' EXIT
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
 [ -d .peers-vllm ] && export PYTHONPATH=$PWD/.peers-vllm:$PYTHONPATH
