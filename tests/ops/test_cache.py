@@ -441,7 +441,8 @@ def _nvfp4_keys(seed=0) -> torch.Tensor:
     """fp32 [N, 128] keys that hit every rule of the quantizer: random keys from 1e-6 to 1e4,
     group maxima sweeping every e4m3 scale and the midpoints between scales (and one ulp around
     them), below the 2^-9 floor and above the 448 cap; values whose product x * r lands exactly
-    on and a few ulps around every E2M1 midpoint; zeros, fp32 subnormals, +-1e30."""
+    on and a few ulps around every E2M1 midpoint; zeros, fp32 subnormals, +-1e30, infinities
+    and NaN."""
     g = torch.Generator().manual_seed(seed)
     groups = []
     groups.append((torch.randn(64, 8, 16, generator=g)
@@ -465,6 +466,10 @@ def _nvfp4_keys(seed=0) -> torch.Tensor:
             groups.append(row[None])
     groups.append(torch.tensor([[0.0] * 16, [-0.0] * 16, [1e-40, -1e-41] * 8,
                                 [1e30, -1e30] + [1.0] * 14]))
+    # NaN in a group (one, all, beside an infinity, negative NaN): the NaN scale, codes 7
+    nan, inf = float("nan"), float("inf")
+    groups.append(torch.tensor([[3.0, nan] + [0.5] * 14, [nan] * 16, [inf, nan] + [-2.0] * 14,
+                                [-nan] + [1e-3] * 15, [inf, -inf] + [1.0] * 14]))
     rows = torch.cat(groups)
     rows = torch.cat([rows, torch.zeros(-len(rows) % 8, 16)])
     return rows.reshape(-1, 128)

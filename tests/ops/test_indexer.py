@@ -982,6 +982,42 @@ def test_nvfp4_cache_matches_reference(kernel_device, q_dtype, page_stride):
     assert (got.cpu()[-2:] == float("-inf")).all()
 
 
+@pytest.mark.interpret
+def test_nvfp4_nan_groups_score_as_the_reference(kernel_device):
+    """Groups holding NaN (what the writers store for a NaN key value: scale byte 0x7F, codes 7)
+    read back as NaN, so a key with one scores -inf before its block's maximum and a block of
+    only such keys scores -inf: request and tile launches in one call (the chunk in-kernel and
+    staged), as the reference."""
+    from openmsa import nvfp4
+    g = torch.Generator().manual_seed(43)
+    step = make_step(NV_Q_LENS, NV_SEQ_LENS, block_size=128, extra_columns=1, pad_tokens=2,
+                     generator=g)
+    cache, _ = _nvfp4_cache(step.num_pages, generator=g)
+    clean = cache.clone()
+    codes, scales = nvfp4.page_parts(cache)
+    for _ in range(300):  # one group of scattered tokens
+        page, tok, grp = (int(torch.randint(0, n, (1,), generator=g))
+                          for n in (step.num_pages, 128, 8))
+        scales[page, tok, grp] = 0x7F
+        codes[page, tok, 8 * grp:8 * grp + 8] = 0x77
+    scales[int(step.block_table[0, 1]), :, 5] = 0x7F  # every key of a block
+    q = torch.randn(step.num_tokens, 2, 128, generator=g).to(FP8)
+    args = (step.cu_seqlens_q, step.seq_lens, step.block_table)
+    want = ref.block_scores(q, cache, *args, block_size=128)
+    assert want[0, :, 1].isneginf().all()
+    assert not torch.equal(want, ref.block_scores(q, clean, *args, block_size=128))
+    d = _to(step, kernel_device)
+    dargs = (q.to(kernel_device), cache.to(kernel_device), d.cu_seqlens_q, d.seq_lens,
+             d.block_table)
+    _, pos = token_layout(step.cu_seqlens_q, step.seq_lens, step.num_tokens)
+    rule = dict(topk=4, init_blocks=1, local_blocks=1, block_size=128)
+    # in-kernel, and with the prefill chunk staged into 16-bit pages (stage.py)
+    for config in (None, STAGED):
+        got = openmsa.block_scores(*dargs, block_size=128, config=config)
+        sel = openmsa.select_blocks(*dargs, **rule, config=config)
+        _assert_nvfp4_matches(got, sel, want, pos, 4, 1, 1)
+
+
 @pytest.mark.reference
 def test_nvfp4_reference_scores_dequantized_keys():
     """The reference scores an NVFP4 cache exactly as the fp32 cache of its dequantized keys."""

@@ -93,15 +93,22 @@ def _e2m1(x, r):
 def nvfp4_store(page_ptr, t, x):
     """Quantizes one token's index key x (fp32 [128]) as vLLM's NVFP4 writer does and stores its
     64 code bytes at page_ptr + t * 64 and 8 scale bytes at page_ptr + 8192 + t * 8 (page_ptr:
-    uint8, the page's first byte). Per 16 dims: s = e4m3(max(amax / 6, 2^-9)), r = 1 / s."""
+    uint8, the page's first byte). Per 16 dims: s = e4m3(max(amax / 6, 2^-9)), r = 1 / s; a
+    group holding a NaN stores the NaN scale 0x7F and codes 7 (so it reads back as NaN, as the
+    reference's NaN amax gives), decided by compares: a max instruction would skip the NaN on
+    the GPU and keep it in the interpreter."""
     # [group g, pair i]: dims 16g + 2i (low nibble of byte 8g + i) and 16g + 2i + 1 (high)
     lo, hi = tl.split(tl.reshape(x, (8, 8, 2)))
-    amax = tl.maximum(tl.max(tl.abs(lo), axis=1), tl.max(tl.abs(hi), axis=1))
+    nan = tl.max(((lo != lo) | (hi != hi)).to(tl.int32), axis=1) > 0
+    amax = tl.maximum(tl.max(tl.where(lo == lo, tl.abs(lo), 0.0), axis=1),
+                      tl.max(tl.where(hi == hi, tl.abs(hi), 0.0), axis=1))
     s = tl.minimum(tl.maximum(tl.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)),
                               2.0 ** -9), 448.0)
     scale, v = _e4m3_round(s)
+    scale = tl.where(nan, 0x7F, scale).to(tl.uint8)
     r = tl.div_rn(tl.full(v.shape, 1.0, tl.float32), v)[:, None]
     codes = (_e2m1(lo, r) | (_e2m1(hi, r) << 4)).to(tl.uint8)
+    codes = tl.where(nan[:, None], 0x77, codes).to(tl.uint8)
     g = tl.arange(0, 8)
     tl.store(page_ptr + t * 64 + g[:, None] * 8 + g[None, :], codes)
     tl.store(page_ptr + 8192 + t * 8 + g, scale)
