@@ -1243,6 +1243,11 @@ def main():
         if option:
             _restrict_grids(key, {int(v) for v in option.split(",")})
     if args.dtypes:
+        known = {v for grid in vars(shapes).values() if isinstance(grid, dict)
+                 for name in ("dtypes", "openmsa_only_dtypes") for v in grid.get(name, ())}
+        bad = set(args.dtypes.split(",")) - known
+        if bad:
+            parser.error(f"unknown dtypes {sorted(bad)}; known: {','.join(sorted(known))}")
         _restrict_dtypes(set(args.dtypes.split(",")))
     unknown = [n for n in args.sections.split(",") if n not in SECTIONS]
     if unknown:

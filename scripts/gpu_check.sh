@@ -38,7 +38,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/openmsa-out}
 # at exit: more files than the device tool brings back are packed into $OUT/out.tgz
-trap 'bash "$(dirname "$0")/pack_out.sh"' EXIT
+trap 'OUT="$OUT" bash "$(dirname "$0")/pack_out.sh"' EXIT
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
 [ -d .peers-vllm ] && export PYTHONPATH=$PWD/.peers-vllm:$PYTHONPATH

@@ -12,7 +12,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/openmsa-out}
 # at exit: more files than the device tool brings back are packed into $OUT/out.tgz
-trap 'bash "$(dirname "$0")/pack_out.sh"' EXIT
+trap 'OUT="$OUT" bash "$(dirname "$0")/pack_out.sh"' EXIT
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
 for spec in "$@"; do

@@ -84,7 +84,8 @@ def quantize_index_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     Per group of 16 dims: s = e4m3(max(amax / 6, 2^-9)) (nearest even, saturating at 448);
     r = 1 / s in fp32; each x * r rounded toward zero in fp32, then to the nearest E2M1 (ties to
     even, saturating at 6); a zero code has sign 0. A group holding a NaN gets the NaN scale
-    (byte 0x7F) and codes 7, so it dequantizes to NaN; infinities saturate.
+    (byte 0x7F) and codes 7, so it dequantizes to NaN (openmsa's rule: whether vLLM's writer,
+    whose maximum may skip NaN, does the same is not known); infinities saturate.
     """
     if keys.dim() != 2 or keys.shape[1] != HEAD_DIM:
         raise ValueError(f"keys must be [N, {HEAD_DIM}], got shape {tuple(keys.shape)}")

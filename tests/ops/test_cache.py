@@ -538,12 +538,14 @@ CFG_NVFP4 = openmsa.MSAConfig(num_heads=8, num_kv_heads=2, head_dim=64, num_inde
 NVFP4_INDEX_SLOTS = [30, -1, 2, 140, 200, 201, 255, -1]
 
 
-def _nvfp4_prepare(device, fn, seed=0):
+def _nvfp4_prepare(device, fn, seed=0, nan_token=None):
     """fn's fused_prepare of one step into a strided NVFP4 index cache: (q, index_q, the cache's
-    buffer, k_cache)."""
+    buffer, k_cache); nan_token: that token's index key input holds a NaN."""
     g = torch.Generator().manual_seed(seed)
     cfg, t = CFG_NVFP4, len(POSITIONS)
     qkv = (torch.randn(t, _width(cfg), generator=g) * 3).to(torch.bfloat16)
+    if nan_token is not None:
+        qkv[nan_token, -1] = float("nan")  # the index key is the last index_head_dim columns
     w = [(torch.randn(n, generator=g) * 0.2).to(torch.bfloat16) for n in (64, 64, 128, 128)]
     kc = torch.zeros(2, 128, 2, 64, dtype=torch.bfloat16)
     vc = torch.zeros_like(kc)
@@ -572,6 +574,12 @@ def test_fused_prepare_nvfp4_index_cache_is_bit_exact(kernel_device):
     assert (codes.reshape(256, 64)[untouched] == 0xAB).all()
     assert (scales.reshape(256, 8)[written] != 0xAB).any(-1).all()
     assert (pages[:, 9216:] == 0xAB).all()
+    # a NaN in a token's index key: its norm spreads it to every group, stored as NaN groups
+    _, _, buf, _ = _nvfp4_prepare(kernel_device, openmsa.fused_prepare, nan_token=2)
+    _, _, want, _ = _nvfp4_prepare("cpu", ref.fused_prepare, nan_token=2)
+    assert torch.equal(buf, want)
+    scales = openmsa.nvfp4.page_parts(want.as_strided((2, 128, 72), (NVFP4_STRIDE, 72, 1)))[1]
+    assert (scales.reshape(256, 8)[NVFP4_INDEX_SLOTS[2]] == 0x7F).all()
 
 
 @pytest.mark.gpu

@@ -385,6 +385,8 @@ def _tile(shape: IndexerShape, device: DeviceFacts, config: IndexerConfig, one_r
     per_split = max(1, -(-shape.max_blocks // splits))
     if per_split >= CH.value:
         bps = -(-per_split // CH.value) * CH.value
+    elif splits == 1:
+        bps = -(-per_split // SECTOR_BLOCKS) * SECTOR_BLOCKS  # one split whatever its size
     else:
         bps = _short_tile_bps(shape, device.num_sms, rows_t, tiles, CH.value)
     # a programmatic dependent of the request launch, waiting for it only at its end; alone,
@@ -403,14 +405,15 @@ def _short_tile_bps(shape: IndexerShape, num_sms: int, rows_t: int, tiles: int,
     tiles last first, scores_ws.py) on whichever SM frees first. A program holds its SM alone
     (its registers), so each start (WS_START_BLOCKS) is paid in full: shorter splits balance
     the causal triangle but pay more starts. The step is taken as one request whose last
-    num_tokens tokens are the chunk and which spans max_blocks blocks. (Splits this short mean
-    at most ~4 programs an SM at 8 blocks: a few thousand placements, ~1 ms of host time once
-    per planned shape.)"""
+    num_tokens tokens are the chunk and which spans max_blocks blocks, on SMs all free at the
+    start (a request launch before it may still hold some). With at least two splits of under a
+    chunk, the ws_waves rule made ~ws_waves programs an SM: at 8 blocks a few thousand
+    placements, ~1 ms of host time once per planned shape."""
     num_tokens, block = shape.num_tokens, shape.block_size
     context = max(shape.max_blocks * block - num_tokens, 0)
-    # blocks each tile's last token sees, longest first (the launch order)
-    seen = [(context + min((t + 1) * rows_t, num_tokens) - 1) // block + 1
-            for t in reversed(range(tiles))]
+    # blocks each tile's last token sees (at most the table's), longest first (launch order)
+    seen = [min((context + min((t + 1) * rows_t, num_tokens) - 1) // block + 1,
+                shape.max_blocks) for t in reversed(range(tiles))]
 
     def makespan(bps: int) -> float:
         free = [0.0] * num_sms
