@@ -365,8 +365,9 @@ def _indexer_nvfp4(args):
 
 def _indexer_prefill(args):
     """The prefill tile launch's knobs on 8K chunks (no context, 120K, ~1M; max_q_len = 8192 as
-    run.py passes it): select_blocks, and for fp8 at 120K block_scores alone (the scoring
-    launch plus the score tensor's -inf fill) and the selection launches alone."""
+    run.py passes it), and at TP4's one index head ("H1": no context, 8K, 32K): select_blocks,
+    for fp8 at 120K block_scores alone (the scoring launch plus the score tensor's -inf fill)
+    and for fp8 the selection launches alone."""
     # the Gluon tile launch's knobs (Hopper); the Triton tile launch's own (prefill_rows,
     # prefill_bps) apply where the Gluon one is not planned
     variants = pick(args, [{}, dict(ws_waves=2), dict(ws_waves=8),
@@ -375,14 +376,16 @@ def _indexer_prefill(args):
     print("indexer prefill variants:", variants)
     knobs = {}
     cases = []
-    for dname, ctx in (("fp8", 0), ("fp8", 120 * 1024), ("fp8", 1016 * 1024), ("bf16", 0),
-                       ("bf16", 120 * 1024), ("bf16", 1016 * 1024)):
-        chunk = f"{dname} 8K@{ctx // 1024}K"
+    for dname, ctx, heads in (("fp8", 0, 4), ("fp8", 120 * 1024, 4), ("fp8", 1016 * 1024, 4),
+                              ("bf16", 0, 4), ("bf16", 120 * 1024, 4), ("bf16", 1016 * 1024, 4),
+                              ("fp8", 0, 1), ("fp8", 8 * 1024, 1), ("fp8", 32 * 1024, 1)):
+        chunk = f"{dname} 8K@{ctx // 1024}K" + (" H1" if heads == 1 else "")
         names = [f"prefill {chunk}"] + ([f"scores {chunk}"] if chunk == "fp8 8K@120K" else [])
         names += [f"select {chunk}"] if dname == "fp8" else []
         if not any(wanted(args, name) for name in names):
             continue
-        q, cache, cu, seq, table = run._index_step(1, ctx + 8192, 8192, 4, run.DTYPES[dname])
+        q, cache, cu, seq, table = run._index_step(1, ctx + 8192, 8192, heads,
+                                                   run.DTYPES[dname])
         if wanted(args, f"prefill {chunk}"):
             cases.append((f"prefill {chunk}",
                           (lambda q=q, cache=cache, cu=cu, seq=seq, table=table:
