@@ -91,9 +91,11 @@ def _nvfp4_keys(cache_ptr, page, page_ok, stride_cp, BLOCK: tl.constexpr, DI: tl
     scales = tl.load(base + BLOCK * (DI // 2) + tok[:, None] * GROUPS + g[None, :], mask=page_ok,
                      other=0)  # uint8 [BLOCK, GROUPS]
     s = scales.to(tl.float8e4nv, bitcast=True).to(tl.float16) * 64.0
-    # E4M3's NaN bytes (a group written from a NaN key) made NaN by a compare: Triton's
-    # interpreter converts fp8 bit by bit and would read them as 480
-    s = tl.where((scales & 0x7F) == 0x7F, float("nan"), s)
+    if not PTX:
+        # E4M3's NaN bytes (a group written from a NaN key) made NaN by a compare: Triton's
+        # interpreter converts fp8 bit by bit and would read them as 480 (NVIDIA's cvt gives
+        # NaN itself)
+        s = tl.where((scales & 0x7F) == 0x7F, float("nan"), s)
     if PTX:
         # (NVIDIA GPUs: the bit moves on 4 code bytes at once, PTX's prmt and paired cvt; the
         # interpreter and ROCm take the tl form below, the same values)
