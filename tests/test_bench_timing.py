@@ -114,3 +114,26 @@ def test_grid_restriction_keeps_only_named_values(monkeypatch):
     run._restrict_grids("batches", {32, 64})
     assert grids["a"] == dict(contexts=(2, 3), batches=(32,))
     assert grids["b"] == dict(contexts=(5,))
+
+
+def test_dtype_restriction_and_unknown_names(monkeypatch):
+    """--dtypes restricts the peers' and the openmsa-only dtypes together (a grid naming none of
+    them keeps its own); an unknown name is refused by name."""
+    import subprocess
+
+    import shapes
+    for name, value in list(vars(shapes).items()):
+        if isinstance(value, dict):
+            monkeypatch.setattr(shapes, name, dict(value))
+    grids = {"a": dict(dtypes=("bf16", "fp8"), openmsa_only_dtypes=("nvfp4",)),
+             "b": dict(dtypes=("bf16",))}
+    for name, grid in grids.items():
+        monkeypatch.setattr(shapes, f"_TEST_GRID_{name}", grid, raising=False)
+    run._restrict_dtypes({"nvfp4"})
+    assert grids["a"] == dict(dtypes=(), openmsa_only_dtypes=("nvfp4",))
+    assert grids["b"] == dict(dtypes=("bf16",))
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         "benchmarks", "run.py")
+    done = subprocess.run([sys.executable, bench, "--dry-run", "--dtypes", "fp8,fp9"],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "unknown dtypes ['fp9']" in done.stderr
