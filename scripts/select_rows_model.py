@@ -8,10 +8,10 @@ this is where a change to the search is tried before a device call.
 
 Prints the number of mismatches with `reference.select_from_scores` on random rows (normal,
 integer and special values: NaN, +-inf, -0.0; topk, init, local and widths varied), then, per
-number of value-midpoint steps V (the kernel's VALUE_STEPS), the search's steps on rows of
-17-64 blocks: per row, and the largest of 8 consecutive rows (a warp of TPR = 4 threads per row
-runs until its slowest row ends). `--bench` counts the same on the rows of the benchmark's
-no-context fp8 chunk (8192 tokens, 4 index heads, normal queries and keys cast to fp8, as
+number of candidates a step (the kernel's CANDS: 1, bisection, or 3, quarters) and of
+value-midpoint steps V (its VALUE_STEPS), the search's steps on rows of 17-64 blocks: per row,
+and the largest of 8 consecutive rows (a warp of TPR = 4 threads per row runs until its slowest
+row ends). `--bench` counts the same on the rows of the benchmark's no-context fp8 chunk (8192 tokens, 4 index heads, normal queries and keys cast to fp8, as
 benchmarks/run.py's _index_step draws them).
 """
 
@@ -33,7 +33,20 @@ def value(k: int) -> np.float32:
     return np.int32(bits).view(np.float32)
 
 
-def select_row(s, n, topk, init, local, groups, width, value_steps, steps_out):
+def midpoint(lo: int, hi: int, by_value: bool) -> int:
+    """The search's candidate in [lo, hi): the keys' midpoint, or the values' where by_value and
+    it lies strictly inside."""
+    mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)
+    if by_value:
+        lo_v, hi_v = value(lo), value(hi)
+        with np.errstate(all="ignore"):
+            v = np.float32(lo_v * np.float32(0.5) + hi_v * np.float32(0.5))
+        if np.isfinite(lo_v) and np.isfinite(hi_v) and lo < key(v) < hi:
+            mid = key(v)
+    return mid
+
+
+def select_row(s, n, topk, init, local, groups, width, value_steps, steps_out, cands=1):
     """select_rows.py's selection of one row (scores s, n causal blocks); ids, -1 padded."""
     seg = groups * width
     b = np.arange(seg)
@@ -57,21 +70,20 @@ def select_row(s, n, topk, init, local, groups, width, value_steps, steps_out):
         step = 0
         searching = lo + 1 < hi
         while searching:
-            mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)
-            if step < value_steps:
-                lo_v, hi_v = value(lo), value(hi)
-                with np.errstate(all="ignore"):
-                    by_value = np.float32(lo_v * np.float32(0.5) + hi_v * np.float32(0.5))
-                if np.isfinite(lo_v) and np.isfinite(hi_v) and lo < key(by_value) < hi:
-                    mid = key(by_value)
+            # cands candidates a step (1 or 3): each splits its interval at its midpoint, so 3
+            # split [lo, hi) into quarters
+            m2 = midpoint(lo, hi, step < value_steps)
+            mids = [m2] if cands == 1 else [midpoint(lo, m2, step < value_steps), m2,
+                                              midpoint(m2, hi, step < value_steps)]
             step += 1
             with np.errstate(invalid="ignore"):
-                count = int(np.sum(v >= value(mid)))
-            if count >= k2:
-                lo = mid
-            else:
-                hi = mid
-            searching = count != k2 and lo + 1 < hi
+                counts = [int(np.sum(v >= value(m))) for m in mids]
+            lo_count = -1
+            for m, count in zip(mids, counts):
+                if count >= k2:
+                    lo, lo_count = m, count
+            hi = next((m for m, count in zip(mids, counts) if count < k2), hi)
+            searching = lo_count != k2 and lo + 1 < hi
         steps_out.append(step)
         t = value(lo)
         with np.errstate(invalid="ignore"):
@@ -102,15 +114,18 @@ def chunk_scores(tokens=8192, heads=4, dim=128, block=128, seed=0) -> np.ndarray
 def main_bench(heads=4, block=128):
     rows = chunk_scores(heads=heads, block=block)
     n = np.arange(rows.shape[0]) // heads // block + 1
-    steps = np.zeros(len(n), int)
-    for i in range(len(n)):
-        out = []
-        select_row(rows[i], int(n[i]), 16, 0, 1, 16, rows.shape[1] // 16, 8, out)
-        steps[i] = out[0] if out else 0
-    searched = n > 16
-    warp = steps.reshape(-1, 8).max(1)[searched.reshape(-1, 8).any(1)]
-    print(f"rows searched {searched.sum()}: steps per row {steps[searched].mean():.2f} (max "
-          f"{steps.max()}), per 8-row warp {warp.mean():.2f}")
+    for cands, value_steps in ((1, 8), (3, 4), (3, 8)):
+        steps = np.zeros(len(n), int)
+        for i in range(len(n)):
+            out = []
+            select_row(rows[i], int(n[i]), 16, 0, 1, 16, rows.shape[1] // 16, value_steps, out,
+                       cands)
+            steps[i] = out[0] if out else 0
+        searched = n > 16
+        warp = steps.reshape(-1, 8).max(1)[searched.reshape(-1, 8).any(1)]
+        print(f"cands {cands} V={value_steps}: rows searched {searched.sum()}: steps per row "
+              f"{steps[searched].mean():.2f} (max {steps.max()}), per 8-row warp "
+              f"{warp.mean():.2f}")
 
 
 def main():
@@ -137,24 +152,24 @@ def main():
                 s[(m >= 0.1) & (m < 0.2)] = -np.inf
                 s[(m >= 0.2) & (m < 0.25)] = np.inf
                 s[(m >= 0.25) & (m < 0.4)] = -0.0
-        got = select_row(s, n, topk, init, local, groups, seg // groups, 8, [])
+        got = select_row(s, n, topk, init, local, groups, seg // groups, 8, [], 1 + 2 * (trial % 2))
         want = reference.select_from_scores(
             torch.from_numpy(s).view(1, 1, width), torch.tensor([n * 128 - 1 if n else -1]),
             topk=topk, init_blocks=init, local_blocks=local, block_size=128)[0, 0].numpy()
         trials += 1
         bad += not np.array_equal(got, want)
     print(f"mismatches: {bad} of {trials} rows")
-    for value_steps in (0, 4, 8, 99):
+    for cands, value_steps in ((1, 0), (1, 8), (3, 4), (3, 8), (3, 99)):
         for dist in ("normal", "uniform", "integer"):
             steps = []
             for n in range(17, 65):
                 for _ in range(30):
                     s = (rng.standard_normal(64) if dist == "normal" else rng.random(64)
                          if dist == "uniform" else rng.integers(-3, 4, 64)).astype(np.float32)
-                    select_row(s, n, 16, 0, 1, 16, 4, value_steps, steps)
+                    select_row(s, n, 16, 0, 1, 16, 4, value_steps, steps, cands)
             st = np.array(steps)
             warp = st[:len(st) // 8 * 8].reshape(-1, 8).max(1)
-            print(f"V={value_steps:2d} {dist:8s} steps per row: mean {st.mean():.1f}, p95 "
+            print(f"cands {cands} V={value_steps:2d} {dist:8s} steps per row: mean {st.mean():.1f}, p95 "
                   f"{np.percentile(st, 95):.0f}, max {st.max()}; slowest of 8: mean "
                   f"{warp.mean():.1f}")
 

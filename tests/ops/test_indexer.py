@@ -493,10 +493,10 @@ def test_block_scores_ws_kernel_compiles(dtype, heads):
 
 @pytest.mark.reference
 @compiled
-@pytest.mark.parametrize("g, w, vec, tpr, warps", [(16, 4, 4, 4, 1), (16, 4, 4, 1, 1),
-                                                  (16, 1, 4, 2, 2), (8, 1, 1, 4, 1),
-                                                  (64, 1, 4, 4, 1), (16, 64, 4, 32, 1)])
-def test_short_rows_topk_kernel_compiles(g, w, vec, tpr, warps):
+@pytest.mark.parametrize("g, w, vec, tpr, warps, cands", [
+    (16, 4, 4, 4, 1, 1), (16, 4, 4, 4, 1, 3), (16, 4, 4, 1, 1, 1), (16, 1, 4, 2, 2, 3),
+    (8, 1, 1, 4, 1, 1), (64, 1, 4, 4, 1, 1), (16, 64, 4, 32, 1, 1), (16, 64, 4, 32, 1, 3)])
+def test_short_rows_topk_kernel_compiles(g, w, vec, tpr, warps, cands):
     # the selection with a row in tpr threads (indexer/select_rows.py): a row's counts cross
     # only its threads (no shared memory with one warp, shuffles only with tpr > 1 or several
     # warps), no spills, the counts' comparisons as PTX `set`; with VEC = 4 on 16-divisible
@@ -507,7 +507,7 @@ def test_short_rows_topk_kernel_compiles(g, w, vec, tpr, warps):
 
     from openmsa.ops.indexer.select_rows import _short_rows_topk_kernel as fn
     constexprs = dict(H=4, TOPK=min(16, g * w), KP=16, INIT=0, LOCAL=1, BLOCK=128, G=g, W=w,
-                      VEC=vec, TPR=tpr, num_warps=warps, stride_sb=1)
+                      VEC=vec, TPR=tpr, CANDS=cands, num_warps=warps, stride_sb=1)
     aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
                for n in ("scores_ptr", "out_ptr", "stride_st", "stride_sh")}
     k = _compile(fn, dict(scores_ptr=F32, out_ptr=I32, cu_ptr=I32, seq_lens_ptr=I32), {},
@@ -815,7 +815,8 @@ def test_short_rows_selection_exact(topk, init, local, heads, extra, tpr, wide):
     verify, a request with q_len > seq_len and one with no token, padding tokens; integer
     scores (ties the rule decides) with NaN, -inf, +inf and -0.0 among them, a row of one
     value; transposed scores and out (strided, and scalar loads where 4 does not divide the
-    width); `wide`, rows of up to ~940 blocks (16 or more per thread, a warp per row)."""
+    width); `wide`, rows of up to ~940 blocks (16 or more per thread, a warp per row), whose
+    search counts one candidate a step where rows of <= 64 blocks count three."""
     config = _config(select_short_tpr=tpr)
     seq_lens = [700, 120000, 3000, 60000, 3, 128] if wide else [700, 5000, 3000, 2003, 3, 128]
     step = make_step([700, 300, 1, 4, 5, 0], seq_lens, block_size=GB, extra_columns=extra,

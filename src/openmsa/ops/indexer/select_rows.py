@@ -19,8 +19,9 @@ forced init/local blocks, then the best by score, ties to the lower block, NaN a
 ascending ids, -1 padded), found differently: the forced
 blocks are known from n, so only the K2 = TOPK - INIT - LOCAL best of the other blocks are
 searched for, on their float values with forced and absent blocks as NaN (which no comparison
-counts), by bisecting an interval of keys (floats as order-preserving ints) between a lower
-bound and the largest value, first at the interval's value midpoint (see the loop).
+counts), by searching an interval of keys (floats as order-preserving ints) between a lower
+bound and the largest value, first at the interval's value midpoints, one candidate a step
+(bisection) or three (quarters, on rows of <= 64 blocks; see the loop).
 
 Used on Hopper with the Gluon the other kernels are tested on (plan.py, `_short_rows`),
 for launches of many rows (the threshold path) whose rows have at most 1024 blocks; the
@@ -31,9 +32,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from ..common.gluon_utils import token_position, wait_prerequisites
-
-# steps of the search that bisect the interval's values before it bisects its keys
-VALUE_STEPS = gl.constexpr(8)
 
 @gluon.jit
 def _key(x):
@@ -47,6 +45,21 @@ def _key(x):
 def _value(key):
     """The fp32 of a key (_key's inverse)."""
     return gl.where(key < 0, key ^ 0x7FFFFFFF, key).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _midpoint(lo, hi, by_value):
+    """The search's candidate in [lo, hi) (keys, hi >= lo + 2): the values' midpoint where
+    by_value and it falls strictly inside, else the keys' midpoint."""
+    # (floor of (lo + hi) / 2 without overflow)
+    mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)
+    if by_value:
+        lo_v = _value(lo)
+        hi_v = _value(hi)
+        by_v = _key(lo_v * 0.5 + hi_v * 0.5)
+        finite = (gl.abs(lo_v) < float("inf")) & (gl.abs(hi_v) < float("inf"))
+        mid = gl.where(finite & (by_v > lo) & (by_v < hi), by_v, mid)
+    return mid
 
 
 @gluon.jit
@@ -81,7 +94,7 @@ def _short_rows_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_reque
                             stride_ok, H: gl.constexpr, TOPK: gl.constexpr, KP: gl.constexpr,
                             INIT: gl.constexpr, LOCAL: gl.constexpr, BLOCK: gl.constexpr,
                             G: gl.constexpr, W: gl.constexpr, VEC: gl.constexpr, TPR: gl.constexpr,
-                            num_warps: gl.constexpr):
+                            CANDS: gl.constexpr, num_warps: gl.constexpr):
     # a row's SEG = G * W blocks in TPR threads' registers, SEG / TPR contiguous ones each
     SEG: gl.constexpr = G * W
     row_l: gl.constexpr = gl.BlockedLayout([1, SEG // TPR], [32 // TPR, TPR], [num_warps, 1],
@@ -129,7 +142,9 @@ def _short_rows_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_reque
     # the values' midpoint does not split the keys), stopping once exactly K2 values reach a
     # candidate. Value midpoints (the first VALUE_STEPS steps) take 5-6 steps on random rows of
     # 17-64 normal or uniform scores where the bisection of keys takes 6-9: keys are
-    # logarithmic in the value (offline model of this loop, docs/performance.md).
+    # logarithmic in the value. With CANDS = 3 a step counts three candidates at once, the
+    # quarters of the interval: 3.1 steps a row where bisection takes 5.6 (scripts/
+    # select_rows_model.py --bench; a warp's slowest of 8 rows, 4.7 where it took 9.0).
     K2: gl.constexpr = TOPK - INIT - LOCAL
     high = gl.max(v, axis=1)  # (max and min skip NaN)
     # (-0.0 as +0.0: the key above -0.0's is +0.0, an equal value)
@@ -143,24 +158,40 @@ def _short_rows_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_reque
                    gl.min(v, axis=1))
     lo = _key(low)
     searching = (n > TOPK) & (K2 > 0) & (lo + 1 < hi)
+    # value midpoints only for the first steps: halving values toward a tie at 0.0 would take
+    # ~150 steps down the subnormals, where halving keys ends in 32 (8 halvings either way)
+    VALUE_STEPS: gl.constexpr = 8 if CANDS == 1 else 4
     step = 0
     while gl.max(searching.to(gl.int32), axis=0) > 0:
-        # (floor of (lo + hi) / 2 without overflow)
-        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)
-        if step < VALUE_STEPS:
-            # the values' midpoint; not for ever: halving values toward a tie at 0.0 would take
-            # ~150 steps down the subnormals, where halving keys ends in 32
-            lo_v = _value(lo)
-            hi_v = _value(hi)
-            by_value = _key(lo_v * 0.5 + hi_v * 0.5)
-            finite = (gl.abs(lo_v) < float("inf")) & (gl.abs(hi_v) < float("inf"))
-            mid = gl.where(finite & (by_value > lo) & (by_value < hi), by_value, mid)
+        by_value = step < VALUE_STEPS
         step += 1
-        count = _count(v, gl.expand_dims(_value(mid), 1), "ge")
-        reach = count >= K2
-        lo = gl.where(searching & reach, mid, lo)
-        hi = gl.where(searching & (reach == 0), mid, hi)
-        searching = searching & (count != K2) & (lo + 1 < hi)
+        mid = _midpoint(lo, hi, by_value)
+        if CANDS == 1:
+            count = _count(v, gl.expand_dims(_value(mid), 1), "ge")
+            reach = count >= K2
+            lo = gl.where(searching & reach, mid, lo)
+            hi = gl.where(searching & (reach == 0), mid, hi)
+            searching = searching & (count != K2) & (lo + 1 < hi)
+        else:
+            # three candidates split the interval into quarters: the new interval lies between
+            # the highest candidate that K2 values reach and the next one up; the counts are
+            # independent, so a step takes little longer than a one-candidate step and the
+            # search about half the steps (scripts/select_rows_model.py)
+            quarter = _midpoint(lo, mid, by_value)
+            three_q = _midpoint(mid, hi, by_value)
+            c_q1 = _count(v, gl.expand_dims(_value(quarter), 1), "ge")
+            c_mid = _count(v, gl.expand_dims(_value(mid), 1), "ge")
+            c_q3 = _count(v, gl.expand_dims(_value(three_q), 1), "ge")
+            r_q1 = c_q1 >= K2
+            r_mid = c_mid >= K2
+            r_q3 = c_q3 >= K2
+            new_lo = gl.where(r_q3, three_q, gl.where(r_mid, mid, gl.where(r_q1, quarter, lo)))
+            # the count at the new lo (-1: lo unmoved, its count not taken this step)
+            at_lo = gl.where(r_q3, c_q3, gl.where(r_mid, c_mid, gl.where(r_q1, c_q1, -1)))
+            new_hi = gl.where(r_q1, gl.where(r_mid, gl.where(r_q3, hi, three_q), mid), quarter)
+            lo = gl.where(searching, new_lo, lo)
+            hi = gl.where(searching, new_hi, hi)
+            searching = searching & (at_lo != K2) & (lo + 1 < hi)
     thresh = gl.expand_dims(_value(lo), 1)
     # the forced blocks are the live ones not searched (v NaN, which no comparison passes); a
     # row of n <= TOPK takes all its live blocks (a threshold of -inf, which every searched
