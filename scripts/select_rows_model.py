@@ -11,7 +11,8 @@ integer and special values: NaN, +-inf, -0.0; topk, init, local and widths varie
 number of candidates a step (the kernel's CANDS: 1, bisection, or 3, quarters) and of
 value-midpoint steps V (its VALUE_STEPS), the search's steps on rows of 17-64 blocks: per row,
 and the largest of 8 consecutive rows (a warp of TPR = 4 threads per row runs until its slowest
-row ends). `--bench` counts the same on the rows of the benchmark's no-context fp8 chunk (8192 tokens, 4 index heads, normal queries and keys cast to fp8, as
+row ends). `--bench` counts the same on the rows of the benchmark's no-context fp8 chunk
+(8192 tokens, 4 index heads, normal queries and keys cast to fp8, as
 benchmarks/run.py's _index_step draws them).
 """
 
@@ -169,7 +170,8 @@ def main():
                     select_row(s, n, 16, 0, 1, 16, 4, value_steps, steps, cands)
             st = np.array(steps)
             warp = st[:len(st) // 8 * 8].reshape(-1, 8).max(1)
-            print(f"cands {cands} V={value_steps:2d} {dist:8s} steps per row: mean {st.mean():.1f}, p95 "
+            print(f"cands {cands} V={value_steps:2d} {dist:8s} steps per row: mean "
+                  f"{st.mean():.1f}, p95 "
                   f"{np.percentile(st, 95):.0f}, max {st.max()}; slowest of 8: mean "
                   f"{warp.mean():.1f}")
 

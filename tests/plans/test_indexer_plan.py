@@ -85,8 +85,8 @@ def test_selection_chunks(tokens, blocks, chunk):
 def test_short_rows_selection_plan(tokens, blocks, topk, want):
     """Launches of many rows of at most select_short_max blocks select on Hopper with
     select_rows.py's kernel (G groups of W blocks, TPR threads per row, 16-byte loads when 4
-    divides the width, CANDS candidates a search step); others, other GPUs and select_short_max 0 keep select.py's
-    launches."""
+    divides the width, CANDS candidates a search step); others, other GPUs and
+    select_short_max 0 keep select.py's launches."""
 
     def short(facts=H200, config=DEFAULT):
         launch = selection_plan(_shape(tokens, blocks=blocks, topk=topk), facts,
