@@ -82,8 +82,11 @@ def indexer_prefill(base, args):
     chunk = grid["chunk"]
     for model_name in ("m3-tp1", "m3-tp4"):
         heads = shapes.MODELS[model_name].num_index_heads
+        # TP4 at short contexts too (shapes.INDEXER_PREFILL_SHORT)
+        contexts = sorted({*grid["contexts"], *(shapes.INDEXER_PREFILL_SHORT["contexts"]
+                                                if model_name == "m3-tp4" else ())})
         for dname in grid["dtypes"]:
-            for context in grid["contexts"]:
+            for context in contexts:
                 q, cache, cu, seq, table = run._index_step(1, context + chunk, chunk, heads,
                                                            run.DTYPES[dname])
                 outs = [torch.empty(chunk, heads, 16, dtype=torch.int32, device="cuda")
