@@ -153,7 +153,9 @@ def main():
                 s[(m >= 0.1) & (m < 0.2)] = -np.inf
                 s[(m >= 0.2) & (m < 0.25)] = np.inf
                 s[(m >= 0.25) & (m < 0.4)] = -0.0
-        got = select_row(s, n, topk, init, local, groups, seg // groups, 8, [], 1 + 2 * (trial % 2))
+        # (one candidate a step on even trials, three on odd)
+        got = select_row(s, n, topk, init, local, groups, seg // groups, 8, [],
+                         1 + 2 * (trial % 2))
         want = reference.select_from_scores(
             torch.from_numpy(s).view(1, 1, width), torch.tensor([n * 128 - 1 if n else -1]),
             topk=topk, init_blocks=init, local_blocks=local, block_size=128)[0, 0].numpy()
