@@ -911,6 +911,29 @@ def test_short_rows_prefill_and_graph_replay(c_dtype):
                                              config=no_short), eager)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("context, want_bps", [(0, 10), (8192, 26)])
+def test_short_tile_splits_of_any_size(context, want_bps):
+    """TP4's 8K chunk (one index head) with little context: the Gluon tile launch's splits are
+    as long as plan._short_tile_bps finds fastest, not whole 8-block sectors of a score row,
+    so neighbouring programs write parts of one sector; scores exact against the reference on
+    integer inputs, and the selection too."""
+    step = make_step([8192], [8192 + context], block_size=GB, pad_tokens=3)
+    q, c = random_index_inputs(step, num_heads=1, head_dim=128, block_size=GB, q_dtype=FP8,
+                               cache_dtype=FP8, integer=True)
+    d = cuda_step(step)
+    qd, cd, dargs = q.cuda(), c.cuda(), (d.cu_seqlens_q, d.seq_lens, d.block_table)
+    p = plan(indexer_api._shape(qd, cd, d.seq_lens, d.block_table, GB, None),
+             DeviceFacts.of(torch.device("cuda")))
+    assert p.find("scores_tile_ws").params["bps"] == want_bps
+    want = ref.block_scores(q, c, step.cu_seqlens_q, step.seq_lens, step.block_table,
+                            block_size=GB)
+    assert torch.equal(openmsa.block_scores(qd, cd, *dargs, block_size=GB).cpu(), want)
+    want_sel = ref.select_blocks(q, c, step.cu_seqlens_q, step.seq_lens, step.block_table,
+                                 block_size=GB)
+    assert torch.equal(openmsa.select_blocks(qd, cd, *dargs, block_size=GB).cpu(), want_sel)
+
+
 # --------------------------------------------------------------- NVFP4 index caches (nvfp4.py)
 def _nvfp4_cache(num_pages, page_stride=None, generator=None, device="cpu"):
     """An NVFP4 cache of random keys, pages `page_stride` bytes apart (9216: packed), quantized

@@ -407,30 +407,46 @@ def _tile(shape: IndexerShape, device: DeviceFacts, config: IndexerConfig, one_r
 
 def _short_tile_bps(shape: IndexerShape, num_sms: int, rows_t: int, tiles: int,
                     chunk: int) -> int:
-    """Blocks per split of the Gluon tile launch at short contexts: the multiple of
-    SECTOR_BLOCKS up to a chunk whose programs end first, placed in launch order (each split's
-    tiles last first, scores_ws.py) on whichever SM frees first. A program holds its SM alone
+    """Blocks per split of the Gluon tile launch at short contexts: the count from SECTOR_BLOCKS
+    up to a chunk whose programs end first, placed in launch order (each split's tiles last
+    first, scores_ws.py) on whichever SM frees first. A program holds its SM alone
     (its registers), so each start (WS_START_BLOCKS) is paid in full: shorter splits balance
     the causal triangle but pay more starts. The step is taken as one request whose last
     num_tokens tokens are the chunk and which spans max_blocks blocks, on SMs all free at the
     start (a request launch before it may still hold some). With at least two splits of under a
     chunk, the ws_waves rule made ~ws_waves programs an SM: at 8 blocks a few thousand
-    placements, ~1 ms of host time once per planned shape."""
+    placements, a few of the sizes placed (the others' bounds lose), ~1 ms of host time once
+    per planned shape."""
     num_tokens, block = shape.num_tokens, shape.block_size
     context = max(shape.max_blocks * block - num_tokens, 0)
     # blocks each tile's last token sees (at most the table's), longest first (launch order)
     seen = [min((context + min((t + 1) * rows_t, num_tokens) - 1) // block + 1,
                 shape.max_blocks) for t in reversed(range(tiles))]
 
-    def makespan(bps: int) -> float:
-        free = [0.0] * num_sms
-        for first in range(0, shape.max_blocks, bps):
-            for n in seen:
-                n = min(bps, n - first)
-                heapq.heapreplace(free, free[0] + (WS_START_BLOCKS + n if n > 0
-                                                   else WS_EMPTY_BLOCKS))
+    def costs(bps: int) -> list[int]:
+        return [WS_START_BLOCKS + min(bps, n - first) if n > first else WS_EMPTY_BLOCKS
+                for first in range(0, shape.max_blocks, bps) for n in seen]
+
+    def makespan(programs: list[int]) -> int:
+        free = [0] * num_sms
+        for cost in programs:
+            heapq.heapreplace(free, free[0] + cost)
         return max(free)
-    return min(range(SECTOR_BLOCKS, chunk + 1, SECTOR_BLOCKS), key=makespan)
+
+    # placed in the order of a bound (the longest program, or the work spread evenly), and
+    # only while the bound could beat the best found (ties to the shorter split): a few of the
+    # 25 sizes are placed
+    bounded = []
+    for bps in range(SECTOR_BLOCKS, chunk + 1):
+        programs = costs(bps)
+        bounded.append((max(max(programs), -(-sum(programs) // num_sms)), bps, programs))
+    best = None
+    for bound, bps, programs in sorted(bounded, key=lambda b: b[:2]):
+        if best is not None and (bound, bps) >= best:
+            break
+        span = (makespan(programs), bps)
+        best = span if best is None else min(best, span)
+    return best[1]
 
 
 def _nvfp4_request(shape: IndexerShape, device: DeviceFacts, config: IndexerConfig,
