@@ -20,8 +20,9 @@ whole 128-key blocks and 3 stages, 185 / 139 KB for bf16). Count before you meas
                                   # with a warp-wide sum, REDUX)
     python3 benchmarks/resources.py --sass rows:16,4,4,1   # the short-row selection (Gluon,
                                   # select_rows.py: groups, blocks per group, threads per row,
-                                  # warps[, candidates a step]) and its
-                                  # search loop (the one with shuffles)
+                                  # warps[, sort: rows sorted, not
+                                  # searched]) and its search loop (the
+                                  # one with shuffles)
 
 With --sass each loop's line also counts its instructions on Hopper's ALU pipe (integer and
 logic operations, compares, selects, min/max: half rate, 2 warp instructions per cycle per SM).
@@ -148,14 +149,15 @@ def select_resources(path: str, seg: int, cap: int, warps: int, chunk: int = 0,
 
 
 def short_rows_resources(g: int, w: int, tpr: int, warps: int, sass: bool = False,
-                         cands: int = 1):
+                         sort: bool = False):
     """The selection of short rows (select_rows.py, Gluon): G groups of W blocks per row, TPR
     threads per row, as plan.py launches it for an 8K chunk with no context (16-byte
-    loads); with `sass`, its search loop (the one whose counts cross threads: SHFL)."""
+    loads), rows sorted or searched; with `sass`, its search loop (the one whose counts cross
+    threads: SHFL)."""
     from openmsa.ops.indexer.select_rows import _short_rows_topk_kernel
     ptrs = dict(scores_ptr="*fp32", cu_ptr="*i32", seq_lens_ptr="*i32", out_ptr="*i32")
     constexprs = dict(H=4, TOPK=16, KP=16, INIT=0, LOCAL=1, BLOCK=128, G=g, W=w, VEC=4,
-                      TPR=tpr, CANDS=cands, stride_sb=1, stride_ok=1, num_warps=warps)
+                      TPR=tpr, SORT=sort, stride_sb=1, stride_ok=1, num_warps=warps)
     return _compile(_short_rows_topk_kernel, constexprs, ptrs, 1, warps, sass,
                     marker=r"\bSHFL", gluon=True)
 
@@ -236,7 +238,7 @@ if __name__ == "__main__":
             g, w, tpr, warps, *more = arg.split(":")[1].split(",")
             regs, spills, smem, per_sm, mix = short_rows_resources(
                 int(g), int(w), int(tpr), int(warps), sass=want_sass,
-                cands=int(more[0]) if more else 1)
+                sort=bool(more) and more[0] == "sort")
             print(f"rows   G {g} W {w} tpr {tpr} {warps:>5s}  {regs:9d} {spills:11d} "
                   f"{smem / 1024:7.1f} {min(per_sm, 32):12d}", flush=True)
             _print_loops(mix)

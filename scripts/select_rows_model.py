@@ -47,6 +47,15 @@ def midpoint(lo: int, hi: int, by_value: bool) -> int:
     return mid
 
 
+def split(lo: int, hi: int, cands: int, by_value: bool) -> list[int]:
+    """cands = 2^d - 1 candidates in [lo, hi), ascending: the midpoint, then those of the two
+    halves (d - 1 levels)."""
+    if cands == 0:
+        return []
+    m = midpoint(lo, hi, by_value)
+    return split(lo, m, cands // 2, by_value) + [m] + split(m, hi, cands // 2, by_value)
+
+
 def select_row(s, n, topk, init, local, groups, width, value_steps, steps_out, cands=1):
     """select_rows.py's selection of one row (scores s, n causal blocks); ids, -1 padded."""
     seg = groups * width
@@ -73,9 +82,7 @@ def select_row(s, n, topk, init, local, groups, width, value_steps, steps_out, c
         while searching:
             # cands candidates a step (1 or 3): each splits its interval at its midpoint, so 3
             # split [lo, hi) into quarters
-            m2 = midpoint(lo, hi, step < value_steps)
-            mids = [m2] if cands == 1 else [midpoint(lo, m2, step < value_steps), m2,
-                                              midpoint(m2, hi, step < value_steps)]
+            mids = split(lo, hi, cands, step < value_steps)
             step += 1
             with np.errstate(invalid="ignore"):
                 counts = [int(np.sum(v >= value(m))) for m in mids]
@@ -115,7 +122,7 @@ def chunk_scores(tokens=8192, heads=4, dim=128, block=128, seed=0) -> np.ndarray
 def main_bench(heads=4, block=128):
     rows = chunk_scores(heads=heads, block=block)
     n = np.arange(rows.shape[0]) // heads // block + 1
-    for cands, value_steps in ((1, 8), (3, 4), (3, 8)):
+    for cands, value_steps in ((1, 8), (3, 4), (3, 8), (7, 2), (7, 3), (7, 4), (15, 2)):
         steps = np.zeros(len(n), int)
         for i in range(len(n)):
             out = []
@@ -124,9 +131,10 @@ def main_bench(heads=4, block=128):
             steps[i] = out[0] if out else 0
         searched = n > 16
         warp = steps.reshape(-1, 8).max(1)[searched.reshape(-1, 8).any(1)]
+        warp4 = steps.reshape(-1, 4).max(1)[searched.reshape(-1, 4).any(1)]
         print(f"cands {cands} V={value_steps}: rows searched {searched.sum()}: steps per row "
               f"{steps[searched].mean():.2f} (max {steps.max()}), per 8-row warp "
-              f"{warp.mean():.2f}")
+              f"{warp.mean():.2f}, per 4-row warp {warp4.mean():.2f}")
 
 
 def main():

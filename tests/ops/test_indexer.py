@@ -493,10 +493,11 @@ def test_block_scores_ws_kernel_compiles(dtype, heads):
 
 @pytest.mark.reference
 @compiled
-@pytest.mark.parametrize("g, w, vec, tpr, warps, cands", [
-    (16, 4, 4, 4, 1, 1), (16, 4, 4, 4, 1, 3), (16, 4, 4, 1, 1, 1), (16, 1, 4, 2, 2, 3),
-    (8, 1, 1, 4, 1, 1), (64, 1, 4, 4, 1, 1), (16, 64, 4, 32, 1, 1), (16, 64, 4, 32, 1, 3)])
-def test_short_rows_topk_kernel_compiles(g, w, vec, tpr, warps, cands):
+@pytest.mark.parametrize("g, w, vec, tpr, warps, sort", [
+    (16, 4, 4, 4, 1, 0), (16, 4, 4, 4, 1, 1), (16, 4, 4, 8, 1, 1), (16, 4, 4, 1, 1, 0),
+    (16, 1, 4, 2, 2, 1), (8, 1, 1, 4, 1, 0), (8, 2, 1, 16, 1, 1), (64, 1, 4, 4, 1, 0),
+    (16, 64, 4, 32, 1, 0)])
+def test_short_rows_topk_kernel_compiles(g, w, vec, tpr, warps, sort):
     # the selection with a row in tpr threads (indexer/select_rows.py): a row's counts cross
     # only its threads (no shared memory with one warp, shuffles only with tpr > 1 or several
     # warps), no spills, the counts' comparisons as PTX `set`; with VEC = 4 on 16-divisible
@@ -507,7 +508,7 @@ def test_short_rows_topk_kernel_compiles(g, w, vec, tpr, warps, cands):
 
     from openmsa.ops.indexer.select_rows import _short_rows_topk_kernel as fn
     constexprs = dict(H=4, TOPK=min(16, g * w), KP=16, INIT=0, LOCAL=1, BLOCK=128, G=g, W=w,
-                      VEC=vec, TPR=tpr, CANDS=cands, num_warps=warps, stride_sb=1)
+                      VEC=vec, TPR=tpr, SORT=sort, num_warps=warps, stride_sb=1)
     aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
                for n in ("scores_ptr", "out_ptr", "stride_st", "stride_sh")}
     k = _compile(fn, dict(scores_ptr=F32, out_ptr=I32, cu_ptr=I32, seq_lens_ptr=I32), {},

@@ -72,26 +72,26 @@ def test_selection_chunks(tokens, blocks, chunk):
 
 
 @pytest.mark.parametrize("tokens, blocks, topk, want", [
-    (8192, 64, 16, (16, 4, 4, 4, 3)),   # an 8K chunk with no context: 4 threads per row
-    (2048, 64, 16, (16, 4, 4, 8, 3)),   # the same at TP4 (8192 rows): latency-bound, 8 threads
-    (4096, 50, 16, (16, 4, 1, 4, 3)),   # a width that 4 does not divide: scalar loads
-    (1024, 8, 16, (8, 1, 4, 8, 3)),     # fewer blocks than K: groups of one (never searched)
-    (2048, 64, 64, (64, 1, 4, 8, 3)),
-    (8192, 65, 16, (16, 8, 1, 8, 1)),   # wider rows: 16 blocks per thread, one candidate a step
-    (8192, 1000, 16, (16, 64, 4, 32, 1)),  # after 120K: a warp per row, 32 blocks per thread
+    (8192, 64, 16, (16, 4, 4, 4, True)),   # an 8K chunk with no context: 4 threads per row
+    (2048, 64, 16, (16, 4, 4, 8, True)),   # the same at TP4 (8192 rows): latency-bound, 8
+    (4096, 50, 16, (16, 4, 1, 4, True)),   # a width that 4 does not divide: scalar loads
+    (1024, 8, 16, (8, 1, 4, 8, True)),     # fewer blocks than K: groups of one (never searched)
+    (2048, 64, 64, (64, 1, 4, 8, True)),
+    (8192, 65, 16, (16, 8, 1, 8, False)),  # wider rows: 16 blocks per thread, searched
+    (8192, 1000, 16, (16, 64, 4, 32, False)),  # after 120K: a warp per row, 32 blocks a thread
     (8192, 1025, 16, None),          # past select_short_max
     (16, 64, 16, None),              # a decode step of few rows: the sort path
 ])
 def test_short_rows_selection_plan(tokens, blocks, topk, want):
     """Launches of many rows of at most select_short_max blocks select on Hopper with
     select_rows.py's kernel (G groups of W blocks, TPR threads per row, 16-byte loads when 4
-    divides the width, CANDS candidates a search step); others, other GPUs and
+    divides the width, rows of at most 64 blocks sorted, wider ones searched); others, other GPUs and
     select_short_max 0 keep select.py's launches."""
 
     def short(facts=H200, config=DEFAULT):
         launch = selection_plan(_shape(tokens, blocks=blocks, topk=topk), facts,
                                 config).find("select_short_rows")
-        return launch and tuple(launch.params[k] for k in ("G", "W", "VEC", "TPR", "CANDS"))
+        return launch and tuple(launch.params[k] for k in ("G", "W", "VEC", "TPR", "SORT"))
     assert short() == want
     if want:
         launch = selection_plan(_shape(tokens, blocks=blocks, topk=topk), H200, DEFAULT)

@@ -104,12 +104,11 @@ GROUP_CHUNK = 128
 # select_rows.py's warps per program. At most SHORT_LATENCY_ROWS rows per SM make its launch
 # latency-bound, a warp's search its time: a row then lies in twice select_short_tpr's threads
 # (TP4's 8K chunk with no context, 62 rows per SM, gained from 8 threads where TP1's, 248 rows
-# per SM, lost; 16 threads lost on TP4's rows of 65-128 blocks). Rows of at most SHORT_CANDS_MAX
-# blocks search three candidates a step: about half the steps, each little longer (wider rows
-# lost: a count there crosses more threads)
+# per SM, lost; 16 threads lost on TP4's rows of 65-128 blocks). Rows of at most SHORT_SORT_MAX
+# blocks are sorted instead of searched
 SHORT_WARPS = 1
 SHORT_LATENCY_ROWS = 64
-SHORT_CANDS_MAX = 64
+SHORT_SORT_MAX = 64
 
 
 @dataclass(frozen=True)
@@ -512,7 +511,7 @@ def _selection(shape: IndexerShape, device: DeviceFacts,
         return [Launch("select_short_rows", (-(-rows // (32 // tpr * SHORT_WARPS)),),
                        dict(H=num_heads, TOPK=topk, KP=kp, INIT=init, LOCAL=local, BLOCK=block,
                             G=g, W=width // g, VEC=4 if max_blocks % 4 == 0 else 1, TPR=tpr,
-                            CANDS=3 if width <= SHORT_CANDS_MAX else 1, num_warps=SHORT_WARPS,
+                            SORT=width <= SHORT_SORT_MAX, num_warps=SHORT_WARPS,
                             launch_pdl=True))], {}
     if not by_sort and kp <= 32 and max_blocks >= config.select_group_min_blocks:
         # select.py's group-bound path: at most 2 * KP reaching groups on the fast path

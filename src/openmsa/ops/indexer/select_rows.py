@@ -77,6 +77,46 @@ def _count(v, c, OP: gl.constexpr):
 
 
 @gluon.jit
+def _partner(x, J: gl.constexpr, VPT: gl.constexpr):
+    """Per element i of a [rows, SEG] tile (VPT contiguous elements a thread, a row's threads
+    adjacent lanes), element i ^ J of its row: another of the thread's registers (J < VPT), or
+    the same register of lane ^ (J / VPT), one shuffle."""
+    if J >= VPT:
+        return gl.inline_asm_elementwise(f"shfl.sync.bfly.b32 $0, $1, {J // VPT}, 0x1f, -1;",
+                                         "=f,f", [x], dtype=gl.float32, is_pure=True, pack=1)
+    else:
+        ROWS: gl.constexpr = x.shape[0]
+        SEG: gl.constexpr = x.shape[1]
+        pair = gl.permute(gl.reshape(x, [ROWS, SEG // (2 * J), 2, J]), [0, 1, 3, 2])
+        low, high = gl.split(pair)
+        swapped = gl.reshape(gl.permute(gl.join(high, low), [0, 1, 3, 2]), [ROWS, SEG])
+        return gl.convert_layout(swapped, x.type.layout)
+
+
+@gluon.jit
+def _exchange(x, b, K: gl.constexpr, J: gl.constexpr, VPT: gl.constexpr):
+    """A compare-exchange stage of _sorted: element i against i ^ J, in runs of K."""
+    p = _partner(x, J, VPT)
+    # the lower of a pair keeps the min in ascending runs ((i & K) == 0), the max in descending
+    # ones
+    take_min = ((b & J) == 0) == ((b & K) == 0)
+    return gl.where(take_min, gl.minimum(x, p), gl.maximum(x, p))
+
+
+@gluon.jit
+def _sorted(x, b, VPT: gl.constexpr, SEG: gl.constexpr):
+    """Each row of a [rows, SEG] tile (no NaN; SEG a power of 2 up to 1024, laid out as
+    _partner's, b its [1, SEG] column index) in ascending order: a bitonic network, log2(SEG)
+    (log2(SEG) + 1) / 2 compare-exchange stages (21 at 64), each a min, a max and a select per
+    element, with a shuffle where it crosses threads."""
+    for kk in gl.static_range(10):
+        if (2 << kk) <= SEG:
+            for jj in gl.static_range(kk + 1):
+                x = _exchange(x, b, 2 << kk, (2 << kk) >> (jj + 1), VPT)
+    return x
+
+
+@gluon.jit
 def _add(a, b):
     return a + b
 
@@ -94,7 +134,7 @@ def _short_rows_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_reque
                             stride_ok, H: gl.constexpr, TOPK: gl.constexpr, KP: gl.constexpr,
                             INIT: gl.constexpr, LOCAL: gl.constexpr, BLOCK: gl.constexpr,
                             G: gl.constexpr, W: gl.constexpr, VEC: gl.constexpr, TPR: gl.constexpr,
-                            CANDS: gl.constexpr, num_warps: gl.constexpr):
+                            SORT: gl.constexpr, num_warps: gl.constexpr):
     # a row's SEG = G * W blocks in TPR threads' registers, SEG / TPR contiguous ones each
     SEG: gl.constexpr = G * W
     row_l: gl.constexpr = gl.BlockedLayout([1, SEG // TPR], [32 // TPR, TPR], [num_warps, 1],
@@ -136,69 +176,54 @@ def _short_rows_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_reque
 
     # a row of n > TOPK blocks picks its INIT + LOCAL forced blocks (n > TOPK >= INIT + LOCAL:
     # they are distinct) and the K2 best of the others: the values above the K2-th largest,
-    # and of the values equal to it the lowest blocks. The K2-th largest is found by bisection
-    # of a key interval [lo, hi) with count(v >= lo) >= K2 > count(v >= hi), each candidate
-    # the midpoint of the interval's values (of its keys while a bound is infinite, or where
-    # the values' midpoint does not split the keys), stopping once exactly K2 values reach a
-    # candidate. Value midpoints (the first VALUE_STEPS steps) take 5-6 steps on random rows of
-    # 17-64 normal or uniform scores where the bisection of keys takes 6-9: keys are
-    # logarithmic in the value. With CANDS = 3 a step counts three candidates at once, the
-    # quarters of the interval: 3.1 steps a row where bisection takes 5.6 (scripts/
-    # select_rows_model.py --bench; a warp's slowest of 8 rows, 4.7 where it took 9.0).
+    # and of the values equal to it the lowest blocks.
     K2: gl.constexpr = TOPK - INIT - LOCAL
-    high = gl.max(v, axis=1)  # (max and min skip NaN)
-    # (-0.0 as +0.0: the key above -0.0's is +0.0, an equal value)
-    hi = _key(gl.where(high == 0.0, 0.0, high)) + 1
-    # lo: the smallest of G >= K2 group maxima (each such group holds a value at least that
-    # large), over the groups holding a searched value when K2 of them do; else the smallest
-    # value
-    group_max = gl.max(gl.reshape(v, [ROWS, G, W]), axis=2)
-    groups = gl.convert_layout(gl.sum((group_max == group_max).to(gl.int32), axis=1), r_l)
-    low = gl.where(groups >= K2, gl.convert_layout(gl.min(group_max, axis=1), r_l),
-                   gl.min(v, axis=1))
-    lo = _key(low)
-    searching = (n > TOPK) & (K2 > 0) & (lo + 1 < hi)
-    # value midpoints only for the first steps: halving values toward a tie at 0.0 would take
-    # ~150 steps down the subnormals, where halving keys ends in 32 (8 halvings either way)
-    VALUE_STEPS: gl.constexpr = 8 if CANDS == 1 else 4
-    step = 0
-    while gl.max(searching.to(gl.int32), axis=0) > 0:
-        by_value = step < VALUE_STEPS
-        step += 1
-        mid = _midpoint(lo, hi, by_value)
-        if CANDS == 1:
+    if SORT:
+        # rows of few blocks: the K2-th largest read off the sorted row (a fixed network, where
+        # a search's steps each wait on a count crossing the row's threads), forced and absent
+        # blocks as -inf below the >= K2 + 1 searched values of a row of n > TOPK
+        srt = _sorted(gl.where(v == v, v, float("-inf")), b, SEG // TPR, SEG)
+        kth = gl.max(gl.where(b == SEG - K2, srt, float("-inf")), axis=1)
+    else:
+        # the K2-th largest found by bisection of a key interval [lo, hi) with count(v >= lo)
+        # >= K2 > count(v >= hi), each candidate the midpoint of the interval's values (of its
+        # keys while a bound is infinite, or where the values' midpoint does not split the
+        # keys), stopping once exactly K2 values reach a candidate. Value midpoints (the first
+        # VALUE_STEPS steps) take 5-6 steps on random rows of 17-64 normal or uniform scores
+        # where the bisection of keys takes 6-9: keys are logarithmic in the value
+        # (scripts/select_rows_model.py).
+        high = gl.max(v, axis=1)  # (max and min skip NaN)
+        # (-0.0 as +0.0: the key above -0.0's is +0.0, an equal value)
+        hi = _key(gl.where(high == 0.0, 0.0, high)) + 1
+        # lo: the smallest of G >= K2 group maxima (each such group holds a value at least that
+        # large), over the groups holding a searched value when K2 of them do; else the
+        # smallest value
+        group_max = gl.max(gl.reshape(v, [ROWS, G, W]), axis=2)
+        groups = gl.convert_layout(gl.sum((group_max == group_max).to(gl.int32), axis=1), r_l)
+        low = gl.where(groups >= K2, gl.convert_layout(gl.min(group_max, axis=1), r_l),
+                       gl.min(v, axis=1))
+        lo = _key(low)
+        searching = (n > TOPK) & (K2 > 0) & (lo + 1 < hi)
+        # value midpoints only for the first steps: halving values toward a tie at 0.0 would
+        # take ~150 steps down the subnormals, where halving keys ends in 32 (8 halvings
+        # either way)
+        step = 0
+        while gl.max(searching.to(gl.int32), axis=0) > 0:
+            mid = _midpoint(lo, hi, step < 8)
+            step += 1
             count = _count(v, gl.expand_dims(_value(mid), 1), "ge")
             reach = count >= K2
             lo = gl.where(searching & reach, mid, lo)
             hi = gl.where(searching & (reach == 0), mid, hi)
             searching = searching & (count != K2) & (lo + 1 < hi)
-        else:
-            # three candidates split the interval into quarters: the new interval lies between
-            # the highest candidate that K2 values reach and the next one up; the counts are
-            # independent, so a step takes little longer than a one-candidate step and the
-            # search about half the steps (scripts/select_rows_model.py)
-            quarter = _midpoint(lo, mid, by_value)
-            three_q = _midpoint(mid, hi, by_value)
-            c_q1 = _count(v, gl.expand_dims(_value(quarter), 1), "ge")
-            c_mid = _count(v, gl.expand_dims(_value(mid), 1), "ge")
-            c_q3 = _count(v, gl.expand_dims(_value(three_q), 1), "ge")
-            r_q1 = c_q1 >= K2
-            r_mid = c_mid >= K2
-            r_q3 = c_q3 >= K2
-            new_lo = gl.where(r_q3, three_q, gl.where(r_mid, mid, gl.where(r_q1, quarter, lo)))
-            # the count at the new lo (-1: lo unmoved, its count not taken this step)
-            at_lo = gl.where(r_q3, c_q3, gl.where(r_mid, c_mid, gl.where(r_q1, c_q1, -1)))
-            new_hi = gl.where(r_q1, gl.where(r_mid, gl.where(r_q3, hi, three_q), mid), quarter)
-            lo = gl.where(searching, new_lo, lo)
-            hi = gl.where(searching, new_hi, hi)
-            searching = searching & (at_lo != K2) & (lo + 1 < hi)
-    thresh = gl.expand_dims(_value(lo), 1)
+        kth = _value(lo)
+    thresh = gl.expand_dims(kth, 1)
     # the forced blocks are the live ones not searched (v NaN, which no comparison passes); a
     # row of n <= TOPK takes all its live blocks (a threshold of -inf, which every searched
     # value reaches)
     forced = live & (v != v)
     if K2 > 0:
-        low_pick = gl.expand_dims(gl.where(n > TOPK, _value(lo), float("-inf")), 1)
+        low_pick = gl.expand_dims(gl.where(n > TOPK, kth, float("-inf")), 1)
         picked = live & ((v < low_pick) == 0)
     else:
         picked = live & ((v != v) | (gl.expand_dims(n, 1) <= TOPK))
