@@ -8,8 +8,10 @@ this is where a change to the search is tried before a device call.
 
 Prints the number of mismatches with `reference.select_from_scores` on random rows (normal,
 integer and special values: NaN, +-inf, -0.0; topk, init, local and widths varied), then, per
-number of candidates a step (the kernel's CANDS: 1, bisection, or 3, quarters) and of
-value-midpoint steps V (its VALUE_STEPS), the search's steps on rows of 17-64 blocks: per row,
+number of candidates a step (1: the kernel's bisection, which it keeps for rows of more than
+64 blocks; 2^d - 1: the interval split in 2^d parts, forms tried on rows of <= 64 blocks
+before those were sorted: docs/performance.md, "What was tried") and of
+value-midpoint steps V (the kernel takes 8), the search's steps on rows of 17-64 blocks: per row,
 and the largest of 8 consecutive rows (a warp of TPR = 4 threads per row runs until its slowest
 row ends). `--bench` counts the same on the rows of the benchmark's no-context fp8 chunk
 (8192 tokens, 4 index heads, normal queries and keys cast to fp8, as
@@ -80,8 +82,7 @@ def select_row(s, n, topk, init, local, groups, width, value_steps, steps_out, c
         step = 0
         searching = lo + 1 < hi
         while searching:
-            # cands candidates a step (1 or 3): each splits its interval at its midpoint, so 3
-            # split [lo, hi) into quarters
+            # cands = 2^d - 1 candidates a step split [lo, hi) into 2^d parts
             mids = split(lo, hi, cands, step < value_steps)
             step += 1
             with np.errstate(invalid="ignore"):

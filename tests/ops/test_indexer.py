@@ -817,8 +817,9 @@ def test_short_rows_selection_exact(topk, init, local, heads, extra, tpr, wide):
     verify, a request with q_len > seq_len and one with no token, padding tokens; integer
     scores (ties the rule decides) with NaN, -inf, +inf and -0.0 among them, a row of one
     value; transposed scores and out (strided, and scalar loads where 4 does not divide the
-    width); `wide`, rows of up to ~940 blocks (16 or more per thread, a warp per row), whose
-    search counts one candidate a step where rows of <= 64 blocks count three."""
+    width); `wide`, rows of up to ~940 blocks (16 or more per thread, a warp per row), searched
+    where rows of <= 64 blocks are sorted (tpr 1-8 doubled: 2-32 blocks per thread, stages in
+    registers and across threads)."""
     config = _config(select_short_tpr=tpr)
     seq_lens = [700, 120000, 3000, 60000, 3, 128] if wide else [700, 5000, 3000, 2003, 3, 128]
     step = make_step([700, 300, 1, 4, 5, 0], seq_lens, block_size=GB, extra_columns=extra,

@@ -8,7 +8,7 @@ with little context is many such rows: an 8K chunk with no context at 4 index he
 rows of 1-64 blocks, and their selection took ~22 µs beside ~40 of scoring (docs/performance.md,
 "Indexer prefill"). Here a row of SEG <= 64 blocks lies in TPR threads (SEG / TPR contiguous
 blocks each: 16-byte loads), so a count is a sum inside each thread and log2(TPR) shuffles,
-and a warp searches 32 / TPR rows at once. Triton cannot be told to lay a tile out that way (it
+a sort's stage across threads one shuffle a value, and a warp selects 32 / TPR rows at once. Triton cannot be told to lay a tile out that way (it
 spreads a 64-wide row over 16 lanes), hence Gluon. Wider rows (up to plan.py's select_short_max,
 1024: a chunk after ~120K tokens) lie 16 blocks per thread up to a warp per row (32 blocks
 per thread at 1024), in one pass where select.py reads a row twice and searches it bit by bit
@@ -18,10 +18,11 @@ The same selection as select.py (docs/spec.md, "Selection: forced blocks and the
 forced init/local blocks, then the best by score, ties to the lower block, NaN as -inf,
 ascending ids, -1 padded), found differently: the forced
 blocks are known from n, so only the K2 = TOPK - INIT - LOCAL best of the other blocks are
-searched for, on their float values with forced and absent blocks as NaN (which no comparison
-counts), by searching an interval of keys (floats as order-preserving ints) between a lower
-bound and the largest value, first at the interval's value midpoints, one candidate a step
-(bisection) or three (quarters, on rows of <= 64 blocks; see the loop).
+looked for, on their float values with forced and absent blocks as NaN (which no comparison
+counts): on rows of <= 64 blocks by sorting the row (a bitonic network in registers, its
+K2-th largest read off), on wider ones by searching an interval of keys (floats as
+order-preserving ints) between a lower bound and the largest value, first at the interval's
+value midpoints, one candidate a step; then ties to the lower blocks.
 
 Used on Hopper with the Gluon the other kernels are tested on (plan.py, `_short_rows`),
 for launches of many rows (the threshold path) whose rows have at most 1024 blocks; the
