@@ -496,7 +496,7 @@ def test_block_scores_ws_kernel_compiles(dtype, heads):
 @pytest.mark.parametrize("g, w, vec, tpr, warps, sort", [
     (16, 4, 4, 4, 1, 0), (16, 4, 4, 4, 1, 1), (16, 4, 4, 8, 1, 1), (16, 4, 4, 1, 1, 0),
     (16, 1, 4, 2, 2, 1), (8, 1, 1, 4, 1, 0), (8, 2, 1, 16, 1, 1), (64, 1, 4, 4, 1, 0),
-    (16, 64, 4, 32, 1, 0)])
+    (16, 8, 4, 8, 1, 1), (16, 64, 4, 32, 1, 0)])
 def test_short_rows_topk_kernel_compiles(g, w, vec, tpr, warps, sort):
     # the selection with a row in tpr threads (indexer/select_rows.py): a row's counts cross
     # only its threads (no shared memory with one warp, shuffles only with tpr > 1 or several
@@ -806,7 +806,7 @@ def _short_rows_on(num_rows, heads, width, topk, config=DEFAULT):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("wide", [0, 1, 2])
 @pytest.mark.parametrize("topk, init, local, heads, extra, tpr", [
     (16, 0, 1, 4, 0, 4), (16, 1, 2, 4, 3, 1), (4, 0, 1, 1, 1, 8), (64, 2, 3, 2, 0, 4),
     (8, 1, 1, 4, 8, 2), (3, 1, 2, 2, 0, 4)])
@@ -817,15 +817,16 @@ def test_short_rows_selection_exact(topk, init, local, heads, extra, tpr, wide):
     verify, a request with q_len > seq_len and one with no token, padding tokens; integer
     scores (ties the rule decides) with NaN, -inf, +inf and -0.0 among them, a row of one
     value; transposed scores and out (strided, and scalar loads where 4 does not divide the
-    width); `wide`, rows of up to ~940 blocks (16 or more per thread, a warp per row), searched
-    where rows of <= 64 blocks are sorted (tpr 1-8 doubled: 2-32 blocks per thread, stages in
-    registers and across threads)."""
+    width). Rows of <= 64 blocks (wide 0: tpr 1-8, doubled, 2-32 blocks per thread) and of
+    65-128 (wide 1) are sorted (stages in registers and across threads); wide 2, rows of up to
+    ~940 blocks (16 or more per thread, a warp per row), are searched."""
     config = _config(select_short_tpr=tpr)
-    seq_lens = [700, 120000, 3000, 60000, 3, 128] if wide else [700, 5000, 3000, 2003, 3, 128]
+    longest = (5000, 12000, 120000)[wide]
+    seq_lens = [700, longest, 3000, longest // 2, 3, 128]
     step = make_step([700, 300, 1, 4, 5, 0], seq_lens, block_size=GB, extra_columns=extra,
                      pad_tokens=3)
     width = step.block_table.shape[1]
-    assert (64 < width <= 1024) if wide else (width <= 64)
+    assert (0, 64, 128, 1024)[wide] < width <= (64, 128, 1024)[wide]
     assert _short_rows_on(step.num_tokens * heads, heads, width, topk, config)
     g = torch.Generator().manual_seed(topk + extra)
     scores = torch.randint(-3, 4, (step.num_tokens, heads, width), generator=g).float()

@@ -77,7 +77,8 @@ def test_selection_chunks(tokens, blocks, chunk):
     (4096, 50, 16, (16, 4, 1, 4, True)),   # a width that 4 does not divide: scalar loads
     (1024, 8, 16, (8, 1, 4, 8, True)),     # fewer blocks than K: groups of one (never searched)
     (2048, 64, 64, (64, 1, 4, 8, True)),
-    (8192, 65, 16, (16, 8, 1, 8, False)),  # wider rows: 16 blocks per thread, searched
+    (8192, 65, 16, (16, 8, 1, 8, True)),   # wider rows: 16 blocks per thread, sorted to 128
+    (8192, 129, 16, (16, 16, 1, 16, False)),  # searched past 128 blocks
     (8192, 1000, 16, (16, 64, 4, 32, False)),  # after 120K: a warp per row, 32 blocks a thread
     (8192, 1025, 16, None),          # past select_short_max
     (16, 64, 16, None),              # a decode step of few rows: the sort path
@@ -85,7 +86,7 @@ def test_selection_chunks(tokens, blocks, chunk):
 def test_short_rows_selection_plan(tokens, blocks, topk, want):
     """Launches of many rows of at most select_short_max blocks select on Hopper with
     select_rows.py's kernel (G groups of W blocks, TPR threads per row, 16-byte loads when 4
-    divides the width, rows of at most 64 blocks sorted, wider ones searched); others, other GPUs and
+    divides the width, rows of at most 128 blocks sorted, wider ones searched); others, other GPUs and
     select_short_max 0 keep select.py's launches."""
 
     def short(facts=H200, config=DEFAULT):

@@ -105,10 +105,11 @@ GROUP_CHUNK = 128
 # latency-bound, a warp's search its time: a row then lies in twice select_short_tpr's threads
 # (TP4's 8K chunk with no context, 62 rows per SM, gained from 8 threads where TP1's, 248 rows
 # per SM, lost; 16 threads lost on TP4's rows of 65-128 blocks). Rows of at most SHORT_SORT_MAX
-# blocks are sorted instead of searched
+# blocks are sorted instead of searched (a bitonic network of log2(width) (log2(width) + 1) / 2
+# stages: at 128 blocks it beat the search, at 512 it lost to it)
 SHORT_WARPS = 1
 SHORT_LATENCY_ROWS = 64
-SHORT_SORT_MAX = 64
+SHORT_SORT_MAX = 128
 
 
 @dataclass(frozen=True)
