@@ -811,13 +811,13 @@ def _short_rows_on(num_rows, heads, width, topk, config=DEFAULT):
     (16, 0, 1, 4, 0, 4), (16, 1, 2, 4, 3, 1), (4, 0, 1, 1, 1, 8), (64, 2, 3, 2, 0, 4),
     (8, 1, 1, 4, 8, 2), (3, 1, 2, 2, 0, 4)])
 def test_short_rows_selection_exact(topk, init, local, heads, extra, tpr, wide):
-    """select_rows.py (select_short_tpr = tpr: twice that many threads per row on these few
-    rows, plan.SHORT_LATENCY_ROWS) against the reference selection from the same
+    """select_rows.py (select_short_tpr = tpr threads per row, at most 16 blocks per thread)
+    against the reference selection from the same
     scores: a chunk with no context (rows of 1 to 6 blocks), a chunk after context, decode,
     verify, a request with q_len > seq_len and one with no token, padding tokens; integer
     scores (ties the rule decides) with NaN, -inf, +inf and -0.0 among them, a row of one
     value; transposed scores and out (strided, and scalar loads where 4 does not divide the
-    width). Rows of <= 64 blocks (wide 0: tpr 1-8, doubled, 2-32 blocks per thread) and of
+    width). Rows of <= 64 blocks (wide 0: 4 or 8 threads a row) and of
     65-128 (wide 1) are sorted (stages in registers and across threads); wide 2, rows of up to
     ~940 blocks (16 or more per thread, a warp per row), are searched."""
     config = _config(select_short_tpr=tpr)

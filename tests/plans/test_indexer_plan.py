@@ -73,10 +73,10 @@ def test_selection_chunks(tokens, blocks, chunk):
 
 @pytest.mark.parametrize("tokens, blocks, topk, want", [
     (8192, 64, 16, (16, 4, 4, 4, True)),   # an 8K chunk with no context: 4 threads per row
-    (2048, 64, 16, (16, 4, 4, 8, True)),   # the same at TP4 (8192 rows): latency-bound, 8
+    (2048, 64, 16, (16, 4, 4, 4, True)),   # the same at TP4 (8192 rows)
     (4096, 50, 16, (16, 4, 1, 4, True)),   # a width that 4 does not divide: scalar loads
-    (1024, 8, 16, (8, 1, 4, 8, True)),     # fewer blocks than K: groups of one (never searched)
-    (2048, 64, 64, (64, 1, 4, 8, True)),
+    (1024, 8, 16, (8, 1, 4, 4, True)),     # fewer blocks than K: groups of one (never sorted)
+    (2048, 64, 64, (64, 1, 4, 4, True)),
     (8192, 65, 16, (16, 8, 1, 8, True)),   # wider rows: 16 blocks per thread, sorted to 128
     (8192, 129, 16, (16, 16, 1, 16, False)),  # searched past 128 blocks
     (8192, 1000, 16, (16, 64, 4, 32, False)),  # after 120K: a warp per row, 32 blocks a thread
@@ -86,8 +86,8 @@ def test_selection_chunks(tokens, blocks, chunk):
 def test_short_rows_selection_plan(tokens, blocks, topk, want):
     """Launches of many rows of at most select_short_max blocks select on Hopper with
     select_rows.py's kernel (G groups of W blocks, TPR threads per row, 16-byte loads when 4
-    divides the width, rows of at most 128 blocks sorted, wider ones searched); others, other GPUs and
-    select_short_max 0 keep select.py's launches."""
+    divides the width, rows of at most 128 blocks sorted, wider ones searched); others, other
+    GPUs and select_short_max 0 keep select.py's launches."""
 
     def short(facts=H200, config=DEFAULT):
         launch = selection_plan(_shape(tokens, blocks=blocks, topk=topk), facts,

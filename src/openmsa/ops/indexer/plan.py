@@ -101,14 +101,10 @@ SCRATCH_SLOTS = 64
 GROUP_SIZE = 16
 GROUPS_PER_PROGRAM = 64
 GROUP_CHUNK = 128
-# select_rows.py's warps per program. At most SHORT_LATENCY_ROWS rows per SM make its launch
-# latency-bound, a warp's search its time: a row then lies in twice select_short_tpr's threads
-# (TP4's 8K chunk with no context, 62 rows per SM, gained from 8 threads where TP1's, 248 rows
-# per SM, lost; 16 threads lost on TP4's rows of 65-128 blocks). Rows of at most SHORT_SORT_MAX
-# blocks are sorted instead of searched (a bitonic network of log2(width) (log2(width) + 1) / 2
+# select_rows.py's warps per program. Rows of at most SHORT_SORT_MAX blocks are sorted instead
+# of searched (a bitonic network of log2(width) (log2(width) + 1) / 2
 # stages: at 128 blocks it beat the search, at 512 it lost to it)
 SHORT_WARPS = 1
-SHORT_LATENCY_ROWS = 64
 SHORT_SORT_MAX = 128
 
 
@@ -148,7 +144,7 @@ class IndexerConfig:
     # selection on Hopper: rows of at most this many blocks take select_rows.py's kernel
     # (prefill chunks with up to ~120K of context, large decode steps at short context; 0: only
     # a block table of width 0), a row in at least select_short_tpr threads (16 blocks per
-    # thread, up to a warp, on wider rows; twice as many in launches of few rows)
+    # thread, up to a warp, on wider rows)
     select_short_max: int = 1024
     select_short_tpr: int = 4
     # NVFP4 prefill scoring (the tile launch): "inkernel", the Triton tile launch dequantizing
@@ -507,8 +503,7 @@ def _selection(shape: IndexerShape, device: DeviceFacts,
         # lie 16 blocks per thread, up to a warp
         width = max(next_pow2(max_blocks), 4)
         g = min(kp, width)
-        few = rows <= SHORT_LATENCY_ROWS * device.num_sms
-        tpr = min(max(config.select_short_tpr * (2 if few else 1), width // 16), 32, width)
+        tpr = min(max(config.select_short_tpr, width // 16), 32, width)
         return [Launch("select_short_rows", (-(-rows // (32 // tpr * SHORT_WARPS)),),
                        dict(H=num_heads, TOPK=topk, KP=kp, INIT=init, LOCAL=local, BLOCK=block,
                             G=g, W=width // g, VEC=4 if max_blocks % 4 == 0 else 1, TPR=tpr,

@@ -7,9 +7,10 @@ its search is a warp-wide sum (a chain of shuffles), ~410 warp instructions per 
 with little context is many such rows: an 8K chunk with no context at 4 index heads has 32768
 rows of 1-64 blocks, and their selection took ~22 µs beside ~40 of scoring (docs/performance.md,
 "Indexer prefill"). Here a row of SEG <= 64 blocks lies in TPR threads (SEG / TPR contiguous
-blocks each: 16-byte loads), so a count is a sum inside each thread and log2(TPR) shuffles,
-a sort's stage across threads one shuffle a value, and a warp selects 32 / TPR rows at once. Triton cannot be told to lay a tile out that way (it
-spreads a 64-wide row over 16 lanes), hence Gluon. Wider rows (up to plan.py's select_short_max,
+blocks each: 16-byte loads), so a sort's stage within a thread is register moves, one across
+threads a shuffle a value, a count a sum inside each thread and log2(TPR) shuffles, and a warp
+selects 32 / TPR rows at once. Triton cannot be told to lay a tile out that way (it spreads a
+64-wide row over 16 lanes), hence Gluon. Wider rows (up to plan.py's select_short_max,
 1024: a chunk after ~120K tokens) lie 16 blocks per thread up to a warp per row (32 blocks
 per thread at 1024), in one pass where select.py reads a row twice and searches it bit by bit
 with a warp-wide sum per step.
@@ -19,7 +20,7 @@ forced init/local blocks, then the best by score, ties to the lower block, NaN a
 ascending ids, -1 padded), found differently: the forced
 blocks are known from n, so only the K2 = TOPK - INIT - LOCAL best of the other blocks are
 looked for, on their float values with forced and absent blocks as NaN (which no comparison
-counts): on rows of <= 64 blocks by sorting the row (a bitonic network in registers, its
+counts): on rows of <= 128 blocks (plan.py's SHORT_SORT_MAX) by sorting the row (a bitonic network in registers, its
 K2-th largest read off), on wider ones by searching an interval of keys (floats as
 order-preserving ints) between a lower bound and the largest value, first at the interval's
 value midpoints, one candidate a step; then ties to the lower blocks.
@@ -180,7 +181,7 @@ def _short_rows_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_reque
     # and of the values equal to it the lowest blocks.
     K2: gl.constexpr = TOPK - INIT - LOCAL
     if SORT:
-        # rows of few blocks: the K2-th largest read off the sorted row (a fixed network, where
+        # rows of <= 128 blocks: the K2-th largest read off the sorted row (a fixed network, where
         # a search's steps each wait on a count crossing the row's threads), forced and absent
         # blocks as -inf below the >= K2 + 1 searched values of a row of n > TOPK
         srt = _sorted(gl.where(v == v, v, float("-inf")), b, SEG // TPR, SEG)
