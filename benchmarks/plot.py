@@ -32,13 +32,17 @@ DEFAULT_BATCHES = "1,32"
 
 
 def load(paths) -> tuple[list[str], list[dict]]:
-    """(provenance lines, rows) of one or several bench.json files, in order."""
+    """(provenance lines, rows) of one or several bench.json files, in order; a section that a
+    later file holds replaces that section's rows from the earlier ones (a newer run of one
+    section beside an older whole grid)."""
     prov, rows = [], []
     for path in paths:
         with open(path) as f:
             data = json.load(f)
         prov.append(data.get("provenance", ""))
-        rows.extend(data.get("rows", []))
+        new = data.get("rows", [])
+        newer = {r.get("section") for r in new} - {"ceilings"}
+        rows = [r for r in rows if r.get("section") not in newer] + new
     return prov, rows
 
 

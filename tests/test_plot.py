@@ -111,3 +111,21 @@ def test_doc_section_generated(bench, tmp_path):
     # twice gives the same doc
     perf_doc.main([bench, "--doc", str(doc)])
     assert doc.read_text() == text
+
+
+def test_a_later_file_replaces_its_sections(bench, tmp_path):
+    # a newer run of one section beside an older whole grid: that section's rows come from the
+    # later file only, the other sections (and every run's ceilings) stay
+    newer = tmp_path / "newer.json"
+    row = dict(section="indexer-prefill", model="m3-tp4", dtype="fp8", context=0, T=8192,
+               us=19.4, tflops=443.0)
+    newer.write_text(json.dumps({"provenance": "# newer @ later",
+                                 "rows": [dict(section="ceilings", copy_tbs=4.3), row]}))
+    prov, rows = plot.load([bench, str(newer)])
+    assert prov == ["# made-up GPU @ test", "# newer @ later"]
+    assert [r for r in rows if r["section"] == "indexer-prefill"] == [row]
+    assert sum(r["section"] == "ceilings" for r in rows) == 2
+    assert sum(r["section"] == "indexer-decode" for r in rows) == 13
+    # in the other order the older file's section replaces the newer one's
+    _, rows = plot.load([str(newer), bench])
+    assert [r["us"] for r in rows if r["section"] == "indexer-prefill"] == [33.7]
