@@ -219,9 +219,11 @@ CASES = {
     # calls on the same steps
     "idx-fp8-prefill-0k-tp4": lambda: _indexer("fp8", 1, 8192, 8192, 1),
     "idx-fp8-prefill-8k-tp4": lambda: _indexer("fp8", 1, 16384, 8192, 1),
+    "idx-fp8-prefill-32k-tp4": lambda: _indexer("fp8", 1, 40960, 8192, 1),
     "idx-bf16-prefill-0k-tp4": lambda: _indexer("bf16", 1, 8192, 8192, 1),
     "fi-idx-fp8-prefill-0k-tp4": lambda: _fi_indexer("fp8", 1, 8192, 8192, 1),
     "fi-idx-fp8-prefill-8k-tp4": lambda: _fi_indexer("fp8", 1, 16384, 8192, 1),
+    "fi-idx-fp8-prefill-32k-tp4": lambda: _fi_indexer("fp8", 1, 40960, 8192, 1),
 }
 
 def kernel_offsets_us(fn, iters: int = 20) -> dict[str, tuple[float, float]]:
