@@ -101,9 +101,9 @@ SCRATCH_SLOTS = 64
 GROUP_SIZE = 16
 GROUPS_PER_PROGRAM = 64
 GROUP_CHUNK = 128
-# select_rows.py's warps per program. Rows of at most SHORT_SORT_MAX blocks are sorted instead
-# of searched (a bitonic network of log2(width) (log2(width) + 1) / 2
-# stages: at 128 blocks it beat the search, at 512 it lost to it)
+# select_rows.py's warps per program. Launches whose width (a power of 2) is at most
+# SHORT_SORT_MAX blocks sort their rows instead of searching them (a bitonic network of
+# log2(width) (log2(width) + 1) / 2 stages: at 128 blocks it beat the search, at 512 it lost)
 SHORT_WARPS = 1
 SHORT_SORT_MAX = 128
 
@@ -499,8 +499,8 @@ def _selection(shape: IndexerShape, device: DeviceFacts,
     seg, by_sort = selection_layout(rows, max_blocks, kp, device.num_sms, config)
     num_segments = -(-max(max_blocks, 1) // seg)
     if _short_rows(device, max_blocks, kp, by_sort, config):
-        # select_rows.py: G >= K groups of W blocks bound the search; rows wider than 64 blocks
-        # lie 16 blocks per thread, up to a warp
+        # select_rows.py: G >= K groups of W blocks (they bound the search of widths past
+        # SHORT_SORT_MAX); rows wider than 64 blocks lie 16 blocks per thread, up to a warp
         width = max(next_pow2(max_blocks), 4)
         g = min(kp, width)
         tpr = min(max(config.select_short_tpr, width // 16), 32, width)

@@ -7,21 +7,22 @@ its search is a warp-wide sum (a chain of shuffles), ~410 warp instructions per 
 with little context is many such rows: an 8K chunk with no context at 4 index heads has 32768
 rows of 1-64 blocks, and their selection took ~22 µs beside ~40 of scoring (docs/performance.md,
 "Indexer prefill"). Here a row of SEG <= 64 blocks lies in TPR threads (SEG / TPR contiguous
-blocks each: 16-byte loads), so a sort's stage within a thread is register moves, one across
-threads a shuffle a value, a count a sum inside each thread and log2(TPR) shuffles, and a warp
-selects 32 / TPR rows at once. Triton cannot be told to lay a tile out that way (it spreads a
-64-wide row over 16 lanes), hence Gluon. Wider rows (up to plan.py's select_short_max,
-1024: a chunk after ~120K tokens) lie 16 blocks per thread up to a warp per row (32 blocks
-per thread at 1024), in one pass where select.py reads a row twice and searches it bit by bit
-with a warp-wide sum per step.
+blocks each: 16-byte loads where that is 4 or more), so a sort's stage within a thread is
+register moves, one across threads a shuffle a value, a count a sum inside each thread and
+log2(TPR) shuffles, and a warp selects 32 / TPR rows at once. Triton cannot be told to lay a
+tile out that way (it spreads a 64-wide row over 16 lanes), hence Gluon. Wider rows (up to
+plan.py's select_short_max, 1024: a chunk after ~120K tokens) lie 16 blocks per thread up to a
+warp per row (32 blocks per thread at 1024), in one pass where select.py reads a row twice and
+searches it bit by bit with a warp-wide sum per step.
 
 The same selection as select.py (docs/spec.md, "Selection: forced blocks and the tie rule":
 forced init/local blocks, then the best by score, ties to the lower block, NaN as -inf,
 ascending ids, -1 padded), found differently: the forced
 blocks are known from n, so only the K2 = TOPK - INIT - LOCAL best of the other blocks are
 looked for, on their float values with forced and absent blocks as NaN (which no comparison
-counts): on rows of <= 128 blocks (plan.py's SHORT_SORT_MAX) by sorting the row (a bitonic network in registers, its
-K2-th largest read off), on wider ones by searching an interval of keys (floats as
+counts): in launches whose width (the block table's, a power of 2) is at most 128 blocks
+(plan.py's SHORT_SORT_MAX) by sorting each row (a bitonic network in registers, its K2-th
+largest read off), in wider ones by searching an interval of keys (floats as
 order-preserving ints) between a lower bound and the largest value, first at the interval's
 value midpoints, one candidate a step; then ties to the lower blocks.
 
@@ -68,7 +69,7 @@ def _midpoint(lo, hi, by_value):
 def _count(v, c, OP: gl.constexpr):
     """Per row, how many of its values v compare OP ("ge" or "gt") to c (per row, [rows, 1]);
     NaN never does. Written as PTX `set` to 1.0 or 0.0 per value and a float sum (exact: at
-    most 64 ones): ptxas makes that an FSET (ALU pipe) and an FADD (FMA pipe) per value,
+    most 1024 ones): ptxas makes that an FSET (ALU pipe) and an FADD (FMA pipe) per value,
     where `set` to an integer became an FSETP and a SEL summed by IADD3s, all on the ALU pipe
     (half rate on Hopper, and what this kernel is bound by: Nsight Compute, 70% of its peak).
     (A sum of the comparisons as booleans would let LLVM pack them into bit masks for a
@@ -181,9 +182,9 @@ def _short_rows_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_reque
     # and of the values equal to it the lowest blocks.
     K2: gl.constexpr = TOPK - INIT - LOCAL
     if SORT:
-        # rows of <= 128 blocks: the K2-th largest read off the sorted row (a fixed network, where
-        # a search's steps each wait on a count crossing the row's threads), forced and absent
-        # blocks as -inf below the >= K2 + 1 searched values of a row of n > TOPK
+        # widths of <= 128 blocks: the K2-th largest read off the sorted row (a fixed network,
+        # where a search's steps each wait on a count crossing the row's threads), forced and
+        # absent blocks as -inf below the >= K2 + 1 searched values of a row of n > TOPK
         srt = _sorted(gl.where(v == v, v, float("-inf")), b, SEG // TPR, SEG)
         kth = gl.max(gl.where(b == SEG - K2, srt, float("-inf")), axis=1)
     else:
@@ -229,9 +230,10 @@ def _short_rows_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_reque
         picked = live & ((v < low_pick) == 0)
     else:
         picked = live & ((v != v) | (gl.expand_dims(n, 1) <= TOPK))
-    # more values equal to the K2-th largest than fit (a search that ended on adjacent keys,
-    # not on a count of exactly K2): of those the lowest blocks. Rare on real scores, so the
-    # running count in block order runs only in programs that hold such a row
+    # more values equal to the K2-th largest than fit (ties at the sorted row's K2-th value, or
+    # a search that ended on adjacent keys, not on a count of exactly K2): of those the lowest
+    # blocks. Rare on real scores, so the running count in block order runs only in programs
+    # that hold such a row
     over = _count(v, thresh, "ge") > K2
     if gl.max((((n > TOPK) & (K2 > 0)) & over).to(gl.int32), axis=0) > 0:
         need = gl.expand_dims(K2 - _count(v, thresh, "gt"), 1)
