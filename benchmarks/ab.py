@@ -7,6 +7,8 @@ attention outputs equal (the same kernels must give the same bits).
 
     python benchmarks/prepare_ab.py BASE_REV      # here: writes .ab/openmsa_base (git-ignored)
     python benchmarks/ab.py --base .ab [--sections ...] [--iters N] [--out DIR]   # on the GPU
+    python benchmarks/ab.py --base .ab --sections indexer-decode --dtypes nvfp4 \
+        --contexts 131072,1048576 --batches 32,128      # a part of indexer-decode's grid
 
 The base tree is the package as it was at BASE_REV, renamed `openmsa_base` (its imports are
 relative, so both trees load side by side); the tree under test is the `openmsa` on the path.
@@ -50,18 +52,24 @@ def _time(base_fn, new_fn, iters, graph: bool) -> dict:
     return row
 
 
+def _pick(arg, default, kind=int):
+    """A grid axis: the comma-separated values of `arg`, or the grid's own."""
+    return tuple(kind(v) for v in arg.split(",")) if arg else default
+
+
 def indexer_decode(base, args):
     grid = shapes.INDEXER_DECODE
-    for model_name in ("m3-tp1", "m3-tp4"):
+    for model_name in _pick(args.models, ("m3-tp1", "m3-tp4"), str):
         heads = shapes.MODELS[model_name].num_index_heads
-        for dname in grid["dtypes"]:
-            for context in grid["contexts"]:
-                for batch in grid["batches"]:
-                    if batch * context * 128 * (2 if dname == "bf16" else 1) > 40e9:
+        for dname in _pick(args.dtypes, grid["dtypes"], str):
+            for context in _pick(args.contexts, grid["contexts"]):
+                for batch in _pick(args.batches, grid["batches"]):
+                    if batch * context * run.TOKEN_BYTES[dname] > 40e9:
                         continue
-                    for q_len in grid["q_lens"]:
-                        q, cache, cu, seq, table = run._index_step(batch, context, q_len, heads,
-                                                                   run.DTYPES[dname])
+                    for q_len in _pick(args.q_lens, grid["q_lens"]):
+                        q, cache, cu, seq, table = run._index_step(
+                            batch, context, q_len, heads,
+                            "nvfp4" if dname == "nvfp4" else run.DTYPES[dname])
                         outs = [torch.empty(q.shape[0], heads, 16, dtype=torch.int32,
                                             device="cuda") for _ in range(2)]
                         fns = [lambda m=m, o=o: m.select_blocks(q, cache, cu, seq, table, out=o,
@@ -153,6 +161,12 @@ def main():
     parser.add_argument("--sections", default=",".join(SECTIONS))
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    # indexer-decode's grid (default shapes.INDEXER_DECODE's; dtypes also "nvfp4")
+    parser.add_argument("--models", default="")
+    parser.add_argument("--dtypes", default="")
+    parser.add_argument("--contexts", default="")
+    parser.add_argument("--batches", default="")
+    parser.add_argument("--q-lens", default="")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     sys.path.insert(0, os.path.abspath(args.base))

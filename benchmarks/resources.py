@@ -18,6 +18,8 @@ whole 128-key blocks and 3 stages, 185 / 139 KB for bf16). Count before you meas
                                   # (path, blocks per program, scratch, warps[, chunk])
     python3 benchmarks/resources.py --sass sel:search,64,0,1   # + its search loops (those
                                   # with a warp-wide sum, REDUX)
+    python3 benchmarks/resources.py --sass nvfp4:8 nvfp4:16   # the Gluon NVFP4 request launch
+                                  # (rows a pass) and its loop over ring units
     python3 benchmarks/resources.py --sass rows:16,4,4,1   # the short-row selection (Gluon,
                                   # select_rows.py: groups, blocks per group, threads per row,
                                   # warps[, sort: rows sorted, not
@@ -162,6 +164,22 @@ def short_rows_resources(g: int, w: int, tpr: int, warps: int, sass: bool = Fals
                     marker=r"\bSHFL", gluon=True)
 
 
+def nvfp4_resources(np_rows: int, sass: bool = False):
+    """The Gluon NVFP4 request launch (scores_nvfp4.py) as plan.py launches it at TP1 (4 index
+    heads), NP (token, head) rows a pass, fp8 index query; with `sass`, its loop over ring units
+    (the dequantization and the MMAs of a half block)."""
+    from openmsa.ops.indexer import plan as plan_mod
+    from openmsa.ops.indexer.scores_nvfp4 import _nvfp4_request_kernel
+    ptrs = dict(q_ptr="*fp8e4nv", cache_ptr="*u8", cu_ptr="*i32", seq_lens_ptr="*i32",
+                bt_ptr="*i32", out_ptr="*fp32")
+    constexprs = dict(H=4, NP=np_rows, BPS=plan_mod.NVFP4_MAX_BPS, BLOCK=128, SMALL_Q=16,
+                      PDL=True, STAGES=plan_mod.NVFP4_STAGES, stride_qd=1, stride_btb=1,
+                      stride_ob=1)
+    if np_rows == 8 and not os.environ.get("MAXNREG"):
+        os.environ["MAXNREG"] = str(plan_mod.NVFP4_MAXNREG_8_ROWS)
+    return _compile(_nvfp4_request_kernel, constexprs, ptrs, 1, 1, sass, gluon=True)
+
+
 def _compile(fn, constexprs, pointers, stages, warps, sass, marker=r"\b[HQ]?G?MMA",
              gluon=False):
     # constexpr parameters left out take their defaults (as in a launch that does not pass
@@ -232,6 +250,13 @@ if __name__ == "__main__":
                                                               decode=arg.startswith("idec:"))
             print(f"{arg[:4]:6s} {kv:5s} rows {rows} bps {bps} {stages:>6s} {warps:>5s}  {regs:9d} "
                   f"{spills:11d} {smem / 1024:7.1f} {per_sm:12d}", flush=True)
+            _print_loops(mix)
+            continue
+        if arg.startswith("nvfp4:"):
+            np_rows = int(arg.split(":")[1])
+            regs, spills, smem, per_sm, mix = nvfp4_resources(np_rows, sass=want_sass)
+            print(f"nvfp4  NP {np_rows} {1:>17d}  {regs:9d} {spills:11d} {smem / 1024:7.1f} "
+                  f"{min(per_sm, 32):12d}", flush=True)
             _print_loops(mix)
             continue
         if arg.startswith("rows:"):

@@ -214,13 +214,14 @@ def _issue(words_s, scales_s, row_bt, cache_ptr, unit, n_units, b_lo, stride_btb
     half = unit % 2
     tok = gl.arange(0, UNIT, layout=gl.SliceLayout(1, cw_l))
     j = gl.arange(0, WORDS, layout=gl.SliceLayout(0, cw_l))
-    wp = base.to(gl.pointer_type(gl.int32)) + (half * UNIT + tok)[:, None] * WORDS + j[None, :]
+    wbase = (base + half * (UNIT * 64)).to(gl.pointer_type(gl.int32))
+    wp = wbase + (tok[:, None] * WORDS + j[None, :])
     slot = unit % STAGES
     async_copy.async_copy_global_to_shared(words_s.index(slot), wp, mask=ok)
     e = gl.arange(0, UNIT // 2, layout=gl.SliceLayout(1, cs_l))
     f = gl.arange(0, 4, layout=gl.SliceLayout(0, cs_l))
-    sp = (base + BLOCK * 64).to(gl.pointer_type(gl.int32)) + half * UNIT * 2 + e[:, None] * 4 \
-        + f[None, :]
+    sp = (base + BLOCK * 64 + half * (UNIT * 8)).to(gl.pointer_type(gl.int32)) \
+        + (e[:, None] * 4 + f[None, :])
     async_copy.async_copy_global_to_shared(scales_s.index(slot), sp, mask=ok)
     async_copy.commit_group()
 
