@@ -349,7 +349,10 @@ def _indexer_nvfp4(args):
             ("nvfp4", 128, 1 << 20, 1, 4), ("fp8", 128, 1 << 20, 1, 4),
             ("nvfp4", 1, 1 << 20, 1, 4), ("nvfp4", 1, 131072, 1, 4),
             ("nvfp4", 32, 131072, 1, 4), ("nvfp4", 32, 1 << 20, 4, 4),
-            ("nvfp4", 64, 131072, 1, 1), ("nvfp4", 128, 131072, 4, 1)):
+            ("nvfp4", 64, 131072, 1, 1), ("nvfp4", 128, 131072, 4, 1),
+            # a last wave of a few programs: B * L = 4M and 16M at 128K
+            ("nvfp4", 32, 131072, 4, 4), ("nvfp4", 128, 131072, 1, 4),
+            ("nvfp4", 128, 131072, 4, 4), ("nvfp4", 32, 131072, 1, 1)):
         name = f"dec {dname} B{batch} L{ctx // 1024}K q{q_len} H{heads}"
         if not wanted(args, name):
             continue

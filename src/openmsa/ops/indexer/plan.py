@@ -59,13 +59,19 @@ DECODE_STAGES = 3
 DECODE_MAXNREG_NVFP4 = 128
 # the Gluon NVFP4 request launch (scores_nvfp4.py): one-warp programs per SM its splits aim for,
 # its ring's half-block stages and, with 8 rows a pass, its threads' register cap. At 3 stages
-# (14 KB of shared memory a warp) and 112 registers 15 warps share an SM; 4 or 6 stages, 96
-# or 128 registers and 16 or 64 programs an SM were no faster, and 16-row passes were faster
-# uncapped (they spill at 112) (docs/performance.md, "NVFP4 index pages")
-NVFP4_PROGRAMS = 32
+# (14 KB of shared memory a warp) and 112 registers 15 warps share an SM; 4 or 6 stages and 96
+# or 128 registers were no faster, and 16-row passes were faster uncapped (they spill at 112).
+# 64 programs an SM (over 4 waves of 15) leave a short last wave: at 128K, B = 128, 16-block
+# splits scored in 287 µs against 313 at 32 programs' 32 blocks (docs/performance.md, "NVFP4
+# index pages")
+NVFP4_PROGRAMS = 64
 NVFP4_STAGES = 3
-# ... and its most blocks per split: 32 (64 and 128 were 1.3% and 2.8% slower at B = 128, 1M)
+# ... and its most blocks per split: 32 (64 and 128 were 1.3% and 2.8% slower at B = 128, 1M),
+# and its least: 2 (a program gathers its rows' query values byte by byte, about a block's work
+# at 16 rows: 1-block splits of a TP1 verify step of 4 tokens at B = 1, 1M took 51 µs, 2-block
+# splits 41)
 NVFP4_MAX_BPS = 32
+NVFP4_MIN_BPS = 2
 NVFP4_MAXNREG_8_ROWS = 112
 # the Triton tile launch's warps, and its stages for a 16-bit and an fp8 cache: a 16-bit key
 # tile is twice the bytes, and 2 stages on 4 warps fit 2 programs per SM (docs/performance.md)
@@ -452,8 +458,8 @@ def _nvfp4_request(shape: IndexerShape, device: DeviceFacts, config: IndexerConf
     when the step's rows per request are known to fit)."""
     q_bound = min(shape.num_tokens, shape.max_q_len or SMALL_Q, SMALL_Q)
     np_rows = 8 if q_bound * shape.num_heads <= 8 else 16
-    bps = _request_bps(shape, device.num_sms * NVFP4_PROGRAMS,
-                       min(config.decode_max_bps, NVFP4_MAX_BPS))
+    cap = min(config.decode_max_bps, NVFP4_MAX_BPS)
+    bps = max(min(NVFP4_MIN_BPS, cap), _request_bps(shape, device.num_sms * NVFP4_PROGRAMS, cap))
     return Launch("scores_request_nvfp4", (shape.num_requests, -(-shape.max_blocks // bps)),
                   dict(H=shape.num_heads, NP=np_rows, BPS=bps, BLOCK=shape.block_size,
                        SMALL_Q=ANY_Q if any_q else SMALL_Q, PDL=True, STAGES=NVFP4_STAGES,

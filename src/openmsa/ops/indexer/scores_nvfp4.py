@@ -200,16 +200,20 @@ _FLAT2 = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, o
 
 
 @gluon.jit
-def _issue(words_s, scales_s, row_bt, cache_ptr, unit, n_units, b_lo, stride_btb, stride_cp,
-           BLOCK: gl.constexpr, STAGES: gl.constexpr):
-    """cp.async copies of unit `unit` (block b_lo + unit // 2, its half unit % 2: 64 tokens'
-    code words and scales) into ring slot unit % STAGES, as one commit group (empty past the
-    split or for a page id < 0)."""
+def _unit_page(row_bt, unit, n_units, b_lo, stride_btb):
+    """The page id of unit `unit`'s block (-1 past the split)."""
+    return gl.load(row_bt + (b_lo + unit // 2) * stride_btb, mask=unit < n_units, other=-1)
+
+
+@gluon.jit
+def _issue(words_s, scales_s, page, cache_ptr, unit, stride_cp, BLOCK: gl.constexpr,
+           STAGES: gl.constexpr):
+    """cp.async copies of unit `unit` (page `page`, its half unit % 2: 64 tokens' code words
+    and scales) into ring slot unit % STAGES, as one commit group (empty for a page id < 0:
+    past the split, or a block the table leaves out)."""
     cw_l: gl.constexpr = gl.BlockedLayout([1, VEC], [8, 4], [1, 1], [1, 0])
     cs_l: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [1, 1], [1, 0])
-    live = unit < n_units
-    page = gl.load(row_bt + (b_lo + unit // 2) * stride_btb, mask=live, other=-1)
-    ok = live & (page >= 0)
+    ok = page >= 0
     base = cache_ptr + page.to(gl.int64) * stride_cp
     half = unit % 2
     tok = gl.arange(0, UNIT, layout=gl.SliceLayout(1, cw_l))
@@ -242,6 +246,14 @@ def _score_rows(q_ptr, cache_ptr, row_bt, out_ptr, words_s, scales_s, t_req, q_l
     w_l: gl.constexpr = gl.BlockedLayout([1, VEC], [8, 4], [1, 1], [1, 0])
     s_l: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [1, 1], [1, 0])
     qload_l: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, 1], [0, 1])
+    # the ring's first units are in flight while the query loads (a short split's programs
+    # spend a global load's latency on each), and each unit's page id is loaded an iteration
+    # before its copies are issued (a load and its use back to back stalled every unit)
+    n_units = 2 * (b_hi - b_lo)
+    for v in gl.static_range(STAGES - 1):
+        _issue(words_s, scales_s, _unit_page(row_bt, v, n_units, b_lo, stride_btb), cache_ptr,
+               v, stride_cp, BLOCK, STAGES)
+    page_next = _unit_page(row_bt, STAGES - 1, n_units, b_lo, stride_btb)
     rows = n_tok * H
     n_q = row0 + gl.arange(0, NP, layout=gl.SliceLayout(0, qload_l))
     tok_q = t_req + n_q // H
@@ -260,19 +272,19 @@ def _score_rows(q_ptr, cache_ptr, row_bt, out_ptr, words_s, scales_s, t_req, q_l
     keys = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
     # blocks wholly at or before the earliest row's position need no causal mask
     b_full = (seq_len - q_len + row0 // H + 1) // BLOCK
-    n_units = 2 * (b_hi - b_lo)
-    for v in gl.static_range(STAGES - 1):
-        _issue(words_s, scales_s, row_bt, cache_ptr, v, n_units, b_lo, stride_btb, stride_cp,
-               BLOCK, STAGES)
     best = gl.full([16, NP], float("-inf"), gl.float32, layout=mma)
+    # the page id of the block a unit scores, as loaded one unit earlier (see the block's end)
+    held = b_lo * 0
     for u in range(n_units):
         # unit u's copies done (this thread's), then everyone's: and every read of the slot
         # the next copies overwrite (unit u - 1's) is behind the barrier
         async_copy.wait_group(STAGES - 2)
         gl.thread_barrier()
-        _issue(words_s, scales_s, row_bt, cache_ptr, u + STAGES - 1, n_units, b_lo, stride_btb,
-               stride_cp, BLOCK, STAGES)
+        _issue(words_s, scales_s, page_next, cache_ptr, u + STAGES - 1, stride_cp, BLOCK,
+               STAGES)
+        page_next = _unit_page(row_bt, u + STAGES, n_units, b_lo, stride_btb)
         b = b_lo + u // 2
+        cur = gl.load(row_bt + b * stride_btb)
         ws = words_s.index(u % STAGES)
         ss = scales_s.index(u % STAGES)._reinterpret(gl.int16, [UNIT, 4], _FLAT2)
         for mt in gl.static_range(UNIT // 16):
@@ -292,12 +304,13 @@ def _score_rows(q_ptr, cache_ptr, row_bt, out_ptr, words_s, scales_s, t_req, q_l
             best = gl.maximum(best, acc)
         if u % 2 == 1:
             # the block's maxima; the max skips NaN (PTX max.f32): only an all-NaN block is
-            # left to clean, and a page id < 0 (its copies were skipped) scores -inf
-            page = gl.load(row_bt + b * stride_btb)
+            # left to clean, and a page id < 0 (its copies were skipped) scores -inf. (held:
+            # the id the block's first unit loaded, so no load's latency stalls the store)
             m = gl.max(best, axis=0) * 128.0
-            m = gl.where((page >= 0) & (m == m), m, float("-inf"))
+            m = gl.where((held >= 0) & (m == m), m, float("-inf"))
             gl.store(out_row + b.to(gl.int64) * stride_ob, m, mask=store_ok)
             best = gl.full([16, NP], float("-inf"), gl.float32, layout=mma)
+        held = cur
     # every copy landed and every read done before the next row pass refills the ring
     async_copy.wait_group(0)
     gl.thread_barrier()
