@@ -245,7 +245,6 @@ def _score_rows(q_ptr, cache_ptr, row_bt, out_ptr, words_s, scales_s, t_req, q_l
     # and the thread's two scale bytes (groups 2c, 2c + 1) as one int16
     w_l: gl.constexpr = gl.BlockedLayout([1, VEC], [8, 4], [1, 1], [1, 0])
     s_l: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [1, 1], [1, 0])
-    qload_l: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, 1], [0, 1])
     # the ring's first units are in flight while the query loads (a short split's programs
     # spend a global load's latency on each), and each unit's page id is loaded an iteration
     # before its copies are issued (a load and its use back to back stalled every unit)
@@ -255,15 +254,15 @@ def _score_rows(q_ptr, cache_ptr, row_bt, out_ptr, words_s, scales_s, t_req, q_l
                v, stride_cp, BLOCK, STAGES)
     page_next = _unit_page(row_bt, STAGES - 1, n_units, b_lo, stride_btb)
     rows = n_tok * H
-    n_q = row0 + gl.arange(0, NP, layout=gl.SliceLayout(0, qload_l))
+    n_q = row0 + gl.arange(0, NP, layout=gl.SliceLayout(0, b_l))
     tok_q = t_req + n_q // H
     head_q = n_q % H
     ok_q = n_q < rows
     # the MMA's second operand of each of the 8 key chunks, loaded once a row pass
     qs = ()
     for i in gl.static_range(8):
-        qs = qs + (gl.convert_layout(_query_chunk(q_ptr, tok_q, head_q, ok_q, stride_qt,
-                                                  stride_qh, stride_qd, i, NP, qload_l), b_l),)
+        qs = qs + (_query_chunk(q_ptr, tok_q, head_q, ok_q, stride_qt, stride_qh, stride_qd, i,
+                                NP, b_l),)
     # the rows along the accumulator's N: positions (right-aligned tokens) and score rows
     n_a = row0 + gl.arange(0, NP, layout=gl.SliceLayout(0, mma))
     pos = seq_len - q_len + n_a // H
