@@ -175,13 +175,13 @@ def nvfp4_resources(np_rows: int, sass: bool = False):
     constexprs = dict(H=4, NP=np_rows, BPS=plan_mod.NVFP4_MAX_BPS, BLOCK=128, SMALL_Q=16,
                       PDL=True, STAGES=plan_mod.NVFP4_STAGES, stride_qd=1, stride_btb=1,
                       stride_ob=1)
-    if np_rows == 8 and not os.environ.get("MAXNREG"):
-        os.environ["MAXNREG"] = str(plan_mod.NVFP4_MAXNREG_8_ROWS)
-    return _compile(_nvfp4_request_kernel, constexprs, ptrs, 1, 1, sass, gluon=True)
+    return _compile(_nvfp4_request_kernel, constexprs, ptrs, 1, 1, sass, gluon=True,
+                    maxnreg=plan_mod.NVFP4_MAXNREG_8_ROWS if np_rows == 8 else None)
 
 
 def _compile(fn, constexprs, pointers, stages, warps, sass, marker=r"\b[HQ]?G?MMA",
-             gluon=False):
+             gluon=False, maxnreg=None):
+    # maxnreg: the launch's own register cap (MAXNREG in the environment overrides it)
     # constexpr parameters left out take their defaults (as in a launch that does not pass
     # them), not a run-time int
     constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default},
@@ -201,7 +201,8 @@ def _compile(fn, constexprs, pointers, stages, warps, sass, marker=r"\b[HQ]?G?MM
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=warps, num_stages=stages,
                                            **({"maxnreg": int(os.environ["MAXNREG"])}
-                                              if os.environ.get("MAXNREG") else {})))
+                                              if os.environ.get("MAXNREG") else
+                                              {"maxnreg": maxnreg} if maxnreg else {})))
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.TemporaryDirectory() as tmp:
         ptx = os.path.join(tmp, "k.ptx")

@@ -30,3 +30,6 @@ def test_resources_tool():
     assert spills == 0 and len(loops) == 1, "no search loop (a SHFL in a backward branch)"
     count, _, _, alu = loops[0]
     assert 0 < alu < count
+    # the NVFP4 request launch (Gluon) under its 8-row register cap: its loop over ring units
+    regs, spills, _, per_sm, loops = resources.nvfp4_resources(8, sass=True)
+    assert spills == 0 and regs <= 112 and per_sm >= 15 and len(loops) == 1

@@ -1,7 +1,0 @@
-set -u
-export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv > $OUT/gpu.txt
-python3 benchmarks/ab.py --base .ab --sections indexer-decode --dtypes nvfp4 --contexts 131072,1048576 --batches 1,8 --out $OUT > $OUT/ab.log 2>&1
-grep -o "model=.*" $OUT/ab.log | sed 's/section=indexer-decode | //; s/dtype=nvfp4 | //; s/identical=//; s/base_call_us.*//'
-tail -1 $OUT/ab.log
-python3 -m pytest -q -m gpu -k "nvfp4 or request" tests/ops/test_indexer.py tests/test_layer.py > $OUT/tests.log 2>&1; tail -3 $OUT/tests.log
