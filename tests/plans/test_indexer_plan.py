@@ -311,6 +311,28 @@ def test_nvfp4_cache_launches(q_dtype):
     assert not fp8.find("scores_request").params["NVFP4"] and "scores_tile_ws" in fp8.kernels()
 
 
+@pytest.mark.parametrize("requests, blocks, want_bps", [
+    (128, 1024, 16),   # B = 128 at 128K: 8192 programs, about 64 an SM
+    (32, 1024, 4),     # B = 32 at 128K: 8192
+    (128, 8192, 32),   # B = 128 at 1M: the 32-block cap
+    (8, 1024, 2),      # B = 8 at 128K: 1-block splits by the count, floored at 2
+    (1, 8192, 2),      # B = 1 at 1M
+    (1, 1, 2),         # one block: a split larger than the request is one split
+])
+def test_nvfp4_request_splits(requests, blocks, want_bps):
+    """The Gluon NVFP4 request launch's splits aim at 64 one-warp programs an SM (over four
+    waves of the 15 an SM holds, so the last is short), power-of-two blocks between 2 (a
+    program's query gather costs about a block at 16 rows) and 32; a decode_max_bps below 2
+    still caps them."""
+    shape = _shape(requests, requests=requests, blocks=blocks, max_q_len=1,
+                   cache_dtype=torch.uint8)
+    launch = plan(shape, H200).find("scores_request_nvfp4")
+    assert launch.params["BPS"] == want_bps
+    assert launch.grid == (requests, -(-blocks // want_bps))
+    capped = plan(shape, H200, dataclasses.replace(DEFAULT, decode_max_bps=1))
+    assert capped.find("scores_request_nvfp4").params["BPS"] == 1
+
+
 STAGED = dataclasses.replace(DEFAULT, nvfp4_prefill="staged")
 
 
