@@ -1022,6 +1022,7 @@ def kernel_breakdown_us(fn, iters: int) -> dict[str, float]:
 def _short(name: str) -> str:
     for key, short in (("tile_plan", "attn-plan"), ("attention_tile", "attn-tile"),
                        ("fused_prepare", "prep"), ("block_scores", "score"),
+                       ("nvfp4_request", "score"), ("short_rows_topk", "topk"),
                        ("segment_topk", "topk"), ("merge_topk", "topk-merge"),
                        ("sparse_attention", "attn"), ("merge_splits", "attn-merge"),
                        ("flash", "dense-attn"), ("fmha", "dense-attn")):
