@@ -18,6 +18,13 @@ RMS-normalised as the model's index keys are):
 * "outliers": 8 of 128 channels 8x larger, as in trained key projections.
 * "topical": each block has a latent direction that queries share with some blocks, so a few
   blocks score clearly higher (closer to what the index branch is trained to find).
+* "model-uniform", "model-topical": the index queries and keys of openmsa's small model's
+  layer (openmsa.model: random weights at MiniMax-M3's TP1 geometry, MSAConfig()) over a token
+  stream, through the layer's own index projection, per-head RMSNorm and partial RoPE
+  (`openmsa.reference.prepare_index_qk`): tokens uniform over a 4096-token vocabulary, or each
+  block's tokens drawn half from a 32-token topic of its own and the queries' tokens from the
+  topics of 8 earlier blocks. The weights are random, so these are the model's activations in
+  form (norms, rotation, the projection's mixing), not a trained model's.
 """
 
 from __future__ import annotations
@@ -57,6 +64,41 @@ def _inputs(kind: str, context: int, tokens: int, gen: torch.Generator):
     return _rms(q), _rms(keys)
 
 
+VOCAB, TOPIC, HIDDEN = 4096, 32, 256
+
+
+def _model_inputs(kind: str, context: int, tokens: int, gen: torch.Generator):
+    """The small model's index queries [tokens, H, Di] (the last `tokens` positions) and keys
+    [context, Di] (every position), fp32, for a token stream of `kind` ("model-uniform" or
+    "model-topical")."""
+    from openmsa.model import random_layer_checkpoint
+    cfg = openmsa.MSAConfig()
+    layer = openmsa.MSAAttention(cfg, HIDDEN, ops="reference", dtype=torch.float32)
+    layer.load_checkpoint(random_layer_checkpoint(layer, gen))
+    if kind == "model-topical":
+        blocks = context // BLOCK
+        topics = torch.randint(0, VOCAB, (blocks, TOPIC), generator=gen)
+        own = topics.repeat_interleave(BLOCK, 0)[torch.arange(context),
+                                                 torch.randint(0, TOPIC, (context,),
+                                                               generator=gen)]
+        ids = torch.where(torch.rand(context, generator=gen) < 0.5, own,
+                          torch.randint(0, VOCAB, (context,), generator=gen))
+        # the queries' tokens: from the topics of 8 blocks before the queries' own
+        pick = topics[torch.randint(0, blocks - 1, (8,), generator=gen)].flatten()
+        ids[-tokens:] = pick[torch.randint(0, len(pick), (tokens,), generator=gen)]
+    else:
+        ids = torch.randint(0, VOCAB, (context,), generator=gen)
+    hidden = _rms(torch.randn(VOCAB, HIDDEN, generator=gen)[ids])
+    h, di = cfg.num_index_heads, cfg.index_head_dim
+    proj = torch.nn.functional.linear(hidden, layer.qkv_weight[-(h + 1) * di:])
+    iq, ik = proj[:, :h * di].reshape(context, h, di), proj[:, h * di:]
+    q, k = openmsa.reference.prepare_index_qk(
+        iq, ik, layer.index_q_norm, layer.index_k_norm, torch.arange(context),
+        rotary_dim=cfg.rotary_dim, rope_theta=cfg.rope_theta, eps=cfg.rms_norm_eps,
+        cache_dtype=torch.float32)
+    return q[-tokens:].float(), k.float()
+
+
 def _select(q, keys, context, tokens):
     """The reference selection of `tokens` decode-like tokens at the end of one request of
     `context` tokens (a q_len = tokens verify step), keys held in a [pages, 128, 128] cache."""
@@ -89,11 +131,12 @@ def main():
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rows = []
-    for kind in ("iid", "outliers", "topical"):
+    for kind in ("iid", "outliers", "topical", "model-uniform", "model-topical"):
         fp8_r, fp4_r = [], []
         for seed in range(args.seeds):
             gen = torch.Generator().manual_seed(seed)
-            q, keys = _inputs(kind, args.context, args.tokens, gen)
+            q, keys = (_model_inputs if kind.startswith("model") else _inputs)(
+                kind, args.context, args.tokens, gen)
             base = _select(q.bfloat16().float(), keys.bfloat16().float(), args.context,
                            args.tokens)
             q8 = q.to(FP8).float()
