@@ -83,8 +83,9 @@ def _model_inputs(kind: str, context: int, tokens: int, gen: torch.Generator):
                                                                generator=gen)]
         ids = torch.where(torch.rand(context, generator=gen) < 0.5, own,
                           torch.randint(0, VOCAB, (context,), generator=gen))
-        # the queries' tokens: from the topics of 8 blocks before the queries' own
-        pick = topics[torch.randint(0, blocks - 1, (8,), generator=gen)].flatten()
+        # the queries' tokens: from the topics of 8 blocks (drawn with replacement) before the
+        # queries' own
+        pick = topics[torch.randint(0, max(blocks - 1, 1), (8,), generator=gen)].flatten()
         ids[-tokens:] = pick[torch.randint(0, len(pick), (tokens,), generator=gen)]
     else:
         ids = torch.randint(0, VOCAB, (context,), generator=gen)

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Write the package as it was at a git revision into .ab/openmsa_base (git-ignored), the base
 side of benchmarks/ab.py; carry `.ab` to the GPU machine.   python benchmarks/prepare_ab.py REV
-(a second argument names another folder than .ab: two bases in one device call)"""
+(a second argument names another folder than .ab, e.g. .ab2: two bases in one device call;
+.gitignore ignores folders named .ab*)"""
 
 import io
 import os

@@ -61,15 +61,14 @@ DECODE_MAXNREG_NVFP4 = 128
 # its ring's half-block stages and, with 8 rows a pass, its threads' register cap. At 3 stages
 # (14 KB of shared memory a warp) and 112 registers 15 warps share an SM; 4 or 6 stages and 96
 # or 128 registers were no faster, and 16-row passes were faster uncapped (they spill at 112).
-# 64 programs an SM (over 4 waves of 15) leave a short last wave: at 128K, B = 128, 16-block
-# splits scored in 287 µs against 313 at 32 programs' 32 blocks (docs/performance.md, "NVFP4
-# index pages")
+# 64 programs an SM, over four waves of 15: more and shorter programs than whole waves, so
+# that SMs whose programs end early take more work and the last wave is short
+# (docs/performance.md, "NVFP4 index pages")
 NVFP4_PROGRAMS = 64
 NVFP4_STAGES = 3
 # ... and its most blocks per split: 32 (64 and 128 were 1.3% and 2.8% slower at B = 128, 1M),
 # and its least: 2 (a program gathers its rows' query values byte by byte, about a block's work
-# at 16 rows: 1-block splits of a TP1 verify step of 4 tokens at B = 1, 1M took 51 µs, 2-block
-# splits 41)
+# at 16 rows, which 1-block splits would double)
 NVFP4_MAX_BPS = 32
 NVFP4_MIN_BPS = 2
 NVFP4_MAXNREG_8_ROWS = 112

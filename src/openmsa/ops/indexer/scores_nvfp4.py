@@ -245,9 +245,9 @@ def _score_rows(q_ptr, cache_ptr, row_bt, out_ptr, words_s, scales_s, t_req, q_l
     # and the thread's two scale bytes (groups 2c, 2c + 1) as one int16
     w_l: gl.constexpr = gl.BlockedLayout([1, VEC], [8, 4], [1, 1], [1, 0])
     s_l: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [1, 1], [1, 0])
-    # the ring's first units are in flight while the query loads (a short split's programs
-    # spend a global load's latency on each), and each unit's page id is loaded an iteration
-    # before its copies are issued (a load and its use back to back stalled every unit)
+    # the ring's first units are in flight while the query loads (a short split's program
+    # would otherwise wait out both latencies in turn), and each unit's page id is loaded an
+    # iteration before its copies are issued (so no unit waits on a load of its own page id)
     n_units = 2 * (b_hi - b_lo)
     for v in gl.static_range(STAGES - 1):
         _issue(words_s, scales_s, _unit_page(row_bt, v, n_units, b_lo, stride_btb), cache_ptr,
