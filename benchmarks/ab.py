@@ -52,21 +52,20 @@ def _time(base_fn, new_fn, iters, graph: bool) -> dict:
     return row
 
 
-def _pick(arg, default, kind=int):
-    """A grid axis: the comma-separated values of `arg`, or the grid's own."""
-    return tuple(kind(v) for v in arg.split(",")) if arg else default
-
-
 def indexer_decode(base, args):
     grid = shapes.INDEXER_DECODE
-    for model_name in _pick(args.models, ("m3-tp1", "m3-tp4"), str):
+    # the openmsa-only dtypes (nvfp4) only when --dtypes names them (main restricts the grid)
+    dtypes = grid["dtypes"] + (grid.get("openmsa_only_dtypes", ()) if args.dtypes else ())
+    for model_name in ("m3-tp1", "m3-tp4"):
+        if not run._keep(model_name):
+            continue
         heads = shapes.MODELS[model_name].num_index_heads
-        for dname in _pick(args.dtypes, grid["dtypes"], str):
-            for context in _pick(args.contexts, grid["contexts"]):
-                for batch in _pick(args.batches, grid["batches"]):
+        for dname in dtypes:
+            for context in grid["contexts"]:
+                for batch in grid["batches"]:
                     if batch * context * run.TOKEN_BYTES[dname] > 40e9:
                         continue
-                    for q_len in _pick(args.q_lens, grid["q_lens"]):
+                    for q_len in grid["q_lens"]:
                         q, cache, cu, seq, table = run._index_step(
                             batch, context, q_len, heads,
                             "nvfp4" if dname == "nvfp4" else run.DTYPES[dname])
@@ -161,13 +160,22 @@ def main():
     parser.add_argument("--sections", default=",".join(SECTIONS))
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    # indexer-decode's grid (default shapes.INDEXER_DECODE's; dtypes also "nvfp4")
+    # the grids restricted as run.py's options restrict them (indexer-decode: dtypes also
+    # "nvfp4"); comma-separated
     parser.add_argument("--models", default="")
     parser.add_argument("--dtypes", default="")
     parser.add_argument("--contexts", default="")
     parser.add_argument("--batches", default="")
     parser.add_argument("--q-lens", default="")
     args = parser.parse_args()
+    for option, key in ((args.contexts, "contexts"), (args.batches, "batches"),
+                        (args.q_lens, "q_lens")):
+        if option:
+            run._restrict_grids(key, {int(v) for v in option.split(",")})
+    if args.dtypes:
+        run._restrict_dtypes(set(args.dtypes.split(",")))
+    if args.models:
+        run.MODELS = tuple(args.models.split(","))
     os.makedirs(args.out, exist_ok=True)
     sys.path.insert(0, os.path.abspath(args.base))
     base = importlib.import_module("openmsa_base")
