@@ -272,7 +272,7 @@ def _score_rows(q_ptr, cache_ptr, row_bt, out_ptr, words_s, scales_s, t_req, q_l
     # blocks wholly at or before the earliest row's position need no causal mask
     b_full = (seq_len - q_len + row0 // H + 1) // BLOCK
     best = gl.full([16, NP], float("-inf"), gl.float32, layout=mma)
-    # the page id of the block a unit scores, as loaded one unit earlier (see the block's end)
+    # the page id of the block being scored, loaded at its first unit (see the block's end)
     held = b_lo * 0
     for u in range(n_units):
         # unit u's copies done (this thread's), then everyone's: and every read of the slot
@@ -283,7 +283,8 @@ def _score_rows(q_ptr, cache_ptr, row_bt, out_ptr, words_s, scales_s, t_req, q_l
                STAGES)
         page_next = _unit_page(row_bt, u + STAGES, n_units, b_lo, stride_btb)
         b = b_lo + u // 2
-        cur = gl.load(row_bt + b * stride_btb)
+        if u % 2 == 0:
+            held = gl.load(row_bt + b * stride_btb)
         ws = words_s.index(u % STAGES)
         ss = scales_s.index(u % STAGES)._reinterpret(gl.int16, [UNIT, 4], _FLAT2)
         for mt in gl.static_range(UNIT // 16):
@@ -309,7 +310,6 @@ def _score_rows(q_ptr, cache_ptr, row_bt, out_ptr, words_s, scales_s, t_req, q_l
             m = gl.where((held >= 0) & (m == m), m, float("-inf"))
             gl.store(out_row + b.to(gl.int64) * stride_ob, m, mask=store_ok)
             best = gl.full([16, NP], float("-inf"), gl.float32, layout=mma)
-        held = cur
     # every copy landed and every read done before the next row pass refills the ring
     async_copy.wait_group(0)
     gl.thread_barrier()
