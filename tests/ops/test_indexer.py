@@ -959,7 +959,7 @@ def _assert_nvfp4_matches(got_scores, got_sel, want_scores, pos, topk, init, loc
     reference's selection on the kernel's own scores (no ties between random floats, so this is
     exactly the reference selection wherever rounding does not reorder two blocks) and within
     rounding of the reference's best."""
-    got_scores = got_scores.cpu()
+    got_scores, pos = got_scores.cpu(), pos.cpu()
     assert torch.equal(got_scores.isinf(), want_scores.isinf())
     fin = want_scores.isfinite()
     torch.testing.assert_close(got_scores[fin], want_scores[fin], rtol=1e-5, atol=1e-3)
