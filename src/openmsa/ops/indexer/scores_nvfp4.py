@@ -231,6 +231,58 @@ def _issue(words_s, scales_s, page, cache_ptr, unit, stride_cp, BLOCK: gl.conste
 
 
 @gluon.jit
+def _unit(cache_ptr, row_bt, out_row, words_s, scales_s, qs, best, held, page_next, u, n_units,
+          b_lo, b_full, pos, keys, store_ok, stride_cp, stride_btb, stride_ob,
+          NP: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr):
+    """Ring unit u (half of block b = b_lo + u // 2): its copies awaited, unit u + STAGES - 1's
+    issued, its 64 keys scored against the rows' queries qs into the running maxima `best`
+    (with MASKED, keys past a row's position masked where b >= b_full), the block's maxima
+    stored after its second unit. Returns (best, held, page_next) for the next unit."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
+                                                  instr_shape=[16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    # an MMA tile's token rows: 4 contiguous code words (16 bytes) a thread, 4 threads a row,
+    # and the thread's two scale bytes (groups 2c, 2c + 1) as one int16
+    w_l: gl.constexpr = gl.BlockedLayout([1, VEC], [8, 4], [1, 1], [1, 0])
+    s_l: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [1, 1], [1, 0])
+    # unit u's copies done (this thread's), then everyone's: and every read of the slot the
+    # next copies overwrite (unit u - 1's) is behind the barrier
+    async_copy.wait_group(STAGES - 2)
+    gl.thread_barrier()
+    _issue(words_s, scales_s, page_next, cache_ptr, u + STAGES - 1, stride_cp, BLOCK, STAGES)
+    page_next = _unit_page(row_bt, u + STAGES, n_units, b_lo, stride_btb)
+    b = b_lo + u // 2
+    if u % 2 == 0:
+        held = gl.load(row_bt + b * stride_btb)
+    ws = words_s.index(u % STAGES)
+    ss = scales_s.index(u % STAGES)._reinterpret(gl.int16, [UNIT, 4], _FLAT2)
+    for mt in gl.static_range(UNIT // 16):
+        w = _relabel(ws.slice(mt * 16, 16, dim=0).load(w_l), 16)
+        s4 = ss.slice(mt * 16, 16, dim=0).load(s_l).to(gl.int32)
+        s = gl.join(gl.join(s4, s4), gl.join(s4, s4)).reshape([16, WORDS])
+        s = _relabel(gl.convert_layout(s, w_l), 16)
+        chunks = gl.inline_asm_elementwise(
+            _DEQUANT_ASM, "=r," * 16 + "r,r,r,r,r,r,r,r", [w, s],
+            dtype=(gl.float16,) * 8, is_pure=True, pack=4)
+        acc = gl.zeros([16, NP], gl.float32, layout=mma)
+        for i in gl.static_range(8):
+            acc = mma_v2(gl.convert_layout(chunks[i], a_l, assert_trivial=True), qs[i], acc)
+        if MASKED and b >= b_full:
+            kpos = b * BLOCK + (u % 2) * UNIT + mt * 16 + keys
+            acc = gl.where(kpos[:, None] <= pos[None, :], acc, float("-inf"))
+        best = gl.maximum(best, acc)
+    if u % 2 == 1:
+        # the block's maxima; the max skips NaN (PTX max.f32): only an all-NaN block is left
+        # to clean, and a page id < 0 (its copies were skipped) scores -inf. (held: the id the
+        # block's first unit loaded, so no load's latency stalls the store)
+        m = gl.max(best, axis=0) * 128.0
+        m = gl.where((held >= 0) & (m == m), m, float("-inf"))
+        gl.store(out_row + b.to(gl.int64) * stride_ob, m, mask=store_ok)
+        best = gl.full([16, NP], float("-inf"), gl.float32, layout=mma)
+    return best, held, page_next
+
+
+@gluon.jit
 def _score_rows(q_ptr, cache_ptr, row_bt, out_ptr, words_s, scales_s, t_req, q_len, n_tok,
                 seq_len, row0, b_lo, b_hi, stride_qt, stride_qh, stride_qd, stride_cp,
                 stride_btb, stride_ot, stride_oh, stride_ob, H: gl.constexpr,
@@ -239,12 +291,7 @@ def _score_rows(q_ptr, cache_ptr, row_bt, out_ptr, words_s, scales_s, t_req, q_l
     n % H) against blocks [b_lo, b_hi), each block's maxima stored as it completes."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
                                                   instr_shape=[16, 8])
-    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    # an MMA tile's token rows: 4 contiguous code words (16 bytes) a thread, 4 threads a row,
-    # and the thread's two scale bytes (groups 2c, 2c + 1) as one int16
-    w_l: gl.constexpr = gl.BlockedLayout([1, VEC], [8, 4], [1, 1], [1, 0])
-    s_l: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [1, 1], [1, 0])
     # the ring's first units are in flight while the query loads (a short split's program
     # would otherwise wait out both latencies in turn), and each unit's page id is loaded an
     # iteration before its copies are issued (so no unit waits on a load of its own page id)
@@ -274,42 +321,25 @@ def _score_rows(q_ptr, cache_ptr, row_bt, out_ptr, words_s, scales_s, t_req, q_l
     best = gl.full([16, NP], float("-inf"), gl.float32, layout=mma)
     # the page id of the block being scored, loaded at its first unit (see the block's end)
     held = b_lo * 0
-    for u in range(n_units):
-        # unit u's copies done (this thread's), then everyone's: and every read of the slot
-        # the next copies overwrite (unit u - 1's) is behind the barrier
-        async_copy.wait_group(STAGES - 2)
-        gl.thread_barrier()
-        _issue(words_s, scales_s, page_next, cache_ptr, u + STAGES - 1, stride_cp, BLOCK,
-               STAGES)
-        page_next = _unit_page(row_bt, u + STAGES, n_units, b_lo, stride_btb)
-        b = b_lo + u // 2
-        if u % 2 == 0:
-            held = gl.load(row_bt + b * stride_btb)
-        ws = words_s.index(u % STAGES)
-        ss = scales_s.index(u % STAGES)._reinterpret(gl.int16, [UNIT, 4], _FLAT2)
-        for mt in gl.static_range(UNIT // 16):
-            w = _relabel(ws.slice(mt * 16, 16, dim=0).load(w_l), 16)
-            s4 = ss.slice(mt * 16, 16, dim=0).load(s_l).to(gl.int32)
-            s = gl.join(gl.join(s4, s4), gl.join(s4, s4)).reshape([16, WORDS])
-            s = _relabel(gl.convert_layout(s, w_l), 16)
-            chunks = gl.inline_asm_elementwise(
-                _DEQUANT_ASM, "=r," * 16 + "r,r,r,r,r,r,r,r", [w, s],
-                dtype=(gl.float16,) * 8, is_pure=True, pack=4)
-            acc = gl.zeros([16, NP], gl.float32, layout=mma)
-            for i in gl.static_range(8):
-                acc = mma_v2(gl.convert_layout(chunks[i], a_l, assert_trivial=True), qs[i], acc)
-            if b >= b_full:
-                kpos = b * BLOCK + (u % 2) * UNIT + mt * 16 + keys
-                acc = gl.where(kpos[:, None] <= pos[None, :], acc, float("-inf"))
-            best = gl.maximum(best, acc)
-        if u % 2 == 1:
-            # the block's maxima; the max skips NaN (PTX max.f32): only an all-NaN block is
-            # left to clean, and a page id < 0 (its copies were skipped) scores -inf. (held:
-            # the id the block's first unit loaded, so no load's latency stalls the store)
-            m = gl.max(best, axis=0) * 128.0
-            m = gl.where((held >= 0) & (m == m), m, float("-inf"))
-            gl.store(out_row + b.to(gl.int64) * stride_ob, m, mask=store_ok)
-            best = gl.full([16, NP], float("-inf"), gl.float32, layout=mma)
+    # with 8 rows a pass, the units of blocks wholly at or before the earliest row's position
+    # first, with no causal mask: that loop's body has no branch between its MMA tiles, so
+    # ptxas interleaves the tiles' dequantization and MMA chains (up to 4% faster at small
+    # batch); then the rest, masked. 16-row passes ran 2-8% slower so split, so they keep one
+    # loop that masks the tiles of blocks at or past b_full (docs/performance.md)
+    if NP == 8:
+        u_mask = gl.minimum(gl.maximum(2 * (b_full - b_lo), 0), n_units)
+    else:
+        u_mask = b_lo * 0
+    for u in range(u_mask):
+        best, held, page_next = _unit(cache_ptr, row_bt, out_row, words_s, scales_s, qs, best,
+                                      held, page_next, u, n_units, b_lo, b_full, pos, keys,
+                                      store_ok, stride_cp, stride_btb, stride_ob, NP, BLOCK,
+                                      STAGES, False)
+    for u in range(u_mask, n_units):
+        best, held, page_next = _unit(cache_ptr, row_bt, out_row, words_s, scales_s, qs, best,
+                                      held, page_next, u, n_units, b_lo, b_full, pos, keys,
+                                      store_ok, stride_cp, stride_btb, stride_ob, NP, BLOCK,
+                                      STAGES, True)
     # every copy landed and every read done before the next row pass refills the ring
     async_copy.wait_group(0)
     gl.thread_barrier()
