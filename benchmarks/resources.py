@@ -19,7 +19,8 @@ whole 128-key blocks and 3 stages, 185 / 139 KB for bf16). Count before you meas
     python3 benchmarks/resources.py --sass sel:search,64,0,1   # + its search loops (those
                                   # with a warp-wide sum, REDUX)
     python3 benchmarks/resources.py --sass nvfp4:8 nvfp4:16   # the Gluon NVFP4 request launch
-                                  # (rows a pass) and its loop over ring units
+                                  # (rows a pass) and its loops over ring units (8 rows: the
+                                  # blocks needing no causal mask, then the rest)
     python3 benchmarks/resources.py --sass rows:16,4,4,1   # the short-row selection (Gluon,
                                   # select_rows.py: groups, blocks per group, threads per row,
                                   # warps[, sort: rows sorted, not

@@ -330,11 +330,14 @@ def _score_rows(q_ptr, cache_ptr, row_bt, out_ptr, words_s, scales_s, t_req, q_l
         u_mask = gl.minimum(gl.maximum(2 * (b_full - b_lo), 0), n_units)
     else:
         u_mask = b_lo * 0
-    for u in range(u_mask):
-        best, held, page_next = _unit(cache_ptr, row_bt, out_row, words_s, scales_s, qs, best,
-                                      held, page_next, u, n_units, b_lo, b_full, pos, keys,
-                                      store_ok, stride_cp, stride_btb, stride_ob, NP, BLOCK,
-                                      STAGES, False)
+    for blk in range(u_mask // 2):
+        # (a block's two units unrolled: each unit's parity, so its page-id load or store, is
+        # known at compile time)
+        for half in gl.static_range(2):
+            best, held, page_next = _unit(cache_ptr, row_bt, out_row, words_s, scales_s, qs,
+                                          best, held, page_next, 2 * blk + half, n_units, b_lo,
+                                          b_full, pos, keys, store_ok, stride_cp, stride_btb,
+                                          stride_ob, NP, BLOCK, STAGES, False)
     for u in range(u_mask, n_units):
         best, held, page_next = _unit(cache_ptr, row_bt, out_row, words_s, scales_s, qs, best,
                                       held, page_next, u, n_units, b_lo, b_full, pos, keys,
