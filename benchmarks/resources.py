@@ -167,8 +167,9 @@ def short_rows_resources(g: int, w: int, tpr: int, warps: int, sass: bool = Fals
 
 def nvfp4_resources(np_rows: int, sass: bool = False):
     """The Gluon NVFP4 request launch (scores_nvfp4.py) as plan.py launches it at TP1 (4 index
-    heads), NP (token, head) rows a pass, fp8 index query; with `sass`, its loop over ring units
-    (the dequantization and the MMAs of a half block)."""
+    heads), NP (token, head) rows a pass, fp8 index query; with `sass`, its loops over ring units
+    (the dequantization and the MMAs of a half block; with 8 rows two loops: the blocks needing no
+    causal mask, two units an iteration, then the rest)."""
     from openmsa.ops.indexer import plan as plan_mod
     from openmsa.ops.indexer.scores_nvfp4 import _nvfp4_request_kernel
     ptrs = dict(q_ptr="*fp8e4nv", cache_ptr="*u8", cu_ptr="*i32", seq_lens_ptr="*i32",

@@ -35,6 +35,7 @@ def test_resources_tool():
     # the first with fewer instructions a unit; 16-row passes have the second alone
     regs, spills, _, per_sm, loops = resources.nvfp4_resources(8, sass=True)
     assert spills == 0 and regs <= 112 and per_sm >= 15 and len(loops) == 2
-    assert loops[0][0] < 2 * loops[1][0]
+    (unmasked, _, bars_u, _), (masked, _, bars_m, _) = loops
+    assert (bars_u, bars_m) == (4, 2) and masked < unmasked < 2 * masked
     regs, spills, _, per_sm, loops = resources.nvfp4_resources(16, sass=True)
     assert spills == 0 and per_sm >= 15 and len(loops) == 1

@@ -197,6 +197,9 @@ def _nvfp4_request_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
 # reads of 8 consecutive 64-byte token rows are conflict-free as is)
 UNIT = gl.constexpr(64)
 _FLAT2 = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+# the MMA (mma.sync m16n8k16) of a one-warp program: keys as M, the (token, head) rows as N
+_MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
+                                              instr_shape=[16, 8]))
 
 
 @gluon.jit
@@ -238,9 +241,7 @@ def _unit(cache_ptr, row_bt, out_row, words_s, scales_s, qs, best, held, page_ne
     issued, its 64 keys scored against the rows' queries qs into the running maxima `best`
     (with MASKED, keys past a row's position masked where b >= b_full), the block's maxima
     stored after its second unit. Returns (best, held, page_next) for the next unit."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
-                                                  instr_shape=[16, 8])
-    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_MMA, k_width=2)
     # an MMA tile's token rows: 4 contiguous code words (16 bytes) a thread, 4 threads a row,
     # and the thread's two scale bytes (groups 2c, 2c + 1) as one int16
     w_l: gl.constexpr = gl.BlockedLayout([1, VEC], [8, 4], [1, 1], [1, 0])
@@ -264,7 +265,7 @@ def _unit(cache_ptr, row_bt, out_row, words_s, scales_s, qs, best, held, page_ne
         chunks = gl.inline_asm_elementwise(
             _DEQUANT_ASM, "=r," * 16 + "r,r,r,r,r,r,r,r", [w, s],
             dtype=(gl.float16,) * 8, is_pure=True, pack=4)
-        acc = gl.zeros([16, NP], gl.float32, layout=mma)
+        acc = gl.zeros([16, NP], gl.float32, layout=_MMA)
         for i in gl.static_range(8):
             acc = mma_v2(gl.convert_layout(chunks[i], a_l, assert_trivial=True), qs[i], acc)
         if MASKED and b >= b_full:
@@ -278,7 +279,7 @@ def _unit(cache_ptr, row_bt, out_row, words_s, scales_s, qs, best, held, page_ne
         m = gl.max(best, axis=0) * 128.0
         m = gl.where((held >= 0) & (m == m), m, float("-inf"))
         gl.store(out_row + b.to(gl.int64) * stride_ob, m, mask=store_ok)
-        best = gl.full([16, NP], float("-inf"), gl.float32, layout=mma)
+        best = gl.full([16, NP], float("-inf"), gl.float32, layout=_MMA)
     return best, held, page_next
 
 
@@ -289,9 +290,7 @@ def _score_rows(q_ptr, cache_ptr, row_bt, out_ptr, words_s, scales_s, t_req, q_l
                 NP: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr):
     """Rows [row0, row0 + NP) of a request's first n_tok tokens (row n: its token n // H, head
     n % H) against blocks [b_lo, b_hi), each block's maxima stored as it completes."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
-                                                  instr_shape=[16, 8])
-    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=_MMA, k_width=2)
     # the ring's first units are in flight while the query loads (a short split's program
     # would otherwise wait out both latencies in turn), and each unit's page id is loaded an
     # iteration before its copies are issued (so no unit waits on a load of its own page id)
@@ -311,14 +310,14 @@ def _score_rows(q_ptr, cache_ptr, row_bt, out_ptr, words_s, scales_s, t_req, q_l
         qs = qs + (_query_chunk(q_ptr, tok_q, head_q, ok_q, stride_qt, stride_qh, stride_qd, i,
                                 NP, b_l),)
     # the rows along the accumulator's N: positions (right-aligned tokens) and score rows
-    n_a = row0 + gl.arange(0, NP, layout=gl.SliceLayout(0, mma))
+    n_a = row0 + gl.arange(0, NP, layout=gl.SliceLayout(0, _MMA))
     pos = seq_len - q_len + n_a // H
     out_row = out_ptr + (t_req + n_a // H).to(gl.int64) * stride_ot + (n_a % H) * stride_oh
     store_ok = n_a < rows
-    keys = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
+    keys = gl.arange(0, 16, layout=gl.SliceLayout(1, _MMA))
     # blocks wholly at or before the earliest row's position need no causal mask
     b_full = (seq_len - q_len + row0 // H + 1) // BLOCK
-    best = gl.full([16, NP], float("-inf"), gl.float32, layout=mma)
+    best = gl.full([16, NP], float("-inf"), gl.float32, layout=_MMA)
     # the page id of the block being scored, loaded at its first unit (see the block's end)
     held = b_lo * 0
     # with 8 rows a pass, the units of blocks wholly at or before the earliest row's position
@@ -326,18 +325,17 @@ def _score_rows(q_ptr, cache_ptr, row_bt, out_ptr, words_s, scales_s, t_req, q_l
     # ptxas interleaves the tiles' dequantization and MMA chains (up to 4% faster at small
     # batch); then the rest, masked. 16-row passes ran 2-8% slower so split, so they keep one
     # loop that masks the tiles of blocks at or past b_full (docs/performance.md)
+    u_mask = b_lo * 0
     if NP == 8:
         u_mask = gl.minimum(gl.maximum(2 * (b_full - b_lo), 0), n_units)
-    else:
-        u_mask = b_lo * 0
-    for blk in range(u_mask // 2):
-        # (a block's two units unrolled: each unit's parity, so its page-id load or store, is
-        # known at compile time)
-        for half in gl.static_range(2):
-            best, held, page_next = _unit(cache_ptr, row_bt, out_row, words_s, scales_s, qs,
-                                          best, held, page_next, 2 * blk + half, n_units, b_lo,
-                                          b_full, pos, keys, store_ok, stride_cp, stride_btb,
-                                          stride_ob, NP, BLOCK, STAGES, False)
+        for blk in range(u_mask // 2):
+            # (a block's two units unrolled: each unit's parity, so whether it loads the
+            # block's page id or stores its maxima, folds to a constant)
+            for half in gl.static_range(2):
+                best, held, page_next = _unit(cache_ptr, row_bt, out_row, words_s, scales_s, qs,
+                                              best, held, page_next, 2 * blk + half, n_units,
+                                              b_lo, b_full, pos, keys, store_ok, stride_cp,
+                                              stride_btb, stride_ob, NP, BLOCK, STAGES, False)
     for u in range(u_mask, n_units):
         best, held, page_next = _unit(cache_ptr, row_bt, out_row, words_s, scales_s, qs, best,
                                       held, page_next, u, n_units, b_lo, b_full, pos, keys,
