@@ -1168,21 +1168,31 @@ SECTIONS = {"ceilings": ceilings, "indexer-decode": indexer_decode,
             "layer-prefill": layer_prefill}
 
 
-def provenance() -> str:
-    # the device's copy of the tree may carry a stale .git: a given revision wins
-    # (OPENMSA_REVISION, or the REVISION file carried beside the tree, see scripts/gpu_check.sh)
+def _revision(root: str) -> str:
+    """The commit the tree at `root` is: OPENMSA_REVISION, else the REVISION file carried beside
+    the tree (scripts/gpu_check.sh), else git's HEAD, marked "+modified" where tracked files
+    differ from it (the device's copy of a tree may carry a stale .git), else "unknown"."""
     sha = os.environ.get("OPENMSA_REVISION", "")
-    rev_file = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                            "REVISION")
+    rev_file = os.path.join(root, "REVISION")
     if not sha and os.path.isfile(rev_file):
         with open(rev_file) as f:
             sha = f.read().strip()
-    if not sha:
-        try:
-            sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                 text=True).stdout.strip() or "unknown"
-        except OSError:
-            sha = "unknown"
+    if sha:
+        return sha
+    try:
+        git = ["git", "-C", root]
+        sha = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True).stdout.strip()
+        if sha and subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"],
+                                  capture_output=True, text=True).stdout.strip():
+            sha += "+modified"
+    except OSError:
+        sha = ""
+    return sha or "unknown"
+
+
+def provenance() -> str:
+    sha = _revision(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     p = torch.cuda.get_device_properties(0)
     return (f"# {p.name} ({p.multi_processor_count} SMs), CUDA {torch.version.cuda}, torch "
             f"{torch.__version__}, triton {triton.__version__}, openmsa {openmsa.__version__} "

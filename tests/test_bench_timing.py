@@ -137,3 +137,28 @@ def test_dtype_restriction_and_unknown_names(monkeypatch):
     done = subprocess.run([sys.executable, bench, "--dry-run", "--dtypes", "fp8,fp9"],
                           capture_output=True, text=True)
     assert done.returncode == 2 and "unknown dtypes ['fp9']" in done.stderr
+
+
+def test_revision_names_a_modified_tree(monkeypatch, tmp_path):
+    """The provenance line's commit: a given revision wins; else git's HEAD, marked where the
+    tracked files differ from it (a stale .git in a copied tree must not name the wrong code)."""
+    import subprocess
+    monkeypatch.delenv("OPENMSA_REVISION", raising=False)
+    assert run._revision(str(tmp_path)) == "unknown"
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    try:
+        subprocess.run(git + ["init", "-q"], check=True)
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("git is not available")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    subprocess.run(git + ["add", "a.py"], check=True)
+    subprocess.run(git + ["commit", "-q", "-m", "a"], check=True)
+    head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    assert run._revision(str(tmp_path)) == head
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert run._revision(str(tmp_path)) == head + "+modified"
+    (tmp_path / "REVISION").write_text("abc1234\n")
+    assert run._revision(str(tmp_path)) == "abc1234"
+    monkeypatch.setenv("OPENMSA_REVISION", "def5678")
+    assert run._revision(str(tmp_path)) == "def5678"
