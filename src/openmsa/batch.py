@@ -16,12 +16,20 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["token_layout", "validate_batch", "num_causal_blocks"]
+__all__ = ["token_layout", "validate_batch", "num_causal_blocks", "step_well_formed",
+           "request_fits_table", "page_in_cache"]
 
 
-def token_layout(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int
+def token_layout(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int, *,
+                 block_size: int | None = None, table_width: int | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token request id and position, computed on the tensors' device without a host sync.
+    """Per-token request id and position, computed on the tensors' device without a host sync
+    (docs/spec.md, "Padding" and "Bounds").
+
+    A token is padding (position -1) when it lies past cu_seqlens_q[R], when its request has
+    q_len > seq_len, when the step's cu_seqlens_q is malformed (not starting at 0, decreasing
+    somewhere, or ending past num_tokens: then every token is padding), and, given block_size
+    and table_width, when its request needs more blocks than the table has columns.
 
     Returns:
         request: int32 [T], the request of each token, or R for a token past cu_seqlens_q[R].
@@ -31,29 +39,55 @@ def token_layout(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, num_tokens:
     num_requests = seq_lens.shape[0]
     t = torch.arange(num_tokens, device=device, dtype=torch.int64)
     cu = cu_seqlens_q.to(torch.int64)
+    if num_requests == 0:
+        return (torch.zeros_like(t, dtype=torch.int32),
+                torch.full_like(t, -1, dtype=torch.int32))
     # request r holds tokens cu[r] <= t < cu[r+1]: the count of ends <= t is r
     request = torch.searchsorted(cu[1:].contiguous(), t, right=True)
-    valid = request < num_requests
-    r = request.clamp(max=max(num_requests - 1, 0))
-    if num_requests == 0:
-        return request.to(torch.int32), torch.full_like(t, -1, dtype=torch.int32)
+    r = request.clamp(max=num_requests - 1)
+    sl = seq_lens.to(torch.int64)
     q_len = cu[1:] - cu[:-1]
-    pos = seq_lens.to(torch.int64)[r] - q_len[r] + (t - cu[r])
-    # a request with q_len > seq_len is malformed (validate_batch rejects it): all its tokens pad
-    ok = valid & (q_len[r] <= seq_lens.to(torch.int64)[r])
+    pos = sl[r] - q_len[r] + (t - cu[r])
+    ok = (request < num_requests) & (q_len[r] <= sl[r]) & step_well_formed(cu, num_tokens)
+    if table_width is not None:
+        ok &= request_fits_table(sl[r], block_size, table_width)
     pos = torch.where(ok & (pos >= 0), pos, torch.full_like(pos, -1))
     return request.to(torch.int32), pos.to(torch.int32)
 
 
+def step_well_formed(cu_seqlens_q: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """A 0-d bool tensor (no host sync): cu_seqlens_q starts at 0, never decreases and ends at
+    most at num_tokens. A step failing this is padding as a whole (docs/spec.md, "Bounds")."""
+    cu = cu_seqlens_q.to(torch.int64)
+    return (cu[0] == 0) & (cu[-1] <= num_tokens) & (cu[1:] >= cu[:-1]).all()
+
+
+def request_fits_table(seq_len: torch.Tensor, block_size: int, table_width: int) -> torch.Tensor:
+    """Whether a request of seq_len keys has a table column for each of its blocks (a request
+    that does not is padding as a whole: docs/spec.md, "Bounds")."""
+    return (seq_len <= 0) | (torch.div(seq_len - 1, block_size, rounding_mode="floor")
+                             < table_width)
+
+
+def page_in_cache(pages: torch.Tensor, num_pages: int) -> torch.Tensor:
+    """Which table entries name a page of the cache: [0, num_pages). Any other entry (-1 for an
+    unfilled one, or a stale id past the cache) reads nothing."""
+    return (pages >= 0) & (pages < num_pages)
+
+
 def request_spans(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int,
                   block_table: torch.Tensor, block_size: int):
-    """For the references (this reads the tensors on the host): each request with tokens and
-    context, as (request, first token, end token, seq_len, its nb = ceil(seq_len / B) page ids
-    as int64) in order; requests with no token or no context are skipped."""
+    """For the references (this reads the tensors on the host): each request with a token that
+    is not padding (token_layout with the table's width), as (request, first token, end token,
+    seq_len, its nb = ceil(seq_len / B) table entries as int64) in order. A request's tokens
+    that are not padding are the whole span, so the span is all a reference needs."""
+    _, position = token_layout(cu_seqlens_q, seq_lens, num_tokens, block_size=block_size,
+                               table_width=block_table.shape[1])
     cu, sl = cu_seqlens_q.tolist(), seq_lens.tolist()
+    live = (position >= 0).tolist()
     for r in range(len(sl)):
         start, end = cu[r], min(cu[r + 1], num_tokens)
-        if end <= start or sl[r] <= 0:
+        if end <= start or start < 0 or not live[start]:
             continue
         nb = -(-sl[r] // block_size)
         yield r, start, end, sl[r], block_table[r, :nb].long()

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...batch import num_causal_blocks, request_spans, token_layout
+from ...batch import num_causal_blocks, page_in_cache, request_spans, token_layout
 from .checks import check_attention_args, check_page_table_args
 
 if TYPE_CHECKING:
@@ -74,7 +74,8 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
     ks, vs = _as_scale(k_scale, device), _as_scale(v_scale, device)
     result = torch.zeros(num_tokens, num_heads, head_dim, dtype=torch.float32, device=device)
     lse = torch.full((num_tokens, num_heads), float("-inf"), dtype=torch.float32, device=device)
-    _, position = token_layout(cu_seqlens_q, seq_lens, num_tokens)
+    _, position = token_layout(cu_seqlens_q, seq_lens, num_tokens, block_size=block_size,
+                               table_width=block_table.shape[1])
     head_map = kv_head_to_index_head(num_kv_heads, indices.shape[1]).to(device)
     kv_head = torch.arange(num_kv_heads, device=device)[None, :, None]
     offs = torch.arange(block_size, device=device)
@@ -84,8 +85,9 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
         # the request's pages in fp32 once (dequantised), so chunks gather fp32 directly; V rows
         # at or past seq_len were never written (maybe NaN) and are zeroed here, once
         nb = req_pages.shape[0]
-        unfilled = req_pages < 0
-        req_pages = req_pages.clamp(min=0)
+        # an entry naming no page of the cache (-1, or a stale id past it) reads nothing
+        unfilled = ~page_in_cache(req_pages, k_cache.shape[0])
+        req_pages = req_pages.masked_fill(unfilled, 0)
         kf = k_cache[req_pages].float().contiguous()  # [nb, B, Hkv, D], a copy
         vf = v_cache[req_pages].float().contiguous()
         if not isinstance(ks, float) or ks != 1.0:
@@ -106,7 +108,6 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
             sel = indices[s:e].long()[:, head_map, :]  # [c, Hkv, K]
             valid = (sel >= 0) & (sel < n)
             blk = torch.where(valid, sel, torch.zeros_like(sel))
-            # a negative page id (an unfilled table entry) reads nothing
             valid &= ~unfilled[blk]
             qq = q[s:e].float().view(c, num_kv_heads, group, head_dim)
             if dense:
@@ -120,7 +121,9 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
                 values = vf.view(nb * block_size, num_kv_heads, head_dim)
                 logits = torch.einsum("cgqd,lgd->cgql", qq, keys) * sm_scale
                 probs, row_lse = _masked_softmax(logits, visible[:, :, None])
-                o = torch.einsum("cgql,lgd->cgqd", probs, values)
+                # a key the token does not see adds nothing, even a NaN value (0 * NaN is NaN)
+                values = torch.where(visible[..., None], values.transpose(0, 1)[None], 0.0)
+                o = torch.einsum("cgql,cgld->cgqd", probs, values)
             else:
                 # J is a set: an id already listed earlier in the row adds nothing
                 dup = ((sel[..., :, None] == sel[..., None, :]) & valid[..., None, :]
@@ -132,6 +135,7 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
                 v = vf[blk, :, kv_head.expand_as(blk)].flatten(2, 3)
                 logits = torch.einsum("cgqd,cgjd->cgqj", qq, k) * sm_scale
                 probs, row_lse = _masked_softmax(logits, visible[:, :, None])
+                v = torch.where(visible[..., None], v, 0.0)
                 o = torch.einsum("cgqj,cgjd->cgqd", probs, v)
             result[s:e] = o.reshape(c, num_heads, head_dim)
             lse[s:e] = row_lse.reshape(c, num_heads)
@@ -161,8 +165,8 @@ def sparse_page_table(indices, cu_seqlens_q, seq_lens, block_table, *, num_kv_he
     per_block = block_size // sub_page_size
     pages = torch.zeros(num_tokens * num_kv_heads, topk * per_block, dtype=torch.int32)
     lens = torch.zeros(num_tokens * num_kv_heads, dtype=torch.int32)
-    _, position = token_layout(cu_seqlens_q, seq_lens, num_tokens)
-    request, _ = token_layout(cu_seqlens_q, seq_lens, num_tokens)
+    request, position = token_layout(cu_seqlens_q, seq_lens, num_tokens, block_size=block_size,
+                                     table_width=block_table.shape[1])
     head_map = kv_head_to_index_head(num_kv_heads, num_index_heads).tolist()
     for t in range(num_tokens):
         p = int(position[t])

@@ -38,16 +38,41 @@ def find_request(cu_ptr, num_requests, token):
 
 
 @gluon.jit
-def token_position(cu_ptr, seq_lens_ptr, num_requests, token):
+def step_well_formed(cu_ptr, num_requests, num_tokens):
+    """triton_utils.step_well_formed: cu_seqlens_q starts at 0, never decreases and ends at most
+    at num_tokens (else the step is padding as a whole)."""
+    CHUNK: gl.constexpr = 128
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    ok = (gl.load(cu_ptr) == 0) & (gl.load(cu_ptr + num_requests) <= num_tokens)
+    for i in range(0, num_requests, CHUNK):
+        r = i + gl.arange(0, CHUNK, layout=layout)
+        m = r < num_requests
+        a = gl.load(cu_ptr + r, mask=m, other=0)
+        b = gl.load(cu_ptr + r + 1, mask=m, other=0)
+        ok = ok & (gl.sum((m & (b < a)).to(gl.int32), axis=0) == 0)
+    return ok
+
+
+@gluon.jit
+def request_ok(q_len, seq_len, table_width, BLOCK: gl.constexpr):
+    """triton_utils.request_ok: q_len <= seq_len and a table column for every block."""
+    return (seq_len >= q_len) & ((seq_len - 1) // BLOCK < table_width)
+
+
+@gluon.jit
+def token_position(cu_ptr, seq_lens_ptr, num_requests, num_tokens, table_width, token,
+                   BLOCK: gl.constexpr):
     """(request, position) of each packed token of a tensor, right-aligned in its request
-    (docs/spec.md, "Batch layout"); the position is -1 for padding: a token past cu[R], or any
-    token of a request with q_len > seq_len (triton_utils.token_position)."""
+    (docs/spec.md, "Batch layout"); the position is -1 for padding (triton_utils.token_position:
+    a token past cu[R], a request failing request_ok, a step failing step_well_formed)."""
     r = find_request(cu_ptr, num_requests, token)
     real = r < num_requests
     t_req = gl.load(cu_ptr + r, mask=real, other=0)
     q_len = gl.load(cu_ptr + r + 1, mask=real, other=0) - t_req
     seq_len = gl.load(seq_lens_ptr + r, mask=real, other=0)
-    return r, gl.where(real & (seq_len >= q_len), seq_len - q_len + (token - t_req), -1)
+    ok = (real & request_ok(q_len, seq_len, table_width, BLOCK) & (token >= t_req)
+          & step_well_formed(cu_ptr, num_requests, num_tokens))
+    return r, gl.where(ok, seq_len - q_len + (token - t_req), -1)
 
 
 @gluon.jit

@@ -39,32 +39,63 @@ def find_request(cu_seqlens_ptr, num_requests, token, guess=-1):
 
 
 @triton.jit
-def token_position(cu_seqlens_ptr, seq_lens_ptr, num_requests, token, guess=-1):
+def step_well_formed(cu_seqlens_ptr, num_requests, num_tokens):
+    """Whether the step's cu_seqlens_q is well formed: it starts at 0, never decreases and ends
+    at most at num_tokens. A step failing this is padding as a whole (docs/spec.md, "Bounds"):
+    otherwise two requests could claim one token, and per-request and per-token launches would
+    disagree on it. Reads the R + 1 offsets, a chunk of 128 at a time (one chunk for R < 128)."""
+    CHUNK: tl.constexpr = 128
+    ok = (tl.load(cu_seqlens_ptr) == 0) & (tl.load(cu_seqlens_ptr + num_requests) <= num_tokens)
+    for i in range(0, num_requests, CHUNK):
+        r = i + tl.arange(0, CHUNK)
+        m = r < num_requests
+        a = tl.load(cu_seqlens_ptr + r, mask=m, other=0)
+        b = tl.load(cu_seqlens_ptr + r + 1, mask=m, other=0)
+        ok = ok & (tl.sum((m & (b < a)).to(tl.int32), axis=0) == 0)
+    return ok
+
+
+@triton.jit
+def request_ok(q_len, seq_len, table_width, BLOCK: tl.constexpr):
+    """Whether a request's tokens can have positions: q_len <= seq_len, and a table column for
+    each of its ceil(seq_len / BLOCK) blocks (docs/spec.md, "Bounds"; seq_len >= q_len >= 1 for
+    a request holding a token, so (seq_len - 1) // BLOCK is its last block)."""
+    return (seq_len >= q_len) & ((seq_len - 1) // BLOCK < table_width)
+
+
+@triton.jit
+def token_position(cu_seqlens_ptr, seq_lens_ptr, num_requests, num_tokens, table_width, token,
+                   guess, BLOCK: tl.constexpr):
     """(request, position) of packed token `token`, right-aligned in its request. The position is
-    -1 for padding: a token past cu[R], or any token of a request with q_len > seq_len. `guess`:
-    see find_request."""
+    -1 for padding: a token past cu[R], any token of a request failing `request_ok`, and every
+    token of a step failing `step_well_formed`. `guess`: see find_request (-1 for none)."""
     r = find_request(cu_seqlens_ptr, num_requests, token, guess)
     pos = -1
     if r < num_requests:
         t_req = tl.load(cu_seqlens_ptr + r)
         q_len = tl.load(cu_seqlens_ptr + r + 1) - t_req
         seq_len = tl.load(seq_lens_ptr + r)
-        pos = tl.where(seq_len >= q_len, seq_len - q_len + (token - t_req), -1)
+        ok = (request_ok(q_len, seq_len, table_width, BLOCK) & (token >= t_req)
+              & step_well_formed(cu_seqlens_ptr, num_requests, num_tokens))
+        pos = tl.where(ok, seq_len - q_len + (token - t_req), -1)
     return r, pos
 
 
 @triton.jit
-def tile_position(cu_seqlens_ptr, seq_lens_ptr, num_requests, t0, QT: tl.constexpr):
+def tile_position(cu_seqlens_ptr, seq_lens_ptr, num_requests, num_tokens, table_width, t0,
+                  QT: tl.constexpr, BLOCK: tl.constexpr):
     """(request, position of packed token t0, whole) for a tile of tokens [t0, t0 + QT): whole
-    when they all lie in one request whose positions are valid (q_len <= seq_len); the request
-    is clamped to R - 1 and the position computed as if valid either way (callers mask with
-    `whole`)."""
+    when they all lie in one request whose positions are valid (token_position's rules); the
+    request is clamped to R - 1 and the position computed as if valid either way (callers mask
+    with `whole`)."""
     r = find_request(cu_seqlens_ptr, num_requests, t0)
     r_safe = tl.minimum(r, num_requests - 1)
     t_req = tl.load(cu_seqlens_ptr + r_safe)
     t_next = tl.load(cu_seqlens_ptr + r_safe + 1)
     seq_len = tl.load(seq_lens_ptr + r_safe)
-    whole = (r < num_requests) & (t0 + QT <= t_next) & (seq_len >= t_next - t_req)
+    whole = ((r < num_requests) & (t0 >= t_req) & (t0 + QT <= t_next)
+             & request_ok(t_next - t_req, seq_len, table_width, BLOCK)
+             & step_well_formed(cu_seqlens_ptr, num_requests, num_tokens))
     return r_safe, seq_len - (t_next - t_req) + (t0 - t_req), whole
 
 

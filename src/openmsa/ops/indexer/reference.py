@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..._checks import check_process_group
-from ...batch import num_causal_blocks, request_spans, token_layout
+from ...batch import num_causal_blocks, page_in_cache, request_spans, token_layout
 from ...nvfp4 import dequantize_index_keys, is_nvfp4_cache, page_parts
 from .checks import check_indexer_args, check_select_args
 from .plan import IndexerConfig
@@ -42,13 +42,16 @@ def block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *,
     max_blocks = block_table.shape[1]
     scores = torch.full((num_tokens, num_heads, max_blocks), float("-inf"), dtype=torch.float32,
                         device=index_q.device)
-    _, position = token_layout(cu_seqlens_q, seq_lens, num_tokens)
+    _, position = token_layout(cu_seqlens_q, seq_lens, num_tokens, block_size=block_size,
+                               table_width=max_blocks)
     for _, start, end, _, pages in request_spans(cu_seqlens_q, seq_lens, num_tokens, block_table,
                                                  block_size):
         nb = pages.shape[0]
-        # a negative page id (an unfilled table entry) reads nothing: its block scores -inf
-        unfilled = (pages < 0).repeat_interleave(block_size)  # [nb*B]
-        keys = _page_keys(index_cache, pages.clamp(min=0)).reshape(nb * block_size, -1)
+        # an entry that names no page of the cache (-1 for an unfilled one, or a stale id past
+        # the cache) reads nothing: its block scores -inf
+        missing = ~page_in_cache(pages, index_cache.shape[0])
+        unfilled = missing.repeat_interleave(block_size)  # [nb*B]
+        keys = _page_keys(index_cache, pages.masked_fill(missing, 0)).reshape(nb * block_size, -1)
         key_pos = torch.arange(nb * block_size, device=keys.device)
         step = max(1, _CHUNK_ELEMENTS // (num_heads * nb * block_size))
         for s in range(start, end, step):
@@ -142,7 +145,8 @@ def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, 
     num_tokens = index_q.shape[0]
     scores = block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
                           block_size=block_size)
-    _, position = token_layout(cu_seqlens_q, seq_lens, num_tokens)
+    _, position = token_layout(cu_seqlens_q, seq_lens, num_tokens, block_size=block_size,
+                               table_width=block_table.shape[1])
     result = select_from_scores(scores, position, topk=topk, init_blocks=init_blocks,
                                 local_blocks=local_blocks, block_size=block_size)
     if out is None:
