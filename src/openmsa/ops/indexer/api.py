@@ -58,18 +58,21 @@ def _shape(index_q, index_cache, seq_lens, block_table, block_size, max_q_len, t
 
 
 def _run_scores(launches: LaunchPlan, index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
-                scores, cp: tuple[int, int] | None = None) -> None:
+                scores, cp: tuple[int, int] | None = None, width: int | None = None) -> None:
     """The plan's scoring launches. The Gluon tile launch ("scores_tile_ws") is planned with its
     Triton form ("scores_tile_unaligned") beside it, and exactly one of them runs: the Gluon one
     when both index_q's and index_cache's base addresses are 16-byte aligned (what TMA takes),
     the Triton one otherwise. With a staging launch ("stage_nvfp4", the staged NVFP4 form), the
     tile launches score the 16-bit staging cache through the remapped table, with the query
-    in the staging dtype; the request launch reads the NVFP4 pages as ever."""
+    in the staging dtype; the request launch reads the NVFP4 pages as ever. `width`: the whole
+    block table's (a context-parallel rank's block_table is a strided view of it), which bounds
+    a request's blocks (docs/spec.md, "Bounds")."""
     if is_nvfp4_cache(index_cache) and index_cache.data_ptr() % NVFP4_ALIGN:
         # the plan's key has no address: a misaligned cache of a cached shape is refused here,
         # by name, rather than faulting in the kernel's 32-bit code loads
         check_nvfp4_cache("index_cache", index_cache)
-    args = _triton_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores)
+    width = block_table.shape[1] if width is None else width
+    args = _triton_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores, width)
     if cp is not None:
         # a context-parallel rank's share (cp.py): the Triton launches with its (size, rank);
         # its plan has no Gluon launch (_local_scores_kernels)
@@ -84,7 +87,8 @@ def _run_scores(launches: LaunchPlan, index_q, index_cache, cu_seqlens_q, seq_le
         tile_q, tile_cache, tile_table = _stage_nvfp4(stage, launches.sizes["staged_pages"],
                                                       index_q, index_cache, cu_seqlens_q,
                                                       seq_lens, block_table)
-        tile_args = _triton_args(tile_q, tile_cache, cu_seqlens_q, seq_lens, tile_table, scores)
+        tile_args = _triton_args(tile_q, tile_cache, cu_seqlens_q, seq_lens, tile_table, scores,
+                                 width)
     aligned = tile_q.data_ptr() % 16 == 0 and tile_cache.data_ptr() % 16 == 0
     for launch in launches:
         if launch.kernel == "scores_request":
@@ -93,8 +97,8 @@ def _run_scores(launches: LaunchPlan, index_q, index_cache, cu_seqlens_q, seq_le
             from .scores_nvfp4 import _nvfp4_request_kernel
             launch.run(_nvfp4_request_kernel, index_q, index_cache, cu_seqlens_q, seq_lens,
                        block_table, scores, seq_lens.shape[0], index_q.shape[0],
-                       *index_q.stride(), index_cache.stride(0), *block_table.stride(),
-                       *scores.stride())
+                       index_cache.shape[0], width, *index_q.stride(), index_cache.stride(0),
+                       *block_table.stride(), *scores.stride())
         elif launch.kernel == "scores_tile":
             launch.run(_block_scores_kernel, *tile_args)
         elif launch.kernel == "scores_tile_ws" and aligned:
@@ -103,11 +107,12 @@ def _run_scores(launches: LaunchPlan, index_q, index_cache, cu_seqlens_q, seq_le
             launch.run(_block_scores_kernel, *tile_args)
 
 
-def _triton_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores) -> tuple:
-    """scores.py's kernel arguments for these tensors."""
+def _triton_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores,
+                 width) -> tuple:
+    """scores.py's kernel arguments for these tensors (width: see _run_scores)."""
     return (index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores, seq_lens.shape[0],
-            index_q.shape[0], *index_q.stride(), *index_cache.stride(), *block_table.stride(),
-            *scores.stride())
+            index_q.shape[0], index_cache.shape[0], width, *index_q.stride(),
+            *index_cache.stride(), *block_table.stride(), *scores.stride())
 
 
 def _stage_nvfp4(launch, pages, index_q, index_cache, cu_seqlens_q, seq_lens, block_table):
@@ -124,7 +129,8 @@ def _stage_nvfp4(launch, pages, index_q, index_cache, cu_seqlens_q, seq_lens, bl
                          device=index_q.device)
     table = torch.empty((num_requests, width), dtype=torch.int32, device=index_q.device)
     launch.run(_stage_nvfp4_kernel, index_cache, cu_seqlens_q, seq_lens, block_table, staged,
-               table, num_requests, width, index_cache.stride(0), *block_table.stride())
+               table, num_requests, width, index_cache.shape[0], index_cache.stride(0),
+               *block_table.stride())
     return tile_q, staged, table
 
 
@@ -145,7 +151,8 @@ def _run_ws(launch, index_q, index_cache, cu_seqlens_q, seq_lens, block_table, s
     from .scores_ws import _block_scores_ws_kernel
     launch.run(_block_scores_ws_kernel, *_ws_descriptors(index_q, index_cache), cu_seqlens_q,
                seq_lens, block_table, scores, seq_lens.shape[0], index_q.shape[0],
-               *block_table.stride(), *scores.stride())
+               index_cache.shape[0], block_table.shape[1], *block_table.stride(),
+               *scores.stride())
 
 
 def _run_selection(launches: LaunchPlan, scores, cu_seqlens_q, seq_lens, out) -> None:
@@ -165,12 +172,13 @@ def _run_selection(launches: LaunchPlan, scores, cu_seqlens_q, seq_lens, out) ->
             gmax = torch.empty((num_tokens, num_heads, sizes["groups"]), dtype=torch.int32,
                                device=device)
             launch.run(_group_max_kernel, scores, cu_seqlens_q, seq_lens, gmax, num_requests,
+                       max_blocks,
                        *scores.stride(), *gmax.stride()[:2])
         elif launch.kernel == "select_group_bound":
             scratch = torch.empty((num_tokens * num_heads, sizes["group_scratch"]),
                                   dtype=torch.int64, device=device)
             launch.run(_group_bound_select_kernel, scores, cu_seqlens_q, seq_lens, gmax, out,
-                       scratch, num_requests, *scores.stride(), *gmax.stride()[:2],
+                       scratch, num_requests, max_blocks, *scores.stride(), *gmax.stride()[:2],
                        *out.stride())
         elif launch.kernel == "select_segments":
             segments = sizes["segments"]
@@ -183,10 +191,10 @@ def _run_selection(launches: LaunchPlan, scores, cu_seqlens_q, seq_lens, out) ->
                 (num_tokens, num_heads, segments, sizes["scratch"]), dtype=torch.int64,
                 device=device)
             launch.run(_segment_topk_kernel, scores, cu_seqlens_q, seq_lens, out, cand, scratch,
-                       num_requests, segments, *scores.stride(), *out.stride())
+                       num_requests, max_blocks, segments, *scores.stride(), *out.stride())
         elif launch.kernel == "select_merge":
             launch.run(_merge_topk_kernel, cand, cu_seqlens_q, seq_lens, out, num_requests,
-                       sizes["segments"], *out.stride())
+                       max_blocks, sizes["segments"], *out.stride())
 
 
 def launch_select(scores, cu_seqlens_q, seq_lens, out, *, topk, init_blocks, local_blocks,
@@ -280,7 +288,7 @@ def _local_scores_kernels(index_q, index_cache, cu_seqlens_q, seq_lens, block_ta
         launches = plan(shape, DeviceFacts.of(index_q.device), config)
         _PLANS.put(key, launches)
     _run_scores(launches, index_q, index_cache, cu_seqlens_q, seq_lens, view, scores,
-                cp=(cp_size, cp_rank))
+                cp=(cp_size, cp_rank), width=block_table.shape[1])
     return scores
 
 

@@ -30,7 +30,7 @@ from ..._dispatch import next_pow2
 from ...batch import num_causal_blocks, token_layout
 from ..common.launch import PlanCache, call_key
 from ..common.plan import Launch
-from ..common.triton_utils import find_request
+from ..common.triton_utils import token_position
 
 __all__ = ["pack_keys", "key_block_ids", "local_candidates", "merge_candidates",
            "exchange_candidates", "local_block_scores", "select_blocks_cp", "owned_table"]
@@ -167,15 +167,9 @@ def _local_keys_kernel(scores_ptr, cu_ptr, seq_lens_ptr, keys_ptr, pos_ptr, num_
     (t, 0) also writes the token's position (-1: padding), which the merge reads."""
     t = tl.program_id(0)
     j = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
-    r = find_request(cu_ptr, num_requests, t,
-                     (t.to(tl.int64) * num_requests // tl.maximum(num_tokens, 1)).to(tl.int32))
-    p = -1
-    if r < num_requests:
-        t_req = tl.load(cu_ptr + r)
-        q_len = tl.load(cu_ptr + r + 1) - t_req
-        seq_len = tl.load(seq_lens_ptr + r)
-        if q_len <= seq_len:
-            p = seq_len - q_len + (t - t_req)
+    _, p = token_position(cu_ptr, seq_lens_ptr, num_requests, num_tokens, max_blocks, t,
+                          (t.to(tl.int64) * num_requests // tl.maximum(num_tokens, 1)).to(tl.int32),
+                          BLOCK)
     if tl.program_id(1) == 0:
         tl.store(pos_ptr + t, p)
     n = tl.where(p >= 0, p // BLOCK + 1, 0)
@@ -356,7 +350,8 @@ def rank_candidates(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *
                                        cp_rank=cp_rank, max_blocks=block_table.shape[1],
                                        topk=topk, init_blocks=init_blocks,
                                        local_blocks=local_blocks, block_size=block_size)
-    _, position = token_layout(cu_seqlens_q, seq_lens, index_q.shape[0])
+    _, position = token_layout(cu_seqlens_q, seq_lens, index_q.shape[0], block_size=block_size,
+                               table_width=block_table.shape[1])
     keys = local_candidates(scores, position, cp_size=cp_size, cp_rank=cp_rank,
                             max_blocks=block_table.shape[1], topk=topk, init_blocks=init_blocks,
                             local_blocks=local_blocks, block_size=block_size)

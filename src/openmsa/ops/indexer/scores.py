@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from ..common.triton_utils import find_request
+from ..common.triton_utils import find_request, request_ok, step_well_formed
 
 
 @triton.jit
@@ -136,7 +136,7 @@ def _cp_local_pos(p, cp_size, cp_rank, BLOCK: tl.constexpr):
 def _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, stride_cb, stride_cd,
                  d, DI: tl.constexpr, BLOCK: tl.constexpr, BPS: tl.constexpr,
                  CAST_K: tl.constexpr, IEEE: tl.constexpr, CAUSAL: tl.constexpr,
-                 KEYS_AS_ROWS: tl.constexpr, MAX_SKIPS_NAN: tl.constexpr,
+                 KEYS_AS_ROWS: tl.constexpr, MAX_SKIPS_NAN: tl.constexpr, num_pages,
                  NVFP4: tl.constexpr = False, page_ptr=None):
     """Column b - b_lo of the [rows, BPS] score tile: each row's max over block b's keys.
     NVFP4: the cache is NVFP4 pages (stride_cp apart; q is 16-bit, see _nvfp4_query), and the
@@ -150,8 +150,9 @@ def _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, strid
         page = tl.load(page_ptr).to(tl.int64)
     else:
         page = tl.sum(tl.where(cols == b - b_lo, split_pages, 0), axis=0).to(tl.int64)
-    # a negative page id (a table the engine left unfilled) reads nothing and scores -inf
-    page_ok = page >= 0
+    # an id naming no page of the cache (-1 for an unfilled entry, or a stale id past the
+    # cache) reads nothing and scores -inf (docs/spec.md, "Bounds")
+    page_ok = (page >= 0) & (page < num_pages)
     if NVFP4:
         # (MAX_SKIPS_NAN is the plan's "an NVIDIA GPU": the PTX form of the dequantization)
         k = _nvfp4_keys(cache_ptr, page, page_ok, stride_cp, BLOCK, DI, q.dtype, MAX_SKIPS_NAN)
@@ -201,7 +202,7 @@ def _nvfp4_query(q):
 
 @triton.jit
 def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, seq_len, q_len,
-                       t_req, b_lo, b_hi, stride_qt, stride_qh, stride_qd, stride_cp,
+                       t_req, b_lo, b_hi, num_pages, stride_qt, stride_qh, stride_qd, stride_cp,
                        stride_cb, stride_cd, stride_btb, stride_ot, stride_oh, stride_ob,
                        H: tl.constexpr, HP: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr,
                        BLOCK: tl.constexpr, ROWS_T: tl.constexpr, BPS: tl.constexpr,
@@ -254,12 +255,12 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
     for b in range(b_lo, b_full):
         tile = _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, stride_cb,
                             stride_cd, d, DI, BLOCK, BPS, CAST_K, IEEE, False, KEYS_AS_ROWS,
-                            MAX_SKIPS_NAN, NVFP4, page_ptr)
+                            MAX_SKIPS_NAN, num_pages, NVFP4, page_ptr)
         page_ptr += stride_btb
     for b in range(b_full, b_hi):
         tile = _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, stride_cb,
                             stride_cd, d, DI, BLOCK, BPS, CAST_K, IEEE, True, KEYS_AS_ROWS,
-                            MAX_SKIPS_NAN, NVFP4, page_ptr)
+                            MAX_SKIPS_NAN, num_pages, NVFP4, page_ptr)
         page_ptr += stride_btb
     blk = b_lo + cols
     out = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh \
@@ -269,8 +270,8 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
 
 @triton.jit
 def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr, num_requests,
-                         num_tokens, stride_qt, stride_qh, stride_qd, stride_cp, stride_cb,
-                         stride_cd, stride_btr,
+                         num_tokens, num_pages, full_width, stride_qt, stride_qh, stride_qd,
+                         stride_cp, stride_cb, stride_cd, stride_btr,
                          stride_btb, stride_ot, stride_oh, stride_ob,
                          H: tl.constexpr, HP: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr,
                          BLOCK: tl.constexpr, BPS: tl.constexpr, SMALL_Q: tl.constexpr,
@@ -307,7 +308,8 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
         # cu is nondecreasing, so the requests starting before tile_end are a prefix of the
         # window; if the prefix ends inside it, the window holds all of the tile's requests
         seen_all = tl.sum(before.to(tl.int32), axis=0) < 2 * ROWS_T
-        if seen_all & (n_long == 0):
+        # a malformed step is padding as a whole (docs/spec.md, "Bounds")
+        if (seen_all & (n_long == 0)) | (step_well_formed(cu_ptr, num_requests, num_tokens) == 0):
             r = num_requests
         # every long request overlapping this tile of packed tokens
         while r < num_requests:
@@ -318,7 +320,7 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
             else:
                 q_len = t_next - t_req
                 seq_len = tl.load(seq_lens_ptr + r)
-                if (q_len > SMALL_Q) & (seq_len >= q_len):
+                if (q_len > SMALL_Q) & request_ok(q_len, seq_len, full_width, BLOCK):
                     t_begin = tl.maximum(t_req, tile_begin)
                     t_end = tl.minimum(t_next, tile_end)
                     # causal: the tile's last token sees blocks < its position // B + 1
@@ -332,8 +334,8 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                     if b_first < b_hi:
                         _score_token_range(q_ptr, cache_ptr, bt_ptr + r.to(tl.int64) * stride_btr,
                                            out_ptr, t_begin, t_end, seq_len, q_len, t_req,
-                                           b_first, b_hi, stride_qt, stride_qh, stride_qd,
-                                           stride_cp, stride_cb, stride_cd, stride_btb,
+                                           b_first, b_hi, num_pages, stride_qt, stride_qh,
+                                           stride_qd, stride_cp, stride_cb, stride_cd, stride_btb,
                                            stride_ot, stride_oh, stride_ob, H, HP, DI, DIP,
                                            BLOCK, ROWS_T, BPS, CAST_K, IEEE, KEYS_AS_ROWS,
                                            MAX_SKIPS_NAN, NVFP4=NVFP4, cp_size=cp_size,
@@ -356,15 +358,18 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
             b_hi = tl.minimum(b_first + BPS, tl.where(last_local < 0, 0, last_local // BLOCK + 1))
         else:
             b_hi = tl.minimum(b_first + BPS, (seq_len + BLOCK - 1) // BLOCK)
-        if (q_len > 0) & (q_len <= SMALL_Q) & (seq_len >= q_len) & (b_first < b_hi):
+        # (request_ok bounds b_hi by the table's width; a malformed step is padding)
+        if ((q_len > 0) & (q_len <= SMALL_Q) & request_ok(q_len, seq_len, full_width, BLOCK)
+                & (b_first < b_hi) & step_well_formed(cu_ptr, num_requests, num_tokens)):
             # NVFP4: an unmasked loop and a causal one (ONE_LOOP off): the per-key causal
             # compare and select (~24 instructions a block) leave the loop that scans the
             # context; only a request's last split runs the masked loop, for its last block
             for t_begin in range(t_req, t_next, ROWS_T):
                 _score_token_range(q_ptr, cache_ptr, bt_ptr + r.to(tl.int64) * stride_btr,
                                    out_ptr, t_begin, tl.minimum(t_begin + ROWS_T, t_next),
-                                   seq_len, q_len, t_req, b_first, b_hi, stride_qt, stride_qh,
-                                   stride_qd, stride_cp, stride_cb, stride_cd, stride_btb,
+                                   seq_len, q_len, t_req, b_first, b_hi, num_pages, stride_qt,
+                                   stride_qh, stride_qd, stride_cp, stride_cb, stride_cd,
+                                   stride_btb,
                                    stride_ot, stride_oh, stride_ob, H, HP, DI, DIP, BLOCK,
                                    ROWS_T, BPS, CAST_K, IEEE, KEYS_AS_ROWS, MAX_SKIPS_NAN,
                                    pages, True, not NVFP4, NVFP4, cp_size, cp_rank, CP)

@@ -35,7 +35,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from ..common.gluon_utils import launch_dependents
+from ..common.gluon_utils import launch_dependents, request_ok, step_well_formed
 
 # code words (32-bit, 8 values) of a token (Di = 128), and the words of a thread's 16-byte load
 WORDS = gl.constexpr(16)
@@ -162,8 +162,8 @@ def _query_chunk(q_ptr, tok, head, row_ok, stride_qt, stride_qh, stride_qd, i: g
 
 @gluon.jit
 def _nvfp4_request_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr, num_requests,
-                          num_tokens, stride_qt, stride_qh, stride_qd, stride_cp, stride_btr,
-                          stride_btb, stride_ot, stride_oh, stride_ob,
+                          num_tokens, num_pages, table_width, stride_qt, stride_qh, stride_qd,
+                          stride_cp, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
                           H: gl.constexpr, NP: gl.constexpr, BPS: gl.constexpr,
                           BLOCK: gl.constexpr, SMALL_Q: gl.constexpr, PDL: gl.constexpr,
                           STAGES: gl.constexpr):
@@ -181,7 +181,10 @@ def _nvfp4_request_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
     n_tok = gl.minimum(cu_next, num_tokens) - t_req
     seq_len = gl.load(seq_lens_ptr + r)
     b_hi = gl.minimum(b_lo + BPS, (seq_len + BLOCK - 1) // BLOCK)
-    if (q_len > 0) & (q_len <= SMALL_Q) & (seq_len >= q_len) & (b_lo < b_hi):
+    # (request_ok bounds b_hi by the table's width; a malformed step is padding: docs/spec.md,
+    # "Bounds")
+    if ((q_len > 0) & (q_len <= SMALL_Q) & request_ok(q_len, seq_len, table_width, BLOCK)
+            & (b_lo < b_hi) & step_well_formed(cu_ptr, num_requests, num_tokens)):
         # a ring of STAGES half-blocks of code words and scales, filled by cp.async ahead of
         # the loop that reads them: the bytes in flight cost shared memory, not registers
         words_s = gl.allocate_shared_memory(gl.int32, [STAGES, UNIT, WORDS], _FLAT2)
@@ -189,8 +192,8 @@ def _nvfp4_request_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
         for row0 in range(0, n_tok * H, NP):
             _score_rows(q_ptr, cache_ptr, bt_ptr + r.to(gl.int64) * stride_btr, out_ptr,
                         words_s, scales_s, t_req, q_len, n_tok, seq_len, row0, b_lo, b_hi,
-                        stride_qt, stride_qh, stride_qd, stride_cp, stride_btb, stride_ot,
-                        stride_oh, stride_ob, H, NP, BLOCK, STAGES)
+                        num_pages, stride_qt, stride_qh, stride_qd, stride_cp, stride_btb,
+                        stride_ot, stride_oh, stride_ob, H, NP, BLOCK, STAGES)
 
 
 # tokens per stage of the ring (half a block), and unswizzled shared layouts (a warp's 16-byte
@@ -203,9 +206,11 @@ _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 
 
 
 @gluon.jit
-def _unit_page(row_bt, unit, n_units, b_lo, stride_btb):
-    """The page id of unit `unit`'s block (-1 past the split)."""
-    return gl.load(row_bt + (b_lo + unit // 2) * stride_btb, mask=unit < n_units, other=-1)
+def _unit_page(row_bt, unit, n_units, b_lo, stride_btb, num_pages):
+    """The page id of unit `unit`'s block: -1 past the split, and for an entry naming no page
+    of the cache (negative, or a stale id past it: docs/spec.md, "Bounds")."""
+    page = gl.load(row_bt + (b_lo + unit // 2) * stride_btb, mask=unit < n_units, other=-1)
+    return gl.where(page < num_pages, page, -1)
 
 
 @gluon.jit
@@ -235,7 +240,7 @@ def _issue(words_s, scales_s, page, cache_ptr, unit, stride_cp, BLOCK: gl.conste
 
 @gluon.jit
 def _unit(cache_ptr, row_bt, out_row, words_s, scales_s, qs, best, held, page_next, u, n_units,
-          b_lo, b_full, pos, keys, store_ok, stride_cp, stride_btb, stride_ob,
+          b_lo, b_full, pos, keys, store_ok, num_pages, stride_cp, stride_btb, stride_ob,
           NP: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr):
     """Ring unit u (half of block b = b_lo + u // 2): its copies awaited, unit u + STAGES - 1's
     issued, its 64 keys scored against the rows' queries qs into the running maxima `best`
@@ -251,10 +256,10 @@ def _unit(cache_ptr, row_bt, out_row, words_s, scales_s, qs, best, held, page_ne
     async_copy.wait_group(STAGES - 2)
     gl.thread_barrier()
     _issue(words_s, scales_s, page_next, cache_ptr, u + STAGES - 1, stride_cp, BLOCK, STAGES)
-    page_next = _unit_page(row_bt, u + STAGES, n_units, b_lo, stride_btb)
+    page_next = _unit_page(row_bt, u + STAGES, n_units, b_lo, stride_btb, num_pages)
     b = b_lo + u // 2
     if u % 2 == 0:
-        held = gl.load(row_bt + b * stride_btb)
+        held = _unit_page(row_bt, u, n_units, b_lo, stride_btb, num_pages)
     ws = words_s.index(u % STAGES)
     ss = scales_s.index(u % STAGES)._reinterpret(gl.int16, [UNIT, 4], _FLAT2)
     for mt in gl.static_range(UNIT // 16):
@@ -274,8 +279,8 @@ def _unit(cache_ptr, row_bt, out_row, words_s, scales_s, qs, best, held, page_ne
         best = gl.maximum(best, acc)
     if u % 2 == 1:
         # the block's maxima; the max skips NaN (PTX max.f32): only an all-NaN block is left
-        # to clean, and a page id < 0 (its copies were skipped) scores -inf. (held: the id the
-        # block's first unit loaded, so no load's latency stalls the store)
+        # to clean, and a page id < 0 (no page: its copies were skipped) scores -inf. (held:
+        # the id the block's first unit loaded, so no load's latency stalls the store)
         m = gl.max(best, axis=0) * 128.0
         m = gl.where((held >= 0) & (m == m), m, float("-inf"))
         gl.store(out_row + b.to(gl.int64) * stride_ob, m, mask=store_ok)
@@ -285,7 +290,7 @@ def _unit(cache_ptr, row_bt, out_row, words_s, scales_s, qs, best, held, page_ne
 
 @gluon.jit
 def _score_rows(q_ptr, cache_ptr, row_bt, out_ptr, words_s, scales_s, t_req, q_len, n_tok,
-                seq_len, row0, b_lo, b_hi, stride_qt, stride_qh, stride_qd, stride_cp,
+                seq_len, row0, b_lo, b_hi, num_pages, stride_qt, stride_qh, stride_qd, stride_cp,
                 stride_btb, stride_ot, stride_oh, stride_ob, H: gl.constexpr,
                 NP: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr):
     """Rows [row0, row0 + NP) of a request's first n_tok tokens (row n: its token n // H, head
@@ -296,9 +301,9 @@ def _score_rows(q_ptr, cache_ptr, row_bt, out_ptr, words_s, scales_s, t_req, q_l
     # iteration before its copies are issued (so no unit waits on a load of its own page id)
     n_units = 2 * (b_hi - b_lo)
     for v in gl.static_range(STAGES - 1):
-        _issue(words_s, scales_s, _unit_page(row_bt, v, n_units, b_lo, stride_btb), cache_ptr,
-               v, stride_cp, BLOCK, STAGES)
-    page_next = _unit_page(row_bt, STAGES - 1, n_units, b_lo, stride_btb)
+        _issue(words_s, scales_s, _unit_page(row_bt, v, n_units, b_lo, stride_btb, num_pages),
+               cache_ptr, v, stride_cp, BLOCK, STAGES)
+    page_next = _unit_page(row_bt, STAGES - 1, n_units, b_lo, stride_btb, num_pages)
     rows = n_tok * H
     n_q = row0 + gl.arange(0, NP, layout=gl.SliceLayout(0, b_l))
     tok_q = t_req + n_q // H
@@ -334,13 +339,14 @@ def _score_rows(q_ptr, cache_ptr, row_bt, out_ptr, words_s, scales_s, t_req, q_l
             for half in gl.static_range(2):
                 best, held, page_next = _unit(cache_ptr, row_bt, out_row, words_s, scales_s, qs,
                                               best, held, page_next, 2 * blk + half, n_units,
-                                              b_lo, b_full, pos, keys, store_ok, stride_cp,
-                                              stride_btb, stride_ob, NP, BLOCK, STAGES, False)
+                                              b_lo, b_full, pos, keys, store_ok, num_pages,
+                                              stride_cp, stride_btb, stride_ob, NP, BLOCK,
+                                              STAGES, False)
     for u in range(u_mask, n_units):
         best, held, page_next = _unit(cache_ptr, row_bt, out_row, words_s, scales_s, qs, best,
                                       held, page_next, u, n_units, b_lo, b_full, pos, keys,
-                                      store_ok, stride_cp, stride_btb, stride_ob, NP, BLOCK,
-                                      STAGES, True)
+                                      store_ok, num_pages, stride_cp, stride_btb, stride_ob, NP,
+                                      BLOCK, STAGES, True)
     # every copy landed and every read done before the next row pass refills the ring
     async_copy.wait_group(0)
     gl.thread_barrier()

@@ -38,7 +38,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from ..common.gluon_utils import find_request, launch_dependents, wait_prerequisites
+from ..common.gluon_utils import (find_request, launch_dependents, request_ok, step_well_formed,
+                                  wait_prerequisites)
 
 # rows per consumer warpgroup (Hopper's MMA M); blocks per chunk of a consumer's maxima (each
 # chunk is stored as one [CH, 64] tile)
@@ -51,26 +52,36 @@ CONSUMER_REGS = gl.constexpr(112)
 
 
 @gluon.jit
-def _request_blocks(t_req, t_next, seq_len, tile_begin, tile_end, b_first, bps,
+def _page_id(page, num_pages):
+    """A table entry as the page to copy, or -1 when it names no page of the cache (negative,
+    or a stale id past it: docs/spec.md, "Bounds"): TMA fills a box at a negative row with
+    zeros, and page * BLOCK stays clear of int32 overflow."""
+    return gl.where((page >= 0) & (page < num_pages), page, -1)
+
+
+@gluon.jit
+def _request_blocks(t_req, t_next, seq_len, tile_begin, tile_end, b_first, bps, table_width,
                     BLOCK: gl.constexpr, SMALL_Q: gl.constexpr):
     """A request's part of this tile, from its cu_seqlens_q[r], cu_seqlens_q[r + 1] and
     seq_lens[r]: (its tokens' first position, the tile's token range in it, the blocks
     [b_first, b_first + n) to score); n = 0 when the request is short (the request launch's),
-    padding, or has no block in this split."""
+    padding (request_ok: q_len > seq_len, or more blocks than the table's width), or has no
+    block in this split."""
     q_len = t_next - t_req
     t_begin = gl.maximum(t_req, tile_begin)
     t_end = gl.minimum(t_next, tile_end)
     first_pos = seq_len - q_len
     # causal: the tile's last token of r sees blocks < its position // BLOCK + 1
     b_hi = gl.minimum(b_first + bps, (first_pos + (t_end - 1 - t_req)) // BLOCK + 1)
-    n = gl.where((q_len > SMALL_Q) & (seq_len >= q_len) & (t_begin < t_end),
+    n = gl.where((q_len > SMALL_Q) & request_ok(q_len, seq_len, table_width, BLOCK)
+                 & (t_begin < t_end),
                  gl.maximum(b_hi - b_first, 0), 0)
     return first_pos, t_begin, t_end, n
 
 
 @gluon.jit
 def _next_request(cu_ptr, seq_lens_ptr, bt_ptr, stride_btr, stride_btb, num_requests, r, t_req,
-                  tile_end, b_first):
+                  tile_end, b_first, num_pages):
     """The request after r in this tile (num_requests once r starts at or past the tile's
     end) and its (cu_seqlens_q[r'], cu_seqlens_q[r' + 1], seq_lens[r'], block_table[r',
     b_first]), loaded together: one memory round trip per request (the first request's come
@@ -81,13 +92,14 @@ def _next_request(cu_ptr, seq_lens_ptr, bt_ptr, stride_btr, stride_btb, num_requ
     t_next = gl.load(cu_ptr + r + 1, mask=ok, other=0)
     seq_len = gl.load(seq_lens_ptr + r, mask=ok, other=0)
     page = gl.load(bt_ptr + r.to(gl.int64) * stride_btr + b_first * stride_btb, mask=ok, other=-1)
-    return r, t_req, t_next, seq_len, page
+    return r, t_req, t_next, seq_len, _page_id(page, num_pages)
 
 
 @gluon.jit
 def _producer(k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr, stride_btr,
               stride_btb, num_requests, tile_begin, tile_end, b_first, r_first, t_req, t_next,
-              seq_len, page, bps, BLOCK: gl.constexpr, SMALL_Q: gl.constexpr,
+              seq_len, page, bps, num_pages, table_width, BLOCK: gl.constexpr,
+              SMALL_Q: gl.constexpr,
               STAGES: gl.constexpr):
     """One warp: every block this program scores, in the consumers' order, into the ring
     (t_req, t_next, seq_len, page: request r_first's, from the prologue)."""
@@ -95,32 +107,35 @@ def _producer(k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr, stride
     r = r_first
     while r < num_requests:
         first_pos, t_begin, t_end, n = _request_blocks(
-            t_req, t_next, seq_len, tile_begin, tile_end, b_first, bps, BLOCK, SMALL_Q)
+            t_req, t_next, seq_len, tile_begin, tile_end, b_first, bps, table_width, BLOCK,
+            SMALL_Q)
         # each block's page id loaded one block ahead: no copy waits on a global load (as
         # scalars: a tensor carried through this loop and reassigned under an `if` came out
         # wrong on the GPU inside a warp-specialised partition, Triton 3.6)
         row = bt_ptr + r.to(gl.int64) * stride_btr + b_first * stride_btb
         for i in range(n):
-            page_next = gl.load(row + (i + 1) * stride_btb, mask=i + 1 < n, other=-1)
+            page_next = _page_id(gl.load(row + (i + 1) * stride_btb, mask=i + 1 < n, other=-1),
+                                 num_pages)
             s = j % STAGES
             # the buffer's previous block released by all consumers
             mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1, pred=j >= STAGES)
             mbarrier.expect(ready.index(s), k_desc.block_type.nbytes)
-            # a page id < 0 lands outside the descriptor: TMA writes zeros and reads nothing
+            # a page id < 0 (no page) lands outside the descriptor: TMA writes zeros and reads
+            # nothing
             tma.async_copy_global_to_shared(k_desc, [page * BLOCK, 0], ready.index(s),
                                             k_smem.index(s))
             page = page_next
             j += 1
         r, t_req, t_next, seq_len, page = _next_request(
             cu_ptr, seq_lens_ptr, bt_ptr, stride_btr, stride_btb, num_requests, r, t_req,
-            tile_end, b_first)
+            tile_end, b_first, num_pages)
 
 
 @gluon.jit
 def _consumer(q_smem, q_bar, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr,
               stride_btr, stride_btb, stride_ot, stride_oh, stride_ob, num_requests,
               tile_begin, tile_end, b_first, r_first, t_req, t_next, seq_len, page, bps, part,
-              H: gl.constexpr, BLOCK: gl.constexpr, SMALL_Q: gl.constexpr,
+              num_pages, table_width, H: gl.constexpr, BLOCK: gl.constexpr, SMALL_Q: gl.constexpr,
               STAGES: gl.constexpr):
     """One warpgroup: rows [part * 64, part * 64 + 64) of the program's (token, head) rows;
     `mine`: its maxima of the current chunk of CH blocks, [CH, 64] in shared memory."""
@@ -148,7 +163,8 @@ def _consumer(q_smem, q_bar, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, b
     r = r_first
     while r < num_requests:
         first_pos, t_begin, t_end, n = _request_blocks(
-            t_req, t_next, seq_len, tile_begin, tile_end, b_first, bps, BLOCK, SMALL_Q)
+            t_req, t_next, seq_len, tile_begin, tile_end, b_first, bps, table_width, BLOCK,
+            SMALL_Q)
         pos = first_pos + (tok - t_req)  # [64]
         # blocks wholly at or before this warpgroup's earliest token need no causal mask
         wg_first = gl.maximum(t_begin, tile_begin + (part * WG_ROWS) // H)
@@ -156,7 +172,8 @@ def _consumer(q_smem, q_bar, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, b
         # each block's page id loaded one block ahead (a page id < 0 scores -inf)
         row = bt_ptr + r.to(gl.int64) * stride_btr + b_first * stride_btb
         for i in range(n):
-            page_next = gl.load(row + (i + 1) * stride_btb, mask=i + 1 < n, other=-1)
+            page_next = _page_id(gl.load(row + (i + 1) * stride_btb, mask=i + 1 < n, other=-1),
+                                 num_pages)
             b = b_first + i
             c = i % CH
             s = j % STAGES
@@ -191,14 +208,14 @@ def _consumer(q_smem, q_bar, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, b
                 gl.thread_barrier()  # read before the next chunk overwrites them
         r, t_req, t_next, seq_len, page = _next_request(
             cu_ptr, seq_lens_ptr, bt_ptr, stride_btr, stride_btb, num_requests, r, t_req,
-            tile_end, b_first)
+            tile_end, b_first, num_pages)
 
 
 @gluon.jit
 def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr,
-                            num_requests, num_tokens, stride_btr, stride_btb, stride_ot,
-                            stride_oh, stride_ob, bps, H: gl.constexpr, SMALL_Q: gl.constexpr,
-                            STAGES: gl.constexpr, num_warps: gl.constexpr):
+                            num_requests, num_tokens, num_pages, table_width, stride_btr,
+                            stride_btb, stride_ot, stride_oh, stride_ob, bps, H: gl.constexpr,
+                            SMALL_Q: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     BLOCK: gl.constexpr = k_desc.block_type.shape[0]
     DI: gl.constexpr = k_desc.block_type.shape[1]
     ROWS_T: gl.constexpr = WG_ROWS * CONSUMERS // H
@@ -242,9 +259,10 @@ def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
     t_req0 = gl.load(cu_ptr + r_first, mask=ok0, other=0)
     t_next0 = gl.load(cu_ptr + r_first + 1, mask=ok0, other=0)
     seq0 = gl.load(seq_lens_ptr + r_first, mask=ok0, other=0)
-    page0 = gl.load(bt_ptr + r_first.to(gl.int64) * stride_btr + b_first * stride_btb, mask=ok0,
-                    other=-1)
-    if (n_work > 0) | (n_seen >= WIN):
+    page0 = _page_id(gl.load(bt_ptr + r_first.to(gl.int64) * stride_btr + b_first * stride_btb,
+                             mask=ok0, other=-1), num_pages)
+    # a malformed step is padding as a whole (docs/spec.md, "Bounds")
+    if ((n_work > 0) | (n_seen >= WIN)) & step_well_formed(cu_ptr, num_requests, num_tokens):
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS, WG_ROWS, DI],
                                            q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK, DI], k_desc.layout)
@@ -272,23 +290,27 @@ def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
             (_consumer, (q_smem, q_bar, k_smem, ready, empty, maxima0, cu_ptr, seq_lens_ptr,
                          bt_ptr, out_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
                          stride_ob, num_requests, tile_begin, tile_end, b_first, r_first,
-                         t_req0, t_next0, seq0, page0, bps, 0, H, BLOCK, SMALL_Q, STAGES)),
+                         t_req0, t_next0, seq0, page0, bps, 0, num_pages, table_width, H,
+                         BLOCK, SMALL_Q, STAGES)),
             (_consumer, (q_smem, q_bar, k_smem, ready, empty, maxima1, cu_ptr, seq_lens_ptr,
                          bt_ptr, out_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
                          stride_ob, num_requests, tile_begin, tile_end, b_first, r_first,
-                         t_req0, t_next0, seq0, page0, bps, 1, H, BLOCK, SMALL_Q, STAGES)),
+                         t_req0, t_next0, seq0, page0, bps, 1, num_pages, table_width, H,
+                         BLOCK, SMALL_Q, STAGES)),
             (_consumer, (q_smem, q_bar, k_smem, ready, empty, maxima2, cu_ptr, seq_lens_ptr,
                          bt_ptr, out_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
                          stride_ob, num_requests, tile_begin, tile_end, b_first, r_first,
-                         t_req0, t_next0, seq0, page0, bps, 2, H, BLOCK, SMALL_Q, STAGES)),
+                         t_req0, t_next0, seq0, page0, bps, 2, num_pages, table_width, H,
+                         BLOCK, SMALL_Q, STAGES)),
             (_consumer, (q_smem, q_bar, k_smem, ready, empty, maxima3, cu_ptr, seq_lens_ptr,
                          bt_ptr, out_ptr, stride_btr, stride_btb, stride_ot, stride_oh,
                          stride_ob, num_requests, tile_begin, tile_end, b_first, r_first,
-                         t_req0, t_next0, seq0, page0, bps, 3, H, BLOCK, SMALL_Q, STAGES)),
+                         t_req0, t_next0, seq0, page0, bps, 3, num_pages, table_width, H,
+                         BLOCK, SMALL_Q, STAGES)),
             (_producer, (k_desc, k_smem, ready, empty, cu_ptr, seq_lens_ptr, bt_ptr,
                          stride_btr, stride_btb, num_requests, tile_begin, tile_end, b_first,
-                         r_first, t_req0, t_next0, seq0, page0, bps, BLOCK, SMALL_Q,
-                         STAGES)),
+                         r_first, t_req0, t_next0, seq0, page0, bps, num_pages, table_width,
+                         BLOCK, SMALL_Q, STAGES)),
         ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, 24])
     # launched as a programmatic dependent of the request launch (the two write disjoint rows,
     # so nothing above waits for it), this launch ends only after that one has: the selection

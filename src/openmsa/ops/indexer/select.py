@@ -35,11 +35,13 @@ DEAD_KEY = tl.constexpr(-(2 ** 31))
 
 
 @triton.jit
-def _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, t, BLOCK: tl.constexpr):
+def _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, table_width, t, BLOCK: tl.constexpr):
     """n = p // B + 1 for token t (program_id(0) of a grid of the step's T tokens); 0 for
-    padding. Requests of equal q_len hold token t in request t * R // T (see find_request)."""
+    padding (so n <= table_width, the score rows' width). Requests of equal q_len hold token t
+    in request t * R // T (see find_request)."""
     guess = (t.to(tl.int64) * num_requests // tl.num_programs(0)).to(tl.int32)
-    _, pos = token_position(cu_ptr, seq_lens_ptr, num_requests, t, guess)
+    _, pos = token_position(cu_ptr, seq_lens_ptr, num_requests, tl.num_programs(0), table_width,
+                            t, guess, BLOCK)
     return tl.where(pos >= 0, pos // BLOCK + 1, 0)
 
 
@@ -229,8 +231,9 @@ def _chunked_select(row, seg_base, n, stride_sb, out_row, stride_ok, cand_row, s
 
 @triton.jit
 def _segment_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, cand_ptr, scratch_ptr,
-                         num_requests, num_segments, stride_st, stride_sh, stride_sb, stride_ot,
-                         stride_oh, stride_ok, TOPK: tl.constexpr, KP: tl.constexpr,
+                         num_requests, table_width, num_segments, stride_st, stride_sh,
+                         stride_sb, stride_ot, stride_oh, stride_ok, TOPK: tl.constexpr,
+                         KP: tl.constexpr,
                          INIT: tl.constexpr, LOCAL: tl.constexpr, BLOCK: tl.constexpr,
                          SEG: tl.constexpr, SINGLE: tl.constexpr, BY_SORT: tl.constexpr,
                          CAP: tl.constexpr, NG: tl.constexpr, PDL: tl.constexpr = False,
@@ -239,7 +242,7 @@ def _segment_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, cand_ptr, sc
     h = tl.program_id(1)
     seg = tl.program_id(2)
     num_heads = tl.num_programs(1)
-    n = _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, t, BLOCK)
+    n = _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, table_width, t, BLOCK)
     if PDL:
         # launched while the scoring launch was still running (programmatic dependent launch):
         # the step's offsets above are inputs, but the scores (and every write) wait until that
@@ -302,14 +305,15 @@ def _segment_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, cand_ptr, sc
 
 
 @triton.jit
-def _merge_topk_kernel(cand_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_requests, num_segments,
-                       stride_ot, stride_oh, stride_ok, TOPK: tl.constexpr, KP: tl.constexpr,
+def _merge_topk_kernel(cand_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_requests, table_width,
+                       num_segments, stride_ot, stride_oh, stride_ok, TOPK: tl.constexpr,
+                       KP: tl.constexpr,
                        BLOCK: tl.constexpr, SEG: tl.constexpr, CANDP: tl.constexpr,
                        BY_SORT: tl.constexpr, PDL: tl.constexpr = False):
     t = tl.program_id(0)
     h = tl.program_id(1)
     num_heads = tl.num_programs(1)
-    n = _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, t, BLOCK)
+    n = _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, table_width, t, BLOCK)
     if PDL:
         gdc_wait()  # the segment launch's candidates (see _segment_topk_kernel)
     if n > TOPK:
@@ -342,8 +346,8 @@ def _merge_topk_kernel(cand_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_requests, nu
 
 
 @triton.jit
-def _group_max_kernel(scores_ptr, cu_ptr, seq_lens_ptr, gmax_ptr, num_requests, stride_st,
-                      stride_sh, stride_sb, stride_gt, stride_gh, TOPK: tl.constexpr,
+def _group_max_kernel(scores_ptr, cu_ptr, seq_lens_ptr, gmax_ptr, num_requests, table_width,
+                      stride_st, stride_sh, stride_sb, stride_gt, stride_gh, TOPK: tl.constexpr,
                       INIT: tl.constexpr, LOCAL: tl.constexpr, BLOCK: tl.constexpr,
                       GS: tl.constexpr, GB: tl.constexpr):
     """gmax[t, h, g] = the largest key of blocks [g * GS, g * GS + GS) of score row (t, h) (forced
@@ -351,7 +355,7 @@ def _group_max_kernel(scores_ptr, cu_ptr, seq_lens_ptr, gmax_ptr, num_requests, 
     of at most TOPK blocks are skipped (every block is picked, nothing is read)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
-    n = _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, t, BLOCK)
+    n = _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, table_width, t, BLOCK)
     g = tl.program_id(2) * GB + tl.arange(0, GB)
     if (n > TOPK) & (tl.program_id(2) * GB * GS < n):
         b = g[:, None] * GS + tl.arange(0, GS)[None, :]
@@ -363,8 +367,9 @@ def _group_max_kernel(scores_ptr, cu_ptr, seq_lens_ptr, gmax_ptr, num_requests, 
 
 @triton.jit
 def _group_bound_select_kernel(scores_ptr, cu_ptr, seq_lens_ptr, gmax_ptr, out_ptr, scratch_ptr,
-                               num_requests, stride_st, stride_sh, stride_sb, stride_gt,
-                               stride_gh, stride_ot, stride_oh, stride_ok, TOPK: tl.constexpr,
+                               num_requests, table_width, stride_st, stride_sh, stride_sb,
+                               stride_gt, stride_gh, stride_ot, stride_oh, stride_ok,
+                               TOPK: tl.constexpr,
                                KP: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
                                BLOCK: tl.constexpr, GS: tl.constexpr, NGP: tl.constexpr,
                                CG: tl.constexpr, CAP: tl.constexpr, CH: tl.constexpr):
@@ -373,7 +378,7 @@ def _group_bound_select_kernel(scores_ptr, cu_ptr, seq_lens_ptr, gmax_ptr, out_p
     t = tl.program_id(0)
     h = tl.program_id(1)
     num_heads = tl.num_programs(1)
-    n = _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, t, BLOCK)
+    n = _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, table_width, t, BLOCK)
     out_row = out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh
     slots = tl.arange(0, KP)
     if n <= TOPK:

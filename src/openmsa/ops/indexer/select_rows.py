@@ -156,7 +156,8 @@ def _short_rows_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_reque
     row = gl.expand_dims(scores_ptr + t.to(gl.int64) * stride_st + h.to(gl.int64) * stride_sh, 1)
     real = rows < num_rows
     # (one lookup per lane: each row's token)
-    _, pos = token_position(cu_ptr, seq_lens_ptr, num_requests, t)
+    _, pos = token_position(cu_ptr, seq_lens_ptr, num_requests, num_rows // H, max_blocks, t,
+                            BLOCK)
     n = gl.where(real, gl.where(pos >= 0, pos // BLOCK + 1, 0), 0)
     n2 = gl.expand_dims(n, 1)
     live = b < n2

@@ -24,13 +24,14 @@ RANK_CHUNK = 128
 
 @triton.jit
 def _stage_nvfp4_kernel(cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, staged_ptr, staged_bt_ptr,
-                        num_requests, width, stride_cp, stride_btr, stride_btb, slots,
+                        num_requests, width, num_pages, stride_cp, stride_btr, stride_btb, slots,
                         SMALL_Q: tl.constexpr, BPP: tl.constexpr, BLOCK: tl.constexpr,
                         DI: tl.constexpr, RCH: tl.constexpr, PTX: tl.constexpr):
     """Program (r, s): blocks [s * BPP, (s + 1) * BPP) of request r. For a long request (q_len >
     SMALL_Q, the tile launch's rule) its causal blocks' pages are dequantized into its slot and
-    their table entries point there (a negative page id stays as it is); every other entry of
-    the program's part of the remapped table is -1 (the tile launch never reads it)."""
+    their table entries point there (an entry naming no page of the cache, negative or past it,
+    becomes -1: it reads nothing); every other entry of the program's part of the remapped
+    table is -1 (the tile launch never reads it)."""
     r = tl.program_id(0)
     b_first = tl.program_id(1) * BPP
     cols = b_first + tl.arange(0, BPP)
@@ -52,13 +53,13 @@ def _stage_nvfp4_kernel(cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, staged_ptr, sta
     row = bt_ptr + r.to(tl.int64) * stride_btr
     pages = tl.load(row + cols * stride_btb, mask=cols < n_blocks, other=-1)
     slot_first = rank.to(tl.int64) * width
-    remapped = tl.where(pages >= 0, slot_first + cols, pages)
+    remapped = tl.where((pages >= 0) & (pages < num_pages), slot_first + cols, -1)
     tl.store(staged_bt_ptr + r.to(tl.int64) * width + cols, remapped.to(tl.int32),
              mask=cols < width)
     offs = tl.arange(0, BLOCK)[:, None] * DI + tl.arange(0, DI)[None, :]
     for b in range(b_first, tl.minimum(b_first + BPP, n_blocks)):
         page = tl.load(row + b * stride_btb).to(tl.int64)
-        if page >= 0:
-            k = _nvfp4_keys(cache_ptr, page, page >= 0, stride_cp, BLOCK, DI,
+        if (page >= 0) & (page < num_pages):
+            k = _nvfp4_keys(cache_ptr, page, True, stride_cp, BLOCK, DI,
                             staged_ptr.dtype.element_ty, PTX)
             tl.store(staged_ptr + (slot_first + b) * (BLOCK * DI) + offs, k)
