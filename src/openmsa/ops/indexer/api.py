@@ -239,7 +239,9 @@ def block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, b
 
     Returns:
         fp32 [T, H, max_blocks], -inf past each token's causal blocks and for padding tokens.
-        Page ids in block_table are not range-checked here (see `openmsa.validate_batch`).
+        Metadata values are not checked (that would synchronise): an entry of block_table
+        outside [0, P) reads nothing, and a malformed step or request is padding (docs/spec.md,
+        "Bounds"; `openmsa.validate_batch` reports them when debugging).
     """
     config = _check_config(config)
     if not use_kernels(index_q):
