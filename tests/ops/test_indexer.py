@@ -1331,6 +1331,8 @@ def _staged_case(q_lens, seq_lens, q_dtype, device, seed):
         table[1, 1] = -1
         table[4, 3] = -7
         table[0, 2] = -1
+        # and a stale id past the cache, which reads nothing the same way
+        table[4, 1] = step.num_pages + 2
     return step, q, cache, table
 
 
@@ -1380,7 +1382,8 @@ def test_nvfp4_staged_one_request_step(kernel_device):
 def test_nvfp4_staging_cache_and_table(kernel_device, q_dtype):
     """stage.py alone: each long request's causal pages dequantized exactly (fp16 for an fp8
     query, bf16 for a bf16 one) into its own slot of max_blocks pages, in request order; its
-    negative entries kept; every other entry of the remapped table -1; and the query in the
+    entries naming no page -1 (docs/spec.md, "Bounds"); every other entry of the remapped table
+    -1; and the query in the
     staging dtype (an fp8 one as an exact contiguous fp16 copy)."""
     from openmsa import nvfp4
     from openmsa.ops.indexer.plan import stage_dtype
@@ -1406,8 +1409,8 @@ def test_nvfp4_staging_cache_and_table(kernel_device, q_dtype):
             continue
         for b in range(-(-sl // GB)):
             page = int(table[r, b])
-            want[r, b] = rank * width + b if page >= 0 else page
-            if page >= 0:
+            want[r, b] = rank * width + b if 0 <= page < cache.shape[0] else -1
+            if 0 <= page < cache.shape[0]:
                 assert torch.equal(staged[rank * width + b].float(), keys[page])
         rank += 1
     assert rank == 3 and torch.equal(remapped, want)
