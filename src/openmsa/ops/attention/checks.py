@@ -55,8 +55,18 @@ def check_attention_args(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, b
         check_out("out", out, tuple(q.shape), q.dtype, device)
 
 
+# sparse_page_table's bound on page ids when num_pages is None: above every int32 id, so only
+# negative ids are dropped
+ANY_PAGE = 2 ** 31
+
+
+def page_bound(num_pages: int | None) -> int:
+    """The page ids sparse_page_table keeps are those in [0, page_bound(num_pages))."""
+    return ANY_PAGE if num_pages is None else num_pages
+
+
 def check_page_table_args(indices, cu_seqlens_q, seq_lens, block_table, *, num_kv_heads,
-                          block_size, sub_page_size) -> None:
+                          block_size, sub_page_size, num_pages) -> None:
     check_int_tensor("indices", indices, ndim=3)
     device = indices.device
     check_step(cu_seqlens_q, seq_lens, block_table, device)
@@ -72,3 +82,8 @@ def check_page_table_args(indices, cu_seqlens_q, seq_lens, block_table, *, num_k
             or block_size % sub_page_size:
         raise ValueError(f"sub_page_size must be a power of two dividing block_size "
                          f"({block_size}), got {sub_page_size!r}")
+    if num_pages is not None:
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int):
+            raise TypeError(f"num_pages must be an int or None, got {type(num_pages).__name__}")
+        if num_pages < 0:
+            raise ValueError(f"num_pages must be at least 0, got {num_pages}")
