@@ -170,10 +170,10 @@ def _run(p: LaunchPlan, q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, bl
         kernel = launch.kernel
         if kernel == "token":
             launch.run(_sparse_attention_kernel, q, k_cache, v_cache, indices, cu_seqlens_q,
-                       seq_lens, block_table, out, lse, part, counters, blocks, ks, vs,
-                       sm_scale, num_requests, table_width, num_pages, *q.stride(), *k_cache.stride(),
-                       *v_cache.stride(), *indices.stride(), *block_table.stride(),
-                       *out.stride(), *lse_strides)
+                       seq_lens, block_table, out, lse, part, counters, blocks, ks, vs, sm_scale,
+                       num_requests, table_width, num_pages, *q.stride(), *k_cache.stride(),
+                       *v_cache.stride(), *indices.stride(), *block_table.stride(), *out.stride(),
+                       *lse_strides)
         elif kernel == "merge":
             launch.run(_merge_splits_kernel, part, out, lse, *out.stride(), *lse_strides)
         elif kernel == "tile_plan":
@@ -190,8 +190,8 @@ def _run(p: LaunchPlan, q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, bl
         elif kernel == "tiles":
             launch.run(_sparse_attention_tile_kernel, q, k_cache, v_cache, cu_seqlens_q,
                        seq_lens, out, lse, blocks, union, ks, vs, sm_scale, num_requests,
-                       num_tokens, table_width, p.sizes["tile_items"], *q.stride(), *k_cache.stride(),
-                       *v_cache.stride(), *out.stride(), *lse.stride())
+                       num_tokens, table_width, p.sizes["tile_items"], *q.stride(),
+                       *k_cache.stride(), *v_cache.stride(), *out.stride(), *lse.stride())
         else:
             raise AssertionError(f"sparse_attention: no kernel {kernel!r} in this op")
     return (out, lse) if return_lse else out
@@ -220,7 +220,8 @@ def sparse_page_table(indices, cu_seqlens_q, seq_lens, block_table, *, num_kv_he
             [P * B/S, S, Hkv, D] (a view of a flash-layout cache).
         num_pages: P, the cache's page count: a selected block whose table entry lies outside
             [0, P) is dropped like a repeated id (docs/spec.md, "Bounds"). None: only negative
-            entries are dropped (the caller vouches for the rest).
+            entries are dropped (the caller vouches for the rest), and in either case an entry
+            whose sub-page ids would not fit int32 (page >= 2^31 / (B/S)).
 
     Returns:
         (pages int32 [T*Hkv, K*B/S], context_lens int32 [T*Hkv]): sub-page ids of the full
@@ -244,7 +245,8 @@ def sparse_page_table(indices, cu_seqlens_q, seq_lens, block_table, *, num_kv_he
     if num_tokens:
         launch(_sparse_page_table_kernel, (num_tokens, num_kv_heads),
                indices, cu_seqlens_q, seq_lens, block_table, pages, lens, seq_lens.shape[0],
-               block_table.shape[1], page_bound(num_pages), *indices.stride(), *block_table.stride(), *pages.stride(),
+               block_table.shape[1], page_bound(num_pages, per_block), *indices.stride(),
+               *block_table.stride(), *pages.stride(),
                NUM_KV_HEADS=num_kv_heads, NUM_INDEX_HEADS=num_index_heads, TOPK=topk,
                KP=_next_pow2(topk), BLOCK=block_size, SUB=sub_page_size, num_warps=1)
     return pages, lens

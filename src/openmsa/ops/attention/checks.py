@@ -55,14 +55,12 @@ def check_attention_args(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, b
         check_out("out", out, tuple(q.shape), q.dtype, device)
 
 
-# sparse_page_table's bound on page ids when num_pages is None: above every int32 id, so only
-# negative ids are dropped
-ANY_PAGE = 2 ** 31
-
-
-def page_bound(num_pages: int | None) -> int:
-    """The page ids sparse_page_table keeps are those in [0, page_bound(num_pages))."""
-    return ANY_PAGE if num_pages is None else num_pages
+def page_bound(num_pages: int | None, per_block: int) -> int:
+    """The page ids sparse_page_table keeps: those in [0, page_bound), i.e. in the cache (when
+    num_pages is given) and with int32 sub-page ids (page * per_block + j < 2^31: a larger id,
+    stale or not, would wrap in the kernel)."""
+    bound = 2 ** 31 // per_block
+    return bound if num_pages is None else min(num_pages, bound)
 
 
 def check_page_table_args(indices, cu_seqlens_q, seq_lens, block_table, *, num_kv_heads,

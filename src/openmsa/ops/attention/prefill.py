@@ -59,10 +59,10 @@ def _shift(x, by: tl.constexpr):
 
 @triton.jit
 def _tile_plan_kernel(idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr, blocks_ptr, union_ptr,
-                      num_requests, num_tokens, table_width, num_pages, stride_it, stride_ih, stride_ik, stride_btr, stride_btb,
-                      waste, NUM_KV_HEADS: tl.constexpr, NUM_INDEX_HEADS: tl.constexpr,
-                      QT: tl.constexpr, BLOCK: tl.constexpr, TOPK: tl.constexpr,
-                      KP: tl.constexpr):
+                      num_requests, num_tokens, table_width, num_pages, stride_it, stride_ih,
+                      stride_ik, stride_btr, stride_btb, waste, NUM_KV_HEADS: tl.constexpr,
+                      NUM_INDEX_HEADS: tl.constexpr, QT: tl.constexpr, BLOCK: tl.constexpr,
+                      TOPK: tl.constexpr, KP: tl.constexpr):
     # (waste after the strides: the launch plan passes it by keyword with the constexprs)
     tile = tl.program_id(0)
     g = tl.program_id(1)
@@ -152,34 +152,33 @@ def _sparse_attention_tile_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, seq_lens_ptr, out
             if num_blocks >= 0:
                 _attend_tile(q_ptr, k_ptr, v_ptr, cu_ptr, seq_lens_ptr, out_ptr, lse_ptr,
                              union_ptr, k_scale_ptr, v_scale_ptr, sm_scale, num_requests,
-                             num_tokens, table_width, item, num_blocks, stride_qt, stride_qh, stride_qd, stride_kp, stride_kb,
-                             stride_kh, stride_kd, stride_vp, stride_vb, stride_vh, stride_vd,
-                             stride_ot, stride_oh, stride_od, stride_lt, stride_lh, NUM_KV_HEADS,
-                             G, GP, QT, D, BLOCK, SUB, HAS_SCALE, IEEE, F16_COMPUTE,
-                             M, N, PARTS)
+                             num_tokens, table_width, item, num_blocks, stride_qt, stride_qh,
+                             stride_qd, stride_kp, stride_kb, stride_kh, stride_kd, stride_vp,
+                             stride_vb, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
+                             stride_lt, stride_lh, NUM_KV_HEADS, G, GP, QT, D, BLOCK, SUB,
+                             HAS_SCALE, IEEE, F16_COMPUTE, M, N, PARTS)
     else:
         # one program per item: a tile the plan left exits after one load
         item = tl.program_id(0)
         num_blocks = tl.load(blocks_ptr + item)
         if num_blocks >= 0:
             _attend_tile(q_ptr, k_ptr, v_ptr, cu_ptr, seq_lens_ptr, out_ptr, lse_ptr, union_ptr,
-                         k_scale_ptr, v_scale_ptr, sm_scale, num_requests, num_tokens,
-                         table_width, item, num_blocks, stride_qt, stride_qh, stride_qd, stride_kp, stride_kb, stride_kh,
-                         stride_kd, stride_vp, stride_vb, stride_vh, stride_vd, stride_ot,
-                         stride_oh, stride_od, stride_lt, stride_lh, NUM_KV_HEADS, G, GP, QT, D,
-                         BLOCK, SUB, HAS_SCALE, IEEE, F16_COMPUTE, M, N, PARTS)
+                         k_scale_ptr, v_scale_ptr, sm_scale, num_requests, num_tokens, table_width,
+                         item, num_blocks, stride_qt, stride_qh, stride_qd, stride_kp, stride_kb,
+                         stride_kh, stride_kd, stride_vp, stride_vb, stride_vh, stride_vd,
+                         stride_ot, stride_oh, stride_od, stride_lt, stride_lh, NUM_KV_HEADS, G, GP,
+                         QT, D, BLOCK, SUB, HAS_SCALE, IEEE, F16_COMPUTE, M, N, PARTS)
 
 
 @triton.jit
 def _attend_tile(q_ptr, k_ptr, v_ptr, cu_ptr, seq_lens_ptr, out_ptr, lse_ptr, union_ptr,
                  k_scale_ptr, v_scale_ptr, sm_scale, num_requests, num_tokens, table_width, item,
-                 num_blocks, stride_qt, stride_qh, stride_qd, stride_kp, stride_kb, stride_kh, stride_kd,
-                 stride_vp, stride_vb, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
-                 stride_lt, stride_lh, NUM_KV_HEADS: tl.constexpr, G: tl.constexpr,
+                 num_blocks, stride_qt, stride_qh, stride_qd, stride_kp, stride_kb, stride_kh,
+                 stride_kd, stride_vp, stride_vb, stride_vh, stride_vd, stride_ot, stride_oh,
+                 stride_od, stride_lt, stride_lh, NUM_KV_HEADS: tl.constexpr, G: tl.constexpr,
                  GP: tl.constexpr, QT: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                  SUB: tl.constexpr, HAS_SCALE: tl.constexpr, IEEE: tl.constexpr,
-                 F16_COMPUTE: tl.constexpr, M: tl.constexpr,
-                 N: tl.constexpr, PARTS: tl.constexpr):
+                 F16_COMPUTE: tl.constexpr, M: tl.constexpr, N: tl.constexpr, PARTS: tl.constexpr):
     tile = item // NUM_KV_HEADS
     g = item % NUM_KV_HEADS
     # (64-bit: a head-major cache view can put the head offset past 2^31 elements)

@@ -154,7 +154,8 @@ def sparse_page_table(indices, cu_seqlens_q, seq_lens, block_table, *, num_kv_he
     of token t's selected blocks for KV head g: full blocks ascending, then the token's own block
     cut to its causal sub-pages. Entries < 0, >= n or repeated are dropped, and so are those whose
     table entry names no page: outside [0, num_pages), or negative when num_pages is None (the
-    cache's page count is not known here); unused columns hold 0.
+    cache's page count is not known here), or too large for int32 sub-page ids; unused columns
+    hold 0.
 
     Returns:
         (pages int32 [T * Hkv, K * B/S], context_lens int32 [T * Hkv]) where context_len is the
@@ -177,7 +178,7 @@ def sparse_page_table(indices, cu_seqlens_q, seq_lens, block_table, *, num_kv_he
         n = p // block_size + 1
         # (int64: a bound of 2^31 would wrap against int32 ids)
         table = block_table[int(request[t])].long()
-        in_cache = page_in_cache(table, page_bound(num_pages)).tolist()
+        in_cache = page_in_cache(table, page_bound(num_pages, per_block)).tolist()
         table = table.tolist()
         for g in range(num_kv_heads):
             ids = []

@@ -104,7 +104,8 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scal
     _, ks, vs = scale_args(k_scale, v_scale, k.device, k)
     for launch in launches:
         launch.run(_kernel(launch.kernel), k, v, k_cache, v_cache, slot_mapping, ks, vs,
-                   _num_slots(k_cache), *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride())
+                   _num_slots(k_cache), *k.stride(), *v.stride(), *k_cache.stride(),
+                   *v_cache.stride())
     return None
 
 

@@ -118,8 +118,9 @@ def nvfp4_store(page_ptr, t, x):
 
 @triton.jit
 def _write_index_cache_kernel(src_ptr, cache_ptr, slot_ptr, num_slots, stride_st, stride_sd,
-                              stride_cp, stride_cb, stride_cd, BLOCK: tl.constexpr, DI: tl.constexpr,
-                              DIP: tl.constexpr, SATURATE: tl.constexpr, NVFP4: tl.constexpr):
+                              stride_cp, stride_cb, stride_cd, BLOCK: tl.constexpr,
+                              DI: tl.constexpr, DIP: tl.constexpr, SATURATE: tl.constexpr,
+                              NVFP4: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if (slot >= 0) & (slot < num_slots):
@@ -150,11 +151,11 @@ def _write_kv_row(src_ptr, cache_ptr, t, page, offset, scale, stride_st, stride_
 
 @triton.jit
 def _write_kv_cache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr,
-                           v_scale_ptr, num_slots, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh,
-                           stride_vd, stride_kcp, stride_kcb, stride_kch, stride_kcd, stride_vcp,
-                           stride_vcb, stride_vch, stride_vcd, BLOCK: tl.constexpr,
-                           HKV: tl.constexpr, HKVP: tl.constexpr, D: tl.constexpr,
-                           DP: tl.constexpr, SATURATE: tl.constexpr, HAS_SCALE: tl.constexpr):
+                           v_scale_ptr, num_slots, stride_kt, stride_kh, stride_kd, stride_vt,
+                           stride_vh, stride_vd, stride_kcp, stride_kcb, stride_kch, stride_kcd,
+                           stride_vcp, stride_vcb, stride_vch, stride_vcd, BLOCK: tl.constexpr,
+                           HKV: tl.constexpr, HKVP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                           SATURATE: tl.constexpr, HAS_SCALE: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if (slot >= 0) & (slot < num_slots):
