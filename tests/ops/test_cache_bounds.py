@@ -18,12 +18,13 @@ PAGES = 3
 POISON = 0xAB  # NVFP4 pages' fill
 
 
-def _hostile(num_slots, block, dtype):
-    """Slots in the cache, P * B (the guard page's first), the guard page's last, far past the
-    cache and far below 0 (int64: 2^40; int32: its extremes), and -3."""
-    far = 2 ** 40 if dtype == torch.int64 else 2 ** 31 - 1
-    return torch.tensor([5, num_slots, -3, num_slots + block - 1, far, 17, -far - 1,
-                         num_slots - 1], dtype=dtype)
+def _hostile(num_slots, block, dtype, far=True):
+    """Slots in the cache, P * B (the guard page's first), the guard page's last, -3, and (with
+    `far`; without, a kernel writing there would crash the interpreter, not fail the test) far
+    past the cache and far below 0 (int64: 2^40; int32: its extremes)."""
+    big = 2 ** 40 if dtype == torch.int64 else 2 ** 31 - 1
+    return torch.tensor([5, num_slots, -3, num_slots + block - 1, big if far else -3, 17,
+                         -big - 1 if far else num_slots + 1, num_slots - 1], dtype=dtype)
 
 
 def _in_cache(slots, num_slots):
@@ -62,7 +63,7 @@ def _bits(x):
     return x.cpu().contiguous().view(torch.uint8)
 
 
-def _write(impl, kind, slot_dtype, device, clean=False):
+def _write(impl, kind, slot_dtype, device, clean=False, far=True):
     """impl's (openmsa's or the reference's) cache write of 8 tokens at hostile slots (`clean`:
     those outside the cache set to -1) into fresh guarded caches; returns the cache's buffer."""
     g = torch.Generator().manual_seed(0)
@@ -77,7 +78,7 @@ def _write(impl, kind, slot_dtype, device, clean=False):
         buf, packed = _guarded((PAGES, 2, 16, 64), torch.float16, device)
         block = 16
     num_slots = cache.shape[0] * block if kind != "kv" else PAGES * block
-    slots = _hostile(num_slots, block, slot_dtype)
+    slots = _hostile(num_slots, block, slot_dtype, far)
     if clean:
         slots = _in_cache(slots, num_slots)
     slots = slots.to(device)
@@ -103,14 +104,15 @@ def test_reference_writes_nothing_outside_the_cache(kind, slot_dtype):
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("kind", ["index", "nvfp4", "kv"])
-@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
-def test_write_kernels_write_nothing_outside_the_cache(kernel_device, kind, slot_dtype):
-    got = _write(openmsa, kind, slot_dtype, kernel_device)
-    assert torch.equal(_bits(got), _bits(_write(ref, kind, slot_dtype, "cpu")))
+@pytest.mark.parametrize("slot_dtype, far", [(torch.int64, True), (torch.int32, True),
+                                             (torch.int64, False)])
+def test_write_kernels_write_nothing_outside_the_cache(kernel_device, kind, slot_dtype, far):
+    got = _write(openmsa, kind, slot_dtype, kernel_device, far=far)
+    assert torch.equal(_bits(got), _bits(_write(ref, kind, slot_dtype, "cpu", far=far)))
     _assert_guards_intact(got)
 
 
-def _prepare(impl, nvfp4, device, clean=False):
+def _prepare(impl, nvfp4, device, clean=False, far=True):
     """impl's fused_prepare of 8 tokens at hostile slots into guarded main and index caches (an
     NVFP4 index cache with `nvfp4`): (q, index_q, main buffer, index buffer)."""
     cfg = CFG_NVFP4 if nvfp4 else CFG
@@ -128,7 +130,7 @@ def _prepare(impl, nvfp4, device, clean=False):
         index, ic = _guarded_nvfp4(pages, device)
     else:
         index, ic = _guarded((pages, block, cfg.index_head_dim), torch.bfloat16, device)
-    slots = _hostile(pages * block, block, torch.int64)
+    slots = _hostile(pages * block, block, torch.int64, far)
     index_slots = slots.roll(3)
     if clean:
         slots, index_slots = _in_cache(slots, pages * block), _in_cache(index_slots,
@@ -151,10 +153,10 @@ def test_reference_prepare_writes_nothing_outside_the_caches(nvfp4):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("nvfp4", [False, True])
-def test_prepare_kernel_writes_nothing_outside_the_caches(kernel_device, nvfp4):
-    q, iq, main, index = _prepare(openmsa, nvfp4, kernel_device)
-    wq, wiq, want_main, want_index = _prepare(ref, nvfp4, "cpu")
+@pytest.mark.parametrize("nvfp4, far", [(False, True), (True, True), (False, False)])
+def test_prepare_kernel_writes_nothing_outside_the_caches(kernel_device, nvfp4, far):
+    q, iq, main, index = _prepare(openmsa, nvfp4, kernel_device, far=far)
+    wq, wiq, want_main, want_index = _prepare(ref, nvfp4, "cpu", far=far)
     _close(q, wq, torch.bfloat16)
     _close(iq, wiq, iq.dtype)
     _close(main, want_main, torch.bfloat16)
