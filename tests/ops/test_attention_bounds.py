@@ -14,9 +14,8 @@ import torch
 import openmsa
 from openmsa import reference as ref
 from openmsa.batch import token_layout
-from openmsa.ops.attention import api
 from openmsa.ops.attention.plan import DEFAULT
-from helpers import make_step, nan_poison, to_device
+from helpers import assert_close, make_step, nan_poison
 
 from test_attention import _plan_of, _prefill_tiles_config, _resplit, _run_plan, _taken
 
@@ -222,8 +221,8 @@ def test_kernels_read_nothing_outside_the_cache(kernel_device, path, kv_dtype, f
     buf, out = _guarded_out(q.shape, q.dtype, kernel_device)
     got, lse = _attend(path, q, k, v, idx, d, out)
     assert got.data_ptr() == out.data_ptr()
-    torch.testing.assert_close(got.cpu().float(), want.float(), atol=2e-3, rtol=2e-3)
-    torch.testing.assert_close(lse.cpu(), want_lse, atol=1e-3, rtol=1e-3)
+    assert_close(got, want)
+    assert_close(lse, want_lse, torch.float32)
     pad = _padding(step)
     _assert_padding(got, lse, pad)
     assert buf[:GUARD].isnan().all() and buf[GUARD + q.shape[0]:].isnan().all()
@@ -272,3 +271,55 @@ def test_page_table_kernel_matches_reference_on_hostile_metadata(kernel_device, 
         got = openmsa.sparse_page_table(idx.to(kernel_device), cu.to(kernel_device),
                                         d.seq_lens, d.block_table, **kw)
         assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+
+
+# ================================================================== gpu tier: the Gluon tiles
+def _gluon_hostile_case(dtype):
+    """test_attention's mixed prefill chunk (B = D = 128, M3's 64 / 4 heads) with the table
+    entries of blocks 0-2 (block 0: every token's first selected block) of both chunks'
+    requests a page past the cache, a negative one other than -1, and int32's largest: (step,
+    q, K, V, indices), K and V on the GPU between GUARD NaN pages."""
+    from test_attention import _mixed_tiles_chunk
+    step, q, k, v, idx = _mixed_tiles_chunk((64, 4), dtype)
+    for r in (1, 3):
+        step.block_table[r, :3] = torch.tensor([step.num_pages, -GUARD, 2 ** 31 - 1])
+    caches = []
+    for c in (k, v):
+        buf = torch.full((c.shape[0] + 2 * GUARD, *c.shape[1:]), float("nan"),
+                         device="cuda").to(c.dtype)
+        buf[GUARD:GUARD + c.shape[0]] = c.cuda()
+        caches.append(buf[GUARD:GUARD + c.shape[0]])
+    return step, q, caches[0], caches[1], idx
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_gluon_tiles_read_nothing_outside_the_cache(dtype):
+    """The Gluon prefill tiles (16-bit K/V through TMA, fp8 through the loader warpgroup, which
+    would read the NaN guard pages) with hostile page ids in the blocks their tiles select: the
+    reference's result, nothing written around out; then a malformed step (cu_seqlens_q past
+    T): no tile taken, every row 0 and -inf."""
+    step, q, kd, vd, idx = _gluon_hostile_case(dtype)
+    d = _on(step, "cuda")
+    qd, idxd = q.cuda(), idx.cuda()
+    p = _plan_of(qd, kd, vd, idxd, block_size=128, return_lse=True)
+    assert p.find("tiles_gluon") is not None
+    assert (_taken(p, idxd, d) >= 0).any()
+    want, want_lse = ref.sparse_attention(q, kd.cpu(), vd.cpu(), idx, step.cu_seqlens_q,
+                                          step.seq_lens, step.block_table, block_size=128,
+                                          return_lse=True)
+    buf, out = _guarded_out(q.shape, q.dtype, "cuda")
+    got, lse = openmsa.sparse_attention(qd, kd, vd, idxd, d.cu_seqlens_q, d.seq_lens,
+                                        d.block_table, block_size=128, out=out,
+                                        return_lse=True)
+    assert_close(got, want)
+    assert_close(lse, want_lse, torch.bfloat16)
+    assert buf[:GUARD].isnan().all() and buf[GUARD + q.shape[0]:].isnan().all()
+    d.cu_seqlens_q[-1] = q.shape[0] + 1
+    buf, out = _guarded_out(q.shape, q.dtype, "cuda")
+    got, lse = openmsa.sparse_attention(qd, kd, vd, idxd, d.cu_seqlens_q, d.seq_lens,
+                                        d.block_table, block_size=128, out=out,
+                                        return_lse=True)
+    assert not (_taken(p, idxd, d) >= 0).any()
+    _assert_padding(got, lse, slice(None))
+    assert buf[:GUARD].isnan().all() and buf[GUARD + q.shape[0]:].isnan().all()
