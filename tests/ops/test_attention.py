@@ -59,7 +59,8 @@ def _taken(p: LaunchPlan, idx, d):
     union = torch.empty((p.sizes["tile_items"], 3, p.sizes["union_width"]), dtype=torch.int32,
                         device=idx.device)
     launch.run(prefill._tile_plan_kernel, idx, d.cu_seqlens_q, d.seq_lens, d.block_table, blocks,
-               union, d.seq_lens.shape[0], *idx.stride(), *d.block_table.stride())
+               union, d.seq_lens.shape[0], idx.shape[0], d.block_table.shape[1], d.num_pages,
+               *idx.stride(), *d.block_table.stride())
     return blocks
 
 
@@ -600,7 +601,8 @@ def test_tile_plan_unions_and_taken_tiles(kernel_device, qt, topk, alias):
                            device=kernel_device)
         prefill._tile_plan_kernel[(num_tiles, 2)](
             idx_d, d.cu_seqlens_q, d.seq_lens, d.block_table, blocks, union,
-            step.seq_lens.shape[0], *idx_d.stride(), *d.block_table.stride(), waste=waste,
+            step.seq_lens.shape[0], step.num_tokens, step.block_table.shape[1], step.num_pages,
+            *idx_d.stride(), *d.block_table.stride(), waste=waste,
             NUM_KV_HEADS=2, NUM_INDEX_HEADS=2, QT=qt, BLOCK=B, TOPK=topk, KP=kp,
             num_warps=1 if qt * kp <= 64 else 2)
         blocks, union = blocks.cpu(), union.cpu()

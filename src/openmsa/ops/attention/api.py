@@ -14,7 +14,7 @@ from ..common.counters import arrival_counters
 from ..common.launch import PlanCache, call_key, launch, scale_key, tma_descriptor
 from ..common.plan import DeviceFacts, LaunchPlan, config_or_default
 from . import reference
-from .checks import check_attention_args, check_page_table_args
+from .checks import check_attention_args, check_page_table_args, page_bound
 from .plan import DEFAULT, AttentionConfig, AttentionShape, plan
 
 __all__ = ["sparse_attention", "sparse_page_table"]
@@ -76,7 +76,9 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
         indices: int32 [T, H, K] from select_blocks; KV head g reads index head g*H//Hkv.
             Entries < 0 or >= the token's causal blocks are skipped, never dereferenced; a
             repeated id counts once.
-        cu_seqlens_q, seq_lens, block_table: the step (int32); page ids are not range-checked.
+        cu_seqlens_q, seq_lens, block_table: the step (int32). Values are not checked (no host
+            sync): a malformed step or request is padding, and a page id outside [0, P) reads
+            nothing (docs/spec.md, "Bounds").
         scale: softmax scale (D ** -0.5 when None).
         out: optional [T, Hq, D] in q's dtype, any strides, written in place.
         return_lse: also return the fp32 [T, Hq] natural-log LSE.
@@ -151,6 +153,9 @@ def _run(p: LaunchPlan, q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, bl
         part = counters = lse
     _, ks, vs = scale_args(k_scale, v_scale, device, lse)
     num_requests = seq_lens.shape[0]
+    # what the kernels bound the step's values by (docs/spec.md, "Bounds"): a request needing
+    # more blocks than the table has columns is padding, a page id outside [0, P) reads nothing
+    table_width, num_pages = block_table.shape[1], k_cache.shape[0]
     blocks = union = lse
     tile_qt = p.sizes["tile_tokens"]
     if tile_qt:
@@ -165,15 +170,16 @@ def _run(p: LaunchPlan, q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, bl
         kernel = launch.kernel
         if kernel == "token":
             launch.run(_sparse_attention_kernel, q, k_cache, v_cache, indices, cu_seqlens_q,
-                       seq_lens, block_table, out, lse, part, counters, blocks, ks, vs,
-                       sm_scale, num_requests, *q.stride(), *k_cache.stride(),
-                       *v_cache.stride(), *indices.stride(), *block_table.stride(),
-                       *out.stride(), *lse_strides)
+                       seq_lens, block_table, out, lse, part, counters, blocks, ks, vs, sm_scale,
+                       num_requests, table_width, num_pages, *q.stride(), *k_cache.stride(),
+                       *v_cache.stride(), *indices.stride(), *block_table.stride(), *out.stride(),
+                       *lse_strides)
         elif kernel == "merge":
             launch.run(_merge_splits_kernel, part, out, lse, *out.stride(), *lse_strides)
         elif kernel == "tile_plan":
             launch.run(_tile_plan_kernel, indices, cu_seqlens_q, seq_lens, block_table, blocks,
-                       union, num_requests, *indices.stride(), *block_table.stride())
+                       union, num_requests, num_tokens, table_width, num_pages,
+                       *indices.stride(), *block_table.stride())
         elif kernel == "tiles_gluon":
             from .prefill_ws import _sparse_attention_tile_ws_kernel
             k_src, v_src = _tile_sources(launch, k_cache, v_cache)
@@ -184,8 +190,8 @@ def _run(p: LaunchPlan, q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, bl
         elif kernel == "tiles":
             launch.run(_sparse_attention_tile_kernel, q, k_cache, v_cache, cu_seqlens_q,
                        seq_lens, out, lse, blocks, union, ks, vs, sm_scale, num_requests,
-                       p.sizes["tile_items"], *q.stride(), *k_cache.stride(),
-                       *v_cache.stride(), *out.stride(), *lse.stride())
+                       num_tokens, table_width, p.sizes["tile_items"], *q.stride(),
+                       *k_cache.stride(), *v_cache.stride(), *out.stride(), *lse.stride())
         else:
             raise AssertionError(f"sparse_attention: no kernel {kernel!r} in this op")
     return (out, lse) if return_lse else out
@@ -203,7 +209,7 @@ def _tile_sources(gluon, k_cache, v_cache):
 
 @on_tensor_device
 def sparse_page_table(indices, cu_seqlens_q, seq_lens, block_table, *, num_kv_heads,
-                      block_size=128, sub_page_size=16):
+                      block_size=128, sub_page_size=16, num_pages=None):
     """A selection as a page table for any paged kernel that runs one query row per table row.
 
     Args:
@@ -212,6 +218,10 @@ def sparse_page_table(indices, cu_seqlens_q, seq_lens, block_table, *, num_kv_he
         num_kv_heads: Hkv; rows are head-minor, row = t * Hkv + g.
         sub_page_size: S, a power of two dividing block_size: the K/V cache is then read as
             [P * B/S, S, Hkv, D] (a view of a flash-layout cache).
+        num_pages: P, the cache's page count: a selected block whose table entry lies outside
+            [0, P) is dropped like a repeated id (docs/spec.md, "Bounds"). None: only negative
+            entries are dropped (the caller vouches for the rest), and in either case an entry
+            whose sub-page ids would not fit int32 (page >= 2^31 / (B/S)).
 
     Returns:
         (pages int32 [T*Hkv, K*B/S], context_lens int32 [T*Hkv]): sub-page ids of the full
@@ -221,12 +231,12 @@ def sparse_page_table(indices, cu_seqlens_q, seq_lens, block_table, *, num_kv_he
     if not use_kernels(indices):
         return reference.sparse_page_table(indices, cu_seqlens_q, seq_lens, block_table,
                                            num_kv_heads=num_kv_heads, block_size=block_size,
-                                           sub_page_size=sub_page_size)
+                                           sub_page_size=sub_page_size, num_pages=num_pages)
     from .page_table import _sparse_page_table_kernel
 
     check_page_table_args(indices, cu_seqlens_q, seq_lens, block_table,
                           num_kv_heads=num_kv_heads, block_size=block_size,
-                          sub_page_size=sub_page_size)
+                          sub_page_size=sub_page_size, num_pages=num_pages)
     num_tokens, num_index_heads, topk = indices.shape
     per_block = block_size // sub_page_size
     pages = torch.empty((num_tokens * num_kv_heads, topk * per_block), dtype=torch.int32,
@@ -235,7 +245,8 @@ def sparse_page_table(indices, cu_seqlens_q, seq_lens, block_table, *, num_kv_he
     if num_tokens:
         launch(_sparse_page_table_kernel, (num_tokens, num_kv_heads),
                indices, cu_seqlens_q, seq_lens, block_table, pages, lens, seq_lens.shape[0],
-               *indices.stride(), *block_table.stride(), *pages.stride(),
+               block_table.shape[1], page_bound(num_pages, per_block), *indices.stride(),
+               *block_table.stride(), *pages.stride(),
                NUM_KV_HEADS=num_kv_heads, NUM_INDEX_HEADS=num_index_heads, TOPK=topk,
                KP=_next_pow2(topk), BLOCK=block_size, SUB=sub_page_size, num_warps=1)
     return pages, lens

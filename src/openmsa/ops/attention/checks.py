@@ -55,8 +55,16 @@ def check_attention_args(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, b
         check_out("out", out, tuple(q.shape), q.dtype, device)
 
 
+def page_bound(num_pages: int | None, per_block: int) -> int:
+    """The page ids sparse_page_table keeps: those in [0, page_bound), i.e. in the cache (when
+    num_pages is given) and with int32 sub-page ids (page * per_block + j < 2^31: a larger id,
+    stale or not, would wrap in the kernel)."""
+    bound = 2 ** 31 // per_block
+    return bound if num_pages is None else min(num_pages, bound)
+
+
 def check_page_table_args(indices, cu_seqlens_q, seq_lens, block_table, *, num_kv_heads,
-                          block_size, sub_page_size) -> None:
+                          block_size, sub_page_size, num_pages) -> None:
     check_int_tensor("indices", indices, ndim=3)
     device = indices.device
     check_step(cu_seqlens_q, seq_lens, block_table, device)
@@ -72,3 +80,8 @@ def check_page_table_args(indices, cu_seqlens_q, seq_lens, block_table, *, num_k
             or block_size % sub_page_size:
         raise ValueError(f"sub_page_size must be a power of two dividing block_size "
                          f"({block_size}), got {sub_page_size!r}")
+    if num_pages is not None:
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int):
+            raise TypeError(f"num_pages must be an int or None, got {type(num_pages).__name__}")
+        if num_pages < 0:
+            raise ValueError(f"num_pages must be at least 0, got {num_pages}")

@@ -47,7 +47,7 @@ def scaled_q(q, sm_scale, k_scale_ptr, F16_COMPUTE: tl.constexpr, HAS_SCALE: tl.
 def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr,
                              out_ptr, lse_ptr, part_out_ptr, counter_ptr,
                              tile_blocks_ptr, k_scale_ptr, v_scale_ptr, sm_scale, num_requests,
-                             stride_qt, stride_qh, stride_qd,
+                             table_width, num_pages, stride_qt, stride_qh, stride_qd,
                              stride_kp, stride_kb, stride_kh, stride_kd,
                              stride_vp, stride_vb, stride_vh, stride_vd,
                              stride_it, stride_ih, stride_ik, stride_btr, stride_btb,
@@ -107,10 +107,13 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
     q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + head[:, None] * stride_qh
                 + d[None, :] * stride_qd, mask=head_ok[:, None], other=0.0)  # [M, D]
 
-    # the token's request, position and causal block count (0 for padding); requests of equal
-    # q_len hold token t in request t * R // T, checked before the search (find_request)
+    # the token's request, position and causal block count (0 for padding, which includes every
+    # token of a malformed step or request: docs/spec.md, "Bounds"); requests of equal q_len
+    # hold token t in request t * R // T, checked before the search (find_request). The grid's
+    # first dimension is T.
     guess = (t.to(tl.int64) * num_requests // tl.num_programs(0)).to(tl.int32)
-    r, pos = token_position(cu_ptr, seq_lens_ptr, num_requests, t, guess)
+    r, pos = token_position(cu_ptr, seq_lens_ptr, num_requests, tl.num_programs(0), table_width,
+                            t, guess, BLOCK)
     n = tl.where(pos >= 0, pos // BLOCK + 1, 0)
     r_safe = tl.minimum(r, num_requests - 1).to(tl.int64)
 
@@ -124,8 +127,10 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
     # block table -> K per iteration would serialise three memory latencies)
     row_pages = tl.load(bt_ptr + r_safe * stride_btr + tl.where(in_range, row_ids, 0) * stride_btb,
                         mask=in_range & ~dup, other=-1)
-    # a negative page id (a table the engine left unfilled) reads nothing
-    row_ok = in_range & ~dup & (row_pages >= 0)
+    # a page id naming no page of the cache (-1 for an entry the engine left unfilled, or a
+    # stale id past the cache) reads nothing; n <= the table's width, so in_range entries lie
+    # inside the table row
+    row_ok = in_range & ~dup & (row_pages >= 0) & (row_pages < num_pages)
     # a step reads its block id and page out of these rows (a sum over a one-hot pick: a
     # shuffle tree each); a skipped entry's page becomes -1, so the page's sign is its flag and
     # a third sum is saved (fewer instructions per step, benchmarks/resources.py)

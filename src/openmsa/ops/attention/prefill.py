@@ -59,19 +59,23 @@ def _shift(x, by: tl.constexpr):
 
 @triton.jit
 def _tile_plan_kernel(idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr, blocks_ptr, union_ptr,
-                      num_requests, stride_it, stride_ih, stride_ik, stride_btr, stride_btb,
-                      waste, NUM_KV_HEADS: tl.constexpr, NUM_INDEX_HEADS: tl.constexpr,
-                      QT: tl.constexpr, BLOCK: tl.constexpr, TOPK: tl.constexpr,
-                      KP: tl.constexpr):
+                      num_requests, num_tokens, table_width, num_pages, stride_it, stride_ih,
+                      stride_ik, stride_btr, stride_btb, waste, NUM_KV_HEADS: tl.constexpr,
+                      NUM_INDEX_HEADS: tl.constexpr, QT: tl.constexpr, BLOCK: tl.constexpr,
+                      TOPK: tl.constexpr, KP: tl.constexpr):
     # (waste after the strides: the launch plan passes it by keyword with the constexprs)
     tile = tl.program_id(0)
     g = tl.program_id(1)
     t0 = tile * QT
     N: tl.constexpr = QT * KP
-    r, first_pos, whole = tile_position(cu_ptr, seq_lens_ptr, num_requests, t0, QT)
+    # (whole is false for a tile holding padding, a malformed request's tokens or any token of a
+    # malformed step: those go to the per-token kernel, which gives them out = 0, lse = -inf)
+    r, first_pos, whole = tile_position(cu_ptr, seq_lens_ptr, num_requests, num_tokens,
+                                        table_width, t0, QT, BLOCK)
     ih = g * NUM_INDEX_HEADS // NUM_KV_HEADS
     # the tile's selections as N = QT * KP entries (token-major): page ids, NO_PAGE where the
-    # entry is < 0, beyond the token's causal blocks, or maps to a negative page
+    # entry is < 0, beyond the token's causal blocks, or maps to no page of the cache (< 0 or
+    # >= num_pages: read nothing), so the tile kernels only read pages in [0, num_pages)
     e = tl.arange(0, N)
     e_pos = first_pos + e // KP
     e_ids = tl.load(idx_ptr + (t0 + e // KP).to(tl.int64) * stride_it + ih * stride_ih
@@ -79,7 +83,7 @@ def _tile_plan_kernel(idx_ptr, cu_ptr, seq_lens_ptr, bt_ptr, blocks_ptr, union_p
     e_ok = (e_ids >= 0) & (e_ids <= e_pos // BLOCK)
     e_pages = tl.load(bt_ptr + r.to(tl.int64) * stride_btr + tl.where(e_ok, e_ids, 0) * stride_btb,
                       mask=e_ok, other=-1)
-    e_pages = tl.where(e_ok & (e_pages >= 0), e_pages, NO_PAGE)
+    e_pages = tl.where(e_ok & (e_pages >= 0) & (e_pages < num_pages), e_pages, NO_PAGE)
     live = e_pages != NO_PAGE
     e_blk = tl.where(live, e_ids, -1)
     item = tile * NUM_KV_HEADS + g
@@ -128,7 +132,7 @@ def _plan_union(e, e_pages, e_blk, live, whole, waste, blocks_ptr, union_ptr, it
 @triton.jit
 def _sparse_attention_tile_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, seq_lens_ptr, out_ptr, lse_ptr,
                                   blocks_ptr, union_ptr, k_scale_ptr, v_scale_ptr, sm_scale,
-                                  num_requests, num_items,
+                                  num_requests, num_tokens, table_width, num_items,
                                   stride_qt, stride_qh, stride_qd,
                                   stride_kp, stride_kb, stride_kh, stride_kd,
                                   stride_vp, stride_vb, stride_vh, stride_vd,
@@ -147,41 +151,42 @@ def _sparse_attention_tile_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, seq_lens_ptr, out
             num_blocks = tl.load(blocks_ptr + item)
             if num_blocks >= 0:
                 _attend_tile(q_ptr, k_ptr, v_ptr, cu_ptr, seq_lens_ptr, out_ptr, lse_ptr,
-                             union_ptr, k_scale_ptr, v_scale_ptr, sm_scale, num_requests, item,
-                             num_blocks, stride_qt, stride_qh, stride_qd, stride_kp, stride_kb,
-                             stride_kh, stride_kd, stride_vp, stride_vb, stride_vh, stride_vd,
-                             stride_ot, stride_oh, stride_od, stride_lt, stride_lh, NUM_KV_HEADS,
-                             G, GP, QT, D, BLOCK, SUB, HAS_SCALE, IEEE, F16_COMPUTE,
-                             M, N, PARTS)
+                             union_ptr, k_scale_ptr, v_scale_ptr, sm_scale, num_requests,
+                             num_tokens, table_width, item, num_blocks, stride_qt, stride_qh,
+                             stride_qd, stride_kp, stride_kb, stride_kh, stride_kd, stride_vp,
+                             stride_vb, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
+                             stride_lt, stride_lh, NUM_KV_HEADS, G, GP, QT, D, BLOCK, SUB,
+                             HAS_SCALE, IEEE, F16_COMPUTE, M, N, PARTS)
     else:
         # one program per item: a tile the plan left exits after one load
         item = tl.program_id(0)
         num_blocks = tl.load(blocks_ptr + item)
         if num_blocks >= 0:
             _attend_tile(q_ptr, k_ptr, v_ptr, cu_ptr, seq_lens_ptr, out_ptr, lse_ptr, union_ptr,
-                         k_scale_ptr, v_scale_ptr, sm_scale, num_requests, item, num_blocks,
-                         stride_qt, stride_qh, stride_qd, stride_kp, stride_kb, stride_kh,
-                         stride_kd, stride_vp, stride_vb, stride_vh, stride_vd, stride_ot,
-                         stride_oh, stride_od, stride_lt, stride_lh, NUM_KV_HEADS, G, GP, QT, D,
-                         BLOCK, SUB, HAS_SCALE, IEEE, F16_COMPUTE, M, N, PARTS)
+                         k_scale_ptr, v_scale_ptr, sm_scale, num_requests, num_tokens, table_width,
+                         item, num_blocks, stride_qt, stride_qh, stride_qd, stride_kp, stride_kb,
+                         stride_kh, stride_kd, stride_vp, stride_vb, stride_vh, stride_vd,
+                         stride_ot, stride_oh, stride_od, stride_lt, stride_lh, NUM_KV_HEADS, G, GP,
+                         QT, D, BLOCK, SUB, HAS_SCALE, IEEE, F16_COMPUTE, M, N, PARTS)
 
 
 @triton.jit
 def _attend_tile(q_ptr, k_ptr, v_ptr, cu_ptr, seq_lens_ptr, out_ptr, lse_ptr, union_ptr,
-                 k_scale_ptr, v_scale_ptr, sm_scale, num_requests, item, num_blocks,
-                 stride_qt, stride_qh, stride_qd, stride_kp, stride_kb, stride_kh, stride_kd,
-                 stride_vp, stride_vb, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
-                 stride_lt, stride_lh, NUM_KV_HEADS: tl.constexpr, G: tl.constexpr,
+                 k_scale_ptr, v_scale_ptr, sm_scale, num_requests, num_tokens, table_width, item,
+                 num_blocks, stride_qt, stride_qh, stride_qd, stride_kp, stride_kb, stride_kh,
+                 stride_kd, stride_vp, stride_vb, stride_vh, stride_vd, stride_ot, stride_oh,
+                 stride_od, stride_lt, stride_lh, NUM_KV_HEADS: tl.constexpr, G: tl.constexpr,
                  GP: tl.constexpr, QT: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                  SUB: tl.constexpr, HAS_SCALE: tl.constexpr, IEEE: tl.constexpr,
-                 F16_COMPUTE: tl.constexpr, M: tl.constexpr,
-                 N: tl.constexpr, PARTS: tl.constexpr):
+                 F16_COMPUTE: tl.constexpr, M: tl.constexpr, N: tl.constexpr, PARTS: tl.constexpr):
     tile = item // NUM_KV_HEADS
     g = item % NUM_KV_HEADS
     # (64-bit: a head-major cache view can put the head offset past 2^31 elements)
     g64 = g.to(tl.int64)
     t0 = tile * QT
-    _, first_pos, _ = tile_position(cu_ptr, seq_lens_ptr, num_requests, t0, QT)
+    # (the plan took this tile: it is whole)
+    _, first_pos, _ = tile_position(cu_ptr, seq_lens_ptr, num_requests, num_tokens, table_width,
+                                    t0, QT, BLOCK)
     union_row = union_ptr + tl.cast(item, tl.int64) * (3 * N)
     # rows: token-major, QT tokens x GP head slots
     rows = tl.arange(0, M)

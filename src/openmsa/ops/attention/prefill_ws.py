@@ -28,8 +28,10 @@ Keys past every row's causal cut (the tail of the tile's own block, maybe never 
 copied like the rest, since a box has one size: their scores are masked to -inf, and on the
 (rare) steps that hold such keys their V rows are zeroed in shared memory before P @ V, where
 0 * NaN would otherwise give NaN (docs/spec.md, "Padding"): by the consumer, or under PAIR by the
-loader (the consumers share the buffer). Page ids come from the plan (never < 0), so every copy
-lands inside the cache.
+loader (the consumers share the buffer). Page ids come from the plan, which keeps only ids in
+[0, P), so every copy lands inside the cache; it takes only tiles of valid tokens (no padding, no
+malformed step or request: docs/spec.md, "Bounds"), so every token read and written here is
+inside q and out.
 
 Used where plan.py's `_gluon_sub` allows: sm_90, a 16-bit q with K/V of its dtype or fp8 e4m3,
 head dim and block size 128, QT * GP = 64 rows per consumer, TMA-describable K/V views at

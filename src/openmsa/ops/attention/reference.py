@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...batch import num_causal_blocks, page_in_cache, request_spans, token_layout
-from .checks import check_attention_args, check_page_table_args
+from .checks import check_attention_args, check_page_table_args, page_bound
 
 if TYPE_CHECKING:
     from .plan import AttentionConfig
@@ -147,12 +147,15 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
 
 
 def sparse_page_table(indices, cu_seqlens_q, seq_lens, block_table, *, num_kv_heads,
-                      block_size=128, sub_page_size=16):
+                      block_size=128, sub_page_size=16, num_pages=None):
     """A selection as a page table for any paged-attention kernel that runs one query row.
 
     Row t * Hkv + g (head-minor) lists the physical sub-pages (page * B/S + j, S = sub_page_size)
     of token t's selected blocks for KV head g: full blocks ascending, then the token's own block
-    cut to its causal sub-pages. Entries < 0, >= n or repeated are dropped; unused columns hold 0.
+    cut to its causal sub-pages. Entries < 0, >= n or repeated are dropped, and so are those whose
+    table entry names no page: outside [0, num_pages), or negative when num_pages is None (the
+    cache's page count is not known here), or too large for int32 sub-page ids; unused columns
+    hold 0.
 
     Returns:
         (pages int32 [T * Hkv, K * B/S], context_lens int32 [T * Hkv]) where context_len is the
@@ -160,7 +163,7 @@ def sparse_page_table(indices, cu_seqlens_q, seq_lens, block_table, *, num_kv_he
     """
     check_page_table_args(indices, cu_seqlens_q, seq_lens, block_table,
                           num_kv_heads=num_kv_heads, block_size=block_size,
-                          sub_page_size=sub_page_size)
+                          sub_page_size=sub_page_size, num_pages=num_pages)
     num_tokens, num_index_heads, topk = indices.shape
     per_block = block_size // sub_page_size
     pages = torch.zeros(num_tokens * num_kv_heads, topk * per_block, dtype=torch.int32)
@@ -173,11 +176,14 @@ def sparse_page_table(indices, cu_seqlens_q, seq_lens, block_table, *, num_kv_he
         if p < 0:
             continue
         n = p // block_size + 1
-        table = block_table[int(request[t])].tolist()
+        # (int64: a bound of 2^31 would wrap against int32 ids)
+        table = block_table[int(request[t])].long()
+        in_cache = page_in_cache(table, page_bound(num_pages, per_block)).tolist()
+        table = table.tolist()
         for g in range(num_kv_heads):
             ids = []
             for b in indices[t, head_map[g]].tolist():
-                if 0 <= b < n and b not in ids:
+                if 0 <= b < n and b not in ids and in_cache[b]:
                     ids.append(b)
             full = sorted(b for b in ids if b != n - 1)
             subs = [table[b] * per_block + j for b in full for j in range(per_block)]

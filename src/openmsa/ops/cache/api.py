@@ -41,14 +41,20 @@ def _kernel(name: str):
             "fused_prepare": _fused_prepare_kernel}[name]
 
 
+def _num_slots(cache) -> int:
+    """P * B: the slots a [P, B, ...] cache holds (an NVFP4 index cache, uint8 [P, 128, 72],
+    too); the kernels write nothing for a slot outside [0, P * B)."""
+    return cache.shape[0] * cache.shape[1]
+
+
 @on_tensor_device
 def write_index_cache(index_k, index_cache, slot_mapping, *, config: CacheConfig | None = None
                       ) -> None:
     """index_k [T, Di] -> index_cache [P, B, Di] (any strides) at slot = page * B + offset.
 
     An fp8 cache gets a saturating cast (+-448, no scale); an NVFP4 cache (uint8 [P, 128, 72],
-    Di = 128) gets each key quantized exactly as `openmsa.nvfp4` does; a slot < 0 is skipped.
-    Slots are not range-checked (a device value); they must lie in [0, P * B) or be negative.
+    Di = 128) gets each key quantized exactly as `openmsa.nvfp4` does. A slot outside
+    [0, P * B) (negative for padding, or past the cache) writes nothing (docs/spec.md, "Bounds").
     """
     if not use_kernels(index_k):
         _check_config(config)
@@ -63,8 +69,8 @@ def write_index_cache(index_k, index_cache, slot_mapping, *, config: CacheConfig
         launches = plan(shape, DeviceFacts.of(index_k.device), config)
         _PLANS.put(key, launches)
     for launch in launches:
-        launch.run(_kernel(launch.kernel), index_k, index_cache, slot_mapping, *index_k.stride(),
-                   *index_cache.stride())
+        launch.run(_kernel(launch.kernel), index_k, index_cache, slot_mapping,
+                   _num_slots(index_cache), *index_k.stride(), *index_cache.stride())
     return None
 
 
@@ -73,7 +79,8 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scal
                    config: CacheConfig | None = None) -> None:
     """k, v [T, Hkv, D] -> k_cache, v_cache viewed [P, B, Hkv, D] with any strides.
 
-    A slot < 0 is skipped. fp8 caches store x / scale saturated at +-448 (scale 1 when None).
+    A slot outside [0, P * B) (negative for padding, or past the cache) writes nothing. fp8
+    caches store x / scale saturated at +-448 (scale 1 when None).
     """
     if not use_kernels(k):
         _check_config(config)
@@ -97,7 +104,8 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scal
     _, ks, vs = scale_args(k_scale, v_scale, k.device, k)
     for launch in launches:
         launch.run(_kernel(launch.kernel), k, v, k_cache, v_cache, slot_mapping, ks, vs,
-                   *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride())
+                   _num_slots(k_cache), *k.stride(), *v.stride(), *k_cache.stride(),
+                   *v_cache.stride())
     return None
 
 
@@ -135,7 +143,8 @@ def fused_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_
             -1; positions >= 2^24 are not supported). config: the rank's MSAConfig.
         *_norm_weight: [D] or [Di] Gemma RMSNorm weights. k_cache, v_cache: [P, B, Hkv, D] any
             strides; index_cache [P, B, Di], or NVFP4 pages (uint8 [P, 128, 72]);
-            slot_mapping, index_slot_mapping: int [T], < 0 skips.
+            slot_mapping, index_slot_mapping: int [T]; a slot outside its cache's [0, P * B)
+            (negative for padding, or past the cache) writes nothing.
         k_scale, v_scale: optional per-tensor scales of an fp8 main cache (stores x / scale).
         q_out [T, Hq, D], index_q_out [T, H, Di]: optional outputs (any strides).
         cache_config: the launch knobs (`CacheConfig`; None: the defaults). Named apart from
@@ -193,7 +202,8 @@ def fused_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_
         launch.run(_kernel(launch.kernel), qkv, positions, q_norm_weight, k_norm_weight,
                    index_q_norm_weight, index_k_norm_weight, table, k_cache, v_cache,
                    slot_mapping, index_cache, index_slot_mapping, ks, vs, q_out, index_q_out,
-                   float(config.rms_norm_eps), *qkv.stride(), *k_cache.stride(),
+                   float(config.rms_norm_eps), _num_slots(k_cache), _num_slots(index_cache),
+                   *qkv.stride(), *k_cache.stride(),
                    *v_cache.stride(), *index_cache.stride(), *q_out.stride(),
                    *index_q_out.stride())
     return q_out, index_q_out

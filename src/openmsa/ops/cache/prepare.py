@@ -9,6 +9,9 @@ to HT heads of one role of one token from the fused projection row `[q | k | v |
   `index_slot`; into an NVFP4 index cache (INDEX_NVFP4) it is quantized by `nvfp4_store`, the
   same helper as write_index_cache's.
 
+A slot outside its cache's [0, P * B) (`num_slots`, `num_index_slots`) writes nothing: negative
+for padding, or past the cache (docs/spec.md, "Bounds").
+
 Bytes per token: read the row (qkv dtype), write q, index_q, k, v, index_k: memory bound.
 
 RoPE angles come from a two-level fp32 table built in float64 on the host (`rope_table`):
@@ -79,7 +82,7 @@ def _norm_rope(row_ptr, stride_c, col0, nheads, w_ptr, pos, table_ptr, eps,
 def _fused_prepare_kernel(
         qkv_ptr, pos_ptr, qw_ptr, kw_ptr, iqw_ptr, ikw_ptr, table_ptr,
         k_cache_ptr, v_cache_ptr, slot_ptr, index_cache_ptr, index_slot_ptr,
-        k_scale_ptr, v_scale_ptr, q_out_ptr, iq_out_ptr, eps,
+        k_scale_ptr, v_scale_ptr, q_out_ptr, iq_out_ptr, eps, num_slots, num_index_slots,
         stride_xt, stride_xc,
         stride_kcp, stride_kcb, stride_kch, stride_kcd,
         stride_vcp, stride_vcb, stride_vch, stride_vcd,
@@ -108,7 +111,7 @@ def _fused_prepare_kernel(
         tl.store(dst, y.to(q_out_ptr.dtype.element_ty), mask=mask)
     elif tile < NQ + NKV:
         slot = tl.load(slot_ptr + t).to(tl.int64)
-        if slot >= 0:
+        if (slot >= 0) & (slot < num_slots):
             h0 = (tile - NQ) * HT
             page = slot // BLOCK
             off = slot % BLOCK
@@ -134,15 +137,16 @@ def _fused_prepare_kernel(
         tl.store(dst, saturate_to(y, iq_out_ptr.dtype.element_ty, IQ_SATURATE), mask=mask)
     else:
         slot = tl.load(index_slot_ptr + t).to(tl.int64)
+        in_cache = (slot >= 0) & (slot < num_index_slots)
         if INDEX_NVFP4:
-            if slot >= 0:
+            if in_cache:
                 # a one-row tile: the quantizer takes the key as [128] (DI == IBLOCK == 128)
                 y, _ = _norm_rope(row, stride_xc, (HQ + 2 * HKV) * D + H * DI, 1, ikw_ptr, pos,
                                   table_ptr, eps, 1, DI, DIP, ROT, NCOARSE, FP32_ANGLES,
                                   ROPE_SCALE)
                 nvfp4_store(index_cache_ptr + (slot // IBLOCK) * stride_icp, slot % IBLOCK,
                             tl.reshape(y, (DIP,)))
-        elif slot >= 0:
+        elif in_cache:
             y, mask = _norm_rope(row, stride_xc, (HQ + 2 * HKV) * D + H * DI, 1, ikw_ptr, pos,
                                  table_ptr, eps, HT, DI, DIP, ROT, NCOARSE, FP32_ANGLES, ROPE_SCALE)
             d = tl.arange(0, DIP)[None, :]

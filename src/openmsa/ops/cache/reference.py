@@ -35,7 +35,8 @@ def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _scatter_rows(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     block = cache.shape[1]
     slots = slot_mapping.long()
-    keep = slots >= 0
+    # a slot outside [0, P * B) (negative for padding, or past the cache) writes nothing
+    keep = (slots >= 0) & (slots < cache.shape[0] * block)
     slots, rows = slots[keep], rows[keep]
     # index through (page, offset) so any strided cache view is written in place
     cache[torch.div(slots, block, rounding_mode="floor"), slots % block] = rows
@@ -43,7 +44,8 @@ def _scatter_rows(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.T
 
 def write_index_cache(index_k, index_cache, slot_mapping, *, config: CacheConfig | None = None
                       ) -> None:
-    """index_k [T, Di] -> index_cache [P, B, Di] at slot = page * B + offset; slot < 0 skipped.
+    """index_k [T, Di] -> index_cache [P, B, Di] at slot = page * B + offset; a slot outside
+    [0, P * B) writes nothing.
     An NVFP4 cache (uint8 [P, 128, 72]) gets each key quantized by `openmsa.nvfp4`: its codes
     and scales land in their halves of the page (docs/spec.md, NVFP4 index pages).
     (config: the kernels' launch config, accepted for the public signature and unused.)"""
@@ -59,8 +61,8 @@ def write_index_cache(index_k, index_cache, slot_mapping, *, config: CacheConfig
 
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None,
                    config: CacheConfig | None = None) -> None:
-    """k, v [T, Hkv, D] -> caches viewed [P, B, Hkv, D] (any strides); slot < 0 skipped
-    (config: the kernels' launch config, unused here).
+    """k, v [T, Hkv, D] -> caches viewed [P, B, Hkv, D] (any strides); a slot outside
+    [0, P * B) writes nothing (config: the kernels' launch config, unused here).
 
     For fp8 caches with a per-tensor scale the stored value is x / scale, saturated.
     """
@@ -148,7 +150,8 @@ def fused_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_
     """One layer's preparation (see README.md beside this): split the fused projection, Gemma
     RMSNorm per head (own weights for q, k, index_q, index_k), partial NeoX RoPE at `positions`,
     k and v into the main cache through `slot_mapping`, index_k (cast to the index cache dtype)
-    into the index cache through `index_slot_mapping`; slots < 0 are skipped.
+    into the index cache through `index_slot_mapping`; a slot outside its cache's [0, P * B)
+    writes nothing.
 
     Returns (q [T, Hq, D] in qkv's dtype, index_q [T, H, Di] in the index cache's dtype, fp8
     e4m3 for an NVFP4 cache), or written into q_out / index_q_out (whose dtypes then rule).

@@ -1,5 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Triton kernels of the cache writes: one program per token, rows scattered by slot mapping.
+"""Triton kernels of the cache writes: one program per token, rows scattered by slot mapping; a
+slot outside [0, P * B) (negative for padding, or past the cache) writes nothing (docs/spec.md,
+"Bounds"), checked once per program against the cache's slot count.
 Bytes: reads T * row * bytes(src), writes T * row * bytes(cache) (72 bytes for an NVFP4 index
 cache, whose quantizer `nvfp4_store` the fused preparation shares)."""
 
@@ -115,12 +117,13 @@ def nvfp4_store(page_ptr, t, x):
 
 
 @triton.jit
-def _write_index_cache_kernel(src_ptr, cache_ptr, slot_ptr, stride_st, stride_sd, stride_cp,
-                              stride_cb, stride_cd, BLOCK: tl.constexpr, DI: tl.constexpr,
-                              DIP: tl.constexpr, SATURATE: tl.constexpr, NVFP4: tl.constexpr):
+def _write_index_cache_kernel(src_ptr, cache_ptr, slot_ptr, num_slots, stride_st, stride_sd,
+                              stride_cp, stride_cb, stride_cd, BLOCK: tl.constexpr,
+                              DI: tl.constexpr, DIP: tl.constexpr, SATURATE: tl.constexpr,
+                              NVFP4: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot >= 0:
+    if (slot >= 0) & (slot < num_slots):
         d = tl.arange(0, DIP)
         x = tl.load(src_ptr + t.to(tl.int64) * stride_st + d * stride_sd, mask=d < DI)
         if NVFP4:
@@ -148,14 +151,14 @@ def _write_kv_row(src_ptr, cache_ptr, t, page, offset, scale, stride_st, stride_
 
 @triton.jit
 def _write_kv_cache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr,
-                           v_scale_ptr, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh,
-                           stride_vd, stride_kcp, stride_kcb, stride_kch, stride_kcd, stride_vcp,
-                           stride_vcb, stride_vch, stride_vcd, BLOCK: tl.constexpr,
-                           HKV: tl.constexpr, HKVP: tl.constexpr, D: tl.constexpr,
-                           DP: tl.constexpr, SATURATE: tl.constexpr, HAS_SCALE: tl.constexpr):
+                           v_scale_ptr, num_slots, stride_kt, stride_kh, stride_kd, stride_vt,
+                           stride_vh, stride_vd, stride_kcp, stride_kcb, stride_kch, stride_kcd,
+                           stride_vcp, stride_vcb, stride_vch, stride_vcd, BLOCK: tl.constexpr,
+                           HKV: tl.constexpr, HKVP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                           SATURATE: tl.constexpr, HAS_SCALE: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot >= 0:
+    if (slot >= 0) & (slot < num_slots):
         page = slot // BLOCK
         offset = slot % BLOCK
         k_scale, v_scale = kv_scales(k_scale_ptr, v_scale_ptr, HAS_SCALE)
