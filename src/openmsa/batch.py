@@ -72,6 +72,7 @@ def request_fits_table(seq_len: torch.Tensor, block_size: int, table_width: int)
 def page_in_cache(pages: torch.Tensor, num_pages: int) -> torch.Tensor:
     """Which table entries name a page of the cache: [0, num_pages). Any other entry (-1 for an
     unfilled one, or a stale id past the cache) reads nothing."""
+    pages = pages.long()
     return (pages >= 0) & (pages < num_pages)
 
 
