@@ -183,3 +183,24 @@ def test_context_parallel_kernels_equal_the_reference(kernel_device, name):
     args = tuple(x.to(kernel_device) for x in (q, c, cu, sl, bt))
     got = simulate(args, (RULE["topk"], RULE["init_blocks"], RULE["local_blocks"]), 2)
     assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("where", [None, 35])
+def test_a_decrease_past_the_first_chunk_of_offsets_pads_the_step(kernel_device, where):
+    """The kernels check cu_seqlens_q a chunk of offsets at a time: a decrease in a later chunk
+    (40 decode requests) still makes the whole step padding, as in the reference."""
+    q_lens, seq_lens = [1] * 40, [20 + 3 * r for r in range(40)]
+    step = make_step(q_lens, seq_lens, block_size=B, generator=torch.Generator().manual_seed(5))
+    q, c = random_index_inputs(step, num_heads=1, head_dim=16, block_size=B,
+                               q_dtype=torch.float16, cache_dtype=torch.float16, integer=True,
+                               generator=torch.Generator().manual_seed(6))
+    cu = step.cu_seqlens_q.clone()
+    if where is not None:
+        cu[where] = cu[where + 1] + 1
+    want = indexer_ref.select_blocks(q, c, cu, step.seq_lens, step.block_table, block_size=B,
+                                     **RULE)
+    assert (want == -1).all() == (where is not None)
+    args = tuple(x.to(kernel_device) for x in (q, c, cu, step.seq_lens, step.block_table))
+    got = openmsa.select_blocks(*args, block_size=B, **RULE)
+    assert torch.equal(got.cpu(), want)

@@ -40,8 +40,9 @@ def find_request(cu_ptr, num_requests, token):
 @gluon.jit
 def step_well_formed(cu_ptr, num_requests, num_tokens):
     """triton_utils.step_well_formed: cu_seqlens_q starts at 0, never decreases and ends at most
-    at num_tokens (else the step is padding as a whole)."""
-    CHUNK: gl.constexpr = 128
+    at num_tokens (else the step is padding as a whole), a warp's 32 offsets at a time (as
+    triton_utils.step_well_formed)."""
+    CHUNK: gl.constexpr = 32
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     ok = (gl.load(cu_ptr) == 0) & (gl.load(cu_ptr + num_requests) <= num_tokens)
     for i in range(0, num_requests, CHUNK):
