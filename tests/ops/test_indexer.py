@@ -34,8 +34,10 @@ FNUZ = torch.float8_e4m3fnuz
 # AMD gfx942's fp8 (e4m3fnuz): on the interpreter and ROCm only (NVIDIA GPUs have no fnuz)
 ON_FNUZ = pytest.mark.skipif(torch.cuda.is_available() and torch.version.hip is None,
                              reason="e4m3fnuz is AMD gfx942's fp8; NVIDIA GPUs have none")
+# (bf16 under the interpreter too: its casts and bf16 dots are the GPU's, openmsa._dispatch)
 INDEX_DTYPES = [(torch.float16, torch.float16), (torch.float16, FP8), (FP8, FP8),
-                (torch.float32, torch.float32),
+                (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                (torch.bfloat16, FP8),
                 pytest.param(torch.float16, FNUZ, marks=ON_FNUZ, id="float16-fnuz"),
                 pytest.param(FNUZ, FNUZ, marks=ON_FNUZ, id="fnuz-fnuz")]
 
@@ -1029,13 +1031,12 @@ NV_SEQ_LENS = [700, 530, 200, 9, 420, 5]
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("q_dtype", [FP8, torch.float16])
+@pytest.mark.parametrize("q_dtype", [FP8, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("page_stride", [None, 9216 + 48])
 def test_nvfp4_cache_matches_reference(kernel_device, q_dtype, page_stride):
     """NVFP4 pages (scattered, at a packed or a padded page stride, one table entry -1) scored
     by the request launch (decode, verify up to 16) and the tile launch (a prefill chunk) in one
-    call, against the reference on the dequantized keys; padding tokens score -inf. (bf16
-    queries on the GPU tier: Triton's interpreter computes bf16 dots wrongly.)"""
+    call, against the reference on the dequantized keys; padding tokens score -inf."""
     g = torch.Generator().manual_seed(41)
     step = make_step(NV_Q_LENS, NV_SEQ_LENS, block_size=128, extra_columns=1, pad_tokens=2,
                      generator=g)
@@ -1387,14 +1388,13 @@ def _staged_case(q_lens, seq_lens, q_dtype, device, seed):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("q_dtype, max_q_len", [(FP8, None), (FP8, 40), (torch.float16, None)])
+@pytest.mark.parametrize("q_dtype, max_q_len", [(FP8, None), (FP8, 40), (torch.float16, None),
+                                                (torch.bfloat16, None)])
 def test_nvfp4_staged_prefill_matches_reference(kernel_device, q_dtype, max_q_len):
     """The staged form (the long requests' pages dequantized into a 16-bit staging cache, then
     the 16-bit tile launch) gives the reference's scores and selection exactly, on a ragged
     step mixing decode, verify and three prefill chunks over scattered pages with negative
-    table entries; the request launch is the one the in-kernel form makes. (bf16: the staging
-    alone below,
-    end to end on the GPU tier: Triton's interpreter computes bf16 dots wrongly.)"""
+    table entries; the request launch is the one the in-kernel form makes."""
     step, q, cache, table = _staged_case(ST_Q_LENS, ST_SEQ_LENS, q_dtype, kernel_device, 5)
     args = (q, cache, step.cu_seqlens_q, step.seq_lens, table)
     dargs = tuple(a.to(kernel_device) for a in args)
