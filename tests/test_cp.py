@@ -92,7 +92,7 @@ def test_candidate_and_merge_kernels_equal_torch(kernel_device):
     scores = values[torch.randint(0, len(values), (num_tokens, heads, max_blocks), generator=g)]
     _, position = token_layout(cu, seq, num_tokens)
     dev = kernel_device
-    for topk, init, local, world in [(6, 2, 2, 3), (16, 0, 1, 1)]:
+    for topk, init, local, world in [(6, 2, 2, 3), (16, 0, 1, 1), (1, 0, 1, 2), (1, 0, 0, 3)]:
         want = indexer_ref.select_from_scores(scores, position, topk=topk, init_blocks=init,
                                               local_blocks=local, block_size=B)
         width = -(-max_blocks // world)

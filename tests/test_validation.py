@@ -58,6 +58,9 @@ def test_indexer_bad_inputs(fn, change, exc, match):
 
 @pytest.mark.parametrize("kw, exc, match", [
     (dict(topk=0), ValueError, "topk"),
+    # the kernels' bound (openmsa._checks.MAX_TOPK), refused on every device alike
+    (dict(topk=65), ValueError, "topk must be <= 64"),
+    (dict(topk=1000), ValueError, "topk must be <= 64"),
     (dict(topk=2, init_blocks=2, local_blocks=1), ValueError, "init_blocks \\+ local_blocks"),
     (dict(local_blocks=-1), ValueError, "local_blocks"),
     (dict(out=torch.zeros(3, 2, 16, dtype=torch.int64)), TypeError, "out must have dtype"),
@@ -100,7 +103,14 @@ def _attention_args():
     (dict(indices=torch.zeros(3, 2, 4)), TypeError, "indices must have dtype int32"),
     (dict(indices=torch.zeros(2, 2, 4, dtype=torch.int32)), ValueError, "indices must have a row"),
     (dict(indices=torch.zeros(3, 3, 4, dtype=torch.int32)), ValueError, "index heads"),
-    (dict(scale=-1.0), ValueError, "scale must be a positive"),
+    (dict(scale=-1.0), ValueError, "scale must be a finite positive"),
+    (dict(scale=0.0), ValueError, "scale must be a finite positive"),
+    (dict(scale=float("inf")), ValueError, "scale must be a finite positive"),
+    (dict(scale=float("nan")), ValueError, "scale must be a finite positive"),
+    (dict(indices=torch.zeros(3, 2, 65, dtype=torch.int32)), ValueError,
+     "indices must hold 1 to 64 blocks per row"),
+    (dict(indices=torch.zeros(3, 2, 0, dtype=torch.int32)), ValueError,
+     "indices must hold 1 to 64 blocks per row"),
     (dict(k_scale="x"), TypeError, "k_scale"),
     (dict(k_scale=float("nan")), ValueError, "k_scale must be a finite nonzero"),
     (dict(k_scale=0.0), ValueError, "k_scale must be a finite nonzero"),
@@ -185,8 +195,10 @@ def test_unsupported_reason():
     assert "queries" in openmsa.unsupported_reason(query_dtype=FP8)
     cfg = openmsa.MSAConfig(block_size=256)
     assert "block sizes" in openmsa.unsupported_reason(cfg)
-    cfg = openmsa.MSAConfig(topk_blocks=128)
-    assert "topk" in openmsa.unsupported_reason(cfg)
+    from openmsa.support import indexer_unsupported_reason
+    reason = indexer_unsupported_reason(num_index_heads=4, index_head_dim=128, block_size=128,
+                                        topk=128, query_dtype=FP8, cache_dtype=FP8)
+    assert "topk up to 64" in reason
     assert "head dims" in openmsa.unsupported_reason(openmsa.MSAConfig(head_dim=96,
                                                                        rotary_dim=32))
     from openmsa.support import attention_unsupported_reason
@@ -194,6 +206,113 @@ def test_unsupported_reason():
                                           query_dtype=torch.bfloat16, kv_dtype=torch.bfloat16,
                                           topk=512)
     assert "up to 64 blocks" in reason
+
+
+def test_topk_bound_is_the_same_everywhere():
+    """topk from 1 to the kernels' bound is taken (a layer config, the reference op, and the
+    kernels' verdict), past it refused by name on every device: MSAConfig, select_blocks and
+    sparse_attention on CPU tensors (the reference) as the kernels refuse it."""
+    from openmsa._checks import MAX_TOPK
+    from openmsa.support import MAX_TOPK as KERNEL_MAX_TOPK
+    assert MAX_TOPK == KERNEL_MAX_TOPK == 64
+    for topk in (1, MAX_TOPK):
+        cfg = openmsa.MSAConfig(topk_blocks=topk, local_blocks=1)
+        assert openmsa.unsupported_reason(cfg) is None
+        out = openmsa.select_blocks(*_indexer_args().values(), block_size=B, topk=topk)
+        assert out.shape == (3, 2, topk)
+    with pytest.raises(ValueError, match="MSAConfig.topk_blocks must be <= 64"):
+        openmsa.MSAConfig(topk_blocks=MAX_TOPK + 1)
+    with pytest.raises(ValueError, match="topk_blocks"):
+        openmsa.MSAConfig.from_hf_config({"num_attention_heads": 64, "num_key_value_heads": 4,
+                                          "sparse_attention_config": {
+                                              "sparse_topk_blocks": 1000}})
+
+
+@pytest.mark.parametrize("field, value", [
+    ("rope_theta", float("inf")), ("rope_theta", float("nan")), ("rope_theta", 0.0),
+    ("rope_theta", -1.0), ("rope_theta", "5e6"), ("rms_norm_eps", float("inf")),
+    ("rms_norm_eps", float("nan")), ("rms_norm_eps", -1e-6)])
+def test_config_refuses_non_finite_rope_theta_and_eps(field, value):
+    with pytest.raises(ValueError, match=f"MSAConfig.{field} must be a finite number"):
+        openmsa.MSAConfig(**{field: value})
+
+
+@pytest.mark.parametrize("change, exc, match", [
+    (dict(q_lens="13"), TypeError, "q_lens must be a sequence of ints"),
+    (dict(q_lens=[1.0, 2.0]), TypeError, "q_lens must be a sequence of ints"),
+    (dict(seq_lens=[40.7, 20]), TypeError, "seq_lens must be a sequence of ints"),
+    (dict(seq_lens=torch.tensor([40.0, 20.0])), TypeError, "seq_lens must be a sequence"),
+    (dict(q_lens=[True, 2]), TypeError, "q_lens must be a sequence of ints"),
+    (dict(q_lens=3), TypeError, "q_lens must be a sequence of ints"),
+    (dict(pad_tokens_to=8.0), TypeError, "pad_tokens_to must be an int"),
+    (dict(pad_requests_to="4"), TypeError, "pad_requests_to must be an int"),
+    (dict(slot_mapping=torch.zeros(3)), TypeError, "slot_mapping must be an int32 or int64"),
+    (dict(index_slot_mapping=torch.zeros(2, dtype=torch.int64)), ValueError,
+     "index_slot_mapping must be \\[3\\]"),
+])
+def test_planner_plan_bad_arguments(change, exc, match):
+    import numpy as np
+    cfg = openmsa.MSAConfig(num_heads=4, num_kv_heads=2, head_dim=64, num_index_heads=2,
+                            index_head_dim=32, block_size=B, topk_blocks=4, rotary_dim=32)
+    planner = openmsa.MSAPlanner(cfg, max_requests=4, max_tokens=16, max_blocks=8,
+                                 device="cpu")
+    table = torch.arange(6, dtype=torch.int32).view(2, 3)
+    args = dict(q_lens=[1, 2], seq_lens=[40, 20], block_table=table)
+    # what is a sequence of ints: lists, tuples, integer tensors and NumPy arrays
+    for q_lens in ([1, 2], (1, 2), torch.tensor([1, 2]), np.array([1, 2])):
+        meta = planner.plan(**dict(args, q_lens=q_lens))
+        assert meta.cu_seqlens_q.tolist() == [0, 1, 3]
+    args.update(change)
+    with pytest.raises(exc, match=match):
+        planner.plan(**args)
+
+
+def _layer_case():
+    cfg = openmsa.MSAConfig(num_heads=4, num_kv_heads=2, head_dim=64, num_index_heads=2,
+                            index_head_dim=32, block_size=B, topk_blocks=4, rotary_dim=32)
+    layer = openmsa.MSAAttention(cfg, 32, dtype=torch.float32, ops="reference")
+    for p in layer.parameters():
+        p.data.normal_(0, 0.05, generator=torch.Generator().manual_seed(0))
+    planner = openmsa.MSAPlanner(cfg, max_requests=2, max_tokens=8, max_blocks=4, device="cpu")
+    meta = planner.plan([1, 2], [20, 9], torch.tensor([[0, 1], [2, 3]], dtype=torch.int32))
+    kv = (torch.zeros(4, B, 2, 64), torch.zeros(4, B, 2, 64))
+    return layer, dict(hidden=torch.randn(3, 32), meta=meta, kv_cache=kv,
+                       index_cache=torch.zeros(4, B, 32))
+
+
+@pytest.mark.parametrize("change, exc, match", [
+    (dict(hidden=[[0.0] * 32] * 3), TypeError, "hidden must be a torch.Tensor"),
+    (dict(hidden=torch.randn(3, 1, 32)), ValueError, "hidden must be \\[tokens, hidden_size=32"),
+    (dict(hidden=torch.randn(3, 16)), ValueError, "hidden must be \\[tokens, hidden_size=32"),
+    (dict(hidden=torch.randn(3, 32).double()), ValueError, "hidden must be torch.float32"),
+    (dict(hidden=torch.randn(4, 32)), ValueError, "hidden must have a row per token of meta"),
+    (dict(meta=None), TypeError, "meta must be an MSAMetadata"),
+    (dict(kv_cache=(torch.zeros(4, B, 2, 64),)), TypeError,
+     "kv_cache must be a \\(k_cache, v_cache\\) pair of tensors, got a tuple of 1"),
+    (dict(kv_cache=torch.zeros(4, B, 2, 64)), TypeError, "kv_cache must be a"),
+    (dict(index_cache=None), TypeError, "index_cache must be a torch.Tensor"),
+])
+def test_layer_forward_names_bad_arguments(change, exc, match):
+    layer, args = _layer_case()
+    assert layer(**args).shape == (3, 32)  # the good call runs
+    args.update(change)
+    with pytest.raises(exc, match=match):
+        layer(**args)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(hidden_size=0), "hidden_size must be a positive int"),
+    (dict(hidden_size=32.0), "hidden_size must be a positive int"),
+    (dict(tp_size=2.0), "tp_size must be a positive int"),
+    (dict(tp_size=2, tp_rank=2), "tp_rank must be an int in \\[0, tp_size=2\\)"),
+    (dict(tp_rank=0.0), "tp_rank must be an int"),
+])
+def test_layer_constructor_names_bad_arguments(kw, match):
+    cfg = openmsa.MSAConfig(num_heads=4, num_kv_heads=2, head_dim=64, num_index_heads=2,
+                            index_head_dim=32, block_size=B, topk_blocks=4, rotary_dim=32)
+    args = {"hidden_size": 32, **kw}
+    with pytest.raises(ValueError, match=match):
+        openmsa.MSAAttention(cfg, args.pop("hidden_size"), ops="reference", **args)
 
 
 def test_unsupported_reason_fnuz_and_rocm():

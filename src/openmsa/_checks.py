@@ -22,6 +22,10 @@ def fp8_max(dtype: torch.dtype) -> float:
     return 240.0 if dtype == FP8_FNUZ else 448.0
 HALF = (torch.bfloat16, torch.float16)
 INT_TYPES = (torch.int32,)
+# the most blocks a selection row holds (topk), on every device: the selection kernels keep a
+# row's best K in registers and the attention kernels deduplicate a row with a [K, K] compare.
+# The reference could take more, but a layer that runs on CPU must run on the GPU too
+MAX_TOPK = 64
 
 
 def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
@@ -109,6 +113,14 @@ def check_index_dtypes(index_q: torch.Tensor, index_cache: torch.Tensor) -> None
 def check_positive_int(name: str, v, *, minimum: int = 1) -> None:
     if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")
+
+
+def check_topk(name: str, topk) -> None:
+    """A selection width: an int in [1, MAX_TOPK]."""
+    check_positive_int(name, topk)
+    if topk > MAX_TOPK:
+        raise ValueError(f"{name} must be <= {MAX_TOPK} (the kernels' bound, on every device), "
+                         f"got {topk}")
 
 
 def check_scale_arg(name, value, device) -> None:

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
+from ._checks import MAX_TOPK
 from .rope import ROPE_ANGLES, YarnScaling, rope_scaling_from_hf
 
 __all__ = ["MSAConfig"]
@@ -92,6 +94,9 @@ class MSAConfig:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"MSAConfig.{f} must be a non-negative int, got {v!r}")
+        if self.topk_blocks > MAX_TOPK:
+            raise ValueError(f"MSAConfig.topk_blocks must be <= {MAX_TOPK} (the kernels' bound, "
+                             f"on every device), got {self.topk_blocks}")
         if self.score_type != "max":
             raise ValueError(f"MSAConfig.score_type must be 'max' (the only score MSA defines), "
                              f"got {self.score_type!r}")
@@ -110,8 +115,12 @@ class MSAConfig:
         if self.rotary_dim > min(self.head_dim, self.index_head_dim) or self.rotary_dim % 2:
             raise ValueError(f"MSAConfig.rotary_dim must be even and <= head_dim and "
                              f"index_head_dim, got {self.rotary_dim}")
-        if not self.rope_theta > 0 or not self.rms_norm_eps >= 0:
-            raise ValueError("MSAConfig.rope_theta must be > 0 and rms_norm_eps >= 0")
+        # (a non-finite theta gives NaN angles, a non-finite eps zero or NaN norms, silently)
+        for f, low in (("rope_theta", "> 0"), ("rms_norm_eps", ">= 0")):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                    or not (v > 0 if low == "> 0" else v >= 0):
+                raise ValueError(f"MSAConfig.{f} must be a finite number {low}, got {v!r}")
         if isinstance(self.rope_scaling, Mapping):
             object.__setattr__(self, "rope_scaling", rope_scaling_from_hf(self.rope_scaling))
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, YarnScaling):

@@ -91,8 +91,14 @@ class MSAAttention(nn.Module):
         super().__init__()
         if not isinstance(config, MSAConfig):
             raise TypeError(f"config must be an MSAConfig, got {type(config).__name__}")
-        if not 0 <= tp_rank < tp_size:
-            raise ValueError(f"tp_rank must be in [0, tp_size={tp_size}), got {tp_rank}")
+        if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
+            raise ValueError(f"hidden_size must be a positive int, got {hidden_size!r}")
+        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+            raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
+        if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) \
+                or not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank must be an int in [0, tp_size={tp_size}), got "
+                             f"{tp_rank!r}")
         self._ops = _resolve_ops(ops)
         self.full_config = config
         self.config = cfg = config.shard(tp_size)
@@ -175,6 +181,33 @@ class MSAAttention(nn.Module):
             getattr(self, name).copy_(w[name + ".weight"])
 
     # ---------------------------------------------------------------- forward
+    def _check_inputs(self, hidden, meta, kv_cache, index_cache) -> None:
+        """forward's own arguments, by name (the ops check the caches' shapes and the step's
+        tensors; no device values are read)."""
+        if not isinstance(hidden, torch.Tensor):
+            raise TypeError(f"hidden must be a torch.Tensor, got {type(hidden).__name__}")
+        if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
+            raise ValueError(f"hidden must be [tokens, hidden_size={self.hidden_size}], got "
+                             f"shape {tuple(hidden.shape)}")
+        weight = self.qkv_weight
+        if hidden.dtype != weight.dtype or hidden.device != weight.device:
+            raise ValueError(f"hidden must be {weight.dtype} on {weight.device} like the "
+                             f"layer's weights, got {hidden.dtype} on {hidden.device}")
+        if not isinstance(meta, MSAMetadata):
+            raise TypeError(f"meta must be an MSAMetadata (MSAPlanner.plan's result), got "
+                            f"{type(meta).__name__}")
+        if hidden.shape[0] != meta.num_tokens:
+            raise ValueError(f"hidden must have a row per token of meta ({meta.num_tokens}), got "
+                             f"{hidden.shape[0]}")
+        if not (isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2
+                and all(isinstance(c, torch.Tensor) for c in kv_cache)):
+            got = f"a {type(kv_cache).__name__} of {len(kv_cache)}" \
+                if isinstance(kv_cache, (tuple, list)) else type(kv_cache).__name__
+            raise TypeError(f"kv_cache must be a (k_cache, v_cache) pair of tensors, got {got}")
+        if not isinstance(index_cache, torch.Tensor):
+            raise TypeError(f"index_cache must be a torch.Tensor, got "
+                            f"{type(index_cache).__name__}")
+
     def forward(self, hidden: torch.Tensor, meta: MSAMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], index_cache: torch.Tensor, *,
                 k_scale=None, v_scale=None) -> torch.Tensor:
@@ -184,6 +217,7 @@ class MSAAttention(nn.Module):
         [P, B, Di], or NVFP4 pages (uint8 [P, 128, 72]). The step's keys are written into the
         caches before attention reads them.
         """
+        self._check_inputs(hidden, meta, kv_cache, index_cache)
         cfg = self.config
         ops = self._ops
         k_cache, v_cache = kv_cache

@@ -10,6 +10,7 @@ CUDA graph (plan again with new lengths, then replay).
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -63,15 +64,26 @@ def slots_from_table(request: torch.Tensor, position: torch.Tensor, block_table:
 
 
 def _host_ints(name: str, x) -> list[int]:
+    """A host sequence of ints (a list, tuple, range, 1-D integer CPU tensor or NumPy array).
+    A string is not one ("13" would read as [1, 3]), nor are floats (2.7 would read as 2) or
+    bools."""
     if isinstance(x, torch.Tensor):
         if x.is_cuda:
             raise ValueError(f"{name} must be host metadata (a list or a CPU tensor): reading a "
                              f"CUDA tensor here would synchronise")
         x = x.tolist()
-    try:
-        return [int(v) for v in x]
-    except TypeError as e:
-        raise TypeError(f"{name} must be a sequence of ints, got {type(x).__name__}") from e
+    if isinstance(x, (str, bytes)) or not hasattr(x, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(x).__name__}")
+    values = list(x)
+    for v in values:
+        if isinstance(v, bool) or not hasattr(v, "__index__"):
+            raise TypeError(f"{name} must be a sequence of ints, got an element {v!r}")
+    return [operator.index(v) for v in values]
+
+
+def _host_int_or_none(name: str, x) -> None:
+    if x is not None and (isinstance(x, bool) or not isinstance(x, int)):
+        raise TypeError(f"{name} must be an int or None, got {x!r}")
 
 
 class MSAPlanner:
@@ -137,6 +149,8 @@ class MSAPlanner:
         """
         cfg = self.config
         ql, sl = _host_ints("q_lens", q_lens), _host_ints("seq_lens", seq_lens)
+        _host_int_or_none("pad_requests_to", pad_requests_to)
+        _host_int_or_none("pad_tokens_to", pad_tokens_to)
         if len(ql) != len(sl):
             raise ValueError(f"q_lens and seq_lens must have one entry per request, got "
                              f"{len(ql)} and {len(sl)}")
@@ -189,11 +203,16 @@ class MSAPlanner:
         self._positions[:num_tokens].copy_(pos)
         table = self._table[:num_requests]
         index_table = self._index_table[:num_requests]
-        for given, buf, tab in ((slot_mapping, self._slots, table),
-                                (index_slot_mapping, self._index_slots, index_table)):
+        for name, given, buf, tab in (
+                ("slot_mapping", slot_mapping, self._slots, table),
+                ("index_slot_mapping", index_slot_mapping, self._index_slots, index_table)):
             if given is not None:
+                if not isinstance(given, torch.Tensor) or given.dtype not in (torch.int32,
+                                                                              torch.int64):
+                    raise TypeError(f"{name} must be an int32 or int64 tensor or None, got "
+                                    f"{getattr(given, 'dtype', type(given).__name__)}")
                 if given.shape != (num_tokens,):
-                    raise ValueError(f"a given slot mapping must be [{num_tokens}], got "
+                    raise ValueError(f"{name} must be [{num_tokens}], got "
                                      f"{tuple(given.shape)}")
                 if given.device == self.device:
                     buf[:num_tokens].copy_(given)

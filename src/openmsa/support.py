@@ -12,13 +12,12 @@ from __future__ import annotations
 import torch
 
 from . import nvfp4
-from ._checks import FP8, FP8_FNUZ, FP8_TYPES, HALF
+from ._checks import FP8, FP8_FNUZ, FP8_TYPES, HALF, MAX_TOPK
 from ._dispatch import INTERPRET, capability
 from .config import MSAConfig
 
 __all__ = ["unsupported_reason", "indexer_unsupported_reason", "attention_unsupported_reason"]
 
-MAX_TOPK = 64
 MAX_INDEX_HEADS = 64
 BLOCK_RANGE = (16, 128)
 INDEX_DIM_RANGE = (16, 256)

@@ -146,11 +146,11 @@ TOKEN_POINTERS = dict(idx_ptr=I32, out_ptr="*bf16", lse_ptr=F32, part_out_ptr=F3
 H200 = DeviceFacts(kind="cuda", num_sms=132, capability=(9, 0), gluon_hopper=True)
 
 
-def _m3_shape(tokens, heads=64, kv_heads=4, kv_dtype=torch.bfloat16, **kw):
+def _m3_shape(tokens, heads=64, kv_heads=4, kv_dtype=torch.bfloat16, topk=16, **kw):
     """An M3 step shape: q in K/V's dtype (bf16 for fp8 K/V), head dim 128."""
     from openmsa.ops.attention.plan import AttentionShape
     return AttentionShape(num_tokens=tokens, num_heads=heads, num_kv_heads=kv_heads,
-                          head_dim=128, num_index_heads=kv_heads, topk=16, block_size=128,
+                          head_dim=128, num_index_heads=kv_heads, topk=topk, block_size=128,
                           q_dtype=torch.bfloat16 if kv_dtype == FP8 else kv_dtype,
                           kv_dtype=kv_dtype, **kw)
 
@@ -178,19 +178,21 @@ def test_first_launch_waits_for_the_kernel_before():
 
 
 @pytest.mark.reference
-@pytest.mark.parametrize("kv_dtype, tokens, heads", [
-    (FP8, 8192, (64, 4)), (torch.bfloat16, 8192, (64, 4)), (FP8, 128, (64, 4)),
-    (FP8, 1, (64, 4)), (torch.bfloat16, 64, (16, 1)), (FP8, 8192, (32, 8))])
-def test_attention_kernels_compile_as_planned(kv_dtype, tokens, heads):
+@pytest.mark.parametrize("kv_dtype, tokens, heads, topk", [
+    (FP8, 8192, (64, 4), 16), (torch.bfloat16, 8192, (64, 4), 16), (FP8, 128, (64, 4), 16),
+    (FP8, 1, (64, 4), 16), (torch.bfloat16, 64, (16, 1), 16), (FP8, 8192, (32, 8), 16),
+    (FP8, 8192, (64, 4), 1), (torch.bfloat16, 1, (64, 4), 1)])
+def test_attention_kernels_compile_as_planned(kv_dtype, tokens, heads, topk):
     """The plan's Triton launches (the per-token kernel, the tile plan and tiles, the merge)
     compile for sm_90 at M3 shapes with the constexprs the plan gives them; after the Gluon
-    tiles, one program of the per-token kernel waits for them (WAIT_TILES)."""
+    tiles, one program of the per-token kernel waits for them (WAIT_TILES). topk 1: a
+    selection of one block per row (KP = 1)."""
     sm90 = _sm90()
     from openmsa.ops.attention.decode import _merge_splits_kernel, _sparse_attention_kernel
     kv = "*fp8e4nv" if kv_dtype == FP8 else "*bf16"
     for aligned in (True, False):
         p = plan(_m3_shape(tokens, *heads, kv_dtype=kv_dtype, tma_aligned=aligned,
-                           has_scale=kv_dtype == FP8), H200, DEFAULT)
+                           has_scale=kv_dtype == FP8, topk=topk), H200, DEFAULT)
         constexprs, options = _constexprs(p.find("token"))
         k = sm90.compile_sm90(_sparse_attention_kernel,
                                 dict(TOKEN_POINTERS, k_ptr=kv, v_ptr=kv), dict(sm_scale="fp32"),
@@ -220,12 +222,13 @@ def test_attention_kernels_compile_as_planned(kv_dtype, tokens, heads):
 
 
 @pytest.mark.reference
-def test_page_table_kernel_compiles():
+@pytest.mark.parametrize("topk", [16, 1])
+def test_page_table_kernel_compiles(topk):
     sm90 = _sm90()
     from openmsa.ops.attention.page_table import _sparse_page_table_kernel
     sm90.compile_sm90(_sparse_page_table_kernel,
                         dict(idx_ptr=I32, pages_ptr=I32, lens_ptr=I32, **STEP), {},
-                        dict(NUM_KV_HEADS=4, NUM_INDEX_HEADS=4, TOPK=16, KP=16, BLOCK=128,
+                        dict(NUM_KV_HEADS=4, NUM_INDEX_HEADS=4, TOPK=topk, KP=topk, BLOCK=128,
                              SUB=16))
 
 
@@ -245,8 +248,10 @@ GLUON_FORMS = [
 
 
 @pytest.mark.reference
-@pytest.mark.parametrize("dtype, heads, changes", GLUON_FORMS, ids=str)
-def test_gluon_tile_kernel_compiles_as_planned(dtype, heads, changes):
+@pytest.mark.parametrize("dtype, heads, changes, topk",
+                         [(*form, 16) for form in GLUON_FORMS]
+                         + [(*form, 1) for form in GLUON_FORMS[:3]], ids=str)
+def test_gluon_tile_kernel_compiles_as_planned(dtype, heads, changes, topk):
     """The Gluon prefill tiles (prefill_ws.py) with the constexprs and options the plan gives
     them: warp specialisation, 4-D TMA boxes (16-bit) or the fp8 loader, both wgmma forms (P
     from registers) lower for sm_90; two programs fit on an SM (one for pairs: 384 threads at
@@ -257,7 +262,7 @@ def test_gluon_tile_kernel_compiles_as_planned(dtype, heads, changes):
 
     from openmsa.ops.attention.prefill_ws import _sparse_attention_tile_ws_kernel as fn
     kv_dtype = dict(bf16=torch.bfloat16, fp16=torch.float16, fp8=FP8)[dtype]
-    p = plan(_m3_shape(8192, *heads, kv_dtype=kv_dtype), H200, _config(**changes))
+    p = plan(_m3_shape(8192, *heads, kv_dtype=kv_dtype, topk=topk), H200, _config(**changes))
     launch = p.find("tiles_gluon")
     assert launch is not None
     constexprs, options = _constexprs(launch)
@@ -515,6 +520,31 @@ def test_sparse_attention_prefill_tiles_match_reference(kernel_device, kv_dtype,
         assert 0 < int(want_taken[1:6].sum()) < want_taken[1:6].numel()
     else:
         assert want_taken[1:6].all() if waste == 1e9 else not want_taken[[0, 6]].any()
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("tiles", [False, True])
+def test_sparse_attention_of_one_block_per_row(kernel_device, tiles):
+    """topk = 1 (KP = 1 in the kernels): each token's best block alone (often not its own),
+    through the per-token kernel, or with every step a prefill step through the tiles over
+    their tokens' unions."""
+    config = _prefill_tiles_config(16, 1e9) if tiles else DEFAULT
+    dtype = _attention_dtype(kernel_device)
+    step, dstep, q, k, v, _ = _attention_case(kernel_device, dtype, "flash")
+    qi, ci = random_index_inputs(step, num_heads=2, head_dim=16, block_size=B,
+                                 q_dtype=torch.float32, cache_dtype=torch.float32,
+                                 generator=torch.Generator().manual_seed(3))
+    idx = ref.select_blocks(qi, ci, step.cu_seqlens_q, step.seq_lens, step.block_table, topk=1,
+                            local_blocks=0, block_size=B)
+    q = q.to(dtype)
+    want, want_lse = ref.sparse_attention(q, k, v, idx, step.cu_seqlens_q, step.seq_lens,
+                                          step.block_table, block_size=B, return_lse=True)
+    got, lse = openmsa.sparse_attention(
+        q.to(kernel_device), to_device(k, kernel_device), to_device(v, kernel_device),
+        idx.to(kernel_device), dstep.cu_seqlens_q, dstep.seq_lens, dstep.block_table,
+        block_size=B, return_lse=True, config=config)
+    assert_close(got, want)
+    assert_close(lse, want_lse, torch.float32 if dtype == torch.float16 else dtype)
 
 
 @pytest.mark.interpret

@@ -6,6 +6,7 @@ kernels, CUDA-graph replay) and, with no GPU, the kernels compiled for sm_90 and
 of the op (`reference`). The launch rules themselves are tests/plans/test_indexer_plan.py's."""
 
 import dataclasses
+import importlib.util
 import os
 
 import pytest
@@ -33,8 +34,10 @@ FNUZ = torch.float8_e4m3fnuz
 # AMD gfx942's fp8 (e4m3fnuz): on the interpreter and ROCm only (NVIDIA GPUs have no fnuz)
 ON_FNUZ = pytest.mark.skipif(torch.cuda.is_available() and torch.version.hip is None,
                              reason="e4m3fnuz is AMD gfx942's fp8; NVIDIA GPUs have none")
+# (bf16 under the interpreter too: its casts and bf16 dots are the GPU's, openmsa._dispatch)
 INDEX_DTYPES = [(torch.float16, torch.float16), (torch.float16, FP8), (FP8, FP8),
-                (torch.float32, torch.float32),
+                (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                (torch.bfloat16, FP8),
                 pytest.param(torch.float16, FNUZ, marks=ON_FNUZ, id="float16-fnuz"),
                 pytest.param(FNUZ, FNUZ, marks=ON_FNUZ, id="fnuz-fnuz")]
 
@@ -127,14 +130,16 @@ CRAFTED = [float("-inf"), float("inf"), float("nan"), -0.0, 0.0, 1e-45, -1e-45, 
 @pytest.mark.interpret
 @pytest.mark.parametrize("by_sort, group_bound", [(False, True), (False, False), (True, False)])
 @pytest.mark.parametrize("topk, init, local, segment", [(4, 0, 1, None), (5, 1, 2, 8),
-                                                        (16, 0, 1, None)])
+                                                        (16, 0, 1, None), (1, 0, 1, None),
+                                                        (1, 0, 0, 8)])
 def test_selection_kernels_on_crafted_scores(kernel_device, topk, init, local, segment, by_sort,
                                              group_bound):
     """The selection launches alone on score rows drawn from CRAFTED (many exact ties, all-equal
     rows, all -inf rows, rows shorter and longer than topk, one segment or several), equal to
     the reference selection from the same scores; every path (threshold search per segment, or
     for rows of several segments the group-bound path, and the bitonic sort, whose rows of
-    several segments the merge launch merges)."""
+    several segments the merge launch merges). topk = 1: the kernels' K width is 2 (tl.topk
+    and tl.sort take no width of 1), of which one slot is written."""
     config = _config(select_sort_waves=10**9 if by_sort else 0,
                      # (the group-bound path on short rows too, or on none)
                      select_group_min_blocks=0 if group_bound else 1 << 30,
@@ -156,7 +161,7 @@ def test_selection_kernels_on_crafted_scores(kernel_device, topk, init, local, s
 @pytest.mark.parametrize("chunk, segment, group_bound", [(0, None, False), (128, None, False),
                                                         (256, 512, False), (0, None, True),
                                                         (0, 512, True)])
-@pytest.mark.parametrize("topk, init", [(16, 0), (5, 2), (64, 3)])
+@pytest.mark.parametrize("topk, init", [(16, 0), (5, 2), (64, 3), (1, 0)])
 def test_selection_scratch_path(kernel_device, topk, init, chunk, segment, group_bound):
     """Rows of 1000 blocks make 1024-wide segments (or two of 512, merged), where the threshold
     path first packs the keys that can be picked into a scratch row: distinct random scores take
@@ -322,10 +327,8 @@ def test_select_is_deterministic(kernel_device):
 @pytest.mark.parametrize("dtype", [torch.float16, FP8])
 def test_nan_keys_and_unfilled_pages_match_reference(kernel_device, dtype):
     """NaN index keys rank as -inf (the block's other keys still count) and a negative page id in
-    the block table reads nothing, in the kernels exactly as in the reference. fp8 (e4m3's NaN is
-    S.1111.111) on the GPU only: Triton's interpreter converts that pattern to +-480."""
-    if dtype == FP8 and kernel_device != "cuda":
-        pytest.skip("Triton's interpreter reads e4m3 NaN as +-480")
+    the block table reads nothing, in the kernels exactly as in the reference (fp8: e4m3's NaN
+    is S.1111.111, which the interpreter read as +-480 before openmsa replaced its casts)."""
     step, q, c, dstep = _index_case(kernel_device, dtype, dtype, integer=True)
     c = c.clone()
     c[int(step.block_table[0, 1]), :5] = float("nan")  # part of a page request 0 reads
@@ -549,6 +552,55 @@ def test_selection_kernels_compile(by_sort):
     _compile(_group_bound_select_kernel, dict(scores_ptr=F32, gmax_ptr=I32, out_ptr=I32,
                                               scratch_ptr=I64, cu_ptr=I32, seq_lens_ptr=I32), {},
              dict(**common, KP=16, NGP=512, CG=32, CAP=64, CH=128))
+
+
+@pytest.mark.reference
+@compiled
+@pytest.mark.parametrize("topk, init, local", [(1, 0, 1), (1, 0, 0), (2, 1, 1)])
+def test_selection_launches_of_small_topk_compile(topk, init, local):
+    """Every selection launch the plans make at topk 1 and 2 on an H200 (and without the Gluon
+    kernels) compiles for sm_90: the sort path, alone and merged, the threshold path with and
+    without scratch and chunks, the group-bound path (its fallback's chunk no wider than its
+    NGP groups' blocks) and select_rows.py's kernel, sorting and searching. At topk 1 the
+    kernels' K width is 2 (tl.topk and tl.sort take no width of 1)."""
+    from openmsa.ops.indexer.select import (_group_bound_select_kernel, _group_max_kernel,
+                                            _merge_topk_kernel, _segment_topk_kernel)
+    kernels = dict(select_segments=_segment_topk_kernel, select_merge=_merge_topk_kernel,
+                   select_group_max=_group_max_kernel,
+                   select_group_bound=_group_bound_select_kernel)
+    if importlib.util.find_spec("triton.experimental.gluon.nvidia.hopper") is not None:
+        from openmsa.ops.indexer.select_rows import _short_rows_topk_kernel
+        kernels["select_short_rows"] = _short_rows_topk_kernel
+    pointers = dict(scores_ptr=F32, out_ptr=I32, cand_ptr=I64, scratch_ptr=I64, gmax_ptr=I32,
+                    cu_ptr=I32, seq_lens_ptr=I32)
+    # (tokens, blocks, knobs): decode (sort, merged at 1M), prefill chunks (short rows, the
+    # group-bound path, the threshold path on long rows with and without chunks), and the
+    # group-bound path on rows of 60 blocks (4 groups)
+    cases = [(1, 8192, {}), (1, 64, {}), (8192, 8, {}), (8192, 1000, {}), (8192, 8192, {}),
+             (64, 8192, dict(select_sort_waves=0)), (8192, 3000, dict(select_short_max=0)),
+             (32, 8192, dict(select_sort_waves=0, select_group_min_blocks=1 << 30)),
+             (8192, 60, dict(select_short_max=0, select_group_min_blocks=0))]
+    seen = set()
+    for facts in (DeviceFacts(), DeviceFacts(gluon_hopper=False)):
+        for tokens, blocks, knobs in cases:
+            shape = IndexerShape(num_tokens=tokens, num_heads=4, head_dim=128, num_requests=1,
+                                 max_blocks=blocks, block_size=128, q_dtype=FP8,
+                                 cache_dtype=FP8, topk=topk, init_blocks=init,
+                                 local_blocks=local)
+            for launch in selection_plan(shape, facts, _config(**knobs)):
+                options = {k: v for k, v in launch.params.items()
+                           if k in ("num_warps", "launch_pdl")}
+                constexprs = {k: v for k, v in launch.params.items() if k not in options}
+                if (launch.kernel, tuple(sorted(constexprs.items()))) in seen:
+                    continue
+                seen.add((launch.kernel, tuple(sorted(constexprs.items()))))
+                gluon = launch.kernel == "select_short_rows"
+                if gluon:
+                    constexprs["num_warps"] = options["num_warps"]
+                fn = kernels[launch.kernel]
+                _compile(fn, {k: v for k, v in pointers.items() if k in fn.arg_names}, {},
+                         constexprs, gluon=gluon, options=dict(num_warps=options["num_warps"]))
+    assert {kernel for kernel, _ in seen} == set(kernels)
 
 
 # ---------------------------------------------------------------------------------- GPU (H200)
@@ -809,7 +861,7 @@ def _short_rows_on(num_rows, heads, width, topk, config=DEFAULT):
 @pytest.mark.parametrize("wide", [0, 1, 2])
 @pytest.mark.parametrize("topk, init, local, heads, extra, tpr", [
     (16, 0, 1, 4, 0, 4), (16, 1, 2, 4, 3, 1), (4, 0, 1, 1, 1, 8), (64, 2, 3, 2, 0, 4),
-    (8, 1, 1, 4, 8, 2), (3, 1, 2, 2, 0, 4)])
+    (8, 1, 1, 4, 8, 2), (3, 1, 2, 2, 0, 4), (1, 0, 1, 4, 0, 4), (1, 0, 0, 2, 1, 8)])
 def test_short_rows_selection_exact(topk, init, local, heads, extra, tpr, wide):
     """select_rows.py (select_short_tpr = tpr threads per row, at most 16 blocks per thread)
     against the reference selection from the same
@@ -977,13 +1029,12 @@ NV_SEQ_LENS = [700, 530, 200, 9, 420, 5]
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("q_dtype", [FP8, torch.float16])
+@pytest.mark.parametrize("q_dtype", [FP8, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("page_stride", [None, 9216 + 48])
 def test_nvfp4_cache_matches_reference(kernel_device, q_dtype, page_stride):
     """NVFP4 pages (scattered, at a packed or a padded page stride, one table entry -1) scored
     by the request launch (decode, verify up to 16) and the tile launch (a prefill chunk) in one
-    call, against the reference on the dequantized keys; padding tokens score -inf. (bf16
-    queries on the GPU tier: Triton's interpreter computes bf16 dots wrongly.)"""
+    call, against the reference on the dequantized keys; padding tokens score -inf."""
     g = torch.Generator().manual_seed(41)
     step = make_step(NV_Q_LENS, NV_SEQ_LENS, block_size=128, extra_columns=1, pad_tokens=2,
                      generator=g)
@@ -1337,14 +1388,13 @@ def _staged_case(q_lens, seq_lens, q_dtype, device, seed):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("q_dtype, max_q_len", [(FP8, None), (FP8, 40), (torch.float16, None)])
+@pytest.mark.parametrize("q_dtype, max_q_len", [(FP8, None), (FP8, 40), (torch.float16, None),
+                                                (torch.bfloat16, None)])
 def test_nvfp4_staged_prefill_matches_reference(kernel_device, q_dtype, max_q_len):
     """The staged form (the long requests' pages dequantized into a 16-bit staging cache, then
     the 16-bit tile launch) gives the reference's scores and selection exactly, on a ragged
     step mixing decode, verify and three prefill chunks over scattered pages with negative
-    table entries; the request launch is the one the in-kernel form makes. (bf16: the staging
-    alone below,
-    end to end on the GPU tier: Triton's interpreter computes bf16 dots wrongly.)"""
+    table entries; the request launch is the one the in-kernel form makes."""
     step, q, cache, table = _staged_case(ST_Q_LENS, ST_SEQ_LENS, q_dtype, kernel_device, 5)
     args = (q, cache, step.cu_seqlens_q, step.seq_lens, table)
     dargs = tuple(a.to(kernel_device) for a in args)

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from ..._checks import (FP8_TYPES, HALF, check_block_size, check_int_tensor, check_out,
-                        check_scale_arg, check_step, check_tensor)
+from ..._checks import (FP8_TYPES, HALF, MAX_TOPK, check_block_size, check_int_tensor,
+                        check_out, check_scale_arg, check_step, check_tensor)
 
 KV_DTYPES = (*HALF, *FP8_TYPES, torch.float32)
 
@@ -43,12 +45,13 @@ def check_attention_args(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, b
     if h < 1 or (num_kv_heads % h and h % num_kv_heads):
         raise ValueError(f"indices' index heads ({h}) and the KV heads ({num_kv_heads}) must "
                          f"divide one another")
-    if indices.shape[2] < 1:
-        raise ValueError("indices must hold at least one block per row")
+    if not 1 <= indices.shape[2] <= MAX_TOPK:
+        raise ValueError(f"indices must hold 1 to {MAX_TOPK} blocks per row (the kernels' "
+                         f"bound, on every device), got {indices.shape[2]}")
     check_step(cu_seqlens_q, seq_lens, block_table, device)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                              or not scale > 0):
-        raise ValueError(f"scale must be a positive float or None, got {scale!r}")
+                              or not (math.isfinite(scale) and scale > 0)):
+        raise ValueError(f"scale must be a finite positive float or None, got {scale!r}")
     check_scale_arg("k_scale", k_scale, device)
     check_scale_arg("v_scale", v_scale, device)
     if out is not None:

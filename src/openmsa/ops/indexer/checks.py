@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from ..._checks import (check_block_size, check_index_dtypes, check_out, check_positive_int,
-                        check_step, check_tensor)
+                        check_step, check_tensor, check_topk)
 from ...nvfp4 import check_nvfp4_cache, is_nvfp4_cache
 
 
@@ -48,7 +48,7 @@ def _check_nvfp4_args(index_q, index_cache, block_size) -> None:
 
 
 def check_select_args(topk, init_blocks, local_blocks) -> None:
-    check_positive_int("topk", topk)
+    check_topk("topk", topk)
     check_positive_int("init_blocks", init_blocks, minimum=0)
     check_positive_int("local_blocks", local_blocks, minimum=0)
     if init_blocks + local_blocks > topk:

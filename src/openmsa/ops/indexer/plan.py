@@ -500,7 +500,9 @@ def _selection(shape: IndexerShape, device: DeviceFacts,
     num_tokens, num_heads, max_blocks = shape.num_tokens, shape.num_heads, shape.max_blocks
     topk, init, local, block = shape.topk, shape.init_blocks, shape.local_blocks, shape.block_size
     rows = num_tokens * num_heads
-    kp = next_pow2(topk)
+    # the kernels' power-of-two width for K (candidates, sort and pad widths), at least 2:
+    # tl.topk and tl.sort take no width of 1, and a row's KP > TOPK slots are never picked
+    kp = max(next_pow2(topk), 2)
     seg, by_sort = selection_layout(rows, max_blocks, kp, device.num_sms, config)
     num_segments = -(-max(max_blocks, 1) // seg)
     if _short_rows(device, max_blocks, kp, by_sort, config):
@@ -519,12 +521,14 @@ def _selection(shape: IndexerShape, device: DeviceFacts,
         groups = -(-max_blocks // GROUP_SIZE)
         common = dict(TOPK=topk, INIT=init, LOCAL=local, BLOCK=block, GS=GROUP_SIZE)
         cap = max(64, 2 * kp)
+        # (its fallback reads the NGP groups' blocks in chunks of at most all of them)
+        ngp = max(next_pow2(groups), 2 * kp)
         return [Launch("select_group_max",
                        (num_tokens, num_heads, -(-groups // GROUPS_PER_PROGRAM)),
                        dict(**common, GB=GROUPS_PER_PROGRAM, num_warps=4)),
                 Launch("select_group_bound", (num_tokens, num_heads),
-                       dict(**common, KP=kp, NGP=max(next_pow2(groups), 2 * kp), CG=2 * kp,
-                            CAP=cap, CH=GROUP_CHUNK, num_warps=1))], \
+                       dict(**common, KP=kp, NGP=ngp, CG=2 * kp, CAP=cap,
+                            CH=min(GROUP_CHUNK, ngp * GROUP_SIZE), num_warps=1))], \
             dict(groups=groups, group_scratch=cap)
     # programmatic dependent launch only for the few programs of the sort path: it hides a
     # launch latency there (small decode steps), while a many-program selection launched early
