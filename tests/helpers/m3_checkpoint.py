@@ -14,6 +14,8 @@ import re
 
 import torch
 
+from openmsa.ops.cache.reference import to_cache_dtype
+
 # head and page sizes are vLLM's M3 backend's only ones (128); the rest is small. Dense MLPs on
 # every layer: vLLM's CPU MoE backends do not take M3's SwiGLU-OAI experts.
 TEXT = dict(vocab_size=256, hidden_size=128, intermediate_size=64, dense_intermediate_size=96,
@@ -135,7 +137,8 @@ def index_keys_in(dtype: torch.dtype | None):
 
     def rounded_rope(q, k, cos, sin, unsqueeze_dim=1):
         q, k = rope(q, k, cos, sin, unsqueeze_dim)
-        return q.to(dtype).to(q.dtype), k.to(dtype).to(k.dtype)
+        # (fp8: the saturating cast openmsa's cache writers and the index query share)
+        return to_cache_dtype(q, dtype).to(q.dtype), to_cache_dtype(k, dtype).to(k.dtype)
 
     def forward(self, *args, **kwargs):
         modeling.apply_rotary_pos_emb = rounded_rope
