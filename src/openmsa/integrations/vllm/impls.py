@@ -22,7 +22,7 @@ from ... import nvfp4
 from ...config import MSAConfig
 from ...ops.attention.api import sparse_attention
 from ...ops.indexer.api import select_blocks
-from ...support import unsupported_reason
+from ...support import attention_unsupported_reason, indexer_unsupported_reason
 from . import logger
 
 # vLLM's index-cache dtype names (`--attention-config '{"indexer_kv_dtype": ...}'`) and KV
@@ -161,10 +161,11 @@ def indexer_reason(topk_blocks: int, indexer_kv_dtype: str) -> str | None:
     config = _msa_config()
     if config is None:
         return "the model config has no MiniMax-M3 sparse_attention_config openmsa can read"
-    if config.topk_blocks != topk_blocks:
-        config = dataclasses.replace(config, topk_blocks=topk_blocks)
-    return unsupported_reason(config, index_dtype=dtype, query_dtype=_model_dtype(),
-                              kv_dtype=_model_dtype(), device=_device())
+    # (openmsa.unsupported_reason's index half: the main branch is judged by its own selector)
+    return indexer_unsupported_reason(
+        num_index_heads=config.num_index_heads, index_head_dim=config.index_head_dim,
+        block_size=config.block_size, topk=topk_blocks, query_dtype=nvfp4.index_query_dtype(dtype),
+        cache_dtype=dtype, device=_device())
 
 
 def attention_reason(topk_blocks: int, kv_cache_dtype: str) -> str | None:
@@ -179,12 +180,10 @@ def attention_reason(topk_blocks: int, kv_cache_dtype: str) -> str | None:
     config = _msa_config()
     if config is None:
         return "the model config has no MiniMax-M3 sparse_attention_config openmsa can read"
-    if config.topk_blocks != topk_blocks:
-        config = dataclasses.replace(config, topk_blocks=topk_blocks)
-    # the index side is judged by the indexer's selector; here the main branch only
-    return unsupported_reason(config, index_dtype=torch.bfloat16,
-                              index_query_dtype=torch.bfloat16, query_dtype=_model_dtype(),
-                              kv_dtype=kv, device=_device())
+    # (openmsa.unsupported_reason's attention half)
+    return attention_unsupported_reason(
+        head_dim=config.head_dim, block_size=config.block_size, group_size=config.group_size,
+        query_dtype=_model_dtype(), kv_dtype=kv, topk=topk_blocks, device=_device())
 
 
 # ------------------------------------------------------------------------------ the impls
