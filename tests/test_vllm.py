@@ -157,18 +157,17 @@ def test_entry_point_is_declared():
 
 
 # ------------------------------------------------------------------------------ end to end
-def _run_vllm(checkpoint, tmp, prompts, env_extra=None):
-    request, out = os.path.join(tmp, "request.json"), os.path.join(tmp, "out.json")
-    with open(request, "w") as f:
-        json.dump({"prompts": prompts, "max_tokens": MAX_TOKENS,
-                   "max_num_batched_tokens": 512}, f)
+def _run_vllm(checkpoint, tmp, prompts, **request):
+    path, out = os.path.join(tmp, "request.json"), os.path.join(tmp, "out.json")
+    with open(path, "w") as f:
+        json.dump({"prompts": prompts, "max_tokens": MAX_TOKENS, "max_num_batched_tokens": 512,
+                   **request}, f)
     env = dict(os.environ)
     # the torchvision stand-in for vLLM's M3 image processor (helpers/vllm_cpu/sitecustomize.py)
     env["PYTHONPATH"] = os.pathsep.join(
         [os.path.join(HELPERS, "vllm_cpu")] + [p for p in [env.get("PYTHONPATH")] if p])
-    env.update(env_extra or {})
     run = subprocess.run([sys.executable, os.path.join(HELPERS, "vllm_worker.py"), checkpoint,
-                          request, out], env=env, capture_output=True, text=True, timeout=1200)
+                          path, out], env=env, capture_output=True, text=True, timeout=1200)
     log = run.stdout + run.stderr
     if run.returncode != 0:
         raise AssertionError(f"vLLM worker failed ({run.returncode}):\n{log[-6000:]}")
@@ -176,13 +175,19 @@ def _run_vllm(checkpoint, tmp, prompts, env_extra=None):
         return json.load(f), log
 
 
+def _prompts(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in LENGTHS]
+
+
 @pytest.fixture(scope="module")
 def vllm_run(tmp_path_factory):
+    """M3's layer pattern (a full-attention layer, then sparse ones), bf16 index cache (vLLM's
+    default), fp32 K/V, openmsa's metadata builders."""
     tmp = str(tmp_path_factory.mktemp("m3"))
     checkpoint = os.path.join(tmp, "ckpt")
     m3_checkpoint.write_checkpoint(checkpoint)
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in LENGTHS]
+    prompts = _prompts()
     results, log = _run_vllm(checkpoint, tmp, prompts)
     return checkpoint, prompts, results, log
 
@@ -210,6 +215,7 @@ def test_vllm_with_openmsa_matches_transformers(vllm_run):
     # transformers with the index query and keys held as vLLM holds them (bf16)
     with m3_checkpoint.index_keys_in(torch.bfloat16):
         equal, worst = _compare(model, prompts, results)
+    print(f"vLLM + openmsa vs transformers (bf16 index keys): max |dlogprob| {worst:.2e}")
     assert equal, "greedy tokens differ from transformers'"
     assert worst <= TOLERANCE, f"max |logprob difference| {worst:.2e} > {TOLERANCE}"
     # the control: every block selected (dense causal attention) must differ, so that the
@@ -217,6 +223,8 @@ def test_vllm_with_openmsa_matches_transformers(vllm_run):
     dense = m3_checkpoint.load_transformers(checkpoint, index_topk_blocks=64)
     with m3_checkpoint.index_keys_in(torch.bfloat16):
         equal_dense, worst_dense = _compare(dense, prompts, results)
+    print(f"control, every block selected: tokens equal {equal_dense}, max |dlogprob| "
+          f"{worst_dense:.2e}")
     assert not equal_dense or worst_dense > 10 * TOLERANCE, \
         f"selecting every block gives the same result ({worst_dense:.2e}): the test cannot fail"
 
@@ -244,8 +252,37 @@ def test_fp32_index_keys_select_other_blocks_than_vllm_holds(vllm_run):
             model(ids)
         handle.remove()
     flipped = (chosen["fp32"].sort(-1).values != chosen["bf16"].sort(-1).values).any(-1)
+    print(f"layer 1, {len(prompts[0])}-token prompt: {int(flipped.sum())} of {flipped.numel()} "
+          f"(head, token) selections differ between fp32 and bf16 index keys")
     assert flipped.any(), "bf16 index keys changed no selection of layer 1"
     _, worst_fp32 = _compare(model, prompts, results)
     with m3_checkpoint.index_keys_in(torch.bfloat16):
         _, worst_bf16 = _compare(model, prompts, results)
+    print(f"max |dlogprob| against fp32 transformers {worst_fp32:.2e}, against bf16 index keys "
+          f"{worst_bf16:.2e}")
     assert worst_bf16 <= TOLERANCE and worst_fp32 > 10 * worst_bf16, (worst_fp32, worst_bf16)
+
+
+@needs_vllm
+def test_fp8_caches_and_vllm_split_metadata(tmp_path):
+    # fp8 e4m3 K/V (scale 1) and fp8 index cache, every layer sparse (vLLM's CPU attention for
+    # full-attention layers stores fp8 its own way, which is not this plugin's), and the impls
+    # rebuilding the whole step from vLLM's split metadata (the vLLM 0.24-0.26 path)
+    checkpoint = str(tmp_path / "ckpt")
+    m3_checkpoint.write_checkpoint(checkpoint, sparse_attention_freq=[1, 1, 1],
+                                   sparse_disable_index_value=[1, 1, 1])
+    prompts = _prompts(2)[:3]
+    results, log = _run_vllm(checkpoint, str(tmp_path), prompts, stock_metadata=True,
+                             llm={"kv_cache_dtype": "fp8",
+                                  "attention_config": {"indexer_kv_dtype": "fp8"}})
+    assert "openmsa: MiniMax-M3 indexer -> openmsa select_blocks (topk_blocks=4, index cache " \
+           "fp8)" in log
+    assert "openmsa: MiniMax-M3 sparse attention -> openmsa sparse_attention (topk_blocks=4, " \
+           "kv_cache_dtype=fp8)" in log
+    model = m3_checkpoint.load_transformers(checkpoint)
+    with m3_checkpoint.index_keys_in(torch.float8_e4m3fn), \
+            m3_checkpoint.kv_in(torch.float8_e4m3fn):
+        equal, worst = _compare(model, prompts, results)
+    print(f"fp8 caches, split metadata: max |dlogprob| {worst:.2e}")
+    assert equal, "greedy tokens differ from transformers'"
+    assert worst <= TOLERANCE, f"max |logprob difference| {worst:.2e} > {TOLERANCE}"

@@ -154,6 +154,42 @@ def index_keys_in(dtype: torch.dtype | None):
         modeling.MiniMaxM3VLIndexer.forward = original
 
 
+@contextlib.contextmanager
+def kv_in(dtype: torch.dtype | None):
+    """transformers' attention with its roped keys and its values rounded to `dtype` (None:
+    unchanged), as a paged cache of that dtype holds them (scale 1, saturating)."""
+    from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as modeling
+
+    if dtype is None:
+        yield
+        return
+    original = modeling.MiniMaxM3VLAttention.forward
+
+    def forward(self, *args, **kwargs):
+        rope = modeling.apply_rotary_pos_emb
+
+        def rounded_rope(q, k, cos, sin, unsqueeze_dim=1):
+            # the main branch's RoPE is the layer's first: the indexer's gets the original back
+            modeling.apply_rotary_pos_emb = rope
+            q, k = rope(q, k, cos, sin, unsqueeze_dim)
+            return q, to_cache_dtype(k, dtype).to(k.dtype)
+
+        modeling.apply_rotary_pos_emb = rounded_rope
+        hook = self.v_proj.register_forward_hook(
+            lambda module, args, out: to_cache_dtype(out, dtype).to(out.dtype))
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            modeling.apply_rotary_pos_emb = rope
+            hook.remove()
+
+    modeling.MiniMaxM3VLAttention.forward = forward
+    try:
+        yield
+    finally:
+        modeling.MiniMaxM3VLAttention.forward = original
+
+
 def teacher_forced(model, prompt: list[int], tokens: list[int]) -> tuple[list[int], list[float]]:
     """transformers' greedy tokens and the log-probabilities of `tokens` at each step after
     `prompt`, from one forward over prompt + tokens (exact math equals step-by-step decode)."""

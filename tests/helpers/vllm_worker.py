@@ -5,7 +5,10 @@ log-probabilities as JSON. tests/test_vllm.py runs it in a subprocess:
 
     python vllm_worker.py CHECKPOINT REQUEST_JSON OUT_JSON
 
-REQUEST_JSON: {"prompts": [[ids]], "max_tokens": n, "max_num_batched_tokens": n}.
+REQUEST_JSON: {"prompts": [[ids]], "max_tokens": n, "max_num_batched_tokens": n,
+"llm": {more LLM(...) keywords}, "stock_metadata": bool}. With "stock_metadata", openmsa's
+builders attach nothing and the impls rebuild the whole step from vLLM's split metadata, as they
+do on vLLM 0.24-0.26 (where the main branch's builder is vLLM's).
 """
 
 import json
@@ -23,10 +26,13 @@ def main(checkpoint: str, request: str, out: str) -> None:
 
     with open(request) as f:
         req = json.load(f)
+    if req.get("stock_metadata"):
+        from openmsa.integrations.vllm import impls
+        impls._with_whole_step = lambda md, common: md
     llm = LLM(model=checkpoint, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
               max_model_len=4096, block_size=128, seed=0,
               max_num_batched_tokens=req["max_num_batched_tokens"],
-              enable_chunked_prefill=True, enable_prefix_caching=False)
+              enable_chunked_prefill=True, enable_prefix_caching=False, **req.get("llm", {}))
     params = SamplingParams(max_tokens=req["max_tokens"], temperature=0.0, logprobs=0,
                             ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in req["prompts"]], params)
