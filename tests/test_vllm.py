@@ -25,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import types
 
 import pytest
@@ -146,6 +147,24 @@ def test_the_environment_turns_the_plugin_off(monkeypatch):
     monkeypatch.setenv(plugin.ENV, "maybe")
     with pytest.raises(ValueError, match="OPENMSA_VLLM"):
         plugin.enabled()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_cp_selection_over_tp_sharded_index_heads(world):
+    # OPENMSA_VLLM_CP=1: ranks holding their own index heads gather the index query and select
+    # context-parallel over the group; each gets exactly its heads' selection (gloo, W processes)
+    env = dict(os.environ)
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    with tempfile.TemporaryDirectory() as d:
+        init = os.path.join(d, "init")
+        procs = [subprocess.Popen([sys.executable, os.path.join(HELPERS, "vllm_cp_worker.py"),
+                                   str(r), str(world), init], env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True) for r in range(world)]
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    failed = [(r, o[-3000:]) for r, (p, o) in enumerate(zip(procs, outs)) if p.returncode]
+    assert not failed, failed
 
 
 def test_entry_point_is_declared():

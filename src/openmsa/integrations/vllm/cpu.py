@@ -132,10 +132,14 @@ def install() -> None:
         original_forward = norm_cls.forward
 
         @functools.wraps(original_forward)
-        def forward(self, x, residual=None):
-            if _on_cpu(x):
-                return gemma_rms_norm(x, self.weight, self.variance_epsilon, residual)
-            return original_forward(self, x, residual)
+        def forward(self, x, residual=None, **kwargs):
+            if not _on_cpu(x):
+                return original_forward(self, x, residual, **kwargs)
+            if kwargs.get("mxfp8"):
+                # (vLLM 0.34's norm can emit MXFP8 activations for the next GEMM: a GPU path)
+                raise ValueError("mxfp8: the CPU stand-in of MiniMax-M3's Gemma RMSNorm emits "
+                                 "the input's dtype only")
+            return gemma_rms_norm(x, self.weight, self.variance_epsilon, residual)
         forward.openmsa_original = original_forward
         norm_cls.forward = forward
     logger.info("openmsa: vLLM's CPU platform: MiniMax-M3's fused QK-norm/RoPE/cache-insert op "

@@ -111,6 +111,70 @@ def _with_whole_step(md, common) -> object:
     return md
 
 
+# ------------------------------------------------------------------------------ CP selection
+CP_ENV = "OPENMSA_VLLM_CP"
+
+
+def cp_select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, group,
+                     rank: int, world: int, out: torch.Tensor | None = None, **selection):
+    """Context-parallel `select_blocks` over a TP group whose ranks each hold their own index
+    heads (vLLM shards the index query's heads over TP) and a whole index cache: the ranks
+    all-gather their index queries, each scores blocks b % world == rank for every head
+    (`select_blocks(cp_group=group)`, one more all-gather of candidates), and each keeps its
+    own heads' rows, bit-identical to `select_blocks` on its heads alone.
+
+    Args:
+        index_q: [T, H, Di], this rank's H heads (rank r holds heads r*H .. r*H + H - 1).
+        out: optional int32 [T, H, topk] (any strides), written in place.
+        selection: select_blocks' keywords (topk, init_blocks, local_blocks, block_size,
+            max_q_len).
+    Returns:
+        int32 [T, H, topk].
+    """
+    import torch.distributed as dist
+
+    t, h, di = index_q.shape
+    # gathered as bytes: collectives of every backend move uint8 (fp8 ones not everywhere)
+    mine = index_q.contiguous().view(torch.uint8)
+    every = mine.new_empty((world * t, *mine.shape[1:]))  # ranks one after another
+    dist.all_gather_into_tensor(every, mine, group=group)
+    every = every.view(index_q.dtype).view(world, t, h, di).permute(1, 0, 2, 3)
+    every = every.reshape(t, world * h, di)
+    chosen = select_blocks(every, index_cache, cu_seqlens_q, seq_lens, block_table,
+                           cp_group=group, **selection)
+    mine = chosen[:, rank * h:(rank + 1) * h]
+    if out is None:
+        return mine.contiguous()
+    out.copy_(mine)
+    return out
+
+
+def _cp_coordinator(num_index_heads: int):
+    """vLLM's TP group coordinator when `OPENMSA_VLLM_CP=1` asks for context-parallel
+    selection and TP > 1 (else None)."""
+    import os
+
+    value = os.environ.get(CP_ENV, "0").strip().lower()
+    if value in ("", "0", "false", "off", "no"):
+        return None
+    if value not in ("1", "true", "on", "yes"):
+        raise ValueError(f"{CP_ENV} must be 0/1 (or false/true, off/on), got {value!r}")
+    from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
+
+    world = get_tensor_model_parallel_world_size()
+    if world == 1:
+        return None
+    total = _msa_config().num_index_heads if _msa_config() is not None else None
+    if total is not None and total != num_index_heads * world:
+        # TP wider than the index heads: vLLM replicates heads over ranks, so ranks' heads do
+        # not tile the whole set
+        _log_once("openmsa: %s=1 ignored: the %d index heads do not split evenly over TP %d",
+                  CP_ENV, total, world)
+        return None
+    _log_once("openmsa: context-parallel block selection over the TP group (%d ranks)", world)
+    return get_tp_group()
+
+
 # ------------------------------------------------------------------------------ config
 def _text_config():
     from vllm.config import get_current_vllm_config
@@ -223,6 +287,7 @@ def _impl_classes():
                 raise ValueError(f"openmsa: init_blocks + local_blocks ({self.init_blocks} + "
                                  f"{self.local_blocks}) must be <= topk_blocks "
                                  f"({self.topk_blocks})")
+            self._cp = _cp_coordinator(self.num_index_heads)
             buf = self.topk_indices_buffer
             if buf is not None and (buf.dim() != 3 or buf.shape[1] != self.num_index_heads
                                     or buf.shape[2] != self.topk_blocks
@@ -244,11 +309,17 @@ def _impl_classes():
             iq = index_query[:t].view(t, self.num_index_heads, self.index_head_dim)
             buf = self.topk_indices_buffer
             out = None if buf is None else buf[:t]
-            out = select_blocks(iq, self.index_cache.kv_cache, step.cu_seqlens_q,
-                                step.seq_lens, step.block_table, topk=self.topk_blocks,
-                                init_blocks=self.init_blocks, local_blocks=self.local_blocks,
-                                block_size=self.block_size, out=out,
-                                max_q_len=step.max_query_len or None)
+            selection = dict(topk=self.topk_blocks, init_blocks=self.init_blocks,
+                             local_blocks=self.local_blocks, block_size=self.block_size,
+                             max_q_len=step.max_query_len or None)
+            args = (iq, self.index_cache.kv_cache, step.cu_seqlens_q, step.seq_lens,
+                    step.block_table)
+            if self._cp is None:
+                out = select_blocks(*args, out=out, **selection)
+            else:
+                cp = self._cp
+                out = cp_select_blocks(*args, group=cp.device_group, rank=cp.rank_in_group,
+                                       world=cp.world_size, out=out, **selection)
             # vLLM's impls return [H, tokens, topk] views of the decode and prefill rows
             htk = out.transpose(0, 1)
             return (htk[:, :nd] if md.num_decodes else None,
