@@ -191,7 +191,8 @@ def _run_vllm(checkpoint, tmp, prompts, **request):
     if run.returncode != 0:
         raise AssertionError(f"vLLM worker failed ({run.returncode}):\n{log[-6000:]}")
     with open(out) as f:
-        return json.load(f), log
+        result = json.load(f)
+    return result["requests"], log, result["decode_q_lens"]
 
 
 def _prompts(seed=1):
@@ -200,14 +201,19 @@ def _prompts(seed=1):
 
 
 @pytest.fixture(scope="module")
-def vllm_run(tmp_path_factory):
-    """M3's layer pattern (a full-attention layer, then sparse ones), bf16 index cache (vLLM's
-    default), fp32 K/V, openmsa's metadata builders."""
-    tmp = str(tmp_path_factory.mktemp("m3"))
-    checkpoint = os.path.join(tmp, "ckpt")
-    m3_checkpoint.write_checkpoint(checkpoint)
+def checkpoint(tmp_path_factory):
+    """M3's layer pattern (a full-attention layer, then sparse ones)."""
+    path = str(tmp_path_factory.mktemp("m3") / "ckpt")
+    m3_checkpoint.write_checkpoint(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def vllm_run(checkpoint, tmp_path_factory):
+    """bf16 index cache (vLLM's default), fp32 K/V, openmsa's metadata builders."""
     prompts = _prompts()
-    results, log = _run_vllm(checkpoint, tmp, prompts)
+    results, log, q_lens = _run_vllm(checkpoint, str(tmp_path_factory.mktemp("run")), prompts)
+    assert q_lens == [1], q_lens
     return checkpoint, prompts, results, log
 
 
@@ -291,7 +297,7 @@ def test_fp8_caches_and_vllm_split_metadata(tmp_path):
     m3_checkpoint.write_checkpoint(checkpoint, sparse_attention_freq=[1, 1, 1],
                                    sparse_disable_index_value=[1, 1, 1])
     prompts = _prompts(2)[:3]
-    results, log = _run_vllm(checkpoint, str(tmp_path), prompts, stock_metadata=True,
+    results, log, _ = _run_vllm(checkpoint, str(tmp_path), prompts, stock_metadata=True,
                              llm={"kv_cache_dtype": "fp8",
                                   "attention_config": {"indexer_kv_dtype": "fp8"}})
     assert "openmsa: MiniMax-M3 indexer -> openmsa select_blocks (topk_blocks=4, index cache " \
@@ -303,5 +309,25 @@ def test_fp8_caches_and_vllm_split_metadata(tmp_path):
             m3_checkpoint.kv_in(torch.float8_e4m3fn):
         equal, worst = _compare(model, prompts, results)
     print(f"fp8 caches, split metadata: max |dlogprob| {worst:.2e}")
+    assert equal, "greedy tokens differ from transformers'"
+    assert worst <= TOLERANCE, f"max |logprob difference| {worst:.2e} > {TOLERANCE}"
+
+
+@needs_vllm
+def test_spec_decode_verify_rows(checkpoint, tmp_path):
+    # n-gram speculative decoding (3 draft tokens) on prompts that repeat a 40-token pattern:
+    # verify steps put 4-token decode rows beside prefill chunks in one select_blocks call
+    g = torch.Generator().manual_seed(3)
+    pattern = torch.randint(3, 256, (40,), generator=g).tolist()
+    prompts = [pattern * 53, (pattern * 20)[:700], pattern * 5]  # 2120, 700, 200 tokens
+    results, _, q_lens = _run_vllm(
+        checkpoint, str(tmp_path), prompts, max_tokens=12,
+        llm={"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                                    "prompt_lookup_max": 4, "prompt_lookup_min": 2}})
+    assert 4 in q_lens, f"no verify step ran (decode q_lens {q_lens})"
+    model = m3_checkpoint.load_transformers(checkpoint)
+    with m3_checkpoint.index_keys_in(torch.bfloat16):
+        equal, worst = _compare(model, prompts, results)
+    print(f"spec-decode verify (decode q_lens {q_lens}): max |dlogprob| {worst:.2e}")
     assert equal, "greedy tokens differ from transformers'"
     assert worst <= TOLERANCE, f"max |logprob difference| {worst:.2e} > {TOLERANCE}"

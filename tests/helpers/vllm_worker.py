@@ -6,7 +6,8 @@ log-probabilities as JSON. tests/test_vllm.py runs it in a subprocess:
     python vllm_worker.py CHECKPOINT REQUEST_JSON OUT_JSON
 
 REQUEST_JSON: {"prompts": [[ids]], "max_tokens": n, "max_num_batched_tokens": n,
-"llm": {more LLM(...) keywords}, "stock_metadata": bool}. With "stock_metadata", openmsa's
+"llm": {more LLM(...) keywords}, "stock_metadata": bool}; OUT_JSON: {"requests": [{"tokens",
+"logprobs"}], "decode_q_lens": the q_lens of the steps' decode rows}. With "stock_metadata", openmsa's
 builders attach nothing and the impls rebuild the whole step from vLLM's split metadata, as they
 do on vLLM 0.24-0.26 (where the main branch's builder is vLLM's).
 """
@@ -26,9 +27,18 @@ def main(checkpoint: str, request: str, out: str) -> None:
 
     with open(request) as f:
         req = json.load(f)
-    if req.get("stock_metadata"):
-        from openmsa.integrations.vllm import impls
-        impls._with_whole_step = lambda md, common: md
+    from openmsa.integrations.vllm import impls
+
+    attach = impls._with_whole_step
+    decode_q_lens = set()
+
+    def record(md, common):
+        # the decode rows' q_len of every step (> 1: spec-decode verify steps)
+        if md.num_decodes:
+            decode_q_lens.add(md.decode.decode_query_len)
+        return md if req.get("stock_metadata") else attach(md, common)
+
+    impls._with_whole_step = record
     llm = LLM(model=checkpoint, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
               max_model_len=4096, block_size=128, seed=0,
               max_num_batched_tokens=req["max_num_batched_tokens"],
@@ -42,7 +52,7 @@ def main(checkpoint: str, request: str, out: str) -> None:
         result.append({"tokens": list(c.token_ids),
                        "logprobs": [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]})
     with open(out, "w") as f:
-        json.dump(result, f)
+        json.dump({"requests": result, "decode_q_lens": sorted(decode_q_lens)}, f)
 
 
 if __name__ == "__main__":
