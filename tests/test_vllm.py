@@ -175,6 +175,51 @@ def test_entry_point_is_declared():
     assert found[0].value == "openmsa.integrations.vllm:register"
 
 
+@pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM")
+def test_selectors_fall_back_to_vllm_by_name_with_the_reason():
+    import logging
+
+    from openmsa.integrations.vllm import impls
+
+    class VllmImpl:  # what vLLM's own selector would return
+        pass
+
+    calls = []
+
+    def main(**kwargs):
+        calls.append(kwargs)
+        return "vllm backend", VllmImpl
+
+    def indexer(**kwargs):
+        calls.append(kwargs)
+        return VllmImpl
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("vllm.openmsa")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        select = impls.make_main_selector(main, returns_backend=True)
+        assert select(topk_blocks=4, kv_cache_dtype="fp8_e5m2", num_kv_heads=2) == \
+            ("vllm backend", VllmImpl)
+        assert impls.make_main_selector(lambda **kw: VllmImpl, returns_backend=False)(
+            topk_blocks=4, kv_cache_dtype="nvfp4", num_kv_heads=2) is VllmImpl
+        assert impls.make_indexer_selector(indexer)(topk_blocks=4,
+                                                    indexer_kv_dtype="nvfp4") is VllmImpl
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert calls[0] == dict(topk_blocks=4, kv_cache_dtype="fp8_e5m2", num_kv_heads=2)
+    text = "\n".join(r.getMessage() for r in records)
+    assert "sparse attention falls back to vLLM's VllmImpl: openmsa's sparse attention takes " \
+           "bf16/fp16/fp8 e4m3 KV caches, not kv_cache_dtype='fp8_e5m2'" in text
+    assert "kv_cache_dtype='nvfp4'" in text
+    assert "indexer falls back to vLLM's VllmImpl: this vLLM's MiniMax-M3 index cache" in text
+
+
 # ------------------------------------------------------------------------------ end to end
 def _run_vllm(checkpoint, tmp, prompts, **request):
     path, out = os.path.join(tmp, "request.json"), os.path.join(tmp, "out.json")
