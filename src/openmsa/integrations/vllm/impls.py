@@ -14,6 +14,7 @@ main backend: 0.24-0.26), `_whole_step` rebuilds the same three from the two par
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import ClassVar
 
 import torch
@@ -152,8 +153,6 @@ def cp_select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, 
 def _cp_coordinator(num_index_heads: int):
     """vLLM's TP group coordinator when `OPENMSA_VLLM_CP=1` asks for context-parallel
     selection and TP > 1 (else None)."""
-    import os
-
     value = os.environ.get(CP_ENV, "0").strip().lower()
     if value in ("", "0", "false", "off", "no"):
         return None
@@ -164,7 +163,8 @@ def _cp_coordinator(num_index_heads: int):
     world = get_tensor_model_parallel_world_size()
     if world == 1:
         return None
-    total = _msa_config().num_index_heads if _msa_config() is not None else None
+    config = _msa_config()
+    total = config.num_index_heads if config is not None else None
     if total is not None and total != num_index_heads * world:
         # TP wider than the index heads: vLLM replicates heads over ranks, so ranks' heads do
         # not tile the whole set
