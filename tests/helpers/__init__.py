@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """What the tests share (importable as `helpers`: tests/ is on sys.path through conftest.py):
 random steps and inputs (steps.py), the tolerance table and checks (checks.py), a recording
-stand-in for a kernel (recording.py) and the dense-attention comparison path (dense.py)."""
+stand-in for a kernel (recording.py) and the dense-attention comparison path (dense.py); for
+tests/test_vllm.py, a released-layout MiniMax-M3 checkpoint and the transformers side
+(m3_checkpoint.py), the vLLM run (vllm_worker.py, vllm_cpu/) and a CP rank (vllm_cp_worker.py)."""
 
 from .checks import TOLERANCES, assert_close, assert_selection_near_optimal
 from .recording import RecordingKernel

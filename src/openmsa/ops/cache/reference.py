@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from .plan import CacheConfig
 
 __all__ = ["write_index_cache", "write_kv_cache", "to_cache_dtype", "rms_norm", "apply_rope",
-           "prepare_index_qk", "prepare_qkv", "split_projection", "fused_prepare"]
+           "rotate", "prepare_index_qk", "prepare_qkv", "split_projection", "fused_prepare"]
 
 FP8_MAX = 448.0
 
@@ -92,12 +92,19 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta:
     x = x.float()
     if rotary_dim == 0:
         return x
-    half = rotary_dim // 2
     spec = SimpleNamespace(rotary_dim=rotary_dim, rope_theta=theta, rope_scaling=rope_scaling,
                            rope_angles=rope_angles)
     cos, sin = rope.cos_sin(positions, spec)
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    x1, x2, rest = x[..., :half], x[..., half:rotary_dim], x[..., rotary_dim:]
+    return rotate(x, cos, sin)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX-style rotation of x [T, heads, dim] (fp32) by given cos, sin [T, rotary_dim / 2]:
+    the first rotary_dim dims turn, the rest pass (an engine's own cos/sin table plugs in here)."""
+    x = x.float()
+    half = cos.shape[-1]
+    cos, sin = cos.float()[:, None, :], sin.float()[:, None, :]
+    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
 
 
