@@ -22,6 +22,12 @@
 #   bash scripts/gpu_check.sh nvfp4 [cases...]  # issue 41: the NVFP4 GPU tests, then
 #                                              # profile_case.py --breakdown of NVFP4 decode
 #                                              # cases beside fp8 (or the cases named)
+#   bash scripts/gpu_check.sh bounds [pytest args...]  # issue 56: the hostile-metadata tests
+#                                              # (tests/ops/test_*_bounds.py), the interpreter
+#                                              # tier's cast tests and topk-1 selections on the
+#                                              # GPU, then scripts/hostile_step.py plain and
+#                                              # under compute-sanitizer memcheck (Firecracker
+#                                              # machines; gVisor refuses the device)
 #   bash scripts/gpu_check.sh tune [args...]   # benchmarks/tune.py with args (appends tune.log)
 #   bash scripts/gpu_check.sh ab [args...]     # benchmarks/ab.py: this tree against .ab's base
 #                                              # (python3 benchmarks/prepare_ab.py REV first)
@@ -58,6 +64,15 @@ case "$what" in
     mapfile -t ids < <(awk -v p="$part" -v n="$parts" '(NR - p) % n == 0' "$OUT/test-ids.txt")
     echo "part $part of $parts: ${#ids[@]} tests" | tee "$OUT/tests-$part.log"
     python3 -m pytest -q --durations=20 "${ids[@]}" "$@" 2>&1 | tee -a "$OUT/tests-$part.log" ;;
+  bounds)
+    python3 -m pytest -q -m "gpu or interpret" tests/ops/test_indexer_bounds.py \
+      tests/ops/test_attention_bounds.py tests/ops/test_cache_bounds.py tests/test_interpreter.py \
+      "$@" 2>&1 | tee "$OUT/bounds-tests.log"
+    timeout 200 python3 scripts/hostile_step.py 2>&1 | tee "$OUT/hostile.log"
+    timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 \
+      python3 scripts/hostile_step.py > "$OUT/memcheck.log" 2>&1
+    echo "memcheck exit status $?" | tee -a "$OUT/memcheck.log"
+    grep -E "ERROR SUMMARY|Invalid|mismatches" "$OUT/memcheck.log" | head -20 ;;
   ab)
     python3 benchmarks/ab.py --base .ab --out "$OUT" "$@" 2>&1 | tee -a "$OUT/ab.log" ;;
   bench)
