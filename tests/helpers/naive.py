@@ -69,7 +69,7 @@ def naive_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table
             keys = index_cache[page, :min(block_size, p - b * block_size + 1)].double()
             dots = keys @ index_q[t].double().T  # [keys, H]
             dots = torch.where(dots.isnan(), float("-inf"), dots)  # a NaN dot counts as -inf
-            out[t, :, b] = dots.max(dim=0).values
+            out[t, :, b] = dots.amax(dim=0)
     return out.float()
 
 
@@ -135,7 +135,7 @@ def naive_sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens,
             if not keys:
                 continue  # empty J: out 0, lse -inf
             logits = torch.cat(keys) @ q[t, qh].double() * scale  # [|J|]
-            m = logits.max()
+            m = logits.amax()
             w = torch.exp(logits - m)
             out[t, qh] = (w[:, None] * torch.cat(values)).sum(0) / w.sum()
             lse[t, qh] = m + torch.log(w.sum())
@@ -145,8 +145,9 @@ def naive_sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens,
 def naive_page_table(indices, cu_seqlens_q, seq_lens, block_table, *, num_kv_heads: int,
                      block_size: int, sub_page_size: int):
     """`sparse_page_table` ("Sparse attention", last paragraph): (pages int32
-    [T * Hkv, K * B / S], context_lens int32 [T * Hkv]). The op sees no cache, so only negative
-    page ids can be dropped."""
+    [T * Hkv, K * B / S], context_lens int32 [T * Hkv]). The op sees no cache, so it cannot
+    tell a stale id past P: it drops negative page ids, and (our reading, not yet in the spec)
+    ids whose sub-page ids int32 cannot hold, which no cache of int32 sub-page ids has."""
     num_tokens, num_index_heads, topk = indices.shape
     per_block = block_size // sub_page_size
     pages = torch.zeros((num_tokens * num_kv_heads, topk * per_block), dtype=torch.int32)
@@ -158,7 +159,8 @@ def naive_page_table(indices, cu_seqlens_q, seq_lens, block_table, *, num_kv_hea
         n = p // block_size + 1
         for g in range(num_kv_heads):
             sel = sorted({int(b) for b in indices[t, g * num_index_heads // num_kv_heads]
-                          if 0 <= int(b) < n and int(block_table[r, int(b)]) >= 0})
+                          if 0 <= int(b) < n and 0 <= int(block_table[r, int(b)])
+                          and (int(block_table[r, int(b)]) + 1) * per_block <= 2 ** 31})
             row, ctx = [], 0
             for b in sel:
                 if b < n - 1:
