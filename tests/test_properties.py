@@ -197,11 +197,14 @@ def cases(draw, geo: Geometry, hostile: bool) -> Case:
             bad = torch.rand(nb, generator=g) < bad_rate
             for j in bad.nonzero().flatten().tolist():
                 table[r, j] = stale[int(torch.randint(0, len(stale), (), generator=g))]
-        if draw(st.booleans()):
+        # each edit in a minority of examples, so that most hostile steps still have live
+        # tokens beside the padded ones
+        if draw(st.integers(0, 2)) == 0:
             # narrower than some request needs (the data past the view stays valid ids)
             width = draw(st.integers(1, max(blocks + [1])))
             table = table_buf[:num_requests, :width]
-        cu_edit = draw(st.sampled_from(["none", "start", "decrease", "past_end", "extreme"]))
+        cu_edit = draw(st.sampled_from(["none"] * 4 + ["start", "decrease", "past_end",
+                                                       "extreme"]))
         if cu_edit == "start":
             cu[0] = draw(st.sampled_from([1, -1, I32_MIN]))
         elif cu_edit == "decrease":
@@ -212,7 +215,7 @@ def cases(draw, geo: Geometry, hostile: bool) -> Case:
         elif cu_edit == "extreme":
             cu[draw(st.integers(1, num_requests))] = draw(st.sampled_from([I32_MAX, I32_MIN]))
         for r in range(num_requests):
-            if draw(st.integers(0, 3)) == 0:
+            if draw(st.integers(0, 4)) == 0:
                 q_len = cu[r + 1] - cu[r]
                 seq_lens[r] = draw(st.sampled_from([q_len - 1, -1, I32_MIN, I32_MAX,
                                                     I32_MAX - 7]))
@@ -475,6 +478,98 @@ def assert_bits_equal(got, want):
     assert torch.equal(g, w), _diff(got.cpu().float(), want.float())
 
 
+def check_fused_prepare_slots(params, data, device, dtypes):
+    """fused_prepare writes exactly the slots in [0, P * B) of both caches (the index cache
+    follows its own slots) and nothing else, inside or outside the caches; V is stored as
+    given (not normed), so its rows are checked exactly too."""
+    num_pages, block, slots, seed = params
+    x_dtype, c_dtype = data.draw(st.sampled_from(dtypes), "dtypes")
+    g = torch.Generator().manual_seed(seed)
+    index_slots = [slots[i] for i in torch.randperm(len(slots), generator=g).tolist()]
+    cfg = openmsa.MSAConfig(num_heads=2, num_kv_heads=1, head_dim=64, num_index_heads=1,
+                            index_head_dim=16, block_size=block, rotary_dim=16)
+    width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim \
+        + (cfg.num_index_heads + 1) * cfg.index_head_dim
+    num_tokens = len(slots)
+    qkv = torch.randn(num_tokens, width, generator=g).to(x_dtype)
+    weights = [torch.randn(n, generator=g).to(x_dtype) * 0.1 for n in (64, 64, 16, 16)]
+    positions = torch.randint(0, 5000, (num_tokens,), generator=g)
+    kbuf, kc = embedded((num_pages, block, 1, 64), c_dtype, 3.0)
+    vbuf, vc = embedded((num_pages, block, 1, 64), c_dtype, 5.0)
+    ibuf, ic = embedded((num_pages, block, 16), c_dtype, 7.0)
+    for c in (kc, vc, ic):
+        c.fill_(float("nan"))
+    # [q 2x64 | k 64 | v 64 | index_q 16 | index_k 16]
+    v = qkv[:, 192:256].reshape(num_tokens, 1, 64)
+    _, want_v = naive_write_kv_cache(v, v, vc, vc, slots)
+    bufs = [moved(b, c, device) for b, c in ((kbuf, kc), (vbuf, vc), (ibuf, ic))]
+    before = [b.clone() for b, _ in bufs]
+    openmsa.fused_prepare(_dev(qkv, device), _dev(positions, device), cfg,
+                          *[_dev(w, device) for w in weights], bufs[0][1], bufs[1][1],
+                          torch.tensor(slots, dtype=torch.int64, device=device), bufs[2][1],
+                          torch.tensor(index_slots, dtype=torch.int64, device=device))
+    assert_bits_equal(bufs[1][1], want_v)
+    for (b, c), old, sl in zip(bufs, before, (slots, slots, index_slots)):
+        assert_margins_kept(old, b, c)
+        # the NaN fill stays wherever no valid slot points
+        written = torch.zeros(c.shape[:2], dtype=torch.bool)
+        for s in sl:
+            if 0 <= s < num_pages * block:
+                written[s // block, s % block] = True
+        cc = c.cpu().float()
+        assert cc[~written].isnan().all(), "fused_prepare wrote a slot outside its slots"
+        assert not cc[written].isnan().any(), "fused_prepare skipped a valid slot"
+
+
+def _argument_errors(device):
+    """Calls with a malformed shape or dtype and the argument their error must name."""
+    i32 = dict(dtype=torch.int32, device=device)
+    q = torch.zeros(3, 1, 16, device=device)
+    cache = torch.zeros(2, 16, 16, device=device)
+    kq = torch.zeros(3, 2, 64, device=device)
+    kv = torch.zeros(2, 16, 1, 64, device=device)
+    cu = torch.tensor([0, 1, 3], **i32)
+    sl = torch.tensor([1, 2], **i32)
+    table = torch.zeros(2, 1, **i32)
+    idx = torch.zeros(3, 1, 2, **i32)
+    score = lambda **kw: lambda: openmsa.block_scores(
+        kw.get("q", q), cache, kw.get("cu", cu), kw.get("sl", sl), kw.get("table", table),
+        block_size=16)
+    attend = lambda **kw: lambda: openmsa.sparse_attention(
+        kq, kv, kv, kw.get("idx", idx), kw.get("cu", cu), sl, kw.get("table", table),
+        block_size=16)
+    return [
+        (score(table=torch.zeros(1, 4, **i32)), "block_table"),  # fewer rows than requests
+        (score(table=torch.zeros(4, **i32)), "block_table"),
+        (score(table=torch.zeros(2, 4, dtype=torch.int64, device=device)), "block_table"),
+        (score(cu=torch.tensor([0, 3], **i32)), "cu_seqlens_q"),
+        (score(cu=torch.tensor([0, 1, 3], dtype=torch.int64, device=device)), "cu_seqlens_q"),
+        (score(cu=torch.tensor([0, 9, 1, 9, 3], **i32)[::2]), "cu_seqlens_q"),
+        (score(sl=torch.tensor([[1, 2]], **i32)), "seq_lens"),
+        (score(q=torch.zeros(3, 1, 8, device=device)), "index_"),
+        (attend(idx=torch.zeros(2, 1, 2, **i32)), "indices"),
+        (attend(idx=torch.zeros(3, 1, 2, dtype=torch.int64, device=device)), "indices"),
+        (attend(table=torch.zeros(1, 1, **i32)), "block_table"),
+        (lambda: openmsa.sparse_page_table(idx, cu, sl, table, num_kv_heads=1, block_size=16,
+                                           sub_page_size=3), "sub_page_size"),
+        (lambda: openmsa.write_index_cache(torch.zeros(3, 16, device=device), cache,
+                                           torch.zeros(2, dtype=torch.int64, device=device)),
+         "slot_mapping"),
+        (lambda: openmsa.write_index_cache(torch.zeros(3, 16, device=device), cache,
+                                           torch.zeros(3, device=device)), "slot_mapping"),
+        (lambda: openmsa.write_kv_cache(kq[:, :1], kq[:, :1], kv, kv,
+                                        torch.zeros(3, 2, dtype=torch.int64, device=device)),
+         "slot_mapping"),
+    ]
+
+
+def check_argument_errors(device):
+    for call, name in _argument_errors(device):
+        with pytest.raises((TypeError, ValueError)) as err:
+            call()
+        assert name in str(err.value), f"the error does not name {name}: {err.value}"
+
+
 # ---- tier 0: the reference ------------------------------------------------------------------
 
 INDEX_WRITE_DTYPES0 = ((torch.float32, torch.float32), (torch.float16, torch.float16),
@@ -546,6 +641,37 @@ def test_validate_batch(case, with_pages):
         assert valid, "validate_batch accepted a malformed step"
 
 
+@TIER0
+@given(params=slot_lists(), data=st.data())
+def test_fused_prepare_slots(params, data):
+    check_fused_prepare_slots(params, data, "cpu", ((torch.float32, torch.float32),
+                                                    (torch.bfloat16, torch.bfloat16),
+                                                    (torch.bfloat16, FP8)))
+
+
+def test_argument_errors_name_the_argument():
+    """Malformed shapes and dtypes (what the ops do check) raise TypeError/ValueError naming
+    the argument, on the reference."""
+    check_argument_errors("cpu")
+
+
+def test_the_suite_catches_a_wrong_tie_rule():
+    """The selection comparison can fail: with every score tied (all-zero keys), the naive
+    selection with the tie rule flipped (higher id first) disagrees with select_blocks, while
+    the naive one of the spec agrees."""
+    block, seq_len = 16, 5 * 16
+    cu, sl = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([seq_len], dtype=torch.int32)
+    table = torch.arange(5, dtype=torch.int32)[None]
+    q, cache = torch.ones(1, 1, 16), torch.zeros(5, block, 16)
+    got = openmsa.select_blocks(q, cache, cu, sl, table, topk=3, local_blocks=1,
+                                block_size=block)
+    scores = naive_block_scores(q, cache, cu, sl, table, block)
+    kw = dict(topk=3, init_blocks=0, local_blocks=1, block_size=block)
+    assert torch.equal(got, naive_select(scores, [seq_len - 1], **kw))
+    flipped = naive_select(scores, [seq_len - 1], lower_id_first=False, **kw)
+    assert flipped[0, 0].tolist() == [2, 3, 4] and not torch.equal(got, flipped)
+
+
 # ---- tier 1: the kernels (the interpreter on CPU, or a GPU) -----------------------------------
 
 INDEX_WRITE_DTYPES1 = ((torch.float32, torch.float32), (torch.float16, torch.float16),
@@ -602,3 +728,16 @@ def test_write_index_cache_kernels(kernel_device, params, data):
 @given(params=slot_lists(), data=st.data())
 def test_write_kv_cache_kernels(kernel_device, params, data):
     check_write_kv_cache(params, data, kernel_device, KV_WRITE_DTYPES1)
+
+
+@pytest.mark.interpret
+@TIER1
+@given(params=slot_lists(), data=st.data())
+def test_fused_prepare_slots_kernels(kernel_device, params, data):
+    check_fused_prepare_slots(params, data, kernel_device, ((torch.float32, torch.float32),
+                                                            (torch.float16, torch.float16)))
+
+
+@pytest.mark.interpret
+def test_argument_errors_name_the_argument_kernels(kernel_device):
+    check_argument_errors(kernel_device)

@@ -74,8 +74,10 @@ def naive_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table
 
 
 def naive_select(scores: torch.Tensor, positions: list[int], *, topk: int, init_blocks: int,
-                 local_blocks: int, block_size: int) -> torch.Tensor:
-    """"Selection: forced blocks and the tie rule": int32 [T, H, topk]."""
+                 local_blocks: int, block_size: int, lower_id_first: bool = True
+                 ) -> torch.Tensor:
+    """"Selection: forced blocks and the tie rule": int32 [T, H, topk]. `lower_id_first=False`
+    breaks the tie rule on purpose (the test that shows the suite can fail)."""
     num_tokens, num_heads, _ = scores.shape
     out = torch.full((num_tokens, num_heads, topk), -1, dtype=torch.int32)
     for t in range(num_tokens):
@@ -94,9 +96,9 @@ def naive_select(scores: torch.Tensor, positions: list[int], *, topk: int, init_
                     if math.isnan(s):
                         s = float("-inf")
                     # higher score first, then the lower block id (-0.0 == +0.0 in Python)
-                    rest.append((-s, b))
+                    rest.append((-s, b if lower_id_first else -b))
                 rest.sort()
-                chosen = forced + [b for _, b in rest[:topk - len(forced)]]
+                chosen = forced + [abs(b) for _, b in rest[:topk - len(forced)]]
             chosen.sort()
             out[t, h, :len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
     return out
