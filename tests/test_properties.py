@@ -247,17 +247,28 @@ def _poison_pages(cache: torch.Tensor, case: Case, g: torch.Generator):
             fill(cache[page, row:])
 
 
-def index_inputs(case: Case, num_heads: int, head_dim: int, q_dtype, cache_dtype):
+def index_inputs(case: Case, num_heads: int, head_dim: int, q_dtype, cache_dtype,
+                 poison_keys: bool = False):
     """index_q [T, H, Di] (NaN rows for padding tokens) and the index cache (a view of its
-    guard-band buffer, margin pages of 64s), small integers elsewhere."""
+    guard-band buffer, margin pages of 64s), small integers elsewhere. `poison_keys`: one key
+    in 20 of the pages read holds a NaN or an inf in one dim ("Block score": a NaN dot
+    counts as -inf; an inf one is +-inf or, against a 0 or another inf, NaN, in any order of
+    summation)."""
     g = torch.Generator().manual_seed(case.seed + 1)
     q = torch.randint(-2, 3, (case.num_tokens, num_heads, head_dim), generator=g).float()
     for t, p in enumerate(case.positions()):
         if p < 0:
             q[t] = float("nan")
     buf, cache = embedded((case.num_pages, case.block_size, head_dim), cache_dtype, 64.0)
-    buf[:, :, :MARGIN] = 64  # (the margins only; the view is overwritten next)
-    cache.copy_(torch.randint(-2, 3, cache.shape, generator=g).to(cache_dtype))
+    keys = torch.randint(-2, 3, cache.shape, generator=g).float()
+    if poison_keys:
+        hit = torch.rand(cache.shape[:2], generator=g) < 0.05
+        dim = torch.randint(0, head_dim, cache.shape[:2], generator=g)
+        junk = torch.tensor(_garbage(cache_dtype))
+        pick = junk[torch.randint(0, len(junk), cache.shape[:2], generator=g)]
+        for page, row in hit.nonzero().tolist():
+            keys[page, row, dim[page, row]] = pick[page, row]
+    cache.copy_(keys.to(cache_dtype))
     _poison_pages(cache, case, g)
     return q.to(q_dtype), buf, cache
 
@@ -299,7 +310,8 @@ def check_block_scores(case, data, geo, device):
     num_heads = data.draw(st.sampled_from([1, 2, 4]), "num_heads")
     head_dim = data.draw(st.sampled_from(geo.index_dims), "head_dim")
     q_dtype, c_dtype = data.draw(st.sampled_from(geo.index_dtypes), "dtypes")
-    q, cbuf, cache = index_inputs(case, num_heads, head_dim, q_dtype, c_dtype)
+    poison = data.draw(st.booleans(), "poison_keys")
+    q, cbuf, cache = index_inputs(case, num_heads, head_dim, q_dtype, c_dtype, poison)
     want = naive_block_scores(q, cache, case.cu, case.seq_lens, case.table, case.block_size)
     cu, sl, table = case.metadata(device)
     obuf, out = embedded(want.shape, torch.float32, 12345.0)
@@ -319,7 +331,8 @@ def check_select_blocks(case, data, geo, device):
     topk = data.draw(st.integers(1, geo.max_topk), "topk")
     init = data.draw(st.integers(0, min(2, topk)), "init_blocks")
     local = data.draw(st.integers(0, min(2, topk - init)), "local_blocks")
-    q, cbuf, cache = index_inputs(case, num_heads, head_dim, q_dtype, c_dtype)
+    poison = data.draw(st.booleans(), "poison_keys")
+    q, cbuf, cache = index_inputs(case, num_heads, head_dim, q_dtype, c_dtype, poison)
     scores = naive_block_scores(q, cache, case.cu, case.seq_lens, case.table, case.block_size)
     want = naive_select(scores, case.positions(), topk=topk, init_blocks=init,
                         local_blocks=local, block_size=case.block_size)
