@@ -27,6 +27,7 @@ reproduction line.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 
 import pytest
@@ -398,13 +399,18 @@ def check_page_table(case, data, geo, device):
     sub = data.draw(st.sampled_from([s for s in (1, 4, 16, 32, 128) if s <= case.block_size]),
                     "sub_page_size")
     indices = _selection(case, data, num_index_heads, topk)
+    # the cache's page count, where the op takes it (then stale ids past it are dropped too)
+    pages = {}
+    if "num_pages" in inspect.signature(openmsa.sparse_page_table).parameters \
+            and data.draw(st.booleans(), "num_pages"):
+        pages = dict(num_pages=case.num_pages)
     want = naive_page_table(indices, case.cu, case.seq_lens, case.table,
                             num_kv_heads=num_kv_heads, block_size=case.block_size,
-                            sub_page_size=sub)
+                            sub_page_size=sub, **pages)
     cu, sl, table = case.metadata(device)
     got = openmsa.sparse_page_table(_dev(indices, device), cu, sl, table,
                                     num_kv_heads=num_kv_heads, block_size=case.block_size,
-                                    sub_page_size=sub)
+                                    sub_page_size=sub, **pages)
     assert torch.equal(got[1].cpu(), want[1]), _diff(got[1].cpu(), want[1])
     assert torch.equal(got[0].cpu(), want[0]), _diff(got[0].cpu(), want[0])
 

@@ -145,11 +145,13 @@ def naive_sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens,
 
 
 def naive_page_table(indices, cu_seqlens_q, seq_lens, block_table, *, num_kv_heads: int,
-                     block_size: int, sub_page_size: int):
+                     block_size: int, sub_page_size: int, num_pages: int | None = None):
     """`sparse_page_table` ("Sparse attention", last paragraph): (pages int32
-    [T * Hkv, K * B / S], context_lens int32 [T * Hkv]). The op sees no cache, so it cannot
-    tell a stale id past P: it drops negative page ids, and (our reading, not yet in the spec)
-    ids whose sub-page ids int32 cannot hold, which no cache of int32 sub-page ids has."""
+    [T * Hkv, K * B / S], context_lens int32 [T * Hkv]). A table entry outside [0, P) is
+    dropped like a repeated id; the op sees no cache, so without `num_pages` only negative ids
+    are known not to be pages, and (our reading, not in the spec's text) ids whose sub-page ids
+    int32 cannot hold, which no cache of int32 sub-page ids has."""
+    limit = 2 ** 31 // (block_size // sub_page_size) if num_pages is None else num_pages
     num_tokens, num_index_heads, topk = indices.shape
     per_block = block_size // sub_page_size
     pages = torch.zeros((num_tokens * num_kv_heads, topk * per_block), dtype=torch.int32)
@@ -161,8 +163,7 @@ def naive_page_table(indices, cu_seqlens_q, seq_lens, block_table, *, num_kv_hea
         n = p // block_size + 1
         for g in range(num_kv_heads):
             sel = sorted({int(b) for b in indices[t, g * num_index_heads // num_kv_heads]
-                          if 0 <= int(b) < n and 0 <= int(block_table[r, int(b)])
-                          and (int(block_table[r, int(b)]) + 1) * per_block <= 2 ** 31})
+                          if 0 <= int(b) < n and 0 <= int(block_table[r, int(b)]) < limit})
             row, ctx = [], 0
             for b in sel:
                 if b < n - 1:
