@@ -32,7 +32,7 @@ import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import openmsa
@@ -53,7 +53,10 @@ _COMMON = dict(deadline=None, derandomize=True, database=None, print_blob=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                       HealthCheck.function_scoped_fixture])
 TIER0 = settings(max_examples=60, **_COMMON)
-TIER1 = settings(max_examples=12, **_COMMON)
+# no shrinking in tier 1: at a second or more per example it could run for minutes per failing
+# test (hypothesis allows itself 5); the failing example prints as drawn, and tier 0 shrinks the
+# same strategies
+TIER1 = settings(max_examples=12, phases=(Phase.explicit, Phase.generate), **_COMMON)
 
 
 @dataclasses.dataclass
