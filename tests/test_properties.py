@@ -92,6 +92,19 @@ GEOMETRY1 = Geometry(block_sizes=(16, 32), max_seq=200, max_q=5, index_dims=(16,
                      max_topk=6)
 
 
+# launch knobs that move a step onto the kernels' other paths (tier 1; the reference takes and
+# ignores them): several selection segments and their merge; the threshold path in chunks and
+# the group-bound form; split scoring launches and small prefill tiles; sorting selections
+INDEXER_CONFIGS = (None, openmsa.IndexerConfig(select_segment=16),
+                   openmsa.IndexerConfig(select_segment=32, select_chunk=8,
+                                         select_chunk_min_waves=0, select_group_min_blocks=16),
+                   openmsa.IndexerConfig(decode_max_bps=2, prefill_rows=16, prefill_bps=2,
+                                         select_sort_waves=0))
+# the prefill forms at any step size: tiles over the selections' union, or per-token programs
+ATTENTION_CONFIGS = (None, openmsa.AttentionConfig(prefill_min_tokens=1),
+                     openmsa.AttentionConfig(prefill_min_tokens=1, tiles=False))
+
+
 @dataclasses.dataclass
 class Case:
     """One step, its hostile edits applied. `table_buf` holds `table` (a [R, W] view) with
@@ -322,8 +335,10 @@ def check_block_scores(case, data, geo, device):
     obuf, out = embedded(want.shape, torch.float32, 12345.0)
     obuf_d, out_d = moved(obuf, out, device)
     max_q_len = data.draw(st.sampled_from([None, 16]), "max_q_len")
+    config = data.draw(st.sampled_from(INDEXER_CONFIGS), "config")
     got = openmsa.block_scores(_dev(q, device), moved(cbuf, cache, device)[1], cu, sl, table,
-                               block_size=case.block_size, out=out_d, max_q_len=max_q_len)
+                               block_size=case.block_size, out=out_d, max_q_len=max_q_len,
+                               config=config)
     assert got.data_ptr() == out_d.data_ptr()
     assert torch.equal(got.cpu(), want), _diff(got.cpu(), want)
     assert_margins_kept(obuf, obuf_d, out_d)
@@ -346,7 +361,8 @@ def check_select_blocks(case, data, geo, device):
     obuf_d, out_d = moved(obuf, out, device)
     got = openmsa.select_blocks(_dev(q, device), moved(cbuf, cache, device)[1], cu, sl, table,
                                 topk=topk, init_blocks=init, local_blocks=local,
-                                block_size=case.block_size, out=out_d)
+                                block_size=case.block_size, out=out_d,
+                                config=data.draw(st.sampled_from(INDEXER_CONFIGS), "config"))
     assert torch.equal(got.cpu(), want), _diff(got.cpu(), want)
     assert_margins_kept(obuf, obuf_d, out_d)
 
@@ -390,7 +406,8 @@ def check_sparse_attention(case, data, geo, device, separate_main_table: bool):
     got, lse = openmsa.sparse_attention(
         _dev(q, device), moved(kbuf, k_cache, device)[1], moved(vbuf, v_cache, device)[1],
         _dev(indices, device), cu, sl, table, block_size=case.block_size, out=out_d,
-        return_lse=True, **scales)
+        return_lse=True, config=data.draw(st.sampled_from(ATTENTION_CONFIGS), "config"),
+        **scales)
     assert_close(got, want, msg="(out)")
     assert_close(lse, want_lse, msg="(lse)")
     assert_margins_kept(obuf, obuf_d, out_d)
