@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import os
 
 import pytest
 import torch
@@ -41,7 +40,6 @@ from helpers.naive import (FP8_MAX, naive_batch_is_valid, naive_block_scores, na
                            naive_page_table, naive_select, naive_sparse_attention,
                            naive_write_index_cache, naive_write_kv_cache)
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 I32_MAX, I32_MIN = 2 ** 31 - 1, -2 ** 31
 FP8 = torch.float8_e4m3fn
 MARGIN = 2  # pages (or rows, columns) of guard band on each side of a buffer
@@ -620,6 +618,13 @@ def check_argument_errors(device):
 
 # ---- tier 0: the reference ------------------------------------------------------------------
 
+def reference_tier(test):
+    """The public ops on CPU tensors: the reference here; under TRITON_INTERPRET=1 they would
+    run the kernels at tier-0 sizes, far too slow for the interpreter (conftest.py skips
+    `dispatch` tests there)."""
+    return pytest.mark.reference(pytest.mark.dispatch(test))
+
+
 INDEX_WRITE_DTYPES0 = ((torch.float32, torch.float32), (torch.float16, torch.float16),
                        (torch.bfloat16, torch.bfloat16), (torch.float32, FP8),
                        (torch.bfloat16, FP8), (torch.float32, torch.float16))
@@ -630,6 +635,7 @@ KV_WRITE_DTYPES0 = ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloa
 HOSTILE = pytest.mark.parametrize("hostile", [False, True], ids=["step", "hostile"])
 
 
+@reference_tier
 @HOSTILE
 @TIER0
 @given(data=st.data())
@@ -637,6 +643,7 @@ def test_block_scores(hostile, data):
     check_block_scores(data.draw(cases(GEOMETRY0, hostile), "case"), data, GEOMETRY0, "cpu")
 
 
+@reference_tier
 @HOSTILE
 @TIER0
 @given(data=st.data())
@@ -644,6 +651,7 @@ def test_select_blocks(hostile, data):
     check_select_blocks(data.draw(cases(GEOMETRY0, hostile), "case"), data, GEOMETRY0, "cpu")
 
 
+@reference_tier
 @HOSTILE
 @pytest.mark.parametrize("separate_main_table", [False, True], ids=["one_table", "two_tables"])
 @TIER0_HEAVY
@@ -653,6 +661,7 @@ def test_sparse_attention(hostile, separate_main_table, data):
                            separate_main_table)
 
 
+@reference_tier
 @HOSTILE
 @TIER0
 @given(data=st.data())
@@ -660,18 +669,21 @@ def test_sparse_page_table(hostile, data):
     check_page_table(data.draw(cases(GEOMETRY0, hostile), "case"), data, GEOMETRY0, "cpu")
 
 
+@reference_tier
 @TIER0
 @given(params=slot_lists(), data=st.data())
 def test_write_index_cache(params, data):
     check_write_index_cache(params, data, "cpu", INDEX_WRITE_DTYPES0)
 
 
+@reference_tier
 @TIER0
 @given(params=slot_lists(), data=st.data())
 def test_write_kv_cache(params, data):
     check_write_kv_cache(params, data, "cpu", KV_WRITE_DTYPES0)
 
 
+@reference_tier
 @TIER0
 @given(case=cases(GEOMETRY0, hostile=True), with_pages=st.booleans())
 def test_validate_batch(case, with_pages):
@@ -689,6 +701,7 @@ def test_validate_batch(case, with_pages):
         assert valid, "validate_batch accepted a malformed step"
 
 
+@reference_tier
 @TIER0_HEAVY
 @given(params=slot_lists(), data=st.data())
 def test_fused_prepare_slots(params, data):
@@ -697,12 +710,14 @@ def test_fused_prepare_slots(params, data):
                                                     (torch.bfloat16, FP8)))
 
 
+@reference_tier
 def test_argument_errors_name_the_argument():
     """Malformed shapes and dtypes (what the ops do check) raise TypeError/ValueError naming
     the argument, on the reference."""
     check_argument_errors("cpu")
 
 
+@reference_tier
 def test_the_suite_catches_a_wrong_tie_rule():
     """The selection comparison can fail: with every score tied (all-zero keys), the naive
     selection with the tie rule flipped (higher id first) disagrees with select_blocks, while

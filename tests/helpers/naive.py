@@ -185,7 +185,8 @@ def _store(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Ten
     x = x.float() / scale
     if dtype in FP8_MAX:
         m = FP8_MAX[dtype]
-        x = torch.where(x > m, torch.full_like(x, m), torch.where(x < -m, torch.full_like(x, -m), x))
+        # (a comparison is false for NaN, so NaN passes through both)
+        x = torch.where(x > m, m, torch.where(x < -m, -m, x))
     return x.to(dtype)
 
 
