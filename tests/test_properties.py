@@ -128,9 +128,13 @@ class Case:
                 f"seed={self.seed})")
 
     def metadata(self, device="cpu"):
-        return (torch.tensor(self.cu, dtype=torch.int32, device=device),
-                torch.tensor(self.seq_lens, dtype=torch.int32, device=device),
-                moved(self.table_buf, self.table, device)[1])
+        """(cu_seqlens_q, seq_lens, block_table) on `device`, each a view inside a larger
+        buffer whose neighbours would change the result if read: a 0 offset after
+        cu_seqlens_q[R] (a decrease: the step would become padding), seq_lens of 2^31 - 1."""
+        i32 = dict(dtype=torch.int32, device=device)
+        cu = torch.tensor([7, *self.cu, 0, 0], **i32)[1:len(self.cu) + 1]
+        sl = torch.tensor([I32_MAX, *self.seq_lens, I32_MAX], **i32)[1:len(self.seq_lens) + 1]
+        return cu, sl, moved(self.table_buf, self.table, device)[1]
 
     def positions(self, width: int | None = None) -> list[int]:
         width = self.table.shape[1] if width is None else width
