@@ -50,14 +50,14 @@ MARGIN = 2  # pages (or rows, columns) of guard band on each side of a buffer
 _COMMON = dict(deadline=None, derandomize=True, database=None, print_blob=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                       HealthCheck.function_scoped_fixture])
-TIER0 = settings(max_examples=100, **_COMMON)
+TIER0 = settings(max_examples=250, **_COMMON)
 # the attention tests run in four variants, each example a naive softmax over up to K * B keys
 # per (token, head): fewer examples a variant
-TIER0_HEAVY = settings(max_examples=40, **_COMMON)
+TIER0_HEAVY = settings(max_examples=100, **_COMMON)
 # no shrinking in tier 1: at a second or more per example it could run for minutes per failing
 # test (hypothesis allows itself 5); the failing example prints as drawn, and tier 0 shrinks the
 # same strategies
-TIER1 = settings(max_examples=20, phases=(Phase.explicit, Phase.generate), **_COMMON)
+TIER1 = settings(max_examples=40, phases=(Phase.explicit, Phase.generate), **_COMMON)
 
 
 @dataclasses.dataclass
