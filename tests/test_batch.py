@@ -51,3 +51,17 @@ def test_validate_batch_types():
         validate_batch(_i32([0, 1]), torch.tensor([5]), _i32([[0]]))
     with pytest.raises(ValueError, match="cu_seqlens_q must have"):
         validate_batch(_i32([0, 1, 2]), _i32([5]), _i32([[0]]))
+
+
+def test_validate_batch_checks_the_token_count():
+    """cu_seqlens_q past the step's tokens is malformed (docs/spec.md, "Bounds"): token_layout
+    pads the step, validate_batch names it when given num_tokens."""
+    cu, sl, bt = _i32([0, 5]), _i32([5]), _i32([[0]])
+    validate_batch(cu, sl, bt, num_tokens=5)
+    assert token_layout(cu, sl, 3, block_size=128, table_width=1)[1].tolist() == [-1] * 3
+    with pytest.raises(ValueError, match="past the step's 3 tokens"):
+        validate_batch(cu, sl, bt, num_tokens=3)
+    with pytest.raises(TypeError, match="num_tokens"):
+        validate_batch(cu, sl, bt, num_tokens=3.0)
+    with pytest.raises(TypeError, match="block_size and table_width"):
+        token_layout(cu, sl, 3, table_width=1)

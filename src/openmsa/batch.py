@@ -49,6 +49,8 @@ def token_layout(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, num_tokens:
     q_len = cu[1:] - cu[:-1]
     pos = sl[r] - q_len[r] + (t - cu[r])
     ok = (request < num_requests) & (q_len[r] <= sl[r]) & step_well_formed(cu, num_tokens)
+    if (table_width is None) != (block_size is None):
+        raise TypeError("token_layout: give block_size and table_width together, or neither")
     if table_width is not None:
         ok &= request_fits_table(sl[r], block_size, table_width)
     pos = torch.where(ok & (pos >= 0), pos, torch.full_like(pos, -1))
@@ -101,12 +103,14 @@ def num_causal_blocks(position: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 def validate_batch(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                   *, block_size: int = 128, num_pages: int | None = None) -> None:
+                   *, block_size: int = 128, num_pages: int | None = None,
+                   num_tokens: int | None = None) -> None:
     """Check the step's metadata values (this synchronises: call it in debug mode, not per layer).
 
     Checks: cu_seqlens_q starts at 0 and never decreases; seq_lens >= 0; q_len <= seq_len; the
     block table has a column for every block of every request; every page a request uses lies in
-    [0, num_pages) when num_pages is given. Raises ValueError naming the first bad request.
+    [0, num_pages) when num_pages is given; cu_seqlens_q[R] <= num_tokens (the step's packed
+    tokens, T) when num_tokens is given. Raises ValueError naming the first bad request.
     """
     from ._checks import check_step
 
@@ -116,6 +120,12 @@ def validate_batch(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tab
     sl = seq_lens.detach().cpu().to(torch.int64)
     if cu[0] != 0:
         raise ValueError(f"cu_seqlens_q[0] must be 0, got {int(cu[0])}")
+    if num_tokens is not None:
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise TypeError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        if cu[-1] > num_tokens:
+            raise ValueError(f"cu_seqlens_q ends at {int(cu[-1])}, past the step's "
+                             f"{num_tokens} tokens")
     q_len = cu[1:] - cu[:-1]
     width = block_table.shape[1]
     bt = block_table.detach().cpu()

@@ -323,3 +323,24 @@ def test_gluon_tiles_read_nothing_outside_the_cache(dtype):
     assert not (_taken(p, idxd, d) >= 0).any()
     _assert_padding(got, lse, slice(None))
     assert buf[:GUARD].isnan().all() and buf[GUARD + q.shape[0]:].isnan().all()
+
+
+@pytest.mark.interpret
+def test_a_step_of_no_request_reads_nothing(kernel_device):
+    """R = 0 with T > 0 (an engine's padded step holding no request): every token is padding on
+    the per-token and the tile path (the tile plan's request lookup must not read seq_lens[-1]:
+    an empty seq_lens has no element at all)."""
+    g = torch.Generator().manual_seed(9)
+    num_tokens, pages = 16, 3
+    q = torch.randn(num_tokens, 4, 64, generator=g).half().to(kernel_device)
+    k = torch.randn(pages, B, 2, 64, generator=g).half().to(kernel_device)
+    v = torch.randn(pages, B, 2, 64, generator=g).half().to(kernel_device)
+    idx = torch.zeros(num_tokens, 2, TOPK, dtype=torch.int32, device=kernel_device)
+    cu = torch.zeros(1, dtype=torch.int32, device=kernel_device)
+    sl = torch.zeros(0, dtype=torch.int32, device=kernel_device)
+    bt = torch.zeros(0, 4, dtype=torch.int32, device=kernel_device)
+    for config in (DEFAULT, _prefill_tiles_config(16, 1e9)):
+        out, lse = openmsa.sparse_attention(q, k, v, idx, cu, sl, bt, block_size=B,
+                                            return_lse=True, config=config)
+        assert torch.equal(out.cpu(), torch.zeros_like(out.cpu()))
+        assert (lse == float("-inf")).all()

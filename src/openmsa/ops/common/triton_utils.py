@@ -91,11 +91,13 @@ def tile_position(cu_seqlens_ptr, seq_lens_ptr, num_requests, num_tokens, table_
     request is clamped to R - 1 and the position computed as if valid either way (callers mask
     with `whole`)."""
     r = find_request(cu_seqlens_ptr, num_requests, t0)
-    r_safe = tl.minimum(r, num_requests - 1)
-    t_req = tl.load(cu_seqlens_ptr + r_safe)
-    t_next = tl.load(cu_seqlens_ptr + r_safe + 1)
-    seq_len = tl.load(seq_lens_ptr + r_safe)
-    whole = ((r < num_requests) & (t0 >= t_req) & (t0 + QT <= t_next)
+    real = r < num_requests
+    # (R = 0: no request to read, and seq_lens may have no element at all)
+    r_safe = tl.maximum(tl.minimum(r, num_requests - 1), 0)
+    t_req = tl.load(cu_seqlens_ptr + r_safe, mask=real, other=0)
+    t_next = tl.load(cu_seqlens_ptr + r_safe + 1, mask=real, other=0)
+    seq_len = tl.load(seq_lens_ptr + r_safe, mask=real, other=0)
+    whole = (real & (t0 >= t_req) & (t0 + QT <= t_next)
              & request_ok(t_next - t_req, seq_len, table_width, BLOCK)
              & step_well_formed(cu_seqlens_ptr, num_requests, num_tokens))
     return r_safe, seq_len - (t_next - t_req) + (t0 - t_req), whole

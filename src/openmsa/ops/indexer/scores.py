@@ -357,7 +357,7 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
             last_local = _cp_local_pos(seq_len - 1, cp_size, cp_rank, BLOCK)
             b_hi = tl.minimum(b_first + BPS, tl.where(last_local < 0, 0, last_local // BLOCK + 1))
         else:
-            b_hi = tl.minimum(b_first + BPS, (seq_len + BLOCK - 1) // BLOCK)
+            b_hi = tl.minimum(b_first + BPS, tl.where(seq_len > 0, (seq_len - 1) // BLOCK + 1, 0))
         # (request_ok bounds b_hi by the table's width; a malformed step is padding)
         if ((q_len > 0) & (q_len <= SMALL_Q) & request_ok(q_len, seq_len, full_width, BLOCK)
                 & (b_first < b_hi) & step_well_formed(cu_ptr, num_requests, num_tokens)):

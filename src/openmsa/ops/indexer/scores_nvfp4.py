@@ -175,12 +175,12 @@ def _nvfp4_request_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
     b_lo = gl.program_id(1) * BPS
     t_req = gl.load(cu_ptr + r)
     cu_next = gl.load(cu_ptr + r + 1)
-    # q_len decides positions and which launch takes the request, as in scores.py; the rows
-    # scored stop at the packed tokens' end (a cu_seqlens_q past T)
+    # q_len decides positions and which launch takes the request, as in scores.py
     q_len = cu_next - t_req
     n_tok = gl.minimum(cu_next, num_tokens) - t_req
     seq_len = gl.load(seq_lens_ptr + r)
-    b_hi = gl.minimum(b_lo + BPS, (seq_len + BLOCK - 1) // BLOCK)
+    # (ceil(seq_len / BLOCK) without the int32 overflow of seq_len + BLOCK - 1)
+    b_hi = gl.minimum(b_lo + BPS, gl.where(seq_len > 0, (seq_len - 1) // BLOCK + 1, 0))
     # (request_ok bounds b_hi by the table's width; a malformed step is padding: docs/spec.md,
     # "Bounds")
     if ((q_len > 0) & (q_len <= SMALL_Q) & request_ok(q_len, seq_len, table_width, BLOCK)
@@ -207,8 +207,9 @@ _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 
 
 @gluon.jit
 def _unit_page(row_bt, unit, n_units, b_lo, stride_btb, num_pages):
-    """The page id of unit `unit`'s block: -1 past the split, and for an entry naming no page
-    of the cache (negative, or a stale id past it: docs/spec.md, "Bounds")."""
+    """The page id of unit `unit`'s block: -1 past the split and for a stale id past the cache;
+    a negative entry stays negative (docs/spec.md, "Bounds": any id < 0 or >= num_pages reads
+    nothing, and `_issue` and the block's maxima test the sign)."""
     page = gl.load(row_bt + (b_lo + unit // 2) * stride_btb, mask=unit < n_units, other=-1)
     return gl.where(page < num_pages, page, -1)
 

@@ -48,7 +48,7 @@ def _stage_nvfp4_kernel(cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, staged_ptr, sta
             t1 = tl.load(cu_ptr + rr + 1, mask=before, other=0)
             rank += tl.sum((before & (t1 - t0 > SMALL_Q)).to(tl.int32), axis=0)
     # the blocks the tile launch may read: those of the request's last position, at most
-    n_blocks = tl.minimum((seq_len + BLOCK - 1) // BLOCK, width)
+    n_blocks = tl.minimum(tl.where(seq_len > 0, (seq_len - 1) // BLOCK + 1, 0), width)
     n_blocks = tl.where(is_long & (rank < slots), n_blocks, 0)
     row = bt_ptr + r.to(tl.int64) * stride_btr
     pages = tl.load(row + cols * stride_btb, mask=cols < n_blocks, other=-1)
