@@ -17,18 +17,22 @@ something else would differ. Exit status 1 on a mismatch.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import torch
 
 import openmsa
 from openmsa import reference as ref
+from openmsa.ops.attention.plan import AttentionConfig
 
 B = 128
 HQ, HKV, H, D = 64, 4, 4, 128
 Q_LENS = [1, 4, 300]
 SEQ_LENS = [3000, 2000, 1500]
 RULE = dict(topk=16, init_blocks=0, local_blocks=1)
+# an attention plan that tiles every prefill chunk, however short the step
+TILES = dataclasses.replace(AttentionConfig(), prefill_min_tokens=1)
 FAILURES: list[str] = []
 
 
@@ -127,14 +131,17 @@ def run(name: str) -> None:
         v = packed[..., D:].permute(0, 2, 1, 3)
         pd = packed.to(dev)
         kd, vd = pd[..., :D].permute(0, 2, 1, 3), pd[..., D:].permute(0, 2, 1, 3)
-        out, lse = openmsa.sparse_attention(q.to(dev), kd, vd, indices.to(dev), *meta_d,
-                                            block_size=B, return_lse=True)
         want, want_lse = ref.sparse_attention(q, k, v, indices, *meta, block_size=B,
                                               return_lse=True)
-        _check(f"{name} attention {label} lse", torch.equal(lse.cpu().isfinite(),
-                                                             want_lse.isfinite()))
-        _check(f"{name} attention {label} out",
-               torch.allclose(out.cpu().float(), want.float(), atol=3e-2, rtol=3e-2))
+        # the default plan (per-token programs at this size) and one that takes the prefill
+        # chunk's tiles (the Gluon tile kernel on Hopper)
+        for form, config in (("token", None), ("tiles", TILES)):
+            out, lse = openmsa.sparse_attention(q.to(dev), kd, vd, indices.to(dev), *meta_d,
+                                                block_size=B, return_lse=True, config=config)
+            _check(f"{name} attention {label} {form} lse",
+                   torch.equal(lse.cpu().isfinite(), want_lse.isfinite()))
+            _check(f"{name} attention {label} {form} out",
+                   torch.allclose(out.cpu().float(), want.float(), atol=3e-2, rtol=3e-2))
     pt = openmsa.sparse_page_table(indices.to(dev), *meta_d, num_kv_heads=HKV, block_size=B,
                                    num_pages=pages)
     want_pt = ref.sparse_page_table(indices, *meta, num_kv_heads=HKV, block_size=B,
