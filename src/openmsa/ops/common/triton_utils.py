@@ -43,9 +43,9 @@ def step_well_formed(cu_seqlens_ptr, num_requests, num_tokens):
     """Whether the step's cu_seqlens_q is well formed: it starts at 0, never decreases and ends
     at most at num_tokens. A step failing this is padding as a whole (docs/spec.md, "Bounds"):
     otherwise two requests could claim one token, and per-request and per-token launches would
-    disagree on it. Reads the R + 1 offsets a warp's 32 at a time: a wider chunk, reduced across
-    warps, kept 13 more registers live in the fp8 decode attention kernel (3 -> 2 programs an
-    SM)."""
+    disagree on it. Reads the R + 1 offsets a warp's 32 at a time: a wider chunk is reduced
+    across warps, which keeps more registers live in the decode attention kernel's prologue
+    (docs/performance.md, "The bounds checks' cost")."""
     CHUNK: tl.constexpr = 32
     ok = (tl.load(cu_seqlens_ptr) == 0) & (tl.load(cu_seqlens_ptr + num_requests) <= num_tokens)
     for i in range(0, num_requests, CHUNK):
