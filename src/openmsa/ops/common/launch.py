@@ -303,15 +303,56 @@ class PlanCache:
     the argument checks and the launch choices, which cost more host time than the launch
     itself (benchmarks/host_cost.py; docs/performance.md). Bounded like Launcher's keys."""
 
-    def __init__(self):
+    def __init__(self, op: str = "op"):
+        self.op = op
         self._plans: dict = {}
 
+    # get/put: the callers move to get_or_plan (then these two go)
     def get(self, key):
         return None if key is None else self._plans.get(key)
 
     def put(self, key, plan) -> None:
-        if key is None:
-            return
-        if len(self._plans) >= MAX_KEYS:
-            self._plans.clear()
-        self._plans[key] = plan
+        if key is not None:
+            if len(self._plans) >= MAX_KEYS:
+                self._plans.clear()
+            self._plans[key] = plan
+
+    def get_or_plan(self, key, make):
+        """The plan cached under `key`, else `make()` (the argument checks and the launch
+        choices), cached. A None key (an argument that is not hashable) is never cached: `make`
+        runs, and its checks say what is wrong. With OPENMSA_SHOW_PLANS=1 each plan made is
+        logged (logger "openmsa.plans", stderr when logging is not configured)."""
+        plan = None if key is None else self._plans.get(key)
+        if plan is None:
+            plan = make()
+            if SHOW_PLANS:
+                _log_plan(self.op, key, plan)
+            if key is not None:
+                if len(self._plans) >= MAX_KEYS:
+                    self._plans.clear()
+                self._plans[key] = plan
+        return plan
+
+
+SHOW_PLANS = os.environ.get("OPENMSA_SHOW_PLANS", "0") == "1"
+
+
+def _log_plan(op: str, key, plan) -> None:
+    import logging
+    log = logging.getLogger("openmsa.plans")
+    if not log.hasHandlers():
+        log.addHandler(logging.StreamHandler())
+        log.setLevel(logging.INFO)
+    launches = getattr(plan, "launches", plan)
+    lines = [f"openmsa plan for {op}:"]
+    if isinstance(launches, (tuple, list)):
+        for launch in launches:
+            params = ", ".join(f"{k}={v}" for k, v in getattr(launch, "params", {}).items())
+            lines.append(f"  {getattr(launch, 'kernel', launch)} grid={getattr(launch, 'grid', '')}"
+                         f" {params}")
+    else:
+        lines.append(f"  {plan!r}")
+    sizes = getattr(plan, "sizes", None)
+    if sizes:
+        lines.append(f"  sizes: {dict(sizes)}")
+    log.info("\n".join(lines))
