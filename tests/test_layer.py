@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import openmsa
+from openmsa.dense import DENSE_OPS
 from openmsa.model import TinyMSAModel, ToyEngine, random_layer_checkpoint
 from openmsa.plan import MSAPlanner
 from helpers import (assert_close, make_step, random_index_inputs, random_kv_cache)
-from helpers.dense import DENSE_OPS
 
 FP8 = torch.float8_e4m3fn
 CFG = openmsa.MSAConfig(num_heads=4, num_kv_heads=2, head_dim=64, num_index_heads=2,
