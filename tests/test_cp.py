@@ -206,8 +206,8 @@ def test_gloo_group_kernels(world):
 @pytest.mark.reference
 @pytest.mark.parametrize("world", [2, 4])
 def test_gloo_group_layer(world):
-    """MSAAttention(index_cp_group=...) at TP W over a sharded index cache (MSAPlanner's
-    index_cp_size): the same output as the layer without CP over a replicated cache, and a rank
+    """MSAAttention(cp_group=...) at TP W over a sharded index cache (MSAPlanner's
+    cp_size): the same output as the layer without CP over a replicated cache, and a rank
     writes index keys only into its own blocks' pages (cp_worker.layer_check)."""
     if INTERPRET:
         pytest.skip("reference ops")
@@ -228,7 +228,7 @@ def test_planner_shards_index_slots_and_table():
     written = torch.zeros(64 * bs, dtype=torch.int32)
     for r in range(world):
         planner = MSAPlanner(cfg, max_requests=4, max_tokens=64, max_blocks=8, device="cpu",
-                             index_cp_size=world, index_cp_rank=r)
+                             cp_size=world, cp_rank=r)
         meta = planner.plan(q_lens, seq_lens, table)
         assert torch.equal(meta.index_block_table, owned_table(full.index_block_table, world, r))
         assert torch.equal(meta.slot_mapping, full.slot_mapping)
@@ -257,8 +257,8 @@ def test_layer_refuses_a_table_sharded_for_another_rank():
     index_cache = torch.zeros(8, B, cfg.index_head_dim)
     hidden = torch.randn(3, 32)
     sharded = MSAPlanner(cfg, max_requests=1, max_tokens=8, max_blocks=8, device="cpu",
-                         index_cp_size=2, index_cp_rank=1).plan([3], [3], table)
-    with pytest.raises(ValueError, match="index_cp_size"):
+                         cp_size=2, cp_rank=1).plan([3], [3], table)
+    with pytest.raises(ValueError, match="cp_size"):
         layer(hidden, sharded, kv, index_cache)
     whole = MSAPlanner(cfg, max_requests=1, max_tokens=8, max_blocks=8, device="cpu").plan(
         [3], [3], table)
@@ -268,13 +268,13 @@ def test_layer_refuses_a_table_sharded_for_another_rank():
 
 @pytest.mark.reference
 @pytest.mark.parametrize("kwargs, kind, name", [
-    (dict(index_cp_size=0), ValueError, "index_cp_size"),
-    (dict(index_cp_size=True), ValueError, "index_cp_size"),
-    (dict(index_cp_size=2, index_cp_rank=2), ValueError, "index_cp_rank"),
-    (dict(index_cp_size=2, index_cp_rank=-1), ValueError, "index_cp_rank"),
+    (dict(cp_size=0), ValueError, "cp_size"),
+    (dict(cp_size=True), ValueError, "cp_size"),
+    (dict(cp_size=2, cp_rank=2), ValueError, "cp_rank"),
+    (dict(cp_size=2, cp_rank=-1), ValueError, "cp_rank"),
 ])
 def test_planner_and_op_cp_arguments_are_checked(kwargs, kind, name):
-    """MSAPlanner's index_cp_size / index_cp_rank, and the same check (_checks.check_cp_shape)
+    """MSAPlanner's cp_size / cp_rank, and the same check (_checks.check_cp_shape)
     of cp.py's cp_size / cp_rank, each error naming its own argument."""
     from openmsa import MSAPlanner
     from openmsa.ops.indexer.cp import local_block_scores
@@ -291,11 +291,11 @@ def test_planner_and_op_cp_arguments_are_checked(kwargs, kind, name):
 
 
 @pytest.mark.reference
-def test_layer_index_cp_group_is_checked():
+def test_layer_cp_group_is_checked():
     from openmsa import MSAAttention
-    with pytest.raises(TypeError, match="index_cp_group"):
+    with pytest.raises(TypeError, match="cp_group"):
         MSAAttention(_tiny_config(), 32, dtype=torch.float32, ops="reference",
-                     index_cp_group=2)
+                     cp_group=2)
 
 
 def _tiny_config():

@@ -12,7 +12,7 @@ import torch
 import openmsa
 from openmsa.dense import DENSE_OPS
 from openmsa.model import TinyMSAModel, ToyEngine, random_layer_checkpoint
-from openmsa.plan import MSAPlanner
+from openmsa.metadata import MSAPlanner
 from helpers import (assert_close, make_step, random_index_inputs, random_kv_cache)
 
 FP8 = torch.float8_e4m3fn

@@ -9,7 +9,7 @@ world sizes 2 and 4:
   tables, queries and keys: equal to the eager one-GPU selection after each replay;
 * MSAAttention at TP2/TP4 with the engine's all-reduce of the o_proj partial outputs: equal to
   the TP1 layer within bf16 tolerance over prefill, decode and verify steps, with and without
-  index_cp_group.
+  cp_group.
 
 The gpu-marked tests skip (and only skip) where fewer GPUs than the world size are present:
 
@@ -66,7 +66,7 @@ def run_group(world: int, backend: str, checks: str, timeout: float = 900):
 def test_gloo_workers_run_the_multigpu_checks():
     """The NCCL tests' worker on CPU over gloo, world size 2: CP selection (replicated and
     sharded, fp8 and bf16), the rerun-on-the-same-buffers form of the graph check, and the TP2
-    layer with the all-reduce against TP1, with and without index_cp_group."""
+    layer with the all-reduce against TP1, with and without cp_group."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         pytest.skip("the reference tier runs it (reference ops on CPU)")
     run_group(2, "gloo", "select,graph,layer", timeout=300)
@@ -98,5 +98,5 @@ def test_nccl_cp_selection_in_a_cuda_graph(world):
                                    pytest.param(4, marks=_needs(4))])
 def test_nccl_tensor_parallel_layer(world):
     """MSAAttention at TP world with the all-reduce of o_proj against TP1, with and without
-    index_cp_group (sharded index cache), bf16 and fp8 index caches."""
+    cp_group (sharded index cache), bf16 and fp8 index caches."""
     run_group(world, "nccl", "layer")

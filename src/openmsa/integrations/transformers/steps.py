@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ...config import MSAConfig
-from ...plan import MSAPlanner
+from ...metadata import MSAPlanner
 from .pages import PagedCaches
 from .sessions import SessionStore, _Session
 
