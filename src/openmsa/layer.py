@@ -130,7 +130,6 @@ class MSAAttention(nn.Module):
         for name, n in zip(_NORMS, (d, d, di, di)):
             setattr(self, name, nn.Parameter(torch.zeros(n, **kw), requires_grad=False))
 
-    # ---------------------------------------------------------------- weights
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """The whole (unsharded) layer's checkpoint tensors, by parameter name."""
         c, h = self.full_config, self.hidden_size
@@ -180,7 +179,6 @@ class MSAAttention(nn.Module):
         for name in _NORMS:
             getattr(self, name).copy_(w[name + ".weight"])
 
-    # ---------------------------------------------------------------- forward
     def _check_inputs(self, hidden, meta, kv_cache, index_cache) -> None:
         """forward's own arguments, by name (the ops check the caches' shapes and the step's
         tensors; no device values are read)."""

@@ -78,7 +78,6 @@ class Setup:
         return tuple(x.to(self.device) for x in xs)
 
 
-# ----------------------------------------------------------------------------- select
 def step_inputs(s: Setup, q_dtype, c_dtype, seed: int):
     step = make_step(s.q_lens, s.seq_lens, block_size=s.block, extra_columns=2, pad_tokens=2,
                      generator=torch.Generator().manual_seed(seed))
@@ -108,7 +107,6 @@ def check_select(s: Setup, group) -> list[str]:
     return bad
 
 
-# ----------------------------------------------------------------------------- graph
 def replay_inputs(s: Setup, q_dtype, c_dtype, seed: int, *, requests, width, pages, q_lens):
     """A decode/verify step of fixed shapes (requests, tokens, table width, pages) and random
     contents: lengths from 0 to the table's reach (shorter than topk blocks included), a fresh
@@ -197,7 +195,6 @@ def check_graph(s: Setup, group) -> list[str]:
     return bad
 
 
-# ----------------------------------------------------------------------------- layer
 def layer_config(s: Setup):
     if s.gpu:  # M3's head geometry (64 / 4 / 4 heads of 128) with 4 blocks selected
         return openmsa.MSAConfig(topk_blocks=4, init_blocks=1, local_blocks=1)
