@@ -1040,7 +1040,8 @@ def test_attention_fused_merge_graph_replay_and_two_streams():
     d = cuda_step(step)
     qc, kc, vc, ic = q.cuda(), k.cuda(), v.cuda(), idx.cuda()
     p = _plan_of(qc, kc, vc, ic, block_size=GB)
-    assert 1 < p.sizes["splits"] <= DEFAULT.split.fused_max and p.sizes["fused"]  # the path under test
+    # the path under test
+    assert 1 < p.sizes["splits"] <= DEFAULT.split.fused_max and p.sizes["fused"]
     out = torch.empty_like(qc)
     run = lambda: openmsa.sparse_attention(qc, kc, vc, ic, d.cu_seqlens_q, d.seq_lens,  # noqa
                                            d.block_table, out=out)

@@ -106,7 +106,8 @@ class TokenForm:
 
 @dataclass(frozen=True)
 class TileForm:
-    """The Triton tile kernel's form (kernels/tile.py's _sparse_attention_tile_kernel)."""
+    """The Triton tile kernel's form (kernels/tile.py's _sparse_attention_tile_kernel), and the
+    warps of the tile plan launch before either tile kernel."""
 
     # query rows per tile, QT tokens x GP padded heads (QT = rows // GP, at most
     # TILE_MAX_TOKENS); the Gluon tiles take the tokens of TILE_ROWS rows (PAIR: twice)
