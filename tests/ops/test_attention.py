@@ -107,7 +107,8 @@ def test_config_is_frozen_and_hashable():
     with pytest.raises(dataclasses.FrozenInstanceError):
         DEFAULT.tiles = False
     assert hash(_config(tiles=False)) != hash(DEFAULT) or _config(tiles=False) != DEFAULT
-    assert len(dataclasses.fields(AttentionConfig)) <= 15
+    # a small config: the numbers of one launch grouped into a form, not fields of their own
+    assert len(dataclasses.fields(AttentionConfig)) <= 16
 
 
 @pytest.mark.reference
