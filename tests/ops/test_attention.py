@@ -112,6 +112,22 @@ def test_config_is_frozen_and_hashable():
 
 
 @pytest.mark.reference
+def test_an_unknown_launch_name_raises():
+    """api.py runs a plan's launches through a table of launch names: a name the table lacks
+    raises before anything launches (never skipped)."""
+    p = LaunchPlan([Launch("tokens", (1, 1, 1))], dict(splits=1, fused=1, store_lse=0,
+                                                       tile_tokens=0, tile_items=0,
+                                                       union_width=0))
+    q = torch.zeros(1, 16, 128)
+    k = v = torch.zeros(1, 128, 1, 128)
+    idx = torch.zeros(1, 1, 1, dtype=torch.int32)
+    step = torch.zeros(2, dtype=torch.int32)
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="no kernel 'tokens'"):
+        api._run(p, q, k, v, idx, step, step[:1], table, None, False, 1.0, None, None)
+
+
+@pytest.mark.reference
 def test_gluon_tiles_read_their_own_views():
     """What the Gluon tiles read (api._tile_sources, no GPU): 16-bit K and V described as
     their own [P, B, Hkv, D] views (vLLM's packed layout here: V starts D elements in), one

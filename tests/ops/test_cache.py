@@ -617,3 +617,11 @@ def test_fused_prepare_nvfp4_on_gpu():
     bound = 2 * torch.maximum(*scales).abs().repeat_interleave(16, dim=-1)  # 0xAB fill < 0
     assert ((got_k - want_k).abs() <= bound).all()
     assert (buf != want).float().mean().item() < 0.001
+
+
+@pytest.mark.reference
+def test_an_unknown_launch_name_raises():
+    """api.py finds each launch's kernel in a table of launch names: a name it lacks raises."""
+    from openmsa.ops.cache import api
+    with pytest.raises(ValueError, match="no kernel 'write_cache'"):
+        api._kernel("write_cache")
