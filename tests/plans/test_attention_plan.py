@@ -254,23 +254,23 @@ def test_prefill_fp8_tiles_in_pairs(case):
     config = dataclasses.replace(DEFAULT, gluon_pair_fp8=None) if case == "off" else DEFAULT
     s = shape(8192, 16 if case == "group4" else 64, 4, BF16 if case == "bf16" else FP8)
     p = plan(s, H200, config)
-    ws = p.find("tiles_gluon").params
+    gluon = p.find("tiles_gluon").params
     pair = case == "fp8"
     want_qt = 16 if case == "group4" else 8 if pair else 4
-    assert ws["PAIR"] == pair
-    assert p.sizes["tile_tokens"] == ws["QT"] == p.find("tile_plan").params["QT"] == want_qt
+    assert gluon["PAIR"] == pair
+    assert p.sizes["tile_tokens"] == gluon["QT"] == p.find("tile_plan").params["QT"] == want_qt
     assert p.sizes["tile_items"] == 8192 // want_qt * 4 == p.find("tiles_gluon").grid[0]
     assert p.sizes["union_width"] == want_qt * 16
     if pair:
         form = DEFAULT.gluon_pair_fp8
-        assert ws["maxnreg"] == form.maxnreg
-        assert (ws["STAGES_K"], ws["STAGES_V"]) == (form.stages_k, form.stages_v)
-        assert ws["PRODUCER_REGS"] == form.producer_regs
+        assert gluon["maxnreg"] == form.maxnreg
+        assert (gluon["STAGES_K"], gluon["STAGES_V"]) == (form.stages_k, form.stages_v)
+        assert gluon["PRODUCER_REGS"] == form.producer_regs
         # the first consumer gets what the loader and the second leave of 3 x maxnreg
-        first = 3 * ws["maxnreg"] - ws["PRODUCER_REGS"] - ws["CONSUMER_REGS"]
-        assert first >= ws["CONSUMER_REGS"] and 3 * ws["maxnreg"] * 128 <= 65536
+        first = 3 * gluon["maxnreg"] - gluon["PRODUCER_REGS"] - gluon["CONSUMER_REGS"]
+        assert first >= gluon["CONSUMER_REGS"] and 3 * gluon["maxnreg"] * 128 <= 65536
     else:
-        assert ws["maxnreg"] == 128 and ws["CONSUMER_REGS"] == 0
+        assert gluon["maxnreg"] == 128 and gluon["CONSUMER_REGS"] == 0
 
 
 @pytest.mark.parametrize("fp8", [False, True])
