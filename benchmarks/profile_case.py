@@ -166,7 +166,7 @@ CASES = {
     "fi-attn-tp4-b64": lambda: _fi_attention("m3-tp4", 64, 65536, 1),
     "attn-bf16-tp1-prefill": lambda: _attention("m3-tp1", "bf16", 1, 16384, 8192),
     # an 8K chunk after 8K whose runs of 16 tokens share a selection: the tile launches
-    # (scripts/ncu_cases.sh: attn-bf16-tp1-prefill-shared:_sparse_attention_tile_ws:2)
+    # (scripts/ncu_cases.sh: attn-bf16-tp1-prefill-shared:_sparse_attention_tile_gluon:2)
     "attn-bf16-tp1-prefill-shared": lambda: _attention("m3-tp1", "bf16", 1, 16384, 8192,
                                                        shared=16),
     "attn-fp8-tp1-prefill-shared": lambda: _attention("m3-tp1", "fp8", 1, 16384, 8192,

@@ -7,7 +7,7 @@ whole 128-key blocks and 3 stages, 185 / 139 KB for bf16). Count before you meas
 
     python3 benchmarks/resources.py fp8,64,3,4 bf16,64,3,4     # kv dtype, sub, stages, warps
     python3 benchmarks/resources.py --sass fp8,128,3,4         # + the main loop's instruction mix
-    python3 benchmarks/resources.py tile:bf16,64,3,4 tile8:bf16,64,2,8   # prefill.py's tile kernel
+    python3 benchmarks/resources.py tile:bf16,64,3,4 tile8:bf16,64,2,8   # kernels/tile.py's
                                                                        # (4 or 8 tokens per tile)
     python3 benchmarks/resources.py --sass index:fp8,128,32,3,4   # the indexer's prefill tile
                                   # launch (cache dtype, rows, blocks per split, stages, warps)
@@ -44,8 +44,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from openmsa.ops.attention.decode import _sparse_attention_kernel
-from openmsa.ops.attention.prefill import _sparse_attention_tile_kernel
+from openmsa.ops.attention.kernels.token import _sparse_attention_kernel
+from openmsa.ops.attention.kernels.tile import _sparse_attention_tile_kernel
 from openmsa.ops.indexer.scores import _block_scores_kernel
 
 UNIT_STRIDES = {"stride_qd", "stride_kd", "stride_vd", "stride_ik", "stride_btb", "stride_od",

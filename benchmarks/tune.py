@@ -227,9 +227,12 @@ def _config_knobs():
 
 def _attention_fp8(args):
     """fp8 K/V decode knobs (and the split count, on a few bf16 shapes too)."""
+    # (split: the split count's cost model and bounds, and the merge launch's warps)
     variants = pick(args, [{}, dict(rounds_fp8={"sub": 128}), dict(rounds_fp8={"resident": 3}),
                            dict(decode_16={"resident": 2}), dict(decode_fp8={"stages": 4}),
-                           dict(decode_fp8={"warps": 8}), dict(small_pairs=0)])
+                           dict(decode_fp8={"warps": 8}), dict(small_pairs=0),
+                           dict(split={"fused_max": 8}), dict(split={"merge_warps": 8}),
+                           dict(split={"min_steps": 4}), dict(split={"copy_tbs": 3.35})])
     print("attention fp8 variants:", variants)
     knobs, config = _config_knobs()
     cases = []
@@ -269,7 +272,10 @@ def _attention_prefill(args):
                            dict(no_gluon, tile_16={"sub": 128}),
                            dict(no_gluon, tile_fp8={"sub": 64, "stages": 3}),
                            dict(no_gluon, tile_16={"rows": 128}, tile_fp8={"rows": 128}),
-                           dict(no_gluon, tile_16={"waste": 3.0}, tile_fp8={"waste": 3.0})])
+                           dict(no_gluon, tile_16={"waste": 3.0}, tile_fp8={"waste": 3.0}),
+                           dict(no_gluon, tile_16={"warps": 8}, tile_fp8={"warps": 8}),
+                           dict(no_gluon, tile_fp8={"resident": 3}),
+                           dict(tile_16={"plan_warps": 2}, tile_fp8={"plan_warps": 2})])
     print("attention prefill variants:", variants)
     knobs, config = _config_knobs()
     cases = []

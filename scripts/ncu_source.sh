@@ -2,7 +2,7 @@
 # Nsight Compute's per-instruction view (SASS with its source counters: shared-memory wavefronts
 # and their excess, i.e. bank conflicts; warp stalls) of one kernel launch of a named case of
 # benchmarks/profile_case.py, as CSV under $OUT (one device call; clocks left alone):
-#   bash scripts/ncu_source.sh attn-fp8-tp1-prefill-shared:_sparse_attention_tile_ws:2
+#   bash scripts/ncu_source.sh attn-fp8-tp1-prefill-shared:_sparse_attention_tile_gluon:2
 # then, here: python3 scripts/ncu_source_top.py <files_at>/src-attn-fp8-tp1-prefill-shared.csv
 set -uo pipefail
 OUT=${OUT:-/tmp/openmsa-out}

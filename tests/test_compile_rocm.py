@@ -32,11 +32,11 @@ I32, I64, F32 = "*i32", "*i64", "*fp32"
 
 
 def _kernels():
-    from openmsa.ops.attention.decode import _merge_splits_kernel, _sparse_attention_kernel
-    from openmsa.ops.attention.page_table import _sparse_page_table_kernel
-    from openmsa.ops.attention.prefill import _sparse_attention_tile_kernel, _tile_plan_kernel
-    from openmsa.ops.cache.prepare import _fused_prepare_kernel
-    from openmsa.ops.cache.write import _write_index_cache_kernel, _write_kv_cache_kernel
+    from openmsa.ops.attention.kernels.token import _merge_splits_kernel, _sparse_attention_kernel
+    from openmsa.ops.attention.kernels.page_table import _sparse_page_table_kernel
+    from openmsa.ops.attention.kernels.tile import _sparse_attention_tile_kernel, _tile_plan_kernel
+    from openmsa.ops.cache.kernels.prepare import _fused_prepare_kernel
+    from openmsa.ops.cache.kernels.write import _write_index_cache_kernel, _write_kv_cache_kernel
     from openmsa.ops.indexer.scores import _block_scores_kernel
     from openmsa.ops.indexer.select import (_group_bound_select_kernel, _group_max_kernel,
                                             _merge_topk_kernel, _segment_topk_kernel)
@@ -173,7 +173,7 @@ def test_cache_launches_compile_for_rocm(arch, fp8):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_page_table_kernel_compiles_for_rocm(arch):
-    from openmsa.ops.attention.page_table import _sparse_page_table_kernel
+    from openmsa.ops.attention.kernels.page_table import _sparse_page_table_kernel
     k = compile_rocm(_sparse_page_table_kernel, arch, {}, {},
                      dict(NUM_KV_HEADS=4, NUM_INDEX_HEADS=4, TOPK=16, KP=16, BLOCK=128, SUB=16),
                      None)

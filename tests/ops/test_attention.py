@@ -21,8 +21,9 @@ from triton.language.extra.cuda import gdc_launch_dependents
 import openmsa
 from openmsa import reference as ref
 from openmsa.batch import token_layout
-from openmsa.ops.attention import api, prefill
-from openmsa.ops.attention.plan import DEFAULT, FUSED_MAX_SPLITS, AttentionConfig, plan
+from openmsa.ops.attention import api
+from openmsa.ops.attention.kernels import tile as tile_kernels
+from openmsa.ops.attention.plan import DEFAULT, AttentionConfig, plan
 from openmsa.ops.common.counters import COUNTERS
 from openmsa.ops.common.plan import DeviceFacts, Launch, LaunchPlan
 from helpers import (assert_close, compact_pages, cuda_step, make_step, nan_poison,
@@ -58,9 +59,9 @@ def _taken(p: LaunchPlan, idx, d):
                         device=idx.device)
     union = torch.empty((p.sizes["tile_items"], 3, p.sizes["union_width"]), dtype=torch.int32,
                         device=idx.device)
-    launch.run(prefill._tile_plan_kernel, idx, d.cu_seqlens_q, d.seq_lens, d.block_table, blocks,
-               union, d.seq_lens.shape[0], idx.shape[0], d.block_table.shape[1], d.num_pages,
-               *idx.stride(), *d.block_table.stride())
+    launch.run(tile_kernels._tile_plan_kernel, idx, d.cu_seqlens_q, d.seq_lens, d.block_table,
+               blocks, union, d.seq_lens.shape[0], idx.shape[0], d.block_table.shape[1],
+               d.num_pages, *idx.stride(), *d.block_table.stride())
     return blocks
 
 
@@ -106,7 +107,24 @@ def test_config_is_frozen_and_hashable():
     with pytest.raises(dataclasses.FrozenInstanceError):
         DEFAULT.tiles = False
     assert hash(_config(tiles=False)) != hash(DEFAULT) or _config(tiles=False) != DEFAULT
-    assert len(dataclasses.fields(AttentionConfig)) <= 15
+    # a small config: the numbers of one launch grouped into a form, not fields of their own
+    assert len(dataclasses.fields(AttentionConfig)) <= 16
+
+
+@pytest.mark.reference
+def test_an_unknown_launch_name_raises():
+    """api.py runs a plan's launches through a table of launch names: a name the table lacks
+    raises before anything launches (never skipped)."""
+    p = LaunchPlan([Launch("tokens", (1, 1, 1))], dict(splits=1, fused=1, store_lse=0,
+                                                       tile_tokens=0, tile_items=0,
+                                                       union_width=0))
+    q = torch.zeros(1, 16, 128)
+    k = v = torch.zeros(1, 128, 1, 128)
+    idx = torch.zeros(1, 1, 1, dtype=torch.int32)
+    step = torch.zeros(2, dtype=torch.int32)
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="no kernel 'tokens'"):
+        api._run(p, q, k, v, idx, step, step[:1], table, None, False, 1.0, None, None)
 
 
 @pytest.mark.reference
@@ -167,7 +185,7 @@ def test_first_launch_waits_for_the_kernel_before():
     """A decode step's only launch starts with griddepcontrol.wait (WAIT_PRIOR), which the
     launches after a tile launch must not have."""
     sm90 = _sm90()
-    from openmsa.ops.attention.decode import _sparse_attention_kernel
+    from openmsa.ops.attention.kernels.token import _sparse_attention_kernel
     token = plan(_m3_shape(8), H200, DEFAULT).find("token")
     constexprs, _ = _constexprs(token)
     assert constexprs["WAIT_PRIOR"]
@@ -188,7 +206,7 @@ def test_attention_kernels_compile_as_planned(kv_dtype, tokens, heads, topk):
     tiles, one program of the per-token kernel waits for them (WAIT_TILES). topk 1: a
     selection of one block per row (KP = 1)."""
     sm90 = _sm90()
-    from openmsa.ops.attention.decode import _merge_splits_kernel, _sparse_attention_kernel
+    from openmsa.ops.attention.kernels.token import _merge_splits_kernel, _sparse_attention_kernel
     kv = "*fp8e4nv" if kv_dtype == FP8 else "*bf16"
     for aligned in (True, False):
         p = plan(_m3_shape(tokens, *heads, kv_dtype=kv_dtype, tma_aligned=aligned,
@@ -202,12 +220,12 @@ def test_attention_kernels_compile_as_planned(kv_dtype, tokens, heads, topk):
         if p.find("tile_plan") is not None:
             constexprs, options = _constexprs(p.find("tile_plan"))
             del constexprs["waste"]
-            sm90.compile_sm90(prefill._tile_plan_kernel,
+            sm90.compile_sm90(tile_kernels._tile_plan_kernel,
                                 dict(idx_ptr=I32, blocks_ptr=I32, union_ptr=I32, **STEP),
                                 dict(waste="fp32"), constexprs, options=options)
         if p.find("tiles") is not None:
             constexprs, options = _constexprs(p.find("tiles"))
-            sm90.compile_sm90(prefill._sparse_attention_tile_kernel,
+            sm90.compile_sm90(tile_kernels._sparse_attention_tile_kernel,
                                 dict(q_ptr="*bf16", k_ptr=kv, v_ptr=kv, out_ptr="*bf16",
                                      lse_ptr=F32, blocks_ptr=I32, union_ptr=I32,
                                      k_scale_ptr=F32, v_scale_ptr=F32, **STEP),
@@ -225,7 +243,7 @@ def test_attention_kernels_compile_as_planned(kv_dtype, tokens, heads, topk):
 @pytest.mark.parametrize("topk", [16, 1])
 def test_page_table_kernel_compiles(topk):
     sm90 = _sm90()
-    from openmsa.ops.attention.page_table import _sparse_page_table_kernel
+    from openmsa.ops.attention.kernels.page_table import _sparse_page_table_kernel
     sm90.compile_sm90(_sparse_page_table_kernel,
                         dict(idx_ptr=I32, pages_ptr=I32, lens_ptr=I32, **STEP), {},
                         dict(NUM_KV_HEADS=4, NUM_INDEX_HEADS=4, TOPK=topk, KP=topk, BLOCK=128,
@@ -252,7 +270,7 @@ GLUON_FORMS = [
                          [(*form, 16) for form in GLUON_FORMS]
                          + [(*form, 1) for form in GLUON_FORMS[:3]], ids=str)
 def test_gluon_tile_kernel_compiles_as_planned(dtype, heads, changes, topk):
-    """The Gluon prefill tiles (prefill_ws.py) with the constexprs and options the plan gives
+    """The Gluon prefill tiles (tile_gluon.py) with the constexprs and options the plan gives
     them: warp specialisation, 4-D TMA boxes (16-bit) or the fp8 loader, both wgmma forms (P
     from registers) lower for sm_90; two programs fit on an SM (one for pairs: 384 threads at
     168 registers), and ptxas spills nothing (the loader a few bytes)."""
@@ -260,7 +278,7 @@ def test_gluon_tile_kernel_compiles_as_planned(dtype, heads, changes, topk):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from openmsa.ops.attention.prefill_ws import _sparse_attention_tile_ws_kernel as fn
+    from openmsa.ops.attention.kernels.tile_gluon import _sparse_attention_tile_gluon_kernel as fn
     kv_dtype = dict(bf16=torch.bfloat16, fp16=torch.float16, fp8=FP8)[dtype]
     p = plan(_m3_shape(8192, *heads, kv_dtype=kv_dtype, topk=topk), H200, _config(**changes))
     launch = p.find("tiles_gluon")
@@ -602,7 +620,7 @@ def _union_model(idx, step, qt, num_kv_heads, tile, g):
 @pytest.mark.parametrize("qt, topk, alias", [(4, 4, False), (8, 4, True), (16, 3, False),
                                               (8, 16, True)])
 def test_tile_plan_unions_and_taken_tiles(kernel_device, qt, topk, alias):
-    """The prefill plan (prefill.py's _tile_plan_kernel, a sort of the tile's N = QT * KP
+    """The prefill plan (tile.py's _tile_plan_kernel, a sort of the tile's N = QT * KP
     entries) against the rule and the union recomputed here: which tiles it takes, and for
     those the union (pages ascending, their block ids and token bits), on rows with -1,
     out-of-range and repeated ids, shared and scattered pages, tiles straddling requests and,
@@ -629,7 +647,7 @@ def test_tile_plan_unions_and_taken_tiles(kernel_device, qt, topk, alias):
         blocks = torch.full((num_tiles, 2), -7, dtype=torch.int32, device=kernel_device)
         union = torch.full((num_tiles * 2, 3, qt * kp), -7, dtype=torch.int32,
                            device=kernel_device)
-        prefill._tile_plan_kernel[(num_tiles, 2)](
+        tile_kernels._tile_plan_kernel[(num_tiles, 2)](
             idx_d, d.cu_seqlens_q, d.seq_lens, d.block_table, blocks, union,
             step.seq_lens.shape[0], step.num_tokens, step.block_table.shape[1], step.num_pages,
             *idx_d.stride(), *d.block_table.stride(), waste=waste,
@@ -853,7 +871,7 @@ def _gluon(**forms):
     ((64, 4), torch.bfloat16, "packed", _gluon(gluon_16=dict(sub=64, stages_k=2,
                                                               stages_v=2)))], ids=str)
 def test_attention_prefill_gluon_tiles(heads, dtype, layout, config):
-    """The warp-specialised tile kernel (prefill_ws.py) against the reference and the Triton
+    """The warp-specialised tile kernel (tile_gluon.py) against the reference and the Triton
     tile kernel: chunks with and without context, partial own blocks whose unwritten tail is NaN
     in K and V (copied by TMA or the fp8 loader, never reaching the output), tiles the plan
     takes and leaves, the flash and vLLM packed layouts, per-tensor scales (one negative), a
@@ -1032,7 +1050,8 @@ def test_attention_fused_merge_graph_replay_and_two_streams():
     d = cuda_step(step)
     qc, kc, vc, ic = q.cuda(), k.cuda(), v.cuda(), idx.cuda()
     p = _plan_of(qc, kc, vc, ic, block_size=GB)
-    assert 1 < p.sizes["splits"] <= FUSED_MAX_SPLITS and p.sizes["fused"]  # the path under test
+    # the path under test
+    assert 1 < p.sizes["splits"] <= DEFAULT.split.fused_max and p.sizes["fused"]
     out = torch.empty_like(qc)
     run = lambda: openmsa.sparse_attention(qc, kc, vc, ic, d.cu_seqlens_q, d.seq_lens,  # noqa
                                            d.block_table, out=out)

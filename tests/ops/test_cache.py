@@ -338,7 +338,7 @@ def test_cache_writes_match_reference(kernel_device):
 @pytest.mark.reference
 @pytest.mark.skipif(INTERPRET, reason=COMPILE_SKIP)
 def test_cache_write_kernels_compile_sm90():
-    from openmsa.ops.cache.write import _write_index_cache_kernel, _write_kv_cache_kernel
+    from openmsa.ops.cache.kernels.write import _write_index_cache_kernel, _write_kv_cache_kernel
 
     compile_sm90(_write_index_cache_kernel, dict(src_ptr="*bf16", cache_ptr="*fp8e4nv",
                                              slot_ptr=I64), {},
@@ -359,7 +359,7 @@ def test_cache_write_kernels_compile_sm90():
                           ("*bf16", "*fp8e4nv", True, 1.0693147180559945),  # fp32 form, YaRN
                           ("*bf16", "*u8", False, 1.0)])  # NVFP4 index pages
 def test_fused_prepare_kernel_compiles_sm90(kv_type, index_type, fp32_angles, rope_scale):
-    from openmsa.ops.cache.prepare import _fused_prepare_kernel
+    from openmsa.ops.cache.kernels.prepare import _fused_prepare_kernel
 
     fp8 = kv_type == "*fp8e4nv"
     nvfp4 = index_type == "*u8"
@@ -617,3 +617,11 @@ def test_fused_prepare_nvfp4_on_gpu():
     bound = 2 * torch.maximum(*scales).abs().repeat_interleave(16, dim=-1)  # 0xAB fill < 0
     assert ((got_k - want_k).abs() <= bound).all()
     assert (buf != want).float().mean().item() < 0.001
+
+
+@pytest.mark.reference
+def test_an_unknown_launch_name_raises():
+    """api.py finds each launch's kernel in a table of launch names: a name it lacks raises."""
+    from openmsa.ops.cache import api
+    with pytest.raises(ValueError, match="no kernel 'write_cache'"):
+        api._kernel("write_cache")

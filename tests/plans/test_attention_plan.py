@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from openmsa.ops.attention.plan import (DEFAULT, FUSED_MAX_SPLITS, MIN_STEPS_PER_SPLIT,
-                                        AttentionShape, TokenForm, num_splits, plan)
+from openmsa.ops.attention.plan import (DEFAULT, AttentionShape, SplitForm, TileForm,
+                                        TokenForm, num_splits, plan)
 from openmsa.ops.common.plan import DeviceFacts
 
 pytestmark = pytest.mark.reference
@@ -47,12 +47,12 @@ def test_attention_split_count_modelled(pairs, steps, sub, resident, key_bytes, 
 
 
 def test_attention_split_count_is_bounded_by_steps():
-    # never more splits than steps / MIN_STEPS_PER_SPLIT, never fewer than one
+    # never more splits than steps / min_steps, never fewer than one
     for pairs in (1, 3, 8, 33, 500, 5000):
         for steps in (1, 2, 16, 32):
             for key_bytes in (256, 512):
                 s = num_splits(pairs, steps, 128, key_bytes, 2, H200)
-                assert 1 <= s <= max(1, steps // MIN_STEPS_PER_SPLIT)
+                assert 1 <= s <= max(1, steps // DEFAULT.split.min_steps)
 
 
 def test_attention_split_count_off_cuda_always_merges():
@@ -75,7 +75,7 @@ def test_attention_decode_plan_prices_splits_in_us(tokens, heads, kv_heads, kv_d
     p = plan(shape(tokens, heads, kv_heads, kv_dtype), H200, DEFAULT)
     assert p.sizes["splits"] == want
     assert p.find("token").grid == (tokens, kv_heads, want)
-    assert (p.find("merge") is not None) == (want > FUSED_MAX_SPLITS)
+    assert (p.find("merge") is not None) == (want > DEFAULT.split.fused_max)
 
 
 def test_decode_step_is_one_programmatic_dependent_launch():
@@ -213,7 +213,7 @@ def test_plan_is_a_function_of_its_inputs():
     ("odd_strides", False), ("sm100", False), ("off", False), ("no_gluon", False),
     ("block64", False), ("fp8_odd_sub", False)])
 def test_prefill_tiles_take_the_gluon_kernel_where_tma_can(case, want):
-    """The prefill tiles run prefill_ws.py's kernel on Hopper for 16-bit or fp8 K/V views a TMA
+    """The prefill tiles run tile_gluon.py's kernel on Hopper for 16-bit or fp8 K/V views a TMA
     descriptor describes, head dim and block size 128, 64 rows per consumer; 64-key steps
     (16-bit, or fp8 through the loader) too, steps that do not divide a block not."""
     fp8 = case.startswith("fp8")
@@ -254,23 +254,23 @@ def test_prefill_fp8_tiles_in_pairs(case):
     config = dataclasses.replace(DEFAULT, gluon_pair_fp8=None) if case == "off" else DEFAULT
     s = shape(8192, 16 if case == "group4" else 64, 4, BF16 if case == "bf16" else FP8)
     p = plan(s, H200, config)
-    ws = p.find("tiles_gluon").params
+    gluon = p.find("tiles_gluon").params
     pair = case == "fp8"
     want_qt = 16 if case == "group4" else 8 if pair else 4
-    assert ws["PAIR"] == pair
-    assert p.sizes["tile_tokens"] == ws["QT"] == p.find("tile_plan").params["QT"] == want_qt
+    assert gluon["PAIR"] == pair
+    assert p.sizes["tile_tokens"] == gluon["QT"] == p.find("tile_plan").params["QT"] == want_qt
     assert p.sizes["tile_items"] == 8192 // want_qt * 4 == p.find("tiles_gluon").grid[0]
     assert p.sizes["union_width"] == want_qt * 16
     if pair:
         form = DEFAULT.gluon_pair_fp8
-        assert ws["maxnreg"] == form.maxnreg
-        assert (ws["STAGES_K"], ws["STAGES_V"]) == (form.stages_k, form.stages_v)
-        assert ws["PRODUCER_REGS"] == form.producer_regs
+        assert gluon["maxnreg"] == form.maxnreg
+        assert (gluon["STAGES_K"], gluon["STAGES_V"]) == (form.stages_k, form.stages_v)
+        assert gluon["PRODUCER_REGS"] == form.producer_regs
         # the first consumer gets what the loader and the second leave of 3 x maxnreg
-        first = 3 * ws["maxnreg"] - ws["PRODUCER_REGS"] - ws["CONSUMER_REGS"]
-        assert first >= ws["CONSUMER_REGS"] and 3 * ws["maxnreg"] * 128 <= 65536
+        first = 3 * gluon["maxnreg"] - gluon["PRODUCER_REGS"] - gluon["CONSUMER_REGS"]
+        assert first >= gluon["CONSUMER_REGS"] and 3 * gluon["maxnreg"] * 128 <= 65536
     else:
-        assert ws["maxnreg"] == 128 and ws["CONSUMER_REGS"] == 0
+        assert gluon["maxnreg"] == 128 and gluon["CONSUMER_REGS"] == 0
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -287,7 +287,8 @@ def test_prefill_per_token_stages(fp8):
 @pytest.mark.parametrize("field, value, error", [
     ("prefill_min_tokens", 0, ValueError), ("tiles", 1, TypeError),
     ("small_pairs", True, TypeError),
-    ("decode_fp8", None, TypeError), ("gluon_16", TokenForm(sub=64), TypeError)])
+    ("decode_fp8", None, TypeError), ("gluon_16", TokenForm(sub=64), TypeError),
+    ("split", None, TypeError), ("tile_16", SplitForm(), TypeError)])
 def test_config_values_are_checked(field, value, error):
     with pytest.raises(error, match=f"AttentionConfig.{field}"):
         dataclasses.replace(DEFAULT, **{field: value})
@@ -301,3 +302,50 @@ def test_form_sizes_are_checked():
     with pytest.raises(ValueError, match="TileForm.waste"):
         dataclasses.replace(DEFAULT.tile_16, waste=-1.0)
     dataclasses.replace(DEFAULT.tile_16, waste=0.0)  # 0: no tile is taken
+    with pytest.raises(ValueError, match="TileForm.plan_warps"):
+        dataclasses.replace(DEFAULT.tile_16, plan_warps=0)
+    with pytest.raises(ValueError, match="SplitForm.copy_tbs"):
+        SplitForm(copy_tbs=0.0)
+    with pytest.raises(ValueError, match="SplitForm.min_steps"):
+        SplitForm(min_steps=1.5)
+    SplitForm(per_split_us=0.0)  # a cost may be 0
+
+
+def test_split_form_drives_the_split_count_and_the_merge():
+    """The split count's model and bounds are AttentionConfig.split's: a dearer merge launch
+    keeps fused splits, a larger fused_max fuses more, min_steps bounds the count, and the
+    merge launch takes merge_warps."""
+    step = shape(1, 64, 4, FP8, topk=64)  # B=1, 64-key steps: splits and a merge launch
+    base = plan(step, H200, DEFAULT)
+    assert base.sizes["splits"] > DEFAULT.split.fused_max and base.find("merge") is not None
+    assert base.find("merge").params["num_warps"] == DEFAULT.split.merge_warps
+    fused = dataclasses.replace(DEFAULT, split=SplitForm(fused_max=64))
+    p = plan(step, H200, fused)
+    assert p.sizes["fused"] and p.find("merge") is None
+    warps = dataclasses.replace(DEFAULT, split=SplitForm(merge_warps=8))
+    assert plan(step, H200, warps).find("merge").params["num_warps"] == 8
+    few = dataclasses.replace(DEFAULT, split=SplitForm(min_steps=128))  # 128 steps of 64 keys
+    assert plan(step, H200, few).sizes["splits"] == 1
+    # a dear merge launch: the splits the last program merges
+    dear = dataclasses.replace(DEFAULT, split=SplitForm(launch_us=1000.0))
+    assert 1 < plan(step, H200, dear).sizes["splits"] <= DEFAULT.split.fused_max
+
+
+def test_tile_form_launch_knobs():
+    """The Triton tile launch's warps, persistent programs per SM (and under the interpreter)
+    and the plan launch's warps are TileForm's."""
+    step = shape(8192, kv_dtype=FP8)
+    form = TileForm(rows=64, sub=128, stages=2, persistent=True, waste=2.0, warps=8,
+                    resident=3, interpret_programs=5, plan_warps=2)
+    config = dataclasses.replace(DEFAULT, tile_fp8=form, gluon_16=None, gluon_fp8=None,
+                                 gluon_pair_fp8=None)
+    p = plan(step, H200, config)
+    assert p.find("tiles").params["num_warps"] == 8
+    assert p.find("tiles").grid == (min(p.sizes["tile_items"], 3 * H200.num_sms),)
+    assert p.find("tile_plan").params["num_warps"] == 2
+    assert plan(step, CPU, config).find("tiles").grid == (5,)
+    # the defaults: 4 warps, 2 programs per SM, 3 under the interpreter, a one-warp plan
+    p = plan(step, H200, dataclasses.replace(config, tile_fp8=DEFAULT.tile_fp8))
+    assert p.find("tiles").params["num_warps"] == 4 and p.find("tile_plan").params[
+        "num_warps"] == 1
+    assert p.find("tiles").grid == (min(p.sizes["tile_items"], 2 * H200.num_sms),)

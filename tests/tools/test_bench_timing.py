@@ -97,6 +97,31 @@ def test_tune_cases_filter():
     assert pick("fp8 s1") == [rows[3]]
 
 
+def test_tune_varies_every_attention_and_cache_knob():
+    """Every field of AttentionConfig and of each of its forms, and every CacheConfig field,
+    is a variant tune.py can name: run.attention_config takes a form's fields as a dict, and
+    the cache's fields go to dataclasses.replace."""
+    import dataclasses
+
+    from openmsa.ops.attention.plan import DEFAULT
+    from openmsa.ops.cache.plan import DEFAULT as CACHE_DEFAULT
+    for field in dataclasses.fields(DEFAULT):
+        value = getattr(DEFAULT, field.name)
+        if dataclasses.is_dataclass(value):
+            for sub in dataclasses.fields(value):
+                old = getattr(value, sub.name)
+                changed = (not old if isinstance(old, bool) else
+                           None if old is None else 2 * old)
+                config = run.attention_config({field.name: {sub.name: changed}})
+                assert getattr(getattr(config, field.name), sub.name) == changed
+        elif not isinstance(value, bool):
+            assert getattr(run.attention_config({field.name: 2 * value}), field.name) == 2 * value
+    for field in dataclasses.fields(CACHE_DEFAULT):
+        value = getattr(CACHE_DEFAULT, field.name)
+        assert getattr(dataclasses.replace(CACHE_DEFAULT, **{field.name: 2 * value}),
+                       field.name) == 2 * value
+
+
 def test_grid_restriction_keeps_only_named_values(monkeypatch):
     """--contexts / --batches restrict every grid's contexts / batches to the values named, and
     a grid that would be left with none keeps its own (the restriction is for one run)."""

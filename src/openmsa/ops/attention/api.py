@@ -5,6 +5,8 @@ TRITON_INTERPRET=1), or run the reference (CPU)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..._dispatch import next_pow2 as _next_pow2
@@ -22,11 +24,11 @@ __all__ = ["sparse_attention", "sparse_page_table"]
 # launch plans by call key: the tensors' shapes, strides, dtypes and devices, the other
 # arguments, V's address parity (fp8 V read in pairs), whether K's and V's addresses are 16-byte
 # aligned (TMA copies), and the config
-_PLANS = PlanCache()
+_PLANS = PlanCache("attention")
 
 
 def _reads_as_pairs(v_cache: torch.Tensor) -> bool:
-    """Whether an fp8 V cache can be read as uint16 pairs of columns (decode.py's V_PAIRS): unit
+    """Whether an fp8 V cache can be read as uint16 pairs of columns (token.py's V_PAIRS): unit
     column stride, an even head dim, and every other stride and the base address even (a
     property of the view, fixed for a captured graph)."""
     return (v_cache.stride(3) == 1 and v_cache.shape[3] % 2 == 0
@@ -102,8 +104,8 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
                              _aligned(k_cache, v_cache) if isinstance(k_cache, torch.Tensor)
                              and isinstance(v_cache, torch.Tensor) else None,
                              scale, block_size, scale_key(k_scale), scale_key(v_scale), config))
-    p = _PLANS.get(key)
-    if p is None:
+
+    def make() -> LaunchPlan:
         check_attention_args(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table,
                              scale=scale, block_size=block_size, out=out, k_scale=k_scale,
                              v_scale=v_scale)
@@ -115,8 +117,9 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
         shape = step_shape(q, k_cache, v_cache, indices, block_size=block_size,
                            return_lse=return_lse,
                            has_scale=k_scale is not None or v_scale is not None)
-        p = plan(shape, DeviceFacts.of(q.device), config)
-        _PLANS.put(key, p)
+        return plan(shape, DeviceFacts.of(q.device), config)
+
+    p = _PLANS.get_or_plan(key, make)
     sm_scale = q.shape[2] ** -0.5 if scale is None else float(scale)
     return _run(p, q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, out,
                 bool(return_lse), sm_scale, k_scale, v_scale)
@@ -125,8 +128,6 @@ def sparse_attention(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block
 def _run(p: LaunchPlan, q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, out,
          return_lse, sm_scale, k_scale, v_scale):
     """The plan's launches with the call's tensors and the workspaces they share."""
-    from .decode import _merge_splits_kernel, _sparse_attention_kernel
-    from .prefill import _sparse_attention_tile_kernel, _tile_plan_kernel
     num_tokens, num_heads, head_dim = q.shape
     device = q.device
     if out is None:
@@ -160,41 +161,92 @@ def _run(p: LaunchPlan, q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, bl
     tile_qt = p.sizes["tile_tokens"]
     if tile_qt:
         # per (tile, KV head): the union's size (-1: not taken), then its page ids, block ids
-        # and token bits (prefill.py)
+        # and token bits (tile.py)
         blocks = torch.empty((-(-num_tokens // tile_qt), num_kv_heads), dtype=torch.int32,
                              device=device)
         union = torch.empty((p.sizes["tile_items"], 3, p.sizes["union_width"]),
                             dtype=torch.int32, device=device)
     lse_strides = lse.stride() if store_lse else (0, 0)
+    step = _Step(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, out, lse,
+                 lse_strides, part, counters, blocks, union, ks, vs, sm_scale, num_requests,
+                 table_width, num_pages, p.sizes["tile_items"])
     for launch in p.launches:
-        kernel = launch.kernel
-        if kernel == "token":
-            launch.run(_sparse_attention_kernel, q, k_cache, v_cache, indices, cu_seqlens_q,
-                       seq_lens, block_table, out, lse, part, counters, blocks, ks, vs, sm_scale,
-                       num_requests, table_width, num_pages, *q.stride(), *k_cache.stride(),
-                       *v_cache.stride(), *indices.stride(), *block_table.stride(), *out.stride(),
-                       *lse_strides)
-        elif kernel == "merge":
-            launch.run(_merge_splits_kernel, part, out, lse, *out.stride(), *lse_strides)
-        elif kernel == "tile_plan":
-            launch.run(_tile_plan_kernel, indices, cu_seqlens_q, seq_lens, block_table, blocks,
-                       union, num_requests, num_tokens, table_width, num_pages,
-                       *indices.stride(), *block_table.stride())
-        elif kernel == "tiles_gluon":
-            from .prefill_ws import _sparse_attention_tile_ws_kernel
-            k_src, v_src = _tile_sources(launch, k_cache, v_cache)
-            launch.run(_sparse_attention_tile_ws_kernel, q, k_src, v_src, cu_seqlens_q,
-                       seq_lens, out, lse, blocks, union, ks, vs, sm_scale, num_requests,
-                       *q.stride(), *out.stride(), *lse.stride(), *k_cache.stride()[:3],
-                       *v_cache.stride()[:3])
-        elif kernel == "tiles":
-            launch.run(_sparse_attention_tile_kernel, q, k_cache, v_cache, cu_seqlens_q,
-                       seq_lens, out, lse, blocks, union, ks, vs, sm_scale, num_requests,
-                       num_tokens, table_width, p.sizes["tile_items"], *q.stride(),
-                       *k_cache.stride(), *v_cache.stride(), *out.stride(), *lse.stride())
-        else:
-            raise AssertionError(f"sparse_attention: no kernel {kernel!r} in this op")
+        try:
+            runner = _RUNNERS[launch.kernel]
+        except KeyError:
+            raise ValueError(f"sparse_attention: no kernel {launch.kernel!r} in this op") from None
+        runner(launch, step)
     return (out, lse) if return_lse else out
+
+
+class _Step(NamedTuple):
+    """A call's tensors, workspaces and bounds, as the launch runners pass them on."""
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    indices: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+    lse_strides: tuple
+    part: torch.Tensor
+    counters: torch.Tensor
+    blocks: torch.Tensor
+    union: torch.Tensor
+    ks: object
+    vs: object
+    sm_scale: float
+    num_requests: int
+    table_width: int
+    num_pages: int
+    tile_items: int
+
+
+def _run_token(launch, s: _Step) -> None:
+    from .kernels.token import _sparse_attention_kernel
+    q, k_cache, v_cache = s.q, s.k_cache, s.v_cache
+    launch.run(_sparse_attention_kernel, q, k_cache, v_cache, s.indices, s.cu_seqlens_q,
+               s.seq_lens, s.block_table, s.out, s.lse, s.part, s.counters, s.blocks, s.ks, s.vs,
+               s.sm_scale, s.num_requests, s.table_width, s.num_pages, *q.stride(),
+               *k_cache.stride(), *v_cache.stride(), *s.indices.stride(),
+               *s.block_table.stride(), *s.out.stride(), *s.lse_strides)
+
+
+def _run_merge(launch, s: _Step) -> None:
+    from .kernels.token import _merge_splits_kernel
+    launch.run(_merge_splits_kernel, s.part, s.out, s.lse, *s.out.stride(), *s.lse_strides)
+
+
+def _run_tile_plan(launch, s: _Step) -> None:
+    from .kernels.tile import _tile_plan_kernel
+    launch.run(_tile_plan_kernel, s.indices, s.cu_seqlens_q, s.seq_lens, s.block_table, s.blocks,
+               s.union, s.num_requests, s.q.shape[0], s.table_width, s.num_pages,
+               *s.indices.stride(), *s.block_table.stride())
+
+
+def _run_tiles_gluon(launch, s: _Step) -> None:
+    from .kernels.tile_gluon import _sparse_attention_tile_gluon_kernel
+    k_src, v_src = _tile_sources(launch, s.k_cache, s.v_cache)
+    launch.run(_sparse_attention_tile_gluon_kernel, s.q, k_src, v_src, s.cu_seqlens_q,
+               s.seq_lens, s.out, s.lse, s.blocks, s.union, s.ks, s.vs, s.sm_scale,
+               s.num_requests, *s.q.stride(), *s.out.stride(), *s.lse.stride(),
+               *s.k_cache.stride()[:3], *s.v_cache.stride()[:3])
+
+
+def _run_tiles(launch, s: _Step) -> None:
+    from .kernels.tile import _sparse_attention_tile_kernel
+    launch.run(_sparse_attention_tile_kernel, s.q, s.k_cache, s.v_cache, s.cu_seqlens_q,
+               s.seq_lens, s.out, s.lse, s.blocks, s.union, s.ks, s.vs, s.sm_scale,
+               s.num_requests, s.q.shape[0], s.table_width, s.tile_items, *s.q.stride(),
+               *s.k_cache.stride(), *s.v_cache.stride(), *s.out.stride(), *s.lse.stride())
+
+
+# each launch name of plan.py's plans and what runs it; a name missing here raises
+_RUNNERS = {"token": _run_token, "merge": _run_merge, "tile_plan": _run_tile_plan,
+            "tiles_gluon": _run_tiles_gluon, "tiles": _run_tiles}
 
 
 def _tile_sources(gluon, k_cache, v_cache):
@@ -232,7 +284,7 @@ def sparse_page_table(indices, cu_seqlens_q, seq_lens, block_table, *, num_kv_he
         return reference.sparse_page_table(indices, cu_seqlens_q, seq_lens, block_table,
                                            num_kv_heads=num_kv_heads, block_size=block_size,
                                            sub_page_size=sub_page_size, num_pages=num_pages)
-    from .page_table import _sparse_page_table_kernel
+    from .kernels.page_table import _sparse_page_table_kernel
 
     check_page_table_args(indices, cu_seqlens_q, seq_lens, block_table,
                           num_kv_heads=num_kv_heads, block_size=block_size,

@@ -3,12 +3,15 @@
 constexprs, as a pure function of the step's shape, the device's facts and an AttentionConfig.
 
 A step takes up to four launches (docs/performance.md has the measurements behind each rule):
-* prefill steps (at least `prefill_min_tokens` tokens) with tiles: `tile_plan` (prefill.py: the
-  union of each tile's selections, taken where it wastes little), then the tile kernel over the
-  taken tiles, Gluon `tiles_gluon` (prefill_ws.py, Hopper, TMA-describable K/V at 16-byte aligned
-  addresses) or Triton `tiles` (prefill.py) otherwise;
-* `token` (decode.py), grid (T, Hkv, splits): every token the tiles left, split over its steps;
-* `merge` (decode.py) when more splits than the last program merges itself.
+* prefill steps (at least `prefill_min_tokens` tokens) with tiles: `tile_plan` (kernels/tile.py:
+  the union of each tile's selections, taken where it wastes little), then the tile kernel over
+  the taken tiles, Gluon `tiles_gluon` (kernels/tile_gluon.py, Hopper, TMA-describable K/V at
+  16-byte aligned addresses) or Triton `tiles` (kernels/tile.py) otherwise;
+* `token` (kernels/token.py), grid (T, Hkv, splits): every token the tiles left, split over its
+  steps;
+* `merge` (kernels/token.py) when more splits than the last program merges itself.
+Every knob is a field of AttentionConfig (its forms); geometry.py holds what the kernels are
+written for.
 The route between the two tile kernels depends on K's and V's base addresses (TMA needs 16-byte
 aligned bases), a property of the call, not of the shape: it is a field of the step shape, so
 each alignment gets its own cached plan.
@@ -24,60 +27,67 @@ import torch
 from ..._checks import FP8, FP8_TYPES, HALF
 from ..._dispatch import next_pow2
 from ..common.plan import DeviceFacts, Launch, LaunchPlan
+from .geometry import GLUON_WARPS, MIN_ROWS, TILE_MAX_TOKENS, TILE_ROWS
 
-__all__ = ["AttentionConfig", "AttentionShape", "DEFAULT", "GluonForm", "TileForm", "TokenForm",
-           "num_splits", "plan"]
-
-# a split takes at least this many steps: a split's fixed cost (prologue, partial writes) needs
-# work to amortise
-MIN_STEPS_PER_SPLIT = 2
-# with at most this many splits the last split program of a (token, KV head) merges them (no
-# second launch); with more, a merge launch is cheaper than that program's serial merge
-# (docs/performance.md, "What was tried")
-FUSED_MAX_SPLITS = 4
-# the split-count model's constants (num_splits), fitted on an H200: a program's fixed cost per
-# round, one 128-key step's latency alone, the fused merge, the merge launch, each partial, and
-# the device's copy bandwidth in TB/s that an SM's programs share
-SPLIT_FIXED_US = 5.6
-SPLIT_STEP_US = 1.1
-SPLIT_FUSED_US = 2.4
-SPLIT_LAUNCH_US = 3.4
-SPLIT_PER_SPLIT_US = 0.1
-SPLIT_COPY_TBS = 4.28
-# rows of a Gluon tile consumer (QT tokens x GP head slots): the matrix unit's M for one
-# warpgroup; and at most 16 tokens per tile (the plan keeps a bit per token beside 8 flag bits in
-# an int32)
-TILE_ROWS = 64
-TILE_MAX_TOKENS = 16
-# warps of the Triton tile kernel, of the tile plan (one warp: its compares per tile replicate
-# across more warps, which measured slower), of the merge
-TILE_WARPS = 4
-TILE_PLAN_WARPS = 1
-MERGE_WARPS = 4
-# persistent Triton tile programs per SM (and 3 programs under the interpreter, each walking
-# several items)
-TILE_RESIDENT = 2
-INTERPRET_TILE_PROGRAMS = 3
-# warps at launch of the Gluon tile kernel (the consumer warpgroup; the partitions add theirs)
-GLUON_WARPS = 4
+__all__ = ["AttentionConfig", "AttentionShape", "DEFAULT", "GluonForm", "SplitForm", "TileForm",
+           "TokenForm", "num_splits", "plan"]
 
 
-def _check_positive(form, *names) -> None:
-    """A form's sizes are positive numbers (None where a field allows it: no cap); its waste
-    threshold is at least 0 (0: no tile is ever taken)."""
+def _check_form(form, *names, zero_ok=(), none_ok=()) -> None:
+    """A form's fields are positive numbers: those in `zero_ok` may be 0 (a waste threshold of
+    0: no tile is ever taken; a cost of 0 µs), those in `none_ok` None (no cap)."""
     for name in names:
         value = getattr(form, name)
-        if value is None and name in ("resident", "maxnreg") and isinstance(form, TokenForm):
+        if value is None and name in none_ok:
             continue
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not number or not (value >= 0 if name == "waste" else value > 0):
+        if not number or not (value >= 0 if name in zero_ok else value > 0):
             raise ValueError(f"{type(form).__name__}.{name} must be "
-                             f"{'at least 0' if name == 'waste' else 'positive'}, got {value!r}")
+                             f"{'at least 0' if name in zero_ok else 'positive'}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SplitForm:
+    """How the per-token kernel splits a (token, KV head)'s steps over programs, and how the
+    partials merge: `num_splits`'s cost model and its bounds.
+
+    The model's constants (µs, TB/s) were fitted on an H200 (docs/performance.md, "What was
+    tried": the split count priced in µs); what decides is the order of split counts at one
+    shape, which other GPUs of the kind share more closely than the absolute times."""
+
+    # a split takes at least this many steps: a split's fixed cost (prologue, partial writes)
+    # needs work to amortise
+    min_steps: int = 2
+    # with at most this many splits the last split program of a (token, KV head) merges them
+    # (no second launch); with more, a merge launch is cheaper than that program's serial merge
+    fused_max: int = 4
+    # warps per merge program
+    merge_warps: int = 4
+    # a program's fixed cost per round of resident programs
+    fixed_us: float = 5.6
+    # one 128-key step's latency, a program alone on its SM
+    step_us: float = 1.1
+    # the fused merge (the last split program merges)
+    fused_us: float = 2.4
+    # the merge launch
+    launch_us: float = 3.4
+    # each partial to merge
+    per_split_us: float = 0.1
+    # the device's copy bandwidth, which an SM's programs share
+    copy_tbs: float = 4.28
+
+    def __post_init__(self):
+        _check_form(self, "min_steps", "fused_max", "merge_warps", "fixed_us", "step_us",
+                    "fused_us", "launch_us", "per_split_us", "copy_tbs",
+                    zero_ok=("fixed_us", "step_us", "fused_us", "launch_us", "per_split_us"))
+        for name in ("min_steps", "fused_max", "merge_warps"):
+            if not isinstance(getattr(self, name), int):
+                raise ValueError(f"SplitForm.{name} must be an int, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True)
 class TokenForm:
-    """A form of the per-token kernel (decode.py's _sparse_attention_kernel)."""
+    """A form of the per-token kernel (kernels/token.py's _sparse_attention_kernel)."""
 
     sub: int  # keys per loop step (capped at the block size): the K/V tile a step holds
     warps: int = 4  # warps per program
@@ -90,28 +100,39 @@ class TokenForm:
     maxnreg: int | None = None
 
     def __post_init__(self):
-        _check_positive(self, "sub", "warps", "stages", "resident", "maxnreg")
+        _check_form(self, "sub", "warps", "stages", "resident", "maxnreg",
+                    none_ok=("resident", "maxnreg"))
 
 
 @dataclass(frozen=True)
 class TileForm:
-    """The Triton tile kernel's form (prefill.py's _sparse_attention_tile_kernel)."""
+    """The Triton tile kernel's form (kernels/tile.py's _sparse_attention_tile_kernel), and the
+    warps of the tile plan launch before either tile kernel."""
 
-    # query rows per tile, QT tokens x GP padded heads (QT = rows // GP, at most 16); the Gluon
-    # tiles take the tokens of TILE_ROWS rows (PAIR: twice)
+    # query rows per tile, QT tokens x GP padded heads (QT = rows // GP, at most
+    # TILE_MAX_TOKENS); the Gluon tiles take the tokens of TILE_ROWS rows (PAIR: twice)
     rows: int
     sub: int  # keys per loop step (capped at the block size)
     stages: int  # software pipeline stages
-    persistent: bool  # TILE_RESIDENT programs per SM walking the items, else one per item
+    persistent: bool  # `resident` programs per SM walking the items, else one per item
     waste: float  # tile_plan takes a tile when union blocks x tokens <= waste x selected blocks
+    warps: int = 4  # warps per tile program
+    resident: int = 2  # persistent programs per SM
+    # persistent programs under the interpreter: fewer than the items, so that each walks
+    # several
+    interpret_programs: int = 3
+    # warps per tile_plan program (the plan launch of either tile kernel): one, since more
+    # warps would repeat the tile's compares rather than share them
+    plan_warps: int = 1
 
     def __post_init__(self):
-        _check_positive(self, "rows", "sub", "stages", "waste")
+        _check_form(self, "rows", "sub", "stages", "waste", "warps", "resident",
+                    "interpret_programs", "plan_warps", zero_ok=("waste",))
 
 
 @dataclass(frozen=True)
 class GluonForm:
-    """A form of the Gluon tile kernel (prefill_ws.py, Hopper)."""
+    """A form of the Gluon tile kernel (kernels/tile_gluon.py, Hopper)."""
 
     sub: int  # keys per step (a divisor of the block size, a multiple of 16)
     stages_k: int  # key buffers in the ring
@@ -122,8 +143,8 @@ class GluonForm:
     waste: float  # tile_plan's threshold when these tiles run (cheaper per union block)
 
     def __post_init__(self):
-        _check_positive(self, "sub", "stages_k", "stages_v", "maxnreg", "producer_regs",
-                        "waste")
+        _check_form(self, "sub", "stages_k", "stages_v", "maxnreg", "producer_regs", "waste",
+                    zero_ok=("waste",))
 
 
 @dataclass(frozen=True)
@@ -165,6 +186,8 @@ class AttentionConfig:
     gluon_pair_fp8: GluonForm | None = GluonForm(sub=128, stages_k=3, stages_v=2, maxnreg=168,
                                                  producer_regs=120, consumer_regs=192,
                                                  waste=2.0)
+    # the split count's cost model and the merge
+    split: SplitForm = SplitForm()
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -224,39 +247,36 @@ class AttentionShape:
 
 
 def num_splits(pairs: int, steps: int, sub: int, key_bytes: int, resident: int,
-               device: DeviceFacts) -> int:
+               device: DeviceFacts, form: SplitForm = SplitForm()) -> int:
     """How many programs share one (token, KV head)'s `steps` steps of `sub` keys (key_bytes of
     K and V per key): the count whose modelled launch time is least (the smaller on ties: fewer
-    partials to merge), at least MIN_STEPS_PER_SPLIT steps per program.
+    partials to merge), at least `form.min_steps` steps per program.
 
-    The model (µs): a program runs its e = steps / s steps at SPLIT_STEP_US per 128 keys when
-    alone, but an SM's programs share its bandwidth (SPLIT_COPY_TBS / SMs), so the busiest SM
-    takes max(rounds x e steps' latency, its programs' bytes at that bandwidth), plus
-    SPLIT_FIXED_US per round of `resident` programs per SM, and the merge: SPLIT_FUSED_US when
-    the last program merges, SPLIT_LAUNCH_US for a merge launch, SPLIT_PER_SPLIT_US per partial.
-    Once co-resident programs are bandwidth-bound, splitting only adds the merge. The constants
-    were fitted to one measured call (docs/performance.md, "What was tried": the split count
-    priced in µs); what decides is the order of split counts at one shape. Off CUDA (the
-    interpreter) 2 splits
-    whenever there are 4 steps, so that the merge is always exercised."""
+    The model (µs, `form`'s constants): a program runs its e = steps / s steps at `step_us` per
+    128 keys when alone, but an SM's programs share its bandwidth (`copy_tbs` / SMs), so the
+    busiest SM takes max(rounds x e steps' latency, its programs' bytes at that bandwidth), plus
+    `fixed_us` per round of `resident` programs per SM, and the merge: `fused_us` when the last
+    program merges, `launch_us` for a merge launch, `per_split_us` per partial. Once
+    co-resident programs are bandwidth-bound, splitting only adds the merge. Off CUDA (the
+    interpreter) 2 splits whenever there are 4 steps, so that the merge is always exercised."""
     if not device.cuda:
         return 2 if steps >= 4 else 1
     pairs = max(1, pairs)
     sms = device.num_sms
     slots = resident * sms
-    step_bw = sub * key_bytes / (SPLIT_COPY_TBS * 1e6 / sms)  # µs per step per SM
-    step_lat = SPLIT_STEP_US * sub / 128
+    step_bw = sub * key_bytes / (form.copy_tbs * 1e6 / sms)  # µs per step per SM
+    step_lat = form.step_us * sub / 128
 
     def cost(s):
         programs = pairs * s
         per_sm, rounds, e = -(-programs // sms), -(-programs // slots), -(-steps // s)
-        t = rounds * SPLIT_FIXED_US + max(rounds * e * step_lat, per_sm * e * step_bw)
+        t = rounds * form.fixed_us + max(rounds * e * step_lat, per_sm * e * step_bw)
         if s > 1:
-            t += SPLIT_FUSED_US if s <= FUSED_MAX_SPLITS else SPLIT_LAUNCH_US
-            t += SPLIT_PER_SPLIT_US * s
+            t += form.fused_us if s <= form.fused_max else form.launch_us
+            t += form.per_split_us * s
         return t
 
-    return min(range(1, max(1, steps // MIN_STEPS_PER_SPLIT) + 1), key=lambda s: (cost(s), s))
+    return min(range(1, max(1, steps // form.min_steps) + 1), key=lambda s: (cost(s), s))
 
 
 def _gluon_sub(shape: AttentionShape, device: DeviceFacts, form: GluonForm | None,
@@ -297,27 +317,28 @@ def plan(shape: AttentionShape, device: DeviceFacts, config: AttentionConfig) ->
     pair = (fp8 and tile_qt > 1 and 2 * tile_qt <= TILE_MAX_TOKENS and tile_qt * gp == TILE_ROWS
             and _gluon_sub(s, device, c.gluon_pair_fp8, TILE_ROWS) > 0)
     if pair:
-        tile_qt *= 2  # two consumers' tokens per tile (prefill_ws.py's PAIR)
+        tile_qt *= 2  # two consumers' tokens per tile (tile_gluon.py's PAIR)
     tiles = tile_qt > 1
 
     ieee = s.q_dtype == torch.float32
-    f16_compute = fp8 and not ieee  # fp8 K/V run the matrix unit in fp16 (decode.py)
+    f16_compute = fp8 and not ieee  # fp8 K/V run the matrix unit in fp16 (token.py)
     # (the byte-pair conversion is OCP e4m3's: fnuz V is read a column at a time)
     v_pairs = f16_compute and s.v_pairs_view and s.kv_dtype == FP8
     key_bytes = 2 * s.head_dim * s.kv_dtype.itemsize
     # a tile step takes no splits: a token the tiles did is skipped by every split program, so
     # nothing would merge its partials
-    splits = 1 if tiles else num_splits(t * hkv, steps, sub, key_bytes, resident, device)
+    splits = 1 if tiles else num_splits(t * hkv, steps, sub, key_bytes, resident, device,
+                                        c.split)
     if (v_pairs and not prefill and not small and device.cuda
             and t * hkv * splits > decode.resident * device.num_sms):
         form = c.rounds_fp8
         sub = min(s.block_size, form.sub)
         steps = s.topk * (s.block_size // sub)
         splits = num_splits(t * hkv, steps, sub, key_bytes, form.resident or decode.resident,
-                            device)
+                            device, c.split)
     steps_per_split = -(-steps // splits)
     splits = -(-steps // steps_per_split)
-    fused = splits <= FUSED_MAX_SPLITS
+    fused = splits <= c.split.fused_max
     pdl = device.nvidia and splits > 1 and not fused  # the merge launch starts early
     stages = form.stages
     if (not prefill and not fp8 and device.cuda
@@ -336,7 +357,7 @@ def plan(shape: AttentionShape, device: DeviceFacts, config: AttentionConfig) ->
         launches.append(Launch("tile_plan", (-(-t // tile_qt), hkv), dict(
             waste=float(gluon.waste if route_gluon else tile.waste), NUM_KV_HEADS=hkv,
             NUM_INDEX_HEADS=s.num_index_heads, QT=tile_qt, BLOCK=s.block_size, TOPK=s.topk,
-            KP=kp, num_warps=TILE_PLAN_WARPS)))
+            KP=kp, num_warps=tile.plan_warps)))
         if route_gluon:
             launches.append(Launch("tiles_gluon", (items,), dict(
                 HAS_SCALE=s.has_scale, SUB=gluon_sub, D=s.head_dim, NUM_KV_HEADS=hkv, G=group,
@@ -346,17 +367,18 @@ def plan(shape: AttentionShape, device: DeviceFacts, config: AttentionConfig) ->
                 maxnreg=gluon.maxnreg)))
         else:
             programs = items if not tile.persistent else min(
-                items, TILE_RESIDENT * device.num_sms if device.cuda else INTERPRET_TILE_PROGRAMS)
+                items, tile.resident * device.num_sms if device.cuda else tile.interpret_programs)
             launches.append(Launch("tiles", (programs,), dict(
                 HAS_SCALE=s.has_scale, NUM_KV_HEADS=hkv, G=group, GP=gp, QT=tile_qt,
                 D=s.head_dim, BLOCK=s.block_size, KP=kp, SUB=min(s.block_size, tile.sub),
                 IEEE=ieee, F16_COMPUTE=f16_compute, PERSISTENT=tile.persistent,
-                num_warps=TILE_WARPS, num_stages=tile.stages)))
+                num_warps=tile.warps, num_stages=tile.stages)))
 
     token = dict(
         HAS_SCALE=s.has_scale, NUM_HEADS=s.num_heads, NUM_KV_HEADS=hkv,
-        NUM_INDEX_HEADS=s.num_index_heads, G=group, M=max(16, next_pow2(group)), D=s.head_dim,
-        BLOCK=s.block_size, TOPK=s.topk, KP=kp, SUB=sub, STEPS=steps_per_split, SPLITS=splits,
+        NUM_INDEX_HEADS=s.num_index_heads, G=group, M=max(MIN_ROWS, next_pow2(group)),
+        D=s.head_dim, BLOCK=s.block_size, TOPK=s.topk, KP=kp, SUB=sub, STEPS=steps_per_split,
+        SPLITS=splits,
         IEEE=ieee, F16_COMPUTE=f16_compute, FUSED_MERGE=fused,
         TILE_QT=tile_qt if tiles else 0, V_PAIRS=v_pairs, PTX=device.nvidia,
         SP=next_pow2(splits), PDL=pdl, STORE_LSE=store_lse, LAZY_SUM=f16_compute,
@@ -367,19 +389,20 @@ def plan(shape: AttentionShape, device: DeviceFacts, config: AttentionConfig) ->
         token.update(WAIT_PRIOR=True, launch_pdl=True)
     if (form.maxnreg is not None and prefill and v_pairs and device.nvidia and gp <= 16
             and sub == 128 and form.warps == 4):
-        # the elementwise row sum's [16, SUB] tile took the 128-key, 4-warp program from 168 to
-        # 178 registers (3 -> 2 programs per SM); under the cap ptxas fits it without spills.
-        # Not on 64-key steps, where the cap made ptxas take more (107 -> 128 registers)
+        # the elementwise row sum's [16, SUB] tile would take the 128-key, 4-warp program past
+        # the registers of 3 programs per SM, which a prefill step's many rounds need; under
+        # the cap ptxas fits it without spills. Not on 64-key steps, which need no cap and
+        # which ptxas gives more registers under one
         token["maxnreg"] = form.maxnreg
     if route_gluon:
         # a programmatic dependent of the Gluon tiles: they write disjoint tokens, so the
-        # per-token programs fill the SMs the tiles' tail leaves idle (decode.py's WAIT_TILES)
+        # per-token programs fill the SMs the tiles' tail leaves idle (token.py's WAIT_TILES)
         token.update(WAIT_TILES=True, launch_pdl=True)
     launches.append(Launch("token", (t, hkv, splits), token))
     if splits > 1 and not fused:
         launches.append(Launch("merge", (t, s.num_heads), dict(
             NUM_HEADS=s.num_heads, D=s.head_dim, SPLITS=splits, SP=next_pow2(splits), PDL=pdl,
-            STORE_LSE=store_lse, num_warps=MERGE_WARPS, launch_pdl=pdl)))
+            STORE_LSE=store_lse, num_warps=c.split.merge_warps, launch_pdl=pdl)))
     return LaunchPlan(launches, dict(splits=splits, fused=int(fused), store_lse=int(store_lse),
                                      tile_tokens=tile_qt if tiles else 0, tile_items=items,
                                      union_width=tile_qt * kp if tiles else 0))

@@ -6,7 +6,9 @@ TRITON_INTERPRET=1, and the reference runs on CPU otherwise."""
 from __future__ import annotations
 
 import functools
+import importlib
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 
@@ -14,31 +16,45 @@ from ... import nvfp4, rope
 from ..._checks import check_scale_arg
 from ..._dispatch import on_tensor_device, scale_args, use_kernels
 from ..common.launch import PlanCache, call_key, scale_key
-from ..common.plan import DeviceFacts, config_or_default
+from ..common.plan import DeviceFacts, LaunchPlan, config_or_default
 from . import reference
 from .checks import check_index_write, check_kv_write, check_prepare
-from .plan import (DEFAULT, ROPE_FINE, ROPE_MAX_POSITION, CacheConfig, IndexWriteShape,
-                   KVWriteShape, PrepareShape, plan)
+from .geometry import ROPE_FINE, ROPE_MAX_POSITION
+from .plan import DEFAULT, CacheConfig, IndexWriteShape, KVWriteShape, PrepareShape, plan
 
 __all__ = ["write_index_cache", "write_kv_cache", "fused_prepare", "rope_table", "CacheConfig"]
 
 # launch plans by call key: a repeated step shape (every decode step of an engine) skips the
 # checks and the plan
-_PLANS = PlanCache()
+_PLANS = PlanCache("cache")
 
 
 def _check_config(config, name: str = "config"):
     return config_or_default(config, DEFAULT, name)
 
 
+# each launch name of plan.py's plans: its kernel's module (kernels/) and function; a name
+# missing here raises
+_KERNELS = {"write_index_cache": ("write", "_write_index_cache_kernel"),
+            "write_kv_cache": ("write", "_write_kv_cache_kernel"),
+            "fused_prepare": ("prepare", "_fused_prepare_kernel")}
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel(name: str):
     """The Triton kernel of a launch (imported on first use: the reference path needs none)."""
-    from .prepare import _fused_prepare_kernel
-    from .write import _write_index_cache_kernel, _write_kv_cache_kernel
-    return {"write_index_cache": _write_index_cache_kernel,
-            "write_kv_cache": _write_kv_cache_kernel,
-            "fused_prepare": _fused_prepare_kernel}[name]
+    try:
+        module, function = _KERNELS[name]
+    except KeyError:
+        raise ValueError(f"cache: no kernel {name!r} in this op") from None
+    return getattr(importlib.import_module(f".kernels.{module}", __package__), function)
+
+
+class _Prepared(NamedTuple):
+    """fused_prepare's cached plan: its launches and the RoPE table they read."""
+
+    launches: tuple
+    table: torch.Tensor
 
 
 def _num_slots(cache) -> int:
@@ -60,14 +76,15 @@ def write_index_cache(index_k, index_cache, slot_mapping, *, config: CacheConfig
         _check_config(config)
         return reference.write_index_cache(index_k, index_cache, slot_mapping)
     key = call_key((index_k, index_cache, slot_mapping), (config,))
-    launches = _PLANS.get(key)
-    if launches is None:
-        config = _check_config(config)
+
+    def make() -> LaunchPlan:
+        checked = _check_config(config)
         check_index_write(index_k, index_cache, slot_mapping)
         shape = IndexWriteShape(index_k.shape[0], index_k.shape[1], index_cache.shape[1],
                                 index_cache.dtype)
-        launches = plan(shape, DeviceFacts.of(index_k.device), config)
-        _PLANS.put(key, launches)
+        return plan(shape, DeviceFacts.of(index_k.device), checked)
+
+    launches = _PLANS.get_or_plan(key, make)
     for launch in launches:
         launch.run(_kernel(launch.kernel), index_k, index_cache, slot_mapping,
                    _num_slots(index_cache), *index_k.stride(), *index_cache.stride())
@@ -88,17 +105,18 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scal
                                         v_scale=v_scale)
     key = call_key((k, v, k_cache, v_cache, slot_mapping),
                    (config, scale_key(k_scale), scale_key(v_scale)))
-    launches = _PLANS.get(key)
-    if launches is None:
-        config = _check_config(config)
+
+    def make() -> LaunchPlan:
+        checked = _check_config(config)
         check_kv_write(k, v, k_cache, v_cache, slot_mapping)
         check_scale_arg("k_scale", k_scale, k.device)
         check_scale_arg("v_scale", v_scale, k.device)
         num_tokens, num_kv_heads, head_dim = k.shape
         shape = KVWriteShape(num_tokens, num_kv_heads, head_dim, k_cache.shape[1],
                              k_cache.dtype, k_scale is not None or v_scale is not None)
-        launches = plan(shape, DeviceFacts.of(k.device), config)
-        _PLANS.put(key, launches)
+        return plan(shape, DeviceFacts.of(k.device), checked)
+
+    launches = _PLANS.get_or_plan(key, make)
     if not launches:
         return None
     _, ks, vs = scale_args(k_scale, v_scale, k.device, k)
@@ -166,9 +184,9 @@ def fused_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_
                     qkv if index_q_out is None else index_q_out),
                    (config, q_out is None, index_q_out is None, scale_key(k_scale),
                     scale_key(v_scale), cache_config))
-    planned = _PLANS.get(key)
-    if planned is None:
-        cache_config = _check_config(cache_config, "cache_config")
+
+    def make() -> _Prepared:
+        checked = _check_config(cache_config, "cache_config")
         check_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_norm_weight,
                       index_k_norm_weight, k_cache, v_cache, slot_mapping, index_cache,
                       index_slot_mapping, q_out, index_q_out)
@@ -184,9 +202,9 @@ def fused_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_
             rope.attention_factor(config))
         table = rope_table(config.rotary_dim, float(config.rope_theta), str(qkv.device),
                            config.rope_scaling, config.rope_angles)
-        planned = (plan(shape, DeviceFacts.of(qkv.device), cache_config), table)
-        _PLANS.put(key, planned)
-    launches, table = planned
+        return _Prepared(plan(shape, DeviceFacts.of(qkv.device), checked).launches, table)
+
+    launches, table = _PLANS.get_or_plan(key, make)
     num_tokens = qkv.shape[0]
     if q_out is None:
         q_out = torch.empty(num_tokens, config.num_heads, config.head_dim, dtype=qkv.dtype,

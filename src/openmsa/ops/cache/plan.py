@@ -18,15 +18,9 @@ from ..._checks import FP8_TYPES
 from ..._dispatch import next_pow2
 from ...nvfp4 import DTYPE as NVFP4  # an index cache of this dtype holds NVFP4 pages
 from ..common.plan import DeviceFacts, Launch, LaunchPlan
+from .geometry import ROPE_FINE, ROPE_MAX_POSITION
 
-__all__ = ["CacheConfig", "DEFAULT", "IndexWriteShape", "KVWriteShape", "PrepareShape", "plan",
-           "ROPE_MAX_POSITION", "ROPE_FINE"]
-
-
-# the coarse RoPE table covers positions below ROPE_MAX_POSITION (16M tokens, 4 MiB at 64 dims);
-# positions split as p = hi * ROPE_FINE + lo (prepare.py's table layout)
-ROPE_MAX_POSITION = 1 << 24
-ROPE_FINE = 1024
+__all__ = ["CacheConfig", "DEFAULT", "IndexWriteShape", "KVWriteShape", "PrepareShape", "plan"]
 
 
 @dataclass(frozen=True)

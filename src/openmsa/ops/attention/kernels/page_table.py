@@ -13,7 +13,7 @@ Bytes: reads K ids and K page ids per row, writes K * B/S + 1 int32.
 import triton
 import triton.language as tl
 
-from ..common.triton_utils import token_position
+from ...common.triton_utils import token_position
 
 
 @triton.jit

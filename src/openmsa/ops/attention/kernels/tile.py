@@ -2,7 +2,7 @@
 """Triton kernels of sparse attention for prefill chunks: tiles of tokens over the union of their
 selections.
 
-Why: the per-token kernel (decode.py) runs one token's G query heads (16 for M3) as the matrix
+Why: the per-token kernel (token.py) runs one token's G query heads (16 for M3) as the matrix
 unit's rows and reads 16 blocks of K/V per (token, KV head); an 8K chunk then reads 32 GB of K/V
 at TP1, almost all from L2, and that L2 traffic bounds it (docs/performance.md). Neighbouring
 tokens of a prompt mostly select the same blocks (and always share their own block), so a tile
@@ -17,7 +17,7 @@ Three launches, all on fixed grids (no host synchronisation; CUDA-graph safe):
 2. `_sparse_attention_tile_kernel`: one program per (tile, KV head) item, or (PERSISTENT) a
    program per resident slot walking items with a stride; a taken item runs QT tokens x G heads
    = M rows against each union block.
-3. The per-token kernel (decode.py) with TILE_QT: skips tokens of taken tiles.
+3. The per-token kernel (token.py) with TILE_QT: skips tokens of taken tiles.
 The plan is its own light launch (one warp per item) because the tile kernel's registers and
 shared memory allow two programs per SM: planning inside it cost more than the separate launch
 on chunks whose tiles all fall back. The tile kernel itself is bound by the latency of its
@@ -34,8 +34,8 @@ per token.
 import triton
 import triton.language as tl
 
-from ..common.triton_utils import tile_position
-from .decode import scaled_q
+from ...common.triton_utils import tile_position
+from .token import scaled_q
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -200,7 +200,7 @@ def _attend_tile(q_ptr, k_ptr, v_ptr, cu_ptr, seq_lens_ptr, out_ptr, lse_ptr, un
     offs = tl.arange(0, SUB)
     q = tl.load(q_ptr + tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
                 + d[None, :] * stride_qd, mask=head_ok[:, None], other=0.0)  # [M, D]
-    # fp8 K/V run the matrix unit in fp16, as in decode.py (why: there)
+    # fp8 K/V run the matrix unit in fp16, as in token.py (why: there)
     q, qk_scale = scaled_q(q, sm_scale, k_scale_ptr, F16_COMPUTE, HAS_SCALE)
     # the loop takes row maxima of the raw scores and applies the scale inside the exponent
     # (one FMA per score, not a multiply and an add); that needs a positive scale, so a

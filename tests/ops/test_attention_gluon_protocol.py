@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The barrier protocol of attention/prefill_ws.py's partitions, modelled on the CPU (the Gluon
+"""The barrier protocol of attention/tile_gluon.py's partitions, modelled on the CPU (the Gluon
 kernel cannot run without a Hopper GPU, and a protocol mistake there hangs the GPU call instead
 of failing a test). Each partition is written out below as the sequence of its mbarrier waits,
 arrivals and shared-memory reads and writes, in the kernel's order (kept in step with
-prefill_ws.py by hand); a scheduler interleaves them at random. Checked: every partition
+tile_gluon.py by hand); a scheduler interleaves them at random. Checked: every partition
 finishes (no deadlock), every read of a ring slot sees the step it expects, and no copy lands in
 a slot that a partition still reads."""
 

@@ -15,7 +15,8 @@ for padding, or past the cache (docs/spec.md, "Bounds").
 Bytes per token: read the row (qkv dtype), write q, index_q, k, v, index_k: memory bound.
 
 RoPE angles come from a two-level fp32 table built in float64 on the host (`rope_table`):
-angle(p) = angle(p mod 1024) + angle(1024 * (p div 1024)), combined with the angle-sum formulas.
+angle(p) = angle(p mod 1024) + angle(1024 * (p div 1024)) (1024: geometry.ROPE_FINE, the table's
+layout), combined with the angle-sum formulas.
 A single fp32 product p * inv_freq would be 0.06 rad off at p = 1M (one fp32 ulp of 1e6).
 With FP32_ANGLES (the config's `rope_angles="fp32"`) the table's first row holds the fp32 inverse
 frequencies instead and the angle is that fp32 product, as transformers and vLLM form it.

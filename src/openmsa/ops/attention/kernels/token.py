@@ -11,7 +11,7 @@ program of a (token, KV head) to finish combines them (FUSED_MERGE: an arrival c
 (token, KV head) that the merger puts back to 0, so every launch and graph replay finds zeros),
 or `_merge_splits_kernel` does in a second launch. Every token is independent, so decode,
 speculative verify (each draft token with its own causal cut) and prefill chunks share one launch.
-In a prefill step (TILE_QT > 0) prefill.py's tile kernel has already done the tokens of the tiles
+In a prefill step (TILE_QT > 0) tile.py's tile kernel has already done the tokens of the tiles
 its plan took; programs of those tokens return at once.
 
 Bytes per (token, KV head): selected blocks * B * D * 2 * bytes(kv) read (L2 serves repeats
@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..common.triton_utils import split_e4m3_pairs, token_position
+from ...common.triton_utils import split_e4m3_pairs, token_position
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -86,7 +86,7 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
         if (t == 0) & (g == 0) & (split == 0):
             gdc_wait()
     if TILE_QT > 0:
-        # prefill.py's plan gave this token's tile to the tile kernel (a union size >= 0, not
+        # tile.py's plan gave this token's tile to the tile kernel (a union size >= 0, not
         # -1): nothing to do here
         if tl.load(tile_blocks_ptr + (t // TILE_QT) * NUM_KV_HEADS + g) >= 0:
             return

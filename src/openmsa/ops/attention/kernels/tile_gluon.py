@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Gluon kernel of the prefill tile launch on Hopper, warp-specialised (16-bit or fp8 K/V).
 
-The same tiles as prefill.py's `_sparse_attention_tile_kernel` (the plan launch and its union of
+The same tiles as tile.py's `_sparse_attention_tile_kernel` (the plan launch and its union of
 each tile's selections are shared; read that file first): one program per (tile, KV head) item,
 QT tokens x G heads = 64 rows against the union's blocks, online softmax, the causal cut at token
 granularity. What changes is who does what inside a program:
@@ -11,7 +11,7 @@ granularity. What changes is who does what inside a program:
   union: for 16-bit K/V one warp issuing TMA copies (4-D descriptors over the caches' own
   [P, B, Hkv, D] views); for fp8 K/V a loader warpgroup that reads each tile from global memory,
   converts it to fp16 in registers and stores it (`_fp8_loader`), so that the consumer runs the
-  16-bit path unchanged, with the MMAs in fp16 (as prefill.py's F16_COMPUTE);
+  16-bit path unchanged, with the MMAs in fp16 (as tile.py's F16_COMPUTE);
 * a consumer warpgroup runs S = Q K^T (`wgmma`, both operands in shared memory), hands the keys
   back (so the next step's keys load during this step's softmax), runs the mask and the online
   softmax in registers and O += P V (`wgmma` with P as the register operand), then hands the
@@ -43,12 +43,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from ..common.gluon_utils import launch_dependents, tile_position
+from ...common.gluon_utils import launch_dependents, tile_position
+from ..geometry import TILE_ROWS
 
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
 # rows of the program's tile (Hopper's MMA M for one warpgroup)
-ROWS = gl.constexpr(64)
+ROWS = gl.constexpr(TILE_ROWS)
 
 
 @gluon.jit
@@ -173,8 +174,8 @@ def _fp8_loader(k_ptr, v_ptr, stride_kp, stride_kb, stride_kh, stride_vp, stride
     d = gl.arange(0, D, layout=gl.SliceLayout(0, c_l))[None, :]
     k_off = keys * stride_kb + d
     v_off = keys * stride_vb + d
-    # (K_{i+1}'s loads under V_i's stores would be carried through the loop, where an fp8
-    # tensor takes a register per element: the loader spilled its invariants, 17% slower)
+    # (K_{i+1}'s loads are not issued under V_i's stores: carried through the loop, an fp8
+    # tensor takes a register per element, and the loader would spill its invariants)
     for i in range(num_steps):
         page = gl.load(union_row + i // PARTS).to(gl.int64)
         key0 = (i % PARTS) * SUB
@@ -341,7 +342,7 @@ def _consumer(q_smem, k_smem, v_smem, ready_k, ready_v, empty_k, empty_v, union_
 
 
 @gluon.jit
-def _sparse_attention_tile_ws_kernel(q_ptr, k_src, v_src, cu_ptr, seq_lens_ptr, out_ptr,
+def _sparse_attention_tile_gluon_kernel(q_ptr, k_src, v_src, cu_ptr, seq_lens_ptr, out_ptr,
                                      lse_ptr, blocks_ptr, union_ptr, k_scale_ptr, v_scale_ptr,
                                      sm_scale, num_requests, stride_qt, stride_qh, stride_qd,
                                      stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
@@ -381,7 +382,7 @@ def _sparse_attention_tile_ws_kernel(q_ptr, k_src, v_src, cu_ptr, seq_lens_ptr, 
         first_pos = tile_position(cu_ptr, seq_lens_ptr, num_requests, t0)
         union_row = union_ptr + item.to(gl.int64) * (3 * N)
         if FP8:
-            # fp8 K/V: the MMAs in fp16 with the softmax scale folded into q (prefill.py's
+            # fp8 K/V: the MMAs in fp16 with the softmax scale folded into q (tile.py's
             # F16_COMPUTE, same rounding)
             qk_scale = LOG2E
         else:
