@@ -34,7 +34,7 @@ interpreter and everything else keep select.py.
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from ..common.gluon_utils import token_position, wait_prerequisites
+from ...common.gluon_utils import token_position, wait_prerequisites
 
 @gluon.jit
 def _key(x):

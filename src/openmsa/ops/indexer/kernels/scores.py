@@ -18,7 +18,7 @@ of cp_size ranks, the logical blocks b = j * cp_size + cp_rank, through the stri
 block_table[:, cp_rank::cp_size] (local block j). Every causal position is then mapped into that
 local space (_cp_local_pos), so the same masks, loop bounds and tiles apply unchanged.
 
-Bytes: the request launch reads sum_r nb_r * B * Di * bytes(cache) plus the tiny query and score
+Bytes: the decode launch reads sum_r nb_r * B * Di * bytes(cache) plus the tiny query and score
 traffic; that is the whole cost model of decode. An NVFP4 cache (NVFP4=True) is 72 bytes a token,
 dequantized in registers by _nvfp4_keys.
 """
@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from ..common.triton_utils import find_request, request_ok, step_well_formed
+from ...common.triton_utils import find_request, request_ok, step_well_formed
 
 
 @triton.jit

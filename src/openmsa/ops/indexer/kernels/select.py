@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..common.triton_utils import (EMPTY_KEY, FORCED_SCORE_KEY, pack_key, score_key,
+from ...common.triton_utils import (EMPTY_KEY, FORCED_SCORE_KEY, pack_key, score_key,
                                    token_position, unpack_block)
 
 # the int32 key of a block that does not exist: below every real key (-inf's is 0x807FFFFF)

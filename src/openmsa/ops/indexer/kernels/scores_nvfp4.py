@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Gluon kernel of the request launch (decode, speculative verify) on NVFP4 index pages.
+"""Gluon kernel of the decode launch (decode, speculative verify) on NVFP4 index pages.
 
-The same scores as scores.py's request launch, S[t, h, b] = max over block b's causal keys of
+The same scores as scores.py's decode launch, S[t, h, b] = max over block b's causal keys of
 q[t, h] . key, for requests of q_len <= SMALL_Q against an NVFP4 cache (openmsa/nvfp4.py), with
 an fp8 e4m3 or fp16 index query. A decode scan reads every page once, so at the HBM roof a
 72-byte token arrives every ~16 ps and leaves ~3.7 thread instructions per key value for
@@ -35,7 +35,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from ..common.gluon_utils import launch_dependents, request_ok, step_well_formed
+from ...common.gluon_utils import launch_dependents, request_ok, step_well_formed
 
 # code words (32-bit, 8 values) of a token (Di = 128), and the words of a thread's 16-byte load
 WORDS = gl.constexpr(16)
@@ -161,7 +161,7 @@ def _query_chunk(q_ptr, tok, head, row_ok, stride_qt, stride_qh, stride_qd, i: g
 
 
 @gluon.jit
-def _nvfp4_request_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr, num_requests,
+def _nvfp4_decode_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr, num_requests,
                           num_tokens, num_pages, table_width, stride_qt, stride_qh, stride_qd,
                           stride_cp, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
                           H: gl.constexpr, NP: gl.constexpr, BPS: gl.constexpr,
