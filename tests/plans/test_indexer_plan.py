@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from openmsa.ops.common.plan import DeviceFacts
-from openmsa.ops.indexer.plan import (DEFAULT, SMALL_Q, IndexerConfig, IndexerShape, plan,
-                                      selection_layout, selection_plan)
+from openmsa.ops.indexer.plan import (DEFAULT, SMALL_Q, IndexerConfig, IndexerShape, cp_local_keys,
+                                      cp_merge, cp_plan, cp_share, plan, selection_layout,
+                                      selection_plan)
 
 pytestmark = pytest.mark.reference
 
@@ -450,3 +451,50 @@ def test_cp_share_takes_the_triton_forms():
             kernels = plan(dataclasses.replace(shape, cp=True), H200, config).kernels()
             assert "stage_nvfp4" not in kernels and "scores_decode_nvfp4" not in kernels
             assert "scores_prefill" in kernels
+
+
+@pytest.mark.parametrize("blocks, world, rank, want_blocks", [
+    (1024, 4, 0, 256), (1023, 4, 3, 255), (5, 8, 6, 0), (1, 1, 0, 1)])
+def test_cp_share_scores_the_ranks_blocks_with_the_triton_launches(blocks, world, rank,
+                                                                   want_blocks):
+    """A context-parallel rank scores block_table[:, rank::world] (its blocks b % W == rank):
+    the Triton launches alone (no TMA rows, cp), scoring only; no blocks, no launch."""
+    shape = _shape(tokens=8192 + 64, requests=65, blocks=blocks, topk=16)
+    share = cp_share(shape, world, rank)
+    assert share.max_blocks == want_blocks and share.cp and not share.tma_rows
+    assert share.topk is None
+    p = plan(share, H200)
+    assert set(p.kernels()) <= {"scores_decode", "scores_prefill"}
+    assert (len(p) == 0) == (want_blocks == 0)
+
+
+@pytest.mark.parametrize("tokens, heads, width, want_chunk, want_grid", [
+    (64, 4, 256, 256, (64, 1)),     # TP1 decode, W = 4 at 128K: one program a token
+    (8, 4, 8192, 1024, (8, 8)),     # 1M on one rank: 1024-block chunks
+    (3, 1, 5, 16, (3, 1)),          # at least a 16-wide tile
+    (2, 1, 0, 16, (2, 1)),          # a rank with no blocks still writes the positions
+])
+def test_cp_local_keys_launch(tokens, heads, width, want_chunk, want_grid):
+    launch = cp_local_keys(tokens, heads, width, 128)
+    assert launch.kernel == "cp_local_keys" and launch.grid == want_grid
+    assert dict(launch.params) == dict(H=heads, BLOCK=128, CHUNK=want_chunk)
+    smaller = cp_local_keys(tokens, heads, width, 128, DEFAULT.replace(cp={"keys_chunk": 16}))
+    assert smaller.params["CHUNK"] == 16
+    assert cp_local_keys(0, heads, width, 128) is None
+
+
+def test_cp_merge_launch_and_plan():
+    """The merge: one program per (token, head) row sorting the W * k candidates (a power of
+    two, at least 16); none without rows or candidates. cp_plan: the share's scoring, then the
+    packing and the merge, with the local width and the candidates per rank."""
+    launch = cp_merge(5, 4, 4, 16, 16, 128)
+    assert launch.grid == (20,) and dict(launch.params) == dict(H=4, BLOCK=128, CP2=64, KP2=16)
+    assert cp_merge(5, 4, 3, 1, 1, 128).params["CP2"] == 16
+    assert cp_merge(5, 4, 4, 0, 16, 128) is None and cp_merge(0, 4, 4, 16, 16, 128) is None
+    shape = _shape(tokens=64, requests=64, blocks=1024, topk=16, max_q_len=1)
+    p = cp_plan(shape, H200, DEFAULT, 4, 1)
+    assert p.kernels() == ("scores_decode", "cp_local_keys", "cp_merge")
+    assert p.find("scores_decode") == plan(cp_share(shape, 4, 1), H200).find("scores_decode")
+    assert dict(p.sizes) == dict(width=256, per_rank=16)
+    assert cp_plan(_shape(tokens=64, requests=64, blocks=4, topk=16, max_q_len=1), H200,
+                   DEFAULT, 8, 7).kernels() == ("cp_local_keys", "cp_merge")
