@@ -382,6 +382,26 @@ def test_plans_are_cached_by_call(kernel_device):
 
 # ------------------------------------------------------------------- host side, no GPU needed
 @pytest.mark.reference
+@pytest.mark.parametrize("phase", ["scores", "selection"])
+def test_unknown_launch_names_raise(phase):
+    """api.py runs a plan through tables from launch name to runner: a launch no table knows (a
+    plan and its runners out of step) is an error, never skipped; each phase passes over the
+    other's launches."""
+    from openmsa.ops.common.plan import Launch, LaunchPlan
+    q = torch.zeros(1, 1, 16)
+    cu, seq = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32)
+    table, scores = torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, 1, 1)
+    out = torch.zeros(1, 1, 1, dtype=torch.int32)
+    other = "select_segments" if phase == "scores" else "scores_decode"
+    bogus = LaunchPlan((Launch(other, (1,)), Launch("scores_typo", (1,))), dict(segments=1))
+    with pytest.raises(ValueError, match="scores_typo"):
+        if phase == "scores":
+            indexer_api._run_scores(bogus, q, torch.zeros(1, 16, 16), cu, seq, table, scores)
+        else:
+            indexer_api._run_selection(bogus, scores, cu, seq, out)
+
+
+@pytest.mark.reference
 def test_config_is_checked():
     q = torch.zeros(1, 1, 16)
     args = (q, torch.zeros(1, 16, 16), torch.tensor([0, 1], dtype=torch.int32),

@@ -76,8 +76,8 @@ def test_selection_layout(rows, blocks, want):
 ])
 def test_selection_chunks(tokens, blocks, chunk):
     """The search path reads its segments in chunks only in launches of >= select.chunk_min_waves
-    programs per SM (measured: a decode step's chunked reads cost 2-4 µs). (select.py's plan:
-    off Hopper, and on it for rows past short_rows.max_blocks.)"""
+    programs per SM (a decode step's programs fit at once, and there the chunks' serial loads
+    cost). (select.py's plan: off Hopper, and on it for rows past short_rows.max_blocks.)"""
     for facts in (dataclasses.replace(H200, gluon_hopper=False),
                   dataclasses.replace(H200, capability=(10, 0))):
         # (the group-bound path is not what this pins)
@@ -160,12 +160,12 @@ def test_prefill_tile_launch_is_the_gluon_kernel_on_hopper(heads, want_grid, wan
 
 
 @pytest.mark.parametrize("heads, blocks, want_grid, want_bps", [
-    # TP4, 8K chunk, no context (scoring with 8-block splits 21.3 µs, 16-block 17.4; the model:
-    # 10-block splits end in 16 block steps, 16-block in 20)
+    # TP4, 8K chunk, no context (the model: 10-block splits end in 16 block steps, 16-block in
+    # 20)
     (1, 64, (32, 7), 10),
-    (1, 128, (32, 6), 25),   # TP4 after 8K (8: 39.7, 16: 33.0, 32: 28.7; the model: 25 best)
+    (1, 128, (32, 6), 25),   # TP4 after 8K (longer splits pay fewer starts)
     (1, 320, (32, 14), 24),  # TP4 after 32K
-    # TP1, no context (the whole call: 16-block splits 58.3 µs at fb15c16, 32-block 46.1)
+    # TP1, no context: whole chunks
     (4, 64, (128, 2), 32),
 ])
 def test_short_prefill_splits_weigh_starts_against_balance(heads, blocks, want_grid, want_bps):

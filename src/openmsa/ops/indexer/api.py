@@ -231,7 +231,8 @@ class _SelectStep:
     __slots__ = ("scores", "cu_seqlens_q", "seq_lens", "out", "sizes", "gmax", "cand")
 
     def __init__(self, scores, cu_seqlens_q, seq_lens, out, sizes):
-        self.scores, self.cu_seqlens_q, self.seq_lens, self.out = scores, cu_seqlens_q, seq_lens, out
+        self.scores, self.cu_seqlens_q, self.seq_lens = scores, cu_seqlens_q, seq_lens
+        self.out = out
         self.sizes = sizes
         self.gmax = self.cand = None
 

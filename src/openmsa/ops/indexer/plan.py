@@ -304,12 +304,12 @@ class IndexerConfig:
     # dequantizing in registers (at most prefill.max_rows_nvfp4 rows a tile), or "staged",
     # kernels/stage.py dequantizing the long requests' pages into a 16-bit staging cache first
     # (32 KB a page: plan._staging), which the 16-bit prefill launch then scores (on Hopper the
-    # Gluon kernel): 2.7x faster after 120K, but its cache is sized for every request that
-    # could be long. "auto": staged when the prefill launch takes one request (a prefill chunk
-    # alone: max_blocks pages), else in-kernel (docs/performance.md, "NVFP4 index pages"). Like
-    # the prefill launch itself, it takes a lone decode or verify request padded past 16 tokens
-    # for a chunk unless max_q_len says otherwise: then it stages the whole context for a few
-    # tokens
+    # Gluon kernel): a page is dequantized once instead of once per tile that reads it, but
+    # the staging cache is sized for every request that could be long. "auto": staged when the
+    # prefill launch takes one request (a prefill chunk alone: max_blocks pages), else
+    # in-kernel (docs/performance.md, "NVFP4 index pages"). Like the prefill launch itself, it
+    # takes a lone decode or verify request padded past 16 tokens for a chunk unless max_q_len
+    # says otherwise: then it stages the whole context for a few tokens
     nvfp4_prefill: str = "auto"
 
     def __post_init__(self):

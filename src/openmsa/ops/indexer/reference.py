@@ -127,7 +127,8 @@ def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, 
                   config: IndexerConfig | None = None, cp_group=None):
     """Top-`topk` blocks per (token, index head) by block_scores, with forced init/local blocks
     (max_q_len, config: the kernels' hint and knobs, see block_scores). cp_group: the
-    context-parallel selection (cp.py's rule and exchange) on this reference path (see api.select_blocks).
+    context-parallel selection (cp.py's rule and exchange) on this reference path (see
+    api.select_blocks).
 
     Returns:
         int32 [T, H, topk]: ascending block ids (logical, into the request's block table), -1

@@ -184,9 +184,9 @@ def _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, strid
             s = tl.where(s == s, s, float("-inf"))
         best = tl.reduce(s, 1, _max_skip_nan)  # [M]
     # NaN counts as -inf. On the GPU the max already skips NaN keys (PTX max.f32 returns the
-    # other operand), so only an all-NaN block is left to fix, per row instead of per key: half
-    # of the prefill loop's instructions were that per-key compare and select. The interpreter's
-    # numpy max propagates NaN, so there every key is cleaned first.
+    # other operand), so only an all-NaN block is left to fix, per row instead of per key: a
+    # per-key compare and select would double the prefill loop's instructions. The
+    # interpreter's numpy max propagates NaN, so there every key is cleaned first.
     best = tl.where(page_ok & (best == best), best, float("-inf"))
     return tl.where(cols[None, :] == b - b_lo, best[:, None], tile)
 

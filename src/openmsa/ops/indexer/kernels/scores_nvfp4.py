@@ -13,7 +13,7 @@ neither:
   maxima, so no tile is shared and no maximum crosses warps. Its pages arrive by cp.async in a
   ring of half-block stages in shared memory (bytes in flight cost no registers), and 15 such
   warps share an SM (14 KB of ring each, plus the 1 KB an sm_90 block reserves; plan.py:
-  NVFP4_STAGES, NVFP4_MAXNREG_8_ROWS).
+  IndexerConfig.decode_nvfp4: stages, maxnreg_8_rows).
 * A thread reads 16 contiguous code bytes (4 words, 32 values of two scale groups) per token
   row and turns them into fp16 values straight in the registers the MMA (m16n8k16) reads as
   its key operand. The head-dim order in those registers is whatever the bit moves leave
@@ -328,9 +328,9 @@ def _score_rows(q_ptr, cache_ptr, row_bt, out_ptr, words_s, scales_s, t_req, q_l
     held = b_lo * 0
     # with 8 rows a pass, the units of blocks wholly at or before the earliest row's position
     # first, with no causal mask: that loop's body has no branch between its MMA tiles, so
-    # ptxas interleaves the tiles' dequantization and MMA chains (up to 4% faster at small
-    # batch); then the rest, masked. 16-row passes ran 2-8% slower so split, so they keep one
-    # loop that masks the tiles of blocks at or past b_full (docs/performance.md)
+    # ptxas interleaves the tiles' dequantization and MMA chains; then the rest, masked.
+    # 16-row passes, whose registers leave ptxas less room for that, keep one loop that masks
+    # the tiles of blocks at or past b_full (docs/performance.md, "NVFP4 index pages")
     u_mask = b_lo * 0
     if NP == 8:
         u_mask = gl.minimum(gl.maximum(2 * (b_full - b_lo), 0), n_units)
