@@ -17,7 +17,11 @@ topk none (block_scores) and 1..64 with init/local blocks, context-parallel shar
 H200/H100 SXM (132 SMs), H100 PCIe (114), Hopper without Gluon, sm_100, sm_80, a ROCm GPU and
 the interpreter (CPU). Configs: the default, the base's IndexerConfig fields (this tree's
 forms), and the numbers that were module constants of the base's plan.py and kernel files (set
-there as globals, here as form fields).
+there as globals, here as form fields). The sweep's ~320K step shapes are sampled with a fixed
+seed: 120K on every device under the default config (and the selection alone), 8K on four
+devices under each other config, 2.5K x (W, rank) for the context-parallel plans. This tree's
+Gluon prefill launch passes the register split (CONSUMER_REGS, PRODUCER_REGS) that the base's
+kernel file held as constants: it is compared against those.
 """
 
 import dataclasses
