@@ -53,7 +53,6 @@ RULE = dict(topk=16, init_blocks=0, local_blocks=1, block_size=BLOCK)
 DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}
 
 
-# ----------------------------------------------------------------------------- launcher
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -79,7 +78,6 @@ def launch(world: int, argv: list[str]) -> int:
     return max((p.returncode for p in procs), key=abs)
 
 
-# ----------------------------------------------------------------------------- inputs
 def index_step(batch, context, dtype, device, seed=0):
     """A decode step: batch requests of `context` tokens, pages scattered; the same on every
     rank (seeded generator); the cache filled in slices (no full-size fp32 temporary)."""
@@ -99,7 +97,6 @@ def index_step(batch, context, dtype, device, seed=0):
     return q, cache, cu, seq, table
 
 
-# ----------------------------------------------------------------------------- timing
 class Timer:
     def __init__(self, gpu: bool, iters: int, group):
         self.gpu, self.iters, self.group = gpu, iters, group
@@ -172,7 +169,6 @@ def safe(f, *args):
         return f"error: {type(e).__name__}: {e}"[:300]
 
 
-# ----------------------------------------------------------------------------- one case
 def measure(args, timer, group, rank, world, device, dname, batch, context):
     gpu = device.type == "cuda"
     q, cache, cu, seq, table = index_step(batch, context, DTYPES[dname], device)
@@ -225,7 +221,6 @@ def cases(args, gpu):
     return [(d, b, L) for d in ("fp8", "bf16") for b, L in sizes]
 
 
-# ----------------------------------------------------------------------------- report
 def _num(x):
     return x if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
@@ -271,7 +266,6 @@ def print_table(summary):
               f"{s['exact']}")
 
 
-# ----------------------------------------------------------------------------- main
 def worker(args):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     gpu = not args.cpu

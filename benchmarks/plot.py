@@ -27,7 +27,7 @@ import os
 FIGURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
                        "figures")
 # the indexer figure's panels: batch sizes that run.py's full and --quick indexer-decode grids
-# both have (shapes.INDEXER_DECODE, INDEXER_DECODE_QUICK; tests/test_plot.py checks)
+# both have (shapes.INDEXER_DECODE, INDEXER_DECODE_QUICK; tests/tools/test_plot.py checks)
 DEFAULT_BATCHES = "1,32"
 
 

@@ -27,7 +27,6 @@ from helpers.sm90 import INTERPRET
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-# ------------------------------------------------------------------------ keys and merge
 @pytest.mark.reference
 def test_key_order_is_the_tie_rule():
     """Larger key = higher score, NaN as -inf, -0.0 equal to +0.0, ties to the lower block."""
@@ -129,7 +128,6 @@ def test_cp_group_is_checked():
         openmsa.select_blocks(q, c, cu, seq, table, topk=4, block_size=B, cp_group=2)
 
 
-# ------------------------------------------------------------------------ rank by rank
 @pytest.mark.reference
 @pytest.mark.dispatch
 def test_ranks_one_after_another_reference():
@@ -160,7 +158,6 @@ def test_ranks_one_after_another_kernels(kernel_device, world, max_q_len):
         assert torch.equal(got, want), (rule, sharded)
 
 
-# ------------------------------------------------------------------------ multi-process (gloo)
 def _run_group(world: int, mode: str):
     env = dict(os.environ)
     src = os.path.join(os.path.dirname(HERE), "src")
@@ -206,15 +203,14 @@ def test_gloo_group_kernels(world):
 @pytest.mark.reference
 @pytest.mark.parametrize("world", [2, 4])
 def test_gloo_group_layer(world):
-    """MSAAttention(index_cp_group=...) at TP W over a sharded index cache (MSAPlanner's
-    index_cp_size): the same output as the layer without CP over a replicated cache, and a rank
+    """MSAAttention(cp_group=...) at TP W over a sharded index cache (MSAPlanner's
+    cp_size): the same output as the layer without CP over a replicated cache, and a rank
     writes index keys only into its own blocks' pages (cp_worker.layer_check)."""
     if INTERPRET:
         pytest.skip("reference ops")
     _run_group(world, "layer")
 
 
-# ------------------------------------------------------------------------ planner: sharded writes
 @pytest.mark.reference
 def test_planner_shards_index_slots_and_table():
     from openmsa import MSAPlanner
@@ -228,7 +224,7 @@ def test_planner_shards_index_slots_and_table():
     written = torch.zeros(64 * bs, dtype=torch.int32)
     for r in range(world):
         planner = MSAPlanner(cfg, max_requests=4, max_tokens=64, max_blocks=8, device="cpu",
-                             index_cp_size=world, index_cp_rank=r)
+                             cp_size=world, cp_rank=r)
         meta = planner.plan(q_lens, seq_lens, table)
         assert torch.equal(meta.index_block_table, owned_table(full.index_block_table, world, r))
         assert torch.equal(meta.slot_mapping, full.slot_mapping)
@@ -257,8 +253,8 @@ def test_layer_refuses_a_table_sharded_for_another_rank():
     index_cache = torch.zeros(8, B, cfg.index_head_dim)
     hidden = torch.randn(3, 32)
     sharded = MSAPlanner(cfg, max_requests=1, max_tokens=8, max_blocks=8, device="cpu",
-                         index_cp_size=2, index_cp_rank=1).plan([3], [3], table)
-    with pytest.raises(ValueError, match="index_cp_size"):
+                         cp_size=2, cp_rank=1).plan([3], [3], table)
+    with pytest.raises(ValueError, match="cp_size"):
         layer(hidden, sharded, kv, index_cache)
     whole = MSAPlanner(cfg, max_requests=1, max_tokens=8, max_blocks=8, device="cpu").plan(
         [3], [3], table)
@@ -268,13 +264,13 @@ def test_layer_refuses_a_table_sharded_for_another_rank():
 
 @pytest.mark.reference
 @pytest.mark.parametrize("kwargs, kind, name", [
-    (dict(index_cp_size=0), ValueError, "index_cp_size"),
-    (dict(index_cp_size=True), ValueError, "index_cp_size"),
-    (dict(index_cp_size=2, index_cp_rank=2), ValueError, "index_cp_rank"),
-    (dict(index_cp_size=2, index_cp_rank=-1), ValueError, "index_cp_rank"),
+    (dict(cp_size=0), ValueError, "cp_size"),
+    (dict(cp_size=True), ValueError, "cp_size"),
+    (dict(cp_size=2, cp_rank=2), ValueError, "cp_rank"),
+    (dict(cp_size=2, cp_rank=-1), ValueError, "cp_rank"),
 ])
 def test_planner_and_op_cp_arguments_are_checked(kwargs, kind, name):
-    """MSAPlanner's index_cp_size / index_cp_rank, and the same check (_checks.check_cp_shape)
+    """MSAPlanner's cp_size / cp_rank, and the same check (_checks.check_cp_shape)
     of cp.py's cp_size / cp_rank, each error naming its own argument."""
     from openmsa import MSAPlanner
     from openmsa.ops.indexer.reference import local_block_scores
@@ -291,11 +287,11 @@ def test_planner_and_op_cp_arguments_are_checked(kwargs, kind, name):
 
 
 @pytest.mark.reference
-def test_layer_index_cp_group_is_checked():
+def test_layer_cp_group_is_checked():
     from openmsa import MSAAttention
-    with pytest.raises(TypeError, match="index_cp_group"):
+    with pytest.raises(TypeError, match="cp_group"):
         MSAAttention(_tiny_config(), 32, dtype=torch.float32, ops="reference",
-                     index_cp_group=2)
+                     cp_group=2)
 
 
 def _tiny_config():
@@ -305,7 +301,6 @@ def _tiny_config():
                      local_blocks=1, rotary_dim=16)
 
 
-# ------------------------------------------------------------------------ sm_90 compile
 @pytest.mark.reference
 @pytest.mark.skipif(INTERPRET, reason="compilation needs the real compiler")
 @pytest.mark.parametrize("tile_mode", [False, True])
@@ -332,7 +327,6 @@ def test_cp_candidate_and_merge_kernels_compile():
                  dict(H=4, BLOCK=128, CP2=128, KP2=16))
 
 
-# ------------------------------------------------------------------------ GPU
 def _gpu_case(dtype, num_requests, context, q_len=1, heads=4, dim=128, seed=0):
     """A decode (or verify) step of num_requests requests of `context` tokens on the GPU."""
     g = torch.Generator(device="cuda").manual_seed(seed)

@@ -17,7 +17,6 @@ FP8 = torch.float8_e4m3fn
 B = 128
 
 
-# ------------------------------------------------------------------------------ launches
 @triton.jit
 def _gather_kernel(x_ptr, out_ptr, n, stride, OFFSET: tl.constexpr, NP: tl.constexpr):
     i = tl.arange(0, NP)

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import openmsa
+from openmsa.dense import DENSE_OPS
 from openmsa.model import TinyMSAModel, ToyEngine, random_layer_checkpoint
-from openmsa.plan import MSAPlanner
+from openmsa.metadata import MSAPlanner
 from helpers import (assert_close, make_step, random_index_inputs, random_kv_cache)
-from helpers.dense import DENSE_OPS
 
 FP8 = torch.float8_e4m3fn
 CFG = openmsa.MSAConfig(num_heads=4, num_kv_heads=2, head_dim=64, num_index_heads=2,
@@ -88,7 +88,6 @@ def _assert_logits_close(got, want, rel=2e-2):
         assert err < rel, f"step {i}: logits differ by {err:.3g} of their range"
 
 
-# ----------------------------------------------------------------------------- reference tier
 @pytest.mark.reference
 def test_plan_matches_make_step_and_pads():
     q_lens, seq_lens = [1, 3, 20, 0], [70, 45, 100, 9]
@@ -196,7 +195,6 @@ def test_model_with_every_block_selected_equals_dense_reference():
     assert (sparse[1] - dense[1]).abs().max() > 1e-2
 
 
-# ----------------------------------------------------------------------------- kernel tiers
 def _kernel_dtypes(device):
     # bf16 attention is refused under Triton's interpreter (its elementwise bf16 arithmetic is
     # wrong, docs/design.md): fp16 on CPU, with fp8 caches there too (its casts are the GPU's)
@@ -226,7 +224,6 @@ def test_model_end_to_end_every_block_selected_equals_dense(kernel_device):
     _assert_logits_close(_run(cfg, "kernels", **kw), _run(cfg, DENSE_OPS, **kw))
 
 
-# ----------------------------------------------------------------------- GPU tier: M3 geometry
 def _m3_tiny_model(ops, layers, topk=16, index_query_dtype=None):
     from openmsa.model import TinyMSAModel
     cfg = dataclasses.replace(openmsa.MSAConfig().shard(4), topk_blocks=topk)  # 16 / 1 / 1 heads
@@ -374,7 +371,6 @@ def test_ops_follow_their_tensors_to_another_gpu():
     assert all(torch.equal(a, b) for a, b in zip(other, same))
 
 
-# ------------------------------------------------------------------ NVFP4 index cache
 NVFP4_CFG = openmsa.MSAConfig(num_heads=4, num_kv_heads=2, head_dim=64, num_index_heads=2,
                               index_head_dim=128, block_size=128, topk_blocks=2, init_blocks=0,
                               local_blocks=1, rotary_dim=32)

@@ -9,7 +9,7 @@ world sizes 2 and 4:
   tables, queries and keys: equal to the eager one-GPU selection after each replay;
 * MSAAttention at TP2/TP4 with the engine's all-reduce of the o_proj partial outputs: equal to
   the TP1 layer within bf16 tolerance over prefill, decode and verify steps, with and without
-  index_cp_group.
+  cp_group.
 
 The gpu-marked tests skip (and only skip) where fewer GPUs than the world size are present:
 
@@ -66,7 +66,7 @@ def run_group(world: int, backend: str, checks: str, timeout: float = 900):
 def test_gloo_workers_run_the_multigpu_checks():
     """The NCCL tests' worker on CPU over gloo, world size 2: CP selection (replicated and
     sharded, fp8 and bf16), the rerun-on-the-same-buffers form of the graph check, and the TP2
-    layer with the all-reduce against TP1, with and without index_cp_group."""
+    layer with the all-reduce against TP1, with and without cp_group."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         pytest.skip("the reference tier runs it (reference ops on CPU)")
     run_group(2, "gloo", "select,graph,layer", timeout=300)
@@ -98,26 +98,5 @@ def test_nccl_cp_selection_in_a_cuda_graph(world):
                                    pytest.param(4, marks=_needs(4))])
 def test_nccl_tensor_parallel_layer(world):
     """MSAAttention at TP world with the all-reduce of o_proj against TP1, with and without
-    index_cp_group (sharded index cache), bf16 and fp8 index caches."""
+    cp_group (sharded index cache), bf16 and fp8 index caches."""
     run_group(world, "nccl", "layer")
-
-
-@pytest.mark.reference
-def test_cp_multigpu_benchmark_smoke(tmp_path):
-    """benchmarks/cp_multigpu.py's whole path (spawned ranks, timing, gather, JSON, table) over
-    gloo on CPU with tiny shapes: every CP selection exact."""
-    import json
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        pytest.skip("the reference tier runs it (reference ops on CPU)")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("RANK", None)
-    script = os.path.join(os.path.dirname(HERE), "benchmarks", "cp_multigpu.py")
-    p = subprocess.run([sys.executable, script, "--cpu", "--world", "2", "--iters", "2",
-                        "--out", str(tmp_path)], env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    data = json.loads((tmp_path / "cp_multigpu-w2.json").read_text())
-    assert len(data["rows"]) == 4 and all(r["exact"] for r in data["rows"])
-    for s in data["summary"]:
-        assert s["cp_device_us"] > 0 and s["coll_eager_us"] > 0 and s["coll_share_device"] > 0
-    assert "share" in p.stdout

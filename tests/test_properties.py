@@ -622,8 +622,6 @@ def check_argument_errors(device):
         assert name in str(err.value), f"the error does not name {name}: {err.value}"
 
 
-# ---- tier 0: the reference ------------------------------------------------------------------
-
 def reference_tier(test):
     """The public ops on CPU tensors: the reference here; under TRITON_INTERPRET=1 they would
     run the kernels at tier-0 sizes, far too slow for the interpreter (conftest.py skips
@@ -740,8 +738,6 @@ def test_the_suite_catches_a_wrong_tie_rule():
     flipped = naive_select(scores, [seq_len - 1], lower_id_first=False, **kw)
     assert flipped[0, 0].tolist() == [2, 3, 4] and not torch.equal(got, flipped)
 
-
-# ---- tier 1: the kernels (the interpreter on CPU, or a GPU) -----------------------------------
 
 # NaN and inf keys and queries are deliberate: numpy's warning in the interpreter's dots says so
 NAN_DOTS = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")

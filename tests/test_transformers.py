@@ -72,7 +72,6 @@ def _close(a, b):
     torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
 
 
-# ------------------------------------------------------------------ config and weights
 def test_from_hf_config_reads_transformers_configs_and_their_dicts():
     text = _text_config()
     want = openmsa.MSAConfig(num_heads=4, num_kv_heads=2, head_dim=16, num_index_heads=2,
@@ -134,7 +133,6 @@ def test_load_checkpoint_takes_transformers_and_checkpoint_names(pair):
         a.load_checkpoint(missing, prefix="model.layers.1.self_attn.")
 
 
-# ------------------------------------------------------------------ against transformers
 def test_forward_and_decode_logits_equal_transformers_eager(pair):
     ref, m = pair
     ids = _prompt(83, 1)[None]  # 21 blocks of 4, top-4: most blocks are dropped
@@ -303,7 +301,6 @@ def test_vl_wrapper_language_model_runs_openmsa():
         _close(m(input_ids=ids).logits, ref(input_ids=ids).logits)
 
 
-# ------------------------------------------------------------------ refusals and caches
 def test_refusals(pair):
     ref, m = pair
     ids = _prompt(20, 10)[None]
@@ -364,7 +361,6 @@ def test_pages_are_reused_when_caches_go():
     assert len(state.free) == state.num_pages == 64
 
 
-# ------------------------------------------------------------------ GPU (tier 2)
 GPU_TEXT = dict(num_attention_heads=8, num_key_value_heads=2, head_dim=64, rotary_dim=32,
                 index_n_heads=2, index_head_dim=64, index_block_size=16)
 

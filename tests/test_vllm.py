@@ -49,7 +49,6 @@ MAX_TOKENS = 6
 TOLERANCE = 1e-3  # fp32 log-probabilities (the bound)
 
 
-# ------------------------------------------------------------------------------ units
 def test_whole_step_from_vllm_split_metadata():
     from openmsa.integrations.vllm.impls import _whole_step
     # two decode rows of q_len 2 (spec verify), then two prefill chunks of 3 and 5 tokens
@@ -220,7 +219,6 @@ def test_selectors_fall_back_to_vllm_by_name_with_the_reason():
     assert "indexer falls back to vLLM's VllmImpl: this vLLM's MiniMax-M3 index cache" in text
 
 
-# ------------------------------------------------------------------------------ end to end
 def _run_vllm(checkpoint, tmp, prompts, **request):
     path, out = os.path.join(tmp, "request.json"), os.path.join(tmp, "out.json")
     with open(path, "w") as f:

@@ -17,7 +17,7 @@ from .ops.indexer.api import block_scores, select_blocks
 from .ops.indexer.plan import IndexerConfig
 from .layer import MSAAttention
 from .nvfp4 import dequantize_index_pages
-from .plan import MSAMetadata, MSAPlanner
+from .metadata import MSAMetadata, MSAPlanner
 from .support import unsupported_reason
 
 __version__ = "0.1.0"

@@ -4,16 +4,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import platform
 import sys
 import time
-from types import SimpleNamespace
 
 import torch
 
 import openmsa
 from openmsa._dispatch import backend_name
 from openmsa.batch import token_layout
+from openmsa.dense import DENSE_OPS, dense_paged_attention
 
 
 def _env() -> None:
@@ -34,40 +35,16 @@ def _env() -> None:
         print("CUDA: not available (CUDA tensors would need a GPU)")
 
 
-def _dense_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, block_size,
-                     dtype=None):
-    """Dense causal GQA attention per request, through scaled_dot_product_attention over the
-    request's pages in `dtype` (q's by default): the demo's independent path, no openmsa op
-    involved. The lengths may be host lists (no sync). Padding tokens give 0."""
-    from torch.nn.attention.bias import causal_lower_right
-    dtype = dtype or q.dtype
-    hkv, d = k_cache.shape[2], k_cache.shape[3]
-    group = q.shape[1] // hkv
-    out = torch.zeros_like(q, dtype=dtype)
-    cu, sl = (x.tolist() if isinstance(x, torch.Tensor) else x for x in (cu_seqlens_q, seq_lens))
-    for r in range(len(sl)):
-        ql, s_len = cu[r + 1] - cu[r], sl[r]
-        if ql == 0 or ql > s_len:
-            continue
-        nb = -(-s_len // block_size)
-        pages = block_table[r, :nb].long()
-        kk = k_cache[pages].reshape(nb * block_size, hkv, d)[:s_len].transpose(0, 1).to(dtype)
-        vv = v_cache[pages].reshape(nb * block_size, hkv, d)[:s_len].transpose(0, 1).to(dtype)
-        qq = q[cu[r]:cu[r + 1]].transpose(0, 1).to(dtype)
-        o = torch.nn.functional.scaled_dot_product_attention(
-            qq, kk.repeat_interleave(group, 0), vv.repeat_interleave(group, 0),
-            attn_mask=causal_lower_right(ql, s_len))
-        out[cu[r]:cu[r + 1]] = o.transpose(0, 1)
-    return out
-
-
-# MSAAttention's ops with dense attention in place of selection and sparse attention
-DENSE_OPS = SimpleNamespace(
-    fused_prepare=openmsa.reference.fused_prepare,
-    select_blocks=lambda *args, **kwargs: None,
-    sparse_attention=lambda q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table, *,
-    block_size, **scales: _dense_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens,
-                                           block_table, block_size))
+@contextlib.contextmanager
+def _stage(what: str, device: str):
+    """Say what runs now and, once it is done, how long it took: on the CPU the demo runs for a
+    minute or two, most of it inside single calls."""
+    print(f"  {what} ...", end="", flush=True)
+    t0 = time.perf_counter()
+    yield
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+    print(f" {time.perf_counter() - t0:.1f} s", flush=True)
 
 
 def _demo(context: int | None, device: str | None) -> None:
@@ -94,38 +71,43 @@ def _demo(context: int | None, device: str | None) -> None:
     cu = torch.tensor([0, q_lens[0], q_lens[0] + 1, sum(q_lens)], dtype=torch.int32)
     sl = torch.tensor(seq_lens, dtype=torch.int32)
     num_tokens = sum(q_lens)
+    print(f"MiniMax-M3 sparse layer (64 q / 4 kv / 4 index heads, blocks of {bs}, top-{topk}) "
+          f"on {device} ({backend_name(device)})")
+    print(f"step: prefill chunk {q_lens[0]} tokens @ {seq_lens[0]}, decode @ {seq_lens[1]}, "
+          f"4-token verify @ {seq_lens[2]}; fp8 index cache, bf16 K/V")
 
-    # caches full of noise, written through the public slot-mapping writes
-    slots = torch.cat([table[r].long().repeat_interleave(bs)[:s] * bs
-                       + torch.arange(s) % bs for r, s in enumerate(seq_lens)])
-    hkv, d, h, di = cfg.num_kv_heads, cfg.head_dim, cfg.num_index_heads, cfg.index_head_dim
-    index_cache = torch.zeros(num_pages, bs, di, dtype=torch.float8_e4m3fn, device=device)
-    k_cache = torch.zeros(num_pages, bs, hkv, d, dtype=dt, device=device)
-    v_cache = torch.zeros_like(k_cache)
-    index_k = torch.randn(len(slots), di, generator=g)
-    k = torch.randn(len(slots), hkv, d, generator=g)
-    v = torch.randn(len(slots), hkv, d, generator=g)
-    index_q = torch.randn(num_tokens, h, di, generator=g)
-    q = torch.randn(num_tokens, cfg.num_heads, d, generator=g)
-    # the needle: block 3 of the decode request holds keys aligned with its queries
-    needle = 3
-    dec_t = q_lens[0]
-    req1 = slice(seq_lens[0], seq_lens[0] + seq_lens[1])
-    rows = torch.arange(needle * bs, needle * bs + 16)
-    index_k[req1][rows] = 4.0 * index_q[dec_t].mean(0)
-    # the decode token's query heads share one direction per KV group, and the needle's keys
-    # point along it: in dense attention the needle takes nearly all the softmax mass. At 2x a
-    # unit-variance direction its logits are ~45 against ~N(0, 4) for the random keys, so it
-    # dominates even 1M random keys (at 1x, ~11 against N(0, 1): measured 0.6 relative error
-    # at 128K, where 131072 random keys hold a fair share of the mass)
-    u = 2.0 * torch.randn(hkv, 1, d, generator=g)
-    q[dec_t] = (u + 0.1 * torch.randn(hkv, cfg.group_size, d, generator=g)).view(-1, d)
-    k[req1][rows] = u[:, 0]
-    v[req1][rows] = 5.0
-    index_q_dev = index_q.to(torch.float8_e4m3fn).to(device)
-    openmsa.write_index_cache(index_k.to(device), index_cache, slots.to(device))
-    openmsa.write_kv_cache(k.to(dt).to(device), v.to(dt).to(device), k_cache, v_cache,
-                           slots.to(device))
+    with _stage(f"random caches for {sum(seq_lens)} tokens, written with write_index_cache and "
+                f"write_kv_cache", device):
+        slots = torch.cat([table[r].long().repeat_interleave(bs)[:s] * bs
+                           + torch.arange(s) % bs for r, s in enumerate(seq_lens)])
+        hkv, d, h, di = cfg.num_kv_heads, cfg.head_dim, cfg.num_index_heads, cfg.index_head_dim
+        index_cache = torch.zeros(num_pages, bs, di, dtype=torch.float8_e4m3fn, device=device)
+        k_cache = torch.zeros(num_pages, bs, hkv, d, dtype=dt, device=device)
+        v_cache = torch.zeros_like(k_cache)
+        index_k = torch.randn(len(slots), di, generator=g)
+        k = torch.randn(len(slots), hkv, d, generator=g)
+        v = torch.randn(len(slots), hkv, d, generator=g)
+        index_q = torch.randn(num_tokens, h, di, generator=g)
+        q = torch.randn(num_tokens, cfg.num_heads, d, generator=g)
+        # the needle: block 3 of the decode request holds keys aligned with its queries
+        needle = 3
+        dec_t = q_lens[0]
+        req1 = slice(seq_lens[0], seq_lens[0] + seq_lens[1])
+        rows = torch.arange(needle * bs, needle * bs + 16)
+        index_k[req1][rows] = 4.0 * index_q[dec_t].mean(0)
+        # the decode token's query heads share one direction per KV group, and the needle's keys
+        # point along it: in dense attention the needle takes nearly all the softmax mass. At 2x a
+        # unit-variance direction its logits are ~45 against ~N(0, 4) for the random keys, so it
+        # dominates even 1M random keys (at 1x, ~11 against N(0, 1), the random keys of a long
+        # context still hold a fair share of the mass)
+        u = 2.0 * torch.randn(hkv, 1, d, generator=g)
+        q[dec_t] = (u + 0.1 * torch.randn(hkv, cfg.group_size, d, generator=g)).view(-1, d)
+        k[req1][rows] = u[:, 0]
+        v[req1][rows] = 5.0
+        index_q_dev = index_q.to(torch.float8_e4m3fn).to(device)
+        openmsa.write_index_cache(index_k.to(device), index_cache, slots.to(device))
+        openmsa.write_kv_cache(k.to(dt).to(device), v.to(dt).to(device), k_cache, v_cache,
+                               slots.to(device))
     cu, sl, table = cu.to(device), sl.to(device), table.to(device)
     qd = q.to(dt).to(device)
 
@@ -138,14 +120,15 @@ def _demo(context: int | None, device: str | None) -> None:
     cu_host, sl_host = cu.tolist(), sl.tolist()
 
     def dense(dtype=dt):
-        return _dense_attention(qd, k_cache, v_cache, cu_host, sl_host, table, bs, dtype)
+        return dense_paged_attention(qd, k_cache, v_cache, cu_host, sl_host, table,
+                                     block_size=bs, dtype=dtype)
 
     t0 = time.perf_counter()
-    idx, out = sparse()
+    with _stage("select_blocks and sparse_attention", device):
+        idx, out = sparse()
     # the error check against fp32 dense attention, so that only the sparse side rounds in bf16
-    ref_out = dense(torch.float32)
-    if on_gpu:
-        torch.cuda.synchronize()
+    with _stage("dense attention in fp32, to compare with", device):
+        ref_out = dense(torch.float32)
     elapsed = time.perf_counter() - t0
     found = bool((idx[dec_t] == needle).any(-1).all())
     # keys the main branch reads: the causal part of each selected block, averaged over heads
@@ -158,10 +141,6 @@ def _demo(context: int | None, device: str | None) -> None:
     err = ((out.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
     dec_err = ((out[dec_t].float() - ref_out[dec_t].float()).norm()
                / ref_out[dec_t].float().norm()).item()
-    print(f"MiniMax-M3 sparse layer (64 q / 4 kv / 4 index heads, blocks of {bs}, top-{topk}) "
-          f"on {device} ({backend_name(device)})")
-    print(f"step: prefill chunk {q_lens[0]} tokens @ {seq_lens[0]}, decode @ {seq_lens[1]}, "
-          f"4-token verify @ {seq_lens[2]}; fp8 index cache, bf16 K/V")
     print(f"needle block {needle} selected by every index head of the decode token: "
           f"{'yes' if found else 'NO'}  (its selection, head 0: {idx[dec_t, 0].tolist()})")
     print(f"sparse vs dense attention, relative error: decode token {dec_err:.4f} (the needle "
@@ -202,30 +181,30 @@ def _demo_model(device: str | None, prompt_len: int | None) -> None:
     dtype = torch.float16 if interp else torch.bfloat16
     idx_dtype = torch.float8_e4m3fn
 
-    def generate(ops, config):
+    def generate(name, ops, config):
         model = TinyMSAModel(config, ops=ops, num_layers=2, hidden_size=256, device=device,
                              dtype=dtype)
         eng = ToyEngine(model, num_pages=pages, max_tokens=chunk, max_blocks=pages,
                         kv_dtype=model.dtype, index_dtype=idx_dtype, device=device)
         t0 = time.perf_counter()
-        for s in range(0, prompt_len, chunk):
-            logits = eng.step([(0, prompt[s:s + chunk])])
-        out = []
-        for _ in range(new_tokens):
-            out.append(int(logits[-1].argmax()))
-            logits = eng.step([(0, out[-1:])])
-        if on_gpu:
-            torch.cuda.synchronize()
+        with _stage(f"{name}: prefill, {-(-prompt_len // chunk)} chunks", device):
+            for s in range(0, prompt_len, chunk):
+                logits = eng.step([(0, prompt[s:s + chunk])])
+        with _stage(f"{name}: {new_tokens} decode steps", device):
+            out = []
+            for _ in range(new_tokens):
+                out.append(int(logits[-1].argmax()))
+                logits = eng.step([(0, out[-1:])])
         return out, logits[-1], time.perf_counter() - t0
 
     print(f"\nsmall model end to end: 2 sparse layers, M3 TP4 attention geometry, a {prompt_len}-"
           f"token prompt in chunks of {chunk}, then {new_tokens} greedy tokens "
           f"(fp8 index cache)")
-    runs = {"openmsa ops": generate("kernels", cfg), "reference ops": generate("reference", cfg)}
+    cases = [("openmsa ops", "kernels", cfg), ("reference ops", "reference", cfg)]
     full = dataclasses.replace(cfg, topk_blocks=min(64, pages))
     if pages <= 64:
-        runs["all blocks selected"] = generate("kernels", full)
-        runs["dense attention"] = generate(DENSE_OPS, full)
+        cases += [("all blocks selected", "kernels", full), ("dense attention", DENSE_OPS, full)]
+    runs = {name: generate(name, ops, config) for name, ops, config in cases}
     against = {"openmsa ops": "reference ops", "all blocks selected": "dense attention"}
     for name, (toks, last, secs) in runs.items():
         note = ""

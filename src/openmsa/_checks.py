@@ -147,7 +147,7 @@ def check_cp_shape(cp_size, cp_rank, *,
                    names: tuple[str, str] = ("cp_size", "cp_rank")) -> None:
     """A context-parallel (size, rank): a positive int size and an int rank in [0, size), the
     errors naming the arguments `names` (the ops' cp_size / cp_rank, MSAPlanner's
-    index_cp_size / index_cp_rank)."""
+    cp_size / cp_rank)."""
     size_name, rank_name = names
     if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"{size_name} must be a positive int, got {cp_size!r}")

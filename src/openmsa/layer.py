@@ -26,7 +26,7 @@ from .config import MSAConfig
 from .ops.attention.api import sparse_attention
 from .ops.cache.api import fused_prepare
 from .ops.indexer.api import select_blocks
-from .plan import MSAMetadata
+from .metadata import MSAMetadata
 
 __all__ = ["MSAAttention"]
 
@@ -69,14 +69,14 @@ class MSAAttention(nn.Module):
             attention this way).
         index_query_dtype: the index query's dtype (None: the index cache's, or fp8 e4m3
             against NVFP4 pages; a 16-bit type against an fp8 or NVFP4 cache is allowed).
-        index_cp_group: a torch.distributed process group (usually the TP group) for
+        cp_group: a torch.distributed process group (usually the TP group) for
             context-parallel selection (select_blocks(cp_group=...)): rank r of the group scores
             only the logical blocks b % W == r, for every index head, and the group exchanges
             candidates. The layer then projects the index query of every index head (the
             index-query rows of all heads are loaded on every rank: H * Di more rows of the
             fused projection, 512 of M3's ~7.7K at TP4), selects for all heads, and attends
             with its own heads' rows as without it. With a sharded index cache, plan with
-            MSAPlanner(index_cp_size=W, index_cp_rank=the rank in this group). Needs ops that
+            MSAPlanner(cp_size=W, cp_rank=the rank in this group). Needs ops that
             take cp_group ("kernels" or "reference").
 
     The index cache is passed to `forward`; its dtype picks the format: bf16/fp16/fp8 pages
@@ -87,7 +87,7 @@ class MSAAttention(nn.Module):
     def __init__(self, config: MSAConfig, hidden_size: int, *, tp_size: int = 1,
                  tp_rank: int = 0, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str | None = None, ops: str = "kernels",
-                 index_query_dtype: torch.dtype | None = None, index_cp_group=None):
+                 index_query_dtype: torch.dtype | None = None, cp_group=None):
         super().__init__()
         if not isinstance(config, MSAConfig):
             raise TypeError(f"config must be an MSAConfig, got {type(config).__name__}")
@@ -108,17 +108,17 @@ class MSAAttention(nn.Module):
         d, di = cfg.head_dim, cfg.index_head_dim
         self.q_size = cfg.num_heads * d
         self.kv_size = cfg.num_kv_heads * d
-        self.index_cp_group = index_cp_group
+        self.cp_group = cp_group
         # (size, this rank) of the group, which a step's sharded index table must match
-        self._index_cp = (1, 0)
-        if index_cp_group is not None:
+        self._cp = (1, 0)
+        if cp_group is not None:
             import torch.distributed as dist
-            check_process_group("index_cp_group", index_cp_group)
-            self._index_cp = (dist.get_world_size(index_cp_group), dist.get_rank(index_cp_group))
+            check_process_group("cp_group", cp_group)
+            self._cp = (dist.get_world_size(cp_group), dist.get_rank(cp_group))
         # the index heads this rank projects: all of them under context-parallel selection
-        self._iq_heads = config.num_index_heads if index_cp_group is not None \
+        self._iq_heads = config.num_index_heads if cp_group is not None \
             else cfg.num_index_heads
-        self._prepare_config = cfg if index_cp_group is None else dataclasses.replace(
+        self._prepare_config = cfg if cp_group is None else dataclasses.replace(
             cfg, num_index_heads=config.num_index_heads)
         self.iq_size = self._iq_heads * di
         width = self.q_size + 2 * self.kv_size + self.iq_size + di
@@ -130,7 +130,6 @@ class MSAAttention(nn.Module):
         for name, n in zip(_NORMS, (d, d, di, di)):
             setattr(self, name, nn.Parameter(torch.zeros(n, **kw), requires_grad=False))
 
-    # ---------------------------------------------------------------- weights
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """The whole (unsharded) layer's checkpoint tensors, by parameter name."""
         c, h = self.full_config, self.hidden_size
@@ -172,7 +171,7 @@ class MSAAttention(nn.Module):
         fused = torch.cat([rows(w["q_proj.weight"], self.q_size),
                            rows(w["k_proj.weight"], self.kv_size),
                            rows(w["v_proj.weight"], self.kv_size),
-                           w["index_q_proj.weight"] if self.index_cp_group is not None
+                           w["index_q_proj.weight"] if self.cp_group is not None
                            else rows(w["index_q_proj.weight"], self.iq_size),
                            w["index_k_proj.weight"]])  # the one index-key head: replicated
         self.qkv_weight.copy_(fused)
@@ -180,7 +179,6 @@ class MSAAttention(nn.Module):
         for name in _NORMS:
             getattr(self, name).copy_(w[name + ".weight"])
 
-    # ---------------------------------------------------------------- forward
     def _check_inputs(self, hidden, meta, kv_cache, index_cache) -> None:
         """forward's own arguments, by name (the ops check the caches' shapes and the step's
         tensors; no device values are read)."""
@@ -231,18 +229,18 @@ class MSAAttention(nn.Module):
             qkv, meta.positions, self._prepare_config, self.q_norm, self.k_norm, self.index_q_norm,
             self.index_k_norm, k_cache, v_cache, meta.slot_mapping, index_cache,
             meta.index_slot_mapping, k_scale=k_scale, v_scale=v_scale, index_q_out=iq_out)
-        cp = {} if self.index_cp_group is None else dict(cp_group=self.index_cp_group)
+        cp = {} if self.cp_group is None else dict(cp_group=self.cp_group)
         # a whole (replicated) index table serves any group; a sharded one only its own rank
-        if meta.index_cp != (1, 0) and meta.index_cp != self._index_cp:
-            raise ValueError(f"meta's index cache is sharded as (index_cp_size, index_cp_rank) = "
-                             f"{meta.index_cp}, but this layer's index_cp_group is "
-                             f"{self._index_cp} (size, rank): plan with MSAPlanner(index_cp_size="
-                             f"{self._index_cp[0]}, index_cp_rank={self._index_cp[1]})")
+        if meta.cp != (1, 0) and meta.cp != self._cp:
+            raise ValueError(f"meta's index cache is sharded as (cp_size, cp_rank) = "
+                             f"{meta.cp}, but this layer's cp_group is "
+                             f"{self._cp} (size, rank): plan with MSAPlanner(cp_size="
+                             f"{self._cp[0]}, cp_rank={self._cp[1]})")
         indices = ops.select_blocks(
             index_q, index_cache, meta.cu_seqlens_q, meta.seq_lens, meta.index_block_table,
             topk=cfg.topk_blocks, init_blocks=cfg.init_blocks, local_blocks=cfg.local_blocks,
             block_size=cfg.block_size, max_q_len=meta.max_q_len, **cp)
-        if self.index_cp_group is not None:
+        if self.cp_group is not None:
             # every head's selection came back: this rank attends with its own heads'
             h = cfg.num_index_heads
             indices = indices[:, self.tp_rank * h:(self.tp_rank + 1) * h].contiguous()

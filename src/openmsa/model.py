@@ -14,7 +14,7 @@ from . import nvfp4
 from .config import MSAConfig
 from .layer import MSAAttention
 from .ops.cache.reference import rms_norm
-from .plan import MSAMetadata, MSAPlanner
+from .metadata import MSAMetadata, MSAPlanner
 
 __all__ = ["TinyMSAModel", "ToyEngine", "random_layer_checkpoint"]
 

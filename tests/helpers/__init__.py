@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """What the tests share (importable as `helpers`: tests/ is on sys.path through conftest.py):
-random steps and inputs (steps.py), the tolerance table and checks (checks.py), a recording
-stand-in for a kernel (recording.py) and the dense-attention comparison path (dense.py); for
+random steps and inputs (steps.py), the tolerance table and checks (checks.py) and a recording
+stand-in for a kernel (recording.py; the dense-attention comparison path is openmsa.dense); for
 tests/test_vllm.py, a released-layout MiniMax-M3 checkpoint and the transformers side
 (m3_checkpoint.py), the vLLM run (vllm_worker.py, vllm_cpu/) and a CP rank (vllm_cp_worker.py)."""
 

@@ -20,8 +20,8 @@ from helpers.cp_cases import B, cases, shard  # noqa: E402
 
 
 def layer_check(group, rank, world):
-    """MSAAttention(tp_size=W, index_cp_group=group) with a sharded index cache planned by
-    MSAPlanner(index_cp_size=W) against the same rank's layer without CP over a replicated
+    """MSAAttention(tp_size=W, cp_group=group) with a sharded index cache planned by
+    MSAPlanner(cp_size=W) against the same rank's layer without CP over a replicated
     cache, over three steps (prefill chunk + decode, then verify): equal outputs, and each
     token's index key written by exactly one rank. Values are multiples of 1/8 with small
     sums, so every projection is exact in fp32 whatever the GEMM's shape."""
@@ -33,14 +33,14 @@ def layer_check(group, rank, world):
     hidden_size, pages, max_blocks = 32, 40, 12
     kw = dict(tp_size=world, tp_rank=rank, dtype=torch.float32, ops="reference")
     plain = MSAAttention(cfg, hidden_size, **kw)
-    cp = MSAAttention(cfg, hidden_size, **kw, index_cp_group=group)
+    cp = MSAAttention(cfg, hidden_size, **kw, cp_group=group)
     g = torch.Generator().manual_seed(0)
     ckpt = {k: (v * 8).round() / 8 for k, v in random_layer_checkpoint(plain, g).items()}
     plain.load_checkpoint(ckpt)
     cp.load_checkpoint(ckpt)
     planners = [MSAPlanner(cfg, max_requests=4, max_tokens=64, max_blocks=max_blocks,
                            device="cpu", **extra)
-                for extra in ({}, dict(index_cp_size=world, index_cp_rank=rank))]
+                for extra in ({}, dict(cp_size=world, cp_rank=rank))]
     k_cache = torch.randn(pages, B, cfg.num_kv_heads // world, 16, generator=g)
     kvs = [(k_cache.clone(), k_cache.clone() * 0.5) for _ in range(2)]
     index = torch.randn(pages, B, 16, generator=g)

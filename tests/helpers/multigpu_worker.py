@@ -20,7 +20,7 @@ graphs): that proves the test logic without GPUs. CHECKS is a comma list of
 * layer: MSAAttention at TP W (each rank its heads, the partial o_proj outputs summed with
   torch.distributed.all_reduce, as an engine does) against the TP1 layer with the same weights in
   this process, over a prefill chunk, a decode step and a verify step (and a step mixing
-  them); without and with index_cp_group (a sharded index cache, MSAPlanner(index_cp_size=W)).
+  them); without and with cp_group (a sharded index cache, MSAPlanner(cp_size=W)).
   Weights and inputs are multiples of 1/16 and 1/8, so every projection is exact in fp32
   whatever the GEMM's shape: the index queries and selections are the same at TP1 and TP W and
   only the attention's and the all-reduce's summation order differ (bf16 tolerance on GPU).
@@ -78,7 +78,6 @@ class Setup:
         return tuple(x.to(self.device) for x in xs)
 
 
-# ----------------------------------------------------------------------------- select
 def step_inputs(s: Setup, q_dtype, c_dtype, seed: int):
     step = make_step(s.q_lens, s.seq_lens, block_size=s.block, extra_columns=2, pad_tokens=2,
                      generator=torch.Generator().manual_seed(seed))
@@ -108,7 +107,6 @@ def check_select(s: Setup, group) -> list[str]:
     return bad
 
 
-# ----------------------------------------------------------------------------- graph
 def replay_inputs(s: Setup, q_dtype, c_dtype, seed: int, *, requests, width, pages, q_lens):
     """A decode/verify step of fixed shapes (requests, tokens, table width, pages) and random
     contents: lengths from 0 to the table's reach (shorter than topk blocks included), a fresh
@@ -197,7 +195,6 @@ def check_graph(s: Setup, group) -> list[str]:
     return bad
 
 
-# ----------------------------------------------------------------------------- layer
 def layer_config(s: Setup):
     if s.gpu:  # M3's head geometry (64 / 4 / 4 heads of 128) with 4 blocks selected
         return openmsa.MSAConfig(topk_blocks=4, init_blocks=1, local_blocks=1)
@@ -242,14 +239,14 @@ def check_layer(s: Setup, group) -> list[str]:
         for cp in (False, True):
             one = MSAAttention(cfg, hidden_size, **kw)
             tp = MSAAttention(cfg, hidden_size, tp_size=s.world, tp_rank=s.rank, **kw,
-                              index_cp_group=group if cp else None)
+                              cp_group=group if cp else None)
             one.load_checkpoint(ckpt)
             tp.load_checkpoint(ckpt)
             plan_kw = dict(max_requests=4, max_tokens=1100, max_blocks=max_blocks,
                            device=s.device)
             p_one = MSAPlanner(cfg, **plan_kw)
-            p_tp = MSAPlanner(cfg, **plan_kw, **(dict(index_cp_size=s.world,
-                                                      index_cp_rank=s.rank) if cp else {}))
+            p_tp = MSAPlanner(cfg, **plan_kw, **(dict(cp_size=s.world,
+                                                      cp_rank=s.rank) if cp else {}))
             hkv, d = cfg.num_kv_heads, cfg.head_dim
             kv_one = tuple(torch.zeros(pages, bs, hkv, d, dtype=dtype, device=s.device)
                            for _ in range(2))

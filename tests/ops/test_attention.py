@@ -964,7 +964,7 @@ def test_attention_prefill_waste_follows_the_kernel_that_runs():
 @pytest.mark.gpu
 def test_attention_prefill_equals_dense_sdpa():
     """topk covering every block: sparse attention is dense causal attention."""
-    import torch.nn.functional as F
+    from openmsa.dense import dense_paged_attention
     ctx, chunk = 1500, 500
     step = make_step([chunk], [ctx + chunk], block_size=GB)
     d = cuda_step(step)
@@ -977,16 +977,9 @@ def test_attention_prefill_equals_dense_sdpa():
     idx = openmsa.select_blocks(qi, ci, d.cu_seqlens_q, d.seq_lens, d.block_table, topk=32,
                                 block_size=GB)
     got = openmsa.sparse_attention(q, k, v, idx, d.cu_seqlens_q, d.seq_lens, d.block_table)
-    nb = -(-(ctx + chunk) // GB)
-    pages = d.block_table[0, :nb].long()
-    kk = k[pages].reshape(nb * GB, 2, 128)[:ctx + chunk].transpose(0, 1)
-    vv = v[pages].reshape(nb * GB, 2, 128)[:ctx + chunk].transpose(0, 1)
-    mask = torch.arange(ctx + chunk, device="cuda")[None, :] <= \
-        (ctx + torch.arange(chunk, device="cuda"))[:, None]
-    want = F.scaled_dot_product_attention(q.transpose(0, 1).float(),
-                                          kk.repeat_interleave(16, 0).float(),
-                                          vv.repeat_interleave(16, 0).float(), attn_mask=mask)
-    assert_close(got, want.transpose(0, 1))
+    want = dense_paged_attention(q, k, v, d.cu_seqlens_q, d.seq_lens, d.block_table,
+                                 block_size=GB, dtype=torch.float32)
+    assert_close(got, want)
 
 
 @pytest.mark.gpu

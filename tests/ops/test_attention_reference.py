@@ -3,10 +3,10 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from openmsa import reference as ref
 from openmsa.batch import token_layout
+from openmsa.dense import dense_paged_attention
 from helpers import make_step, random_kv_cache
 
 from brute import positions
@@ -33,29 +33,6 @@ def _all_blocks(step, num_index_heads, topk):
     return idx
 
 
-def _dense(q, k_cache, v_cache, step, scale=None):
-    """Causal attention per request through scaled_dot_product_attention (an independent path)."""
-    num_tokens, hq, d = q.shape
-    hkv = k_cache.shape[2]
-    out = torch.zeros(num_tokens, hq, d)
-    cu, sl = step.cu_seqlens_q.tolist(), step.seq_lens.tolist()
-    for r in range(len(sl)):
-        ql = cu[r + 1] - cu[r]
-        if ql == 0 or sl[r] == 0:
-            continue
-        nb = -(-sl[r] // B)
-        pages = step.block_table[r, :nb].long()
-        k = k_cache[pages].float().reshape(nb * B, hkv, d)[:sl[r]]
-        v = v_cache[pages].float().reshape(nb * B, hkv, d)[:sl[r]]
-        qq = q[cu[r]:cu[r + 1]].float()
-        mask = torch.arange(sl[r])[None, :] <= (sl[r] - ql + torch.arange(ql))[:, None]
-        o = F.scaled_dot_product_attention(
-            qq.transpose(0, 1), k.transpose(0, 1).repeat_interleave(hq // hkv, 0),
-            v.transpose(0, 1).repeat_interleave(hq // hkv, 0), attn_mask=mask, scale=scale)
-        out[cu[r]:cu[r + 1]] = o.transpose(0, 1)
-    return out
-
-
 @pytest.mark.parametrize("hq, hkv, h", [(8, 2, 2), (4, 4, 1), (6, 3, 3), (8, 2, 4)])
 def test_all_blocks_equals_dense_sdpa(hq, hkv, h):
     step = _step()
@@ -64,7 +41,9 @@ def test_all_blocks_equals_dense_sdpa(hq, hkv, h):
     idx = _all_blocks(step, h, topk=8)
     out, lse = ref.sparse_attention(q, k, v, idx, step.cu_seqlens_q, step.seq_lens,
                                     step.block_table, block_size=B, return_lse=True)
-    torch.testing.assert_close(out, _dense(q, k, v, step), atol=1e-5, rtol=1e-5)
+    want = dense_paged_attention(q, k, v, step.cu_seqlens_q, step.seq_lens, step.block_table,
+                                 block_size=B)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
     pad = torch.tensor([p < 0 for p in positions(step.cu_seqlens_q.tolist(),
                                                  step.seq_lens.tolist(), step.num_tokens)[1]])
     assert (out[pad] == 0).all() and torch.isneginf(lse[pad]).all()

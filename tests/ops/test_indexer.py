@@ -80,7 +80,6 @@ def _scoring_launches(q, c, cu, seq, table, block_size, max_q_len=None, config=D
             if k.startswith("scores_")]
 
 
-# ------------------------------------------------------------------------ interpret (and GPU)
 @pytest.mark.interpret
 @pytest.mark.parametrize("q_dtype, c_dtype", INDEX_DTYPES)
 @pytest.mark.parametrize("topk, init, local, segment", [(4, 0, 1, None), (3, 1, 1, 4)])
@@ -380,7 +379,6 @@ def test_plans_are_cached_by_call(kernel_device):
     assert len({id(p) for p in plans}) == 4
 
 
-# ------------------------------------------------------------------- host side, no GPU needed
 @pytest.mark.reference
 @pytest.mark.parametrize("phase", ["scores", "selection"])
 def test_unknown_launch_names_raise(phase):
@@ -454,7 +452,6 @@ def test_gluon_launch_descriptors(dtype, heads):
     assert ws.params["bps"] == 8 and ws.params["H"] == heads
 
 
-# ------------------------------------------------------------- compiled for sm_90 (no GPU)
 def _compile(fn, pointers, scalars, constexprs, gluon=False, options=None, attrs=None):
     from helpers.sm90 import compile_sm90
     return compile_sm90(fn, pointers, scalars, constexprs, gluon=gluon, attrs=attrs,
@@ -628,7 +625,6 @@ def test_selection_launches_of_small_topk_compile(topk, init, local):
     assert {kernel for kernel, _ in seen} == set(kernels)
 
 
-# ---------------------------------------------------------------------------------- GPU (H200)
 GB = 128  # the GPU tier's block size (M3's)
 
 
@@ -1015,7 +1011,6 @@ def test_short_tile_splits_of_any_size(context, want_bps):
     assert torch.equal(openmsa.select_blocks(qd, cd, *dargs, block_size=GB).cpu(), want_sel)
 
 
-# --------------------------------------------------------------- NVFP4 index caches (nvfp4.py)
 def _nvfp4_cache(num_pages, page_stride=None, generator=None, device="cpu"):
     """An NVFP4 cache of random keys, pages `page_stride` bytes apart (9216: packed), quantized
     with nvfp4.quantize_index_keys; returns (cache uint8 [P, 128, 72] view, fp32 keys)."""
@@ -1372,7 +1367,6 @@ def test_nvfp4_decode_kernel_cuda_graph_and_strided_query():
     assert torch.equal(out[eager.isfinite()], eager[eager.isfinite()])
 
 
-# ------------------------------------- NVFP4 prefill, staged form (stage.py; issue 41)
 STAGED = _config(nvfp4_prefill="staged")
 # three long requests (40, 21 and 18 tokens: staging slots 0, 1, 2) between decode, verify, q_len
 # 0 and a 16-token verify (the decode launch's longest); partial last blocks, a request whose

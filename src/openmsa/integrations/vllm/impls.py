@@ -44,7 +44,6 @@ def _log_once(message: str, *args) -> None:
         logger.info(text)
 
 
-# ------------------------------------------------------------------------------ layouts
 def kv_views(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int,
              fp8_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(k_cache, v_cache) [P, B, Hkv, D] views (no copies) of vLLM's packed main cache
@@ -112,7 +111,6 @@ def _with_whole_step(md, common) -> object:
     return md
 
 
-# ------------------------------------------------------------------------------ CP selection
 CP_ENV = "OPENMSA_VLLM_CP"
 
 
@@ -175,7 +173,6 @@ def _cp_coordinator(num_index_heads: int):
     return get_tp_group()
 
 
-# ------------------------------------------------------------------------------ config
 def _text_config():
     from vllm.config import get_current_vllm_config
     return get_current_vllm_config().model_config.hf_text_config
@@ -250,7 +247,6 @@ def attention_reason(topk_blocks: int, kv_cache_dtype: str) -> str | None:
         query_dtype=_model_dtype(), kv_dtype=kv, topk=topk_blocks, device=_device())
 
 
-# ------------------------------------------------------------------------------ the impls
 def _impl_classes():
     """Define the impls on vLLM's base classes (imported on first use: vLLM's M3 package)."""
     from vllm.forward_context import get_forward_context
@@ -386,7 +382,6 @@ def classes():
     return _CLASSES
 
 
-# ------------------------------------------------------------------------------ selectors
 def make_indexer_selector(original):
     """vLLM's `select_indexer_impl_cls`, choosing openmsa where it can run the layer."""
 

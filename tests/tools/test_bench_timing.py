@@ -2,14 +2,12 @@
 """The benchmark's device-time bookkeeping (benchmarks/run.py), on made-up profiler events: the
 tables in docs/performance.md are only as right as these few lines."""
 
-import os
 import sys
 
 import pytest
 
 pytestmark = pytest.mark.reference
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
 run = pytest.importorskip("run")
 
 FLUSH = "_bench_l2_flush_kernel"
@@ -132,9 +130,7 @@ def test_dtype_restriction_and_unknown_names(monkeypatch):
     run._restrict_dtypes({"nvfp4"})
     assert grids["a"] == dict(dtypes=(), openmsa_only_dtypes=("nvfp4",))
     assert grids["b"] == dict(dtypes=("bf16",))
-    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                         "benchmarks", "run.py")
-    done = subprocess.run([sys.executable, bench, "--dry-run", "--dtypes", "fp8,fp9"],
+    done = subprocess.run([sys.executable, run.__file__, "--dry-run", "--dtypes", "fp8,fp9"],
                           capture_output=True, text=True)
     assert done.returncode == 2 and "unknown dtypes ['fp9']" in done.stderr
 

@@ -16,8 +16,6 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
 def test_resources_tool():
     """benchmarks/resources.py (docs/performance.md's offline counts) still compiles its specs
     with the kernels' current signatures, and finds the selection's search loop in the SASS."""
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
     resources = pytest.importorskip("resources")
     regs, spills, _, per_sm, _ = resources.index_resources("fp8", 128, 32, 3, 4)
     assert 0 < regs <= 255 and per_sm >= 1

@@ -5,13 +5,11 @@ matplotlib (the `bench` extra); the doc section does not."""
 
 import json
 import os
-import sys
 
 import pytest
 
 pytestmark = pytest.mark.reference
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
 plot = pytest.importorskip("plot")
 perf_doc = pytest.importorskip("perf_doc")
 

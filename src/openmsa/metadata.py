@@ -31,8 +31,8 @@ class MSAMetadata:
     [R, max_blocks], positions int32 [T] (-1 for padding tokens), slot_mapping and
     index_slot_mapping int64 [T] (-1 for padding tokens). max_q_len: the step's longest q_len
     (a host int, None when unknown), which the indexer takes as a speed hint (select_blocks).
-    index_cp: (W, r) of a sharded index cache (MSAPlanner's index_cp_size / index_cp_rank), (1, 0)
-    for a whole one; the layer checks it against its index_cp_group, since a table sharded for
+    cp: (W, r) of a sharded index cache (MSAPlanner's cp_size / cp_rank), (1, 0)
+    for a whole one; the layer checks it against its cp_group, since a table sharded for
     another rank would select wrongly without an error.
     """
     cu_seqlens_q: torch.Tensor
@@ -43,7 +43,7 @@ class MSAMetadata:
     slot_mapping: torch.Tensor
     index_slot_mapping: torch.Tensor
     max_q_len: int | None = None
-    index_cp: tuple[int, int] = (1, 0)
+    cp: tuple[int, int] = (1, 0)
 
     @property
     def num_tokens(self) -> int:
@@ -89,23 +89,23 @@ def _host_int_or_none(name: str, x) -> None:
 class MSAPlanner:
     """Persistent device buffers sized for a capacity, filled by `plan` once per step.
 
-    index_cp_size, index_cp_rank: a sharded index cache for context-parallel selection
-    (select_blocks(cp_group=...), MSAAttention(index_cp_group=...)): this rank owns the logical
-    blocks b % index_cp_size == index_cp_rank of every request. Its index block table then has -1
+    cp_size, cp_rank: a sharded index cache for context-parallel selection
+    (select_blocks(cp_group=...), MSAAttention(cp_group=...)): this rank owns the logical
+    blocks b % cp_size == cp_rank of every request. Its index block table then has -1
     at the other blocks and its index slot mapping -1 for tokens in them, so each token's index
     key is written by exactly one rank of the group and a rank's index cache needs pages only for
-    its own blocks (1 / index_cp_size of them). The main KV cache is untouched."""
+    its own blocks (1 / cp_size of them). The main KV cache is untouched."""
 
     def __init__(self, config: MSAConfig, *, max_requests: int, max_tokens: int, max_blocks: int,
-                 device: torch.device | str, index_cp_size: int = 1, index_cp_rank: int = 0):
+                 device: torch.device | str, cp_size: int = 1, cp_rank: int = 0):
         if not isinstance(config, MSAConfig):
             raise TypeError(f"config must be an MSAConfig, got {type(config).__name__}")
         for name, v in (("max_requests", max_requests), ("max_tokens", max_tokens),
                         ("max_blocks", max_blocks)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        check_cp_shape(index_cp_size, index_cp_rank, names=("index_cp_size", "index_cp_rank"))
-        self.index_cp_size, self.index_cp_rank = index_cp_size, index_cp_rank
+        check_cp_shape(cp_size, cp_rank, names=("cp_size", "cp_rank"))
+        self.cp_size, self.cp_rank = cp_size, cp_rank
         self.config = config
         self.max_requests, self.max_tokens, self.max_blocks = max_requests, max_tokens, max_blocks
         self.device = torch.device(device)
@@ -118,8 +118,8 @@ class MSAPlanner:
         self._slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=self.device)
         self._index_slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=self.device)
         # columns (logical blocks) of the index table this rank does not own
-        self._not_owned = (torch.arange(max_blocks, device=self.device) % index_cp_size
-                           != index_cp_rank)
+        self._not_owned = (torch.arange(max_blocks, device=self.device) % cp_size
+                           != cp_rank)
 
     def _upload(self, dst: torch.Tensor, values) -> None:
         src = values if isinstance(values, torch.Tensor) else torch.tensor(values,
@@ -195,7 +195,7 @@ class MSAPlanner:
             else:
                 buf[:len(ql), :rows.shape[1]].copy_(rows)
 
-        if self.index_cp_size > 1:
+        if self.cp_size > 1:
             self._index_table.masked_fill_(self._not_owned[None, :], -1)
 
         cu_d, sl_d = self._cu[:num_requests + 1], self._seq_lens[:num_requests]
@@ -220,12 +220,12 @@ class MSAPlanner:
                     self._upload(buf[:num_tokens], given.to(torch.int64))
             else:
                 buf[:num_tokens].copy_(slots_from_table(request, pos, tab, cfg.block_size))
-        if self.index_cp_size > 1 and index_slot_mapping is not None:
+        if self.cp_size > 1 and index_slot_mapping is not None:
             # the engine's own index slots: kept only for tokens of this rank's blocks
             block = torch.div(pos.long(), cfg.block_size, rounding_mode="floor")
-            mine = (pos >= 0) & (block % self.index_cp_size == self.index_cp_rank)
+            mine = (pos >= 0) & (block % self.cp_size == self.cp_rank)
             self._index_slots[:num_tokens].masked_fill_(~mine, -1)
         return MSAMetadata(cu_d, sl_d, table, index_table, self._positions[:num_tokens],
                            self._slots[:num_tokens], self._index_slots[:num_tokens],
                            max_q_len=max(ql, default=0),
-                           index_cp=(self.index_cp_size, self.index_cp_rank))
+                           cp=(self.cp_size, self.cp_rank))
