@@ -29,8 +29,8 @@ import run as bench  # noqa: E402
 import shapes  # noqa: E402
 
 import openmsa  # noqa: E402
-from openmsa.ops.indexer.cp import (merge_candidates_kernel, owned_table,  # noqa: E402
-                                    rank_candidates)
+from openmsa.ops.indexer.api import merge_candidates_kernel, rank_candidates  # noqa: E402
+from openmsa.ops.indexer.cp import owned_table  # noqa: E402
 
 K = 1024
 NCCL_LATENCY_US = 25.0

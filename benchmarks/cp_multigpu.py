@@ -43,8 +43,9 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 
 import openmsa  # noqa: E402
+from openmsa.ops.indexer.api import merge_candidates_kernel, rank_candidates  # noqa: E402
 from openmsa.ops.indexer.cp import (exchange_candidates, merge_candidates,  # noqa: E402
-                                    merge_candidates_kernel, owned_table, rank_candidates)
+                                    owned_table)
 
 K = 1024
 HEADS, DIM, BLOCK = 4, 128, 128

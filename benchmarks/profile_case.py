@@ -199,8 +199,8 @@ CASES = {
     "fi-idx-fp8-b64-32k": lambda: _fi_indexer("fp8", 64, 32768, 1, 4),
     "fi-idx-fp8-b128-32k-q4": lambda: _fi_indexer("fp8", 128, 32768, 4, 4),
     "fi-idx-fp8-b8-128k": lambda: _fi_indexer("fp8", 8, 131072, 1, 4),
-    # an 8K prefill chunk after 120K: each call launches the request (decode) scoring launch,
-    # then the tile launch, so a profiler wanting the tile launch skips an odd count of
+    # an 8K prefill chunk after 120K: each call launches the decode scoring launch,
+    # then the prefill launch, so a profiler wanting the prefill launch skips an odd count of
     # _block_scores launches (scripts/ncu_cases.sh: idx-fp8-prefill-120k:_block_scores:3)
     # NVFP4 index pages (72 bytes a token) beside the fp8 rows above
     "idx-nvfp4-b32-128k": lambda: _nvfp4_indexer(32, 131072, 1, 4),
@@ -254,15 +254,12 @@ def kernel_offsets_us(fn, iters: int = 20) -> dict[str, tuple[float, float]]:
 
 
 if __name__ == "__main__":
-    # OPENMSA_TUNING='{"ws_waves": 2}': IndexerConfig fields for this run (to profile a variant
-    # tune.py measured); the attention's as OPENMSA_ATTENTION_CONFIG='{"tiles": false}'
-    # (AttentionConfig fields, read by _attention)
+    # OPENMSA_TUNING='{"gluon": {"waves": 2}}': IndexerConfig changes for this run, a form's
+    # as a dict of its fields (to profile a variant tune.py measured); the attention's as
+    # OPENMSA_ATTENTION_CONFIG='{"tiles": false}' (AttentionConfig fields, read by _attention)
     if os.environ.get("OPENMSA_TUNING"):
-        import dataclasses
-
         from openmsa.ops.indexer.plan import DEFAULT as INDEXER_DEFAULT
-        INDEXER_CONFIG = dataclasses.replace(INDEXER_DEFAULT,
-                                             **json.loads(os.environ["OPENMSA_TUNING"]))
+        INDEXER_CONFIG = INDEXER_DEFAULT.replace(**json.loads(os.environ["OPENMSA_TUNING"]))
     if sys.argv[1] == "--offsets":
         for name in sys.argv[2:]:
             parts = kernel_offsets_us(CASES[name]())

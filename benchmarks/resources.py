@@ -9,7 +9,7 @@ whole 128-key blocks and 3 stages, 185 / 139 KB for bf16). Count before you meas
     python3 benchmarks/resources.py --sass fp8,128,3,4         # + the main loop's instruction mix
     python3 benchmarks/resources.py tile:bf16,64,3,4 tile8:bf16,64,2,8   # kernels/tile.py's
                                                                        # (4 or 8 tokens per tile)
-    python3 benchmarks/resources.py --sass index:fp8,128,32,3,4   # the indexer's prefill tile
+    python3 benchmarks/resources.py --sass index:fp8,128,32,3,4   # the indexer's prefill
                                   # launch (cache dtype, rows, blocks per split, stages, warps)
     MAXNREG=168 python3 benchmarks/resources.py index:fp8,128,32,3,4   # under ptxas' register cap
     python3 benchmarks/resources.py --sass idec:fp8,16,32,3,4   # the indexer's decode launch
@@ -18,7 +18,7 @@ whole 128-key blocks and 3 stages, 185 / 139 KB for bf16). Count before you meas
                                   # (path, blocks per program, scratch, warps[, chunk])
     python3 benchmarks/resources.py --sass sel:search,64,0,1   # + its search loops (those
                                   # with a warp-wide sum, REDUX)
-    python3 benchmarks/resources.py --sass nvfp4:8 nvfp4:16   # the Gluon NVFP4 request launch
+    python3 benchmarks/resources.py --sass nvfp4:8 nvfp4:16   # the Gluon NVFP4 decode launch
                                   # (rows a pass) and its loops over ring units (8 rows: the
                                   # blocks needing no causal mask, then the rest)
     python3 benchmarks/resources.py --sass rows:16,4,4,1   # the short-row selection (Gluon,
@@ -46,7 +46,7 @@ from triton.compiler import ASTSource
 
 from openmsa.ops.attention.kernels.token import _sparse_attention_kernel
 from openmsa.ops.attention.kernels.tile import _sparse_attention_tile_kernel
-from openmsa.ops.indexer.scores import _block_scores_kernel
+from openmsa.ops.indexer.kernels.scores import _block_scores_kernel
 
 UNIT_STRIDES = {"stride_qd", "stride_kd", "stride_vd", "stride_ik", "stride_btb", "stride_od",
                 "stride_lh"}
@@ -57,7 +57,7 @@ def _loop_mix(sass: str, top: int = 12, marker: str = r"\b[HQ]?G?MMA"):
     """The innermost loops (backward branches whose bodies hold no other) that issue matrix
     instructions (HMMA, HGMMA, QGMMA; or what `marker` matches), in code order, in cuobjdump's
     SASS: a list of (instruction count, most frequent opcodes). A kernel may have several (the
-    indexer's prefill tile launch: the unmasked scoring loop, then the loop over blocks that
+    indexer's prefill launch: the unmasked scoring loop, then the loop over blocks that
     straddle the causal cut); an outer loop around them would also count the epilogue, so it is
     not reported."""
     found = []
@@ -122,8 +122,8 @@ def attention_resources(kv: str, sub: int, stages: int, warps: int, splits: int 
 
 def index_resources(kv: str, rows: int, bps: int, stages: int, warps: int, sass: bool = False,
                     nan: bool = True, decode: bool = False):
-    """The indexer's prefill tile launch (`TILE_MODE`) on M3's index shapes (4 heads of 128), or
-    with `decode` its request launch (keys as the MMA's rows, `rows` = 16 (token, head) rows)."""
+    """The indexer's prefill launch (`TILE_MODE`) on M3's index shapes (4 heads of 128), or
+    with `decode` its decode launch (keys as the MMA's rows, `rows` = 16 (token, head) rows)."""
     pointers = dict(q_ptr=KV_TYPES[kv], cache_ptr=KV_TYPES[kv], cu_ptr="*i32",
                     seq_lens_ptr="*i32", bt_ptr="*i32", out_ptr="*fp32")
     constexprs = dict(H=4, HP=4, DI=128, DIP=128, BLOCK=128, BPS=bps, SMALL_Q=16,
@@ -138,9 +138,9 @@ def select_resources(path: str, seg: int, cap: int, warps: int, chunk: int = 0,
                      single: bool = True, sass: bool = False):
     """The indexer's segment selection kernel: path 'search' (threshold, the many-program path)
     or 'sort' (bitonic), SEG blocks per program, a CAP-slot scratch row (0: none), read in
-    chunks of `chunk` blocks (IndexerConfig.select_chunk; 0: whole); with `sass`, the loops holding a
-    warp-wide sum (the search steps)."""
-    from openmsa.ops.indexer.select import _segment_topk_kernel
+    chunks of `chunk` blocks (IndexerConfig's select.chunk; 0: whole); with `sass`, the loops
+    holding a warp-wide sum (the search steps)."""
+    from openmsa.ops.indexer.kernels.select import _segment_topk_kernel
     ptrs = dict(scores_ptr="*fp32", cu_ptr="*i32", seq_lens_ptr="*i32", out_ptr="*i32",
                 cand_ptr="*i64", scratch_ptr="*i64")
     # unit strides of a contiguous score tensor and output, as Triton specialises them at run
@@ -157,7 +157,7 @@ def short_rows_resources(g: int, w: int, tpr: int, warps: int, sass: bool = Fals
     threads per row, as plan.py launches it for an 8K chunk with no context (16-byte
     loads), rows sorted or searched; with `sass`, its search loop (the one whose counts cross
     threads: SHFL)."""
-    from openmsa.ops.indexer.select_rows import _short_rows_topk_kernel
+    from openmsa.ops.indexer.kernels.select_rows import _short_rows_topk_kernel
     ptrs = dict(scores_ptr="*fp32", cu_ptr="*i32", seq_lens_ptr="*i32", out_ptr="*i32")
     constexprs = dict(H=4, TOPK=16, KP=16, INIT=0, LOCAL=1, BLOCK=128, G=g, W=w, VEC=4,
                       TPR=tpr, SORT=sort, stride_sb=1, stride_ok=1, num_warps=warps)
@@ -166,19 +166,20 @@ def short_rows_resources(g: int, w: int, tpr: int, warps: int, sass: bool = Fals
 
 
 def nvfp4_resources(np_rows: int, sass: bool = False):
-    """The Gluon NVFP4 request launch (scores_nvfp4.py) as plan.py launches it at TP1 (4 index
+    """The Gluon NVFP4 decode launch (scores_nvfp4.py) as plan.py launches it at TP1 (4 index
     heads), NP (token, head) rows a pass, fp8 index query; with `sass`, its loops over ring units
     (the dequantization and the MMAs of a half block; with 8 rows two loops: the blocks needing no
     causal mask, two units an iteration, then the rest)."""
-    from openmsa.ops.indexer import plan as plan_mod
-    from openmsa.ops.indexer.scores_nvfp4 import _nvfp4_request_kernel
+    from openmsa.ops.indexer.kernels.scores_nvfp4 import _nvfp4_decode_kernel
+    from openmsa.ops.indexer.plan import DEFAULT
+    form = DEFAULT.decode_nvfp4
     ptrs = dict(q_ptr="*fp8e4nv", cache_ptr="*u8", cu_ptr="*i32", seq_lens_ptr="*i32",
                 bt_ptr="*i32", out_ptr="*fp32")
-    constexprs = dict(H=4, NP=np_rows, BPS=plan_mod.NVFP4_MAX_BPS, BLOCK=128, SMALL_Q=16,
-                      PDL=True, STAGES=plan_mod.NVFP4_STAGES, stride_qd=1, stride_btb=1,
+    constexprs = dict(H=4, NP=np_rows, BPS=form.max_bps, BLOCK=128, SMALL_Q=16,
+                      PDL=True, STAGES=form.stages, stride_qd=1, stride_btb=1,
                       stride_ob=1)
-    return _compile(_nvfp4_request_kernel, constexprs, ptrs, 1, 1, sass, gluon=True,
-                    maxnreg=plan_mod.NVFP4_MAXNREG_8_ROWS if np_rows == 8 else None)
+    return _compile(_nvfp4_decode_kernel, constexprs, ptrs, 1, 1, sass, gluon=True,
+                    maxnreg=form.maxnreg_8_rows if np_rows == 8 else None)
 
 
 def _compile(fn, constexprs, pointers, stages, warps, sass, marker=r"\b[HQ]?G?MMA",

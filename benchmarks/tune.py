@@ -3,8 +3,10 @@
 each variant; the winners go back into the op's config defaults (ops/<op>/plan.py) by hand, with
 the numbers in docs/performance.md.   python benchmarks/tune.py [--iters N]
 
-A variant is a dict of config fields: it runs as `dataclasses.replace(DEFAULT, **variant)`,
-passed to the op as its `config` (nothing global changes)."""
+A variant is a dict of config fields, a form's field (the indexer's `decode`, `gluon`, ...; the
+attention's `decode_fp8`, ...) given as a dict of that form's fields, so that every knob can be
+varied (--variants): it runs as the op's DEFAULT with those changes, passed to the op as its
+`config` (nothing global changes)."""
 
 import argparse
 import dataclasses
@@ -157,7 +159,8 @@ def main():
                         "indexer-decode, indexer-prefill, cache-prepare")
     p.add_argument("--variants", type=json.loads, default=None,
                    help='a JSON list of config overrides replacing every section\'s own list, '
-                        'e.g. \'[{}, {"sub": 128}]\'')
+                        'a form\'s as a dict of its fields, e.g. \'[{}, {"gluon": {"waves": '
+                        '2}}]\' for indexer-prefill')
     p.add_argument("--time-wrong", action="store_true",
                    help="time the variants whose output differs too (marked !): probes that "
                         "leave work out to see what it costs")
@@ -301,7 +304,7 @@ def _indexer_config(knobs: dict):
     """The indexer's config under the variant sweep() is timing: sweep() puts each variant's
     knobs into `knobs` before the variant's calls, which pass this config (no module global
     of the library changes)."""
-    return dataclasses.replace(INDEXER_DEFAULT, **knobs)
+    return INDEXER_DEFAULT.replace(**knobs)
 
 
 def _indexer(args, only):
@@ -309,9 +312,9 @@ def _indexer(args, only):
         if "indexer-prefill" in only:
             _indexer_prefill(args)
         return
-    variants = pick(args, [{}, dict(decode_waves=8), dict(decode_waves=4),
-                           dict(decode_max_bps=32), dict(select_sort_waves=4),
-                           dict(select_chunk_min_waves=4)])
+    variants = pick(args, [{}, dict(decode={"waves": 8}), dict(decode={"waves": 4}),
+                           dict(decode={"max_bps": 32}), dict(decode={"stages": 4}),
+                           dict(select={"sort_waves": 4}), dict(select={"chunk_min_waves": 4})])
     print("indexer decode variants:", variants)
     knobs = {}
     cases = []
@@ -343,11 +346,12 @@ def _indexer(args, only):
 
 
 def _indexer_nvfp4(args):
-    """The Gluon NVFP4 request launch under the shared decode knobs (decode on NVFP4 pages,
-    fp8 index query), with the fp8 cache's step beside it for scale."""
-    # (its ring's stages, register cap, programs per SM and 32-block split cap are plan.py
-    # constants, measured; of the config only a decode_max_bps below 32 still changes it)
-    variants = pick(args, [{}, dict(decode_max_bps=16)])
+    """The Gluon NVFP4 decode launch's knobs (IndexerConfig.decode_nvfp4; decode on NVFP4
+    pages, fp8 index query), with the fp8 cache's step beside it for scale."""
+    # (a decode.max_bps below its own max_bps caps it too)
+    variants = pick(args, [{}, dict(decode={"max_bps": 16}), dict(decode_nvfp4={"programs": 32}),
+                           dict(decode_nvfp4={"stages": 4}),
+                           dict(decode_nvfp4={"max_bps": 16, "min_bps": 4})])
     print("indexer nvfp4 decode variants:", variants)
     knobs = {}
     cases = []
@@ -373,15 +377,16 @@ def _indexer_nvfp4(args):
 
 
 def _indexer_prefill(args):
-    """The prefill tile launch's knobs on 8K chunks (no context, 120K, ~1M; max_q_len = 8192 as
+    """The prefill launch's knobs on 8K chunks (no context, 120K, ~1M; max_q_len = 8192 as
     run.py passes it), and at TP4's one index head ("H1": no context, 8K, 32K): select_blocks,
     for fp8 at 120K block_scores alone (the scoring launch plus the score tensor's -inf fill)
     and for fp8 the selection launches alone."""
-    # the Gluon tile launch's knobs (Hopper); the Triton tile launch's own (prefill_rows,
-    # prefill_bps) apply where the Gluon one is not planned
-    variants = pick(args, [{}, dict(ws_waves=2), dict(ws_waves=8),
-                           dict(ws_stages=4, ws_stages_16=2), dict(select_short_max=64),
-                           dict(select_group_min_blocks=1 << 30)])
+    # the Gluon prefill launch's knobs (Hopper); the Triton prefill launch's own (the prefill
+    # form) apply where the Gluon one is not planned
+    variants = pick(args, [{}, dict(gluon={"waves": 2}), dict(gluon={"waves": 8}),
+                           dict(gluon={"stages_fp8": 4, "stages_16": 2}),
+                           dict(short_rows={"max_blocks": 64}),
+                           dict(group={"min_blocks": 1 << 30})])
     print("indexer prefill variants:", variants)
     knobs = {}
     cases = []

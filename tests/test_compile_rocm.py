@@ -2,7 +2,7 @@
 """Every Triton launch the plans pick on an AMD Instinct GPU, compiled for gfx942 (MI300X/MI325X)
 and gfx950 (MI355X) by Triton's AMD backend on a machine without a GPU, with the constexprs and
 options the plan gives it: the attention (per-token kernel, tile plan, Triton tiles, merge), the
-indexer (request and tile scoring, every selection form) and the cache writes and preparation,
+indexer (decode and prefill scoring, every selection form) and the cache writes and preparation,
 at decode, verify and prefill steps (helpers/rocm.py), 16-bit and fp8 caches. Each compiled
 kernel must be an AMDGPU code object with no NVIDIA-only instruction in it; its registers and
 LDS bytes are printed (pytest -s) and checked against the CU's limits.
@@ -37,14 +37,15 @@ def _kernels():
     from openmsa.ops.attention.kernels.tile import _sparse_attention_tile_kernel, _tile_plan_kernel
     from openmsa.ops.cache.kernels.prepare import _fused_prepare_kernel
     from openmsa.ops.cache.kernels.write import _write_index_cache_kernel, _write_kv_cache_kernel
-    from openmsa.ops.indexer.scores import _block_scores_kernel
-    from openmsa.ops.indexer.select import (_group_bound_select_kernel, _group_max_kernel,
-                                            _merge_topk_kernel, _segment_topk_kernel)
+    from openmsa.ops.indexer.kernels.scores import _block_scores_kernel
+    from openmsa.ops.indexer.kernels.select import (_group_bound_select_kernel,
+                                                    _group_max_kernel, _merge_topk_kernel,
+                                                    _segment_topk_kernel)
     return {"token": _sparse_attention_kernel, "merge": _merge_splits_kernel,
             "tile_plan": _tile_plan_kernel, "tiles": _sparse_attention_tile_kernel,
             "page_table": _sparse_page_table_kernel,
-            "scores_request": _block_scores_kernel, "scores_tile": _block_scores_kernel,
-            "scores_tile_unaligned": _block_scores_kernel,
+            "scores_decode": _block_scores_kernel, "scores_prefill": _block_scores_kernel,
+            "scores_prefill_unaligned": _block_scores_kernel,
             "select_segments": _segment_topk_kernel, "select_merge": _merge_topk_kernel,
             "select_group_max": _group_max_kernel,
             "select_group_bound": _group_bound_select_kernel,

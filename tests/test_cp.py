@@ -18,16 +18,15 @@ import torch
 import openmsa
 from openmsa.batch import token_layout
 from openmsa.ops.indexer import reference as indexer_ref
+from openmsa.ops.indexer.api import merge_candidates_kernel, rank_candidates
 from openmsa.ops.indexer.cp import (INT64_MIN, key_block_ids, local_candidates,
-                                    merge_candidates, merge_candidates_kernel, owned_table,
-                                    pack_keys, rank_candidates)
+                                    merge_candidates, owned_table, pack_keys)
 from helpers.cp_cases import B, cases, make_case, simulate
 from helpers.sm90 import INTERPRET
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-# ------------------------------------------------------------------------ keys and merge
 @pytest.mark.reference
 def test_key_order_is_the_tie_rule():
     """Larger key = higher score, NaN as -inf, -0.0 equal to +0.0, ties to the lower block."""
@@ -81,7 +80,7 @@ def test_merge_of_rank_candidates_equals_selection_from_scores(seed):
 def test_candidate_and_merge_kernels_equal_torch(kernel_device):
     """The Triton forms of the local candidates and the merge against the PyTorch ones on
     random score rows (ties, NaN, +-0.0, -inf), a step with padding tokens and short contexts."""
-    from openmsa.ops.indexer.cp import local_candidates_kernel, merge_candidates_kernel
+    from openmsa.ops.indexer.api import local_candidates_kernel
     from helpers.steps import make_step
     g = torch.Generator().manual_seed(5)
     step = make_step([1, 3, 0, 20, 1, 0, 16], [70, 45, 9, 100, 5, 0, 200], block_size=B,
@@ -129,7 +128,6 @@ def test_cp_group_is_checked():
         openmsa.select_blocks(q, c, cu, seq, table, topk=4, block_size=B, cp_group=2)
 
 
-# ------------------------------------------------------------------------ rank by rank
 @pytest.mark.reference
 @pytest.mark.dispatch
 def test_ranks_one_after_another_reference():
@@ -160,7 +158,6 @@ def test_ranks_one_after_another_kernels(kernel_device, world, max_q_len):
         assert torch.equal(got, want), (rule, sharded)
 
 
-# ------------------------------------------------------------------------ multi-process (gloo)
 def _run_group(world: int, mode: str):
     env = dict(os.environ)
     src = os.path.join(os.path.dirname(HERE), "src")
@@ -214,7 +211,6 @@ def test_gloo_group_layer(world):
     _run_group(world, "layer")
 
 
-# ------------------------------------------------------------------------ planner: sharded writes
 @pytest.mark.reference
 def test_planner_shards_index_slots_and_table():
     from openmsa import MSAPlanner
@@ -277,7 +273,7 @@ def test_planner_and_op_cp_arguments_are_checked(kwargs, kind, name):
     """MSAPlanner's cp_size / cp_rank, and the same check (_checks.check_cp_shape)
     of cp.py's cp_size / cp_rank, each error naming its own argument."""
     from openmsa import MSAPlanner
-    from openmsa.ops.indexer.cp import local_block_scores
+    from openmsa.ops.indexer.reference import local_block_scores
     from helpers.steps import make_step
     with pytest.raises(kind, match=f"^{name} must"):
         MSAPlanner(_tiny_config(), max_requests=1, max_tokens=8, max_blocks=8, device="cpu",
@@ -287,7 +283,7 @@ def test_planner_and_op_cp_arguments_are_checked(kwargs, kind, name):
     with pytest.raises(kind, match=f"^{name.replace('index_', '')} must"):
         local_block_scores(torch.zeros(1, 1, 16), torch.zeros(step.num_pages, B, 16),
                            step.cu_seqlens_q, step.seq_lens, step.block_table,
-                           **{"cp_rank": 0, **cp}, block_size=B, reference=True)
+                           **{"cp_rank": 0, **cp}, block_size=B)
 
 
 @pytest.mark.reference
@@ -305,13 +301,12 @@ def _tiny_config():
                      local_blocks=1, rotary_dim=16)
 
 
-# ------------------------------------------------------------------------ sm_90 compile
 @pytest.mark.reference
 @pytest.mark.skipif(INTERPRET, reason="compilation needs the real compiler")
 @pytest.mark.parametrize("tile_mode", [False, True])
 def test_cp_scoring_kernel_compiles(tile_mode):
     from helpers.sm90 import F32, STEP, compile_sm90
-    from openmsa.ops.indexer.scores import _block_scores_kernel
+    from openmsa.ops.indexer.kernels.scores import _block_scores_kernel
     compile_sm90(_block_scores_kernel, dict(q_ptr="*fp8e4nv", cache_ptr="*fp8e4nv", out_ptr=F32,
                                             **STEP), {},
                  dict(H=4, HP=4, DI=128, DIP=128, BLOCK=128, BPS=32 if tile_mode else 16,
@@ -324,7 +319,7 @@ def test_cp_scoring_kernel_compiles(tile_mode):
 @pytest.mark.skipif(INTERPRET, reason="compilation needs the real compiler")
 def test_cp_candidate_and_merge_kernels_compile():
     from helpers.sm90 import F32, I32, I64, compile_sm90
-    from openmsa.ops.indexer.cp import _local_keys_kernel, _merge_kernel
+    from openmsa.ops.indexer.kernels.cp import _local_keys_kernel, _merge_kernel
     compile_sm90(_local_keys_kernel, dict(scores_ptr=F32, cu_ptr=I32, seq_lens_ptr=I32,
                                           keys_ptr=I64, pos_ptr=I32), {},
                  dict(H=4, BLOCK=128, CHUNK=1024))
@@ -332,7 +327,6 @@ def test_cp_candidate_and_merge_kernels_compile():
                  dict(H=4, BLOCK=128, CP2=128, KP2=16))
 
 
-# ------------------------------------------------------------------------ GPU
 def _gpu_case(dtype, num_requests, context, q_len=1, heads=4, dim=128, seed=0):
     """A decode (or verify) step of num_requests requests of `context` tokens on the GPU."""
     g = torch.Generator(device="cuda").manual_seed(seed)

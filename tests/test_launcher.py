@@ -219,12 +219,13 @@ def test_gluon_descriptor_arguments(compiled, monkeypatch):
 
 
 def test_cp_kernels_launch_through_the_cached_launcher(compiled, monkeypatch):
-    """ops/indexer/cp.py's two kernels run through Launch.run (launch_planned) under a Launch
-    cached by call key: a repeated call compiles nothing, and the suite's VERIFY_PLAN_KEYS
+    """ops/indexer/kernels/cp.py's two kernels run through Launch.run (launch_planned) under a
+    plan cached by call key: a repeated call compiles nothing, and the suite's VERIFY_PLAN_KEYS
     checks on every call that the key names Triton's own specialisation (other ranks, widths,
     rules and a strided out among the calls)."""
-    from openmsa.ops.indexer import cp
-    for fn in (cp._local_keys_kernel, cp._merge_kernel):  # fresh launchers, dropped after
+    from openmsa.ops.indexer import api as cp
+    from openmsa.ops.indexer.kernels import cp as kcp
+    for fn in (kcp._local_keys_kernel, kcp._merge_kernel):  # fresh launchers, dropped after
         monkeypatch.setattr(fn, "_openmsa_launcher", launch_mod.Launcher(fn), raising=False)
     cu = torch.tensor([0, 1, 3], dtype=torch.int32)
     seq = torch.tensor([300, 700], dtype=torch.int32)

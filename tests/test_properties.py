@@ -96,11 +96,13 @@ GEOMETRY1 = Geometry(block_sizes=(16, 32), max_seq=200, max_q=5, index_dims=(16,
 # launch knobs that move a step onto the kernels' other paths (tier 1; the reference takes and
 # ignores them): several selection segments and their merge; the threshold path in chunks and
 # the group-bound form; split scoring launches and small prefill tiles; sorting selections
-INDEXER_CONFIGS = (None, openmsa.IndexerConfig(select_segment=16),
-                   openmsa.IndexerConfig(select_segment=32, select_chunk=8,
-                                         select_chunk_min_waves=0, select_group_min_blocks=16),
-                   openmsa.IndexerConfig(decode_max_bps=2, prefill_rows=16, prefill_bps=2,
-                                         select_sort_waves=0))
+INDEXER_CONFIGS = (None, openmsa.IndexerConfig().replace(select=dict(segment=16)),
+                   openmsa.IndexerConfig().replace(select=dict(segment=32, chunk=8,
+                                                               chunk_min_waves=0),
+                                                   group=dict(min_blocks=16)),
+                   openmsa.IndexerConfig().replace(decode=dict(max_bps=2),
+                                                   prefill=dict(rows=16, bps=2),
+                                                   select=dict(sort_waves=0)))
 # the prefill forms at any step size: tiles over the selections' union, or per-token programs
 ATTENTION_CONFIGS = (None, openmsa.AttentionConfig(prefill_min_tokens=1),
                      openmsa.AttentionConfig(prefill_min_tokens=1, tiles=False))

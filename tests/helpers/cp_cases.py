@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from openmsa._dispatch import use_kernels
-from openmsa.ops.indexer.cp import (local_candidates, merge_candidates, merge_candidates_kernel,
-                                    owned_table, rank_candidates)
+from openmsa.ops.indexer.api import merge_candidates_kernel, rank_candidates
+from openmsa.ops.indexer.cp import local_candidates, merge_candidates, owned_table
 
 from .steps import make_step, random_index_inputs
 

@@ -26,7 +26,7 @@ FP8 = torch.float8_e4m3fn
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 B = 16
-# decode, 3-token verify, q_len 0, a 20-token prefill chunk (the tile launch), decode in the
+# decode, 3-token verify, q_len 0, a 20-token prefill chunk (the prefill launch), decode in the
 # first block, seq_len 0, and 2 padding tokens after cu_seqlens_q[R]
 Q_LENS = [1, 3, 0, 20, 1, 0]
 SEQ_LENS = [70, 45, 9, 100, 5, 0]
@@ -43,7 +43,8 @@ INDEX_DTYPES = [(torch.float16, torch.float16), (torch.float16, FP8), (FP8, FP8)
 
 
 def _config(**knobs):
-    return dataclasses.replace(DEFAULT, **knobs)
+    """DEFAULT with knobs (a form's name takes a dict of its fields: IndexerConfig.replace)."""
+    return DEFAULT.replace(**knobs)
 
 
 def _to(step, device):
@@ -64,12 +65,12 @@ def _index_case(device, q_dtype, c_dtype, integer, heads=2, dim=32, seed=0):
 
 
 def _request_launch(q, c, cu, seq, table, block_size=128):
-    """The request launch's name for these arguments: the Gluon NVFP4 one on Hopper for an fp8
+    """The decode launch's name for these arguments: the Gluon NVFP4 one on Hopper for an fp8
     or fp16 query against NVFP4 pages, the Triton one otherwise."""
-    from openmsa.ops.indexer.plan import nvfp4_request_eligible
+    from openmsa.ops.indexer.plan import nvfp4_decode_eligible
     shape = indexer_api._shape(q, c, seq, table, block_size, None)
-    return ("scores_request_nvfp4" if nvfp4_request_eligible(shape, DeviceFacts.of(q.device))
-            else "scores_request")
+    return ("scores_decode_nvfp4" if nvfp4_decode_eligible(shape, DeviceFacts.of(q.device))
+            else "scores_decode")
 
 
 def _scoring_launches(q, c, cu, seq, table, block_size, max_q_len=None, config=DEFAULT):
@@ -79,7 +80,6 @@ def _scoring_launches(q, c, cu, seq, table, block_size, max_q_len=None, config=D
             if k.startswith("scores_")]
 
 
-# ------------------------------------------------------------------------ interpret (and GPU)
 @pytest.mark.interpret
 @pytest.mark.parametrize("q_dtype, c_dtype", INDEX_DTYPES)
 @pytest.mark.parametrize("topk, init, local, segment", [(4, 0, 1, None), (3, 1, 1, 4)])
@@ -88,7 +88,7 @@ def test_select_exact_on_integer_inputs(kernel_device, q_dtype, c_dtype, topk, i
     """Integer-valued inputs: exact dot products on both sides and many tied blocks, so the
     indices must agree exactly, tie rule included. `segment` cuts score rows into several
     selection programs, so the merge launch runs too."""
-    config = _config(**({} if segment is None else dict(select_segment=segment)))
+    config = _config(**({} if segment is None else dict(select=dict(segment=segment))))
     step, q, c, dstep = _index_case(kernel_device, q_dtype, c_dtype, integer=True)
     args = (step.cu_seqlens_q, step.seq_lens, step.block_table)
     dargs = (dstep.cu_seqlens_q, dstep.seq_lens, dstep.block_table)
@@ -140,10 +140,10 @@ def test_selection_kernels_on_crafted_scores(kernel_device, topk, init, local, s
     for rows of several segments the group-bound path, and the bitonic sort, whose rows of
     several segments the merge launch merges). topk = 1: the kernels' K width is 2 (tl.topk
     and tl.sort take no width of 1), of which one slot is written."""
-    config = _config(select_sort_waves=10**9 if by_sort else 0,
+    config = _config(select=dict(sort_waves=10**9 if by_sort else 0,
+                                 **({} if segment is None else dict(segment=segment))),
                      # (the group-bound path on short rows too, or on none)
-                     select_group_min_blocks=0 if group_bound else 1 << 30,
-                     **({} if segment is None else dict(select_segment=segment)))
+                     group=dict(min_blocks=0 if group_bound else 1 << 30))
     g = torch.Generator().manual_seed(topk)
     q_lens, seq_lens = [1, 1, 1, 1, 3, 40, 1], [700, 53, 16 * 2 + 1, 400, 260, 90, 1000]
     step = make_step(q_lens, seq_lens, block_size=B, pad_tokens=1)
@@ -170,9 +170,10 @@ def test_selection_scratch_path(kernel_device, topk, init, chunk, segment, group
     rows of any length, a row of 400 equal top keys in 25 groups overflows its candidates'
     scratch row). `chunk`: the segment read in chunks (select_chunk), the overflow's search
     included."""
-    config = _config(select_sort_waves=0, select_group_min_blocks=0 if group_bound else 1 << 30,
-                     select_chunk=chunk, select_chunk_min_waves=0,  # (a small launch)
-                     **({} if segment is None else dict(select_segment=segment)))
+    config = _config(select=dict(sort_waves=0, chunk=chunk,
+                                 chunk_min_waves=0,  # (a small launch)
+                                 **({} if segment is None else dict(segment=segment))),
+                     group=dict(min_blocks=0 if group_bound else 1 << 30))
     g = torch.Generator().manual_seed(topk)
     step = make_step([3, 1], [16 * 1000, 16 * 999 + 3], block_size=B, pad_tokens=1)
     scores = torch.randn(step.num_tokens, 2, step.block_table.shape[1], generator=g)
@@ -223,13 +224,13 @@ def test_strided_out_is_written_in_place(kernel_device):
 @pytest.mark.parametrize("knobs", [dict(),
                                    # 2 tiles (the last one holds the chunk's last tokens)
                                    # x 4 splits
-                                   dict(prefill_rows=32, prefill_bps=2)])
+                                   dict(prefill=dict(rows=32, bps=2))])
 @pytest.mark.parametrize("q_dtype, c_dtype", [(torch.float16, torch.float16), (FP8, FP8)])
 def test_decode_and_tile_launches_exact(kernel_device, q_dtype, c_dtype, knobs):
-    """The request launch (page ids loaded up front, one causal loop) and the tile launch (its
+    """The decode launch (page ids loaded up front, one causal loop) and the prefill launch (its
     last tile first; the 20-token request takes it) keep the reference's exact scores and
     selection. The table's entries past each request's blocks hold page ids far outside the
-    cache: the request launch loads them (masked by the table's width, not the request's
+    cache: the decode launch loads them (masked by the table's width, not the request's
     length) and must never read the keys they point to (on the GPU such a read faults)."""
     config = _config(**knobs)
     step, q, c, dstep = _index_case(kernel_device, q_dtype, c_dtype, integer=True, seed=5)
@@ -252,11 +253,11 @@ def test_decode_and_tile_launches_exact(kernel_device, q_dtype, c_dtype, knobs):
 @pytest.mark.parametrize("q_lens", [[3, 1, 4, 2, 3, 1, 4, 3],  # verify, 21 tokens: no long one
                                     [1] + [0] * 20 + [17, 2]])  # a long one after 20 empty ones
 def test_steps_of_more_than_small_q_tokens(kernel_device, q_lens):
-    """A step of more than SMALL_Q tokens also runs the tile launch: with no long request its
+    """A step of more than SMALL_Q tokens also runs the prefill launch: with no long request its
     programs end after one look at their requests, which must not skip a long request standing
     after more requests than that look covers (8-token tiles here, so the look spans 16
     requests)."""
-    config = _config(prefill_rows=16)
+    config = _config(prefill=dict(rows=16))
     seq_lens = [max(q, 1) * 9 + 5 for q in q_lens]
 
     def step_on(device):
@@ -284,8 +285,8 @@ def test_steps_of_more_than_small_q_tokens(kernel_device, q_lens):
 @pytest.mark.interpret
 @pytest.mark.parametrize("q_lens, hint, launches", [
     ([3, 1, 4, 2, 3, 1, 4, 3], 4, 1),  # a verify step of 21 tokens, hint right: one launch
-    ([3, 1, 4, 2, 3, 1, 4, 3], None, 2),  # no hint: the tile launch runs too
-    ([1, 3, 20, 1], 1, 1),  # hint wrong (a 20-token chunk): still exact, by the request launch
+    ([3, 1, 4, 2, 3, 1, 4, 3], None, 2),  # no hint: the prefill launch runs too
+    ([1, 3, 20, 1], 1, 1),  # hint wrong (a 20-token chunk): still exact, by the decode launch
     ([1, 3, 20, 1], 20, 2)])
 def test_max_q_len_hint(kernel_device, q_lens, hint, launches):
     """max_q_len <= 16 makes a step of more than 16 tokens one scoring launch; it is a speed hint
@@ -304,9 +305,9 @@ def test_max_q_len_hint(kernel_device, q_lens, hint, launches):
     args = (step.cu_seqlens_q, step.seq_lens, step.block_table)
     dargs = (d.cu_seqlens_q, d.seq_lens, d.block_table)
     qd, cd = q.to(kernel_device), c.to(kernel_device)
-    # (a GPU with the Gluon tile launch plans its Triton form beside it: one of the two runs)
+    # (a GPU with the Gluon prefill launch plans its Triton form beside it: one of the two runs)
     assert len([k for k in _scoring_launches(qd, cd, *dargs, B, hint)
-                if k != "scores_tile_unaligned"]) == launches
+                if k != "scores_prefill_unaligned"]) == launches
     s_got = openmsa.block_scores(qd, cd, *dargs, block_size=B, max_q_len=hint)
     assert torch.equal(s_got.cpu(), ref.block_scores(q, c, *args, block_size=B))
     got = openmsa.select_blocks(qd, cd, *dargs, topk=4, block_size=B, max_q_len=hint)
@@ -333,7 +334,7 @@ def test_nan_keys_and_unfilled_pages_match_reference(kernel_device, dtype):
     c = c.clone()
     c[int(step.block_table[0, 1]), :5] = float("nan")  # part of a page request 0 reads
     c[int(step.block_table[3, 0])] = float("nan")  # a whole page of request 3
-    # part of a page of request 3 (a 20-token chunk: the prefill tile launch), including its last
+    # part of a page of request 3 (a 20-token chunk: the prefill prefill launch), including its last
     # key, so that the block's max must come from the other keys
     c[int(step.block_table[3, 1]), 9:] = float("nan")
     table = step.block_table.clone()
@@ -363,7 +364,7 @@ def test_plans_are_cached_by_call(kernel_device):
              dstep.block_table)
     plans = []
     for topk, hint, config in ((4, None, None), (4, None, None), (3, None, None), (4, 32, None),
-                               (4, None, _config(select_segment=4)), (4, None, DEFAULT)):
+                               (4, None, _config(select=dict(segment=4))), (4, None, DEFAULT)):
         got = openmsa.select_blocks(*iargs, topk=topk, block_size=B, max_q_len=hint,
                                     config=config)
         assert torch.equal(got.cpu(), ref.select_blocks(
@@ -371,14 +372,33 @@ def test_plans_are_cached_by_call(kernel_device):
             block_size=B))
         key = indexer_api._call_key("select", *iargs, None, B, hint, topk, 0, 1,
                                     config or DEFAULT)
-        plans.append(indexer_api._PLANS.get(key))
+        plans.append(indexer_api._PLANS._plans.get(key))
     assert all(p is not None for p in plans)
     # the same call twice, and config None as DEFAULT: one plan; the rest: one each
     assert plans[0] is plans[1] is plans[5]
     assert len({id(p) for p in plans}) == 4
 
 
-# ------------------------------------------------------------------- host side, no GPU needed
+@pytest.mark.reference
+@pytest.mark.parametrize("phase", ["scores", "selection"])
+def test_unknown_launch_names_raise(phase):
+    """api.py runs a plan through tables from launch name to runner: a launch no table knows (a
+    plan and its runners out of step) is an error, never skipped; each phase passes over the
+    other's launches."""
+    from openmsa.ops.common.plan import Launch, LaunchPlan
+    q = torch.zeros(1, 1, 16)
+    cu, seq = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32)
+    table, scores = torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, 1, 1)
+    out = torch.zeros(1, 1, 1, dtype=torch.int32)
+    other = "select_segments" if phase == "scores" else "scores_decode"
+    bogus = LaunchPlan((Launch(other, (1,)), Launch("scores_typo", (1,))), dict(segments=1))
+    with pytest.raises(ValueError, match="scores_typo"):
+        if phase == "scores":
+            indexer_api._run_scores(bogus, q, torch.zeros(1, 16, 16), cu, seq, table, scores)
+        else:
+            indexer_api._run_selection(bogus, scores, cu, seq, out)
+
+
 @pytest.mark.reference
 def test_config_is_checked():
     q = torch.zeros(1, 1, 16)
@@ -386,7 +406,7 @@ def test_config_is_checked():
             torch.tensor([1], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32))
     for op in (openmsa.block_scores, openmsa.select_blocks):
         with pytest.raises(TypeError, match="config"):
-            op(*args, block_size=16, config=dict(select_segment=4))
+            op(*args, block_size=16, config=dict(select=dict(segment=4)))
 
 
 @pytest.mark.reference
@@ -394,7 +414,7 @@ def test_config_is_checked():
                                         ("page_padding", False), ("q_transposed", False)])
 def test_shape_says_where_tma_rows_fit(case, want):
     """api.py's step shape: q as [T * H, DI] rows and the cache as [pages * BLOCK, DI] rows,
-    each one strided 2-D array (what the Gluon tile launch's TMA descriptors take); tma_q: q's
+    each one strided 2-D array (what the Gluon prefill launch's TMA descriptors take); tma_q: q's
     alone (the staged NVFP4 form's, whose staging cache always is)."""
     q = torch.empty(64, 8 if case == "q_slice" else 4, 128, device="meta")
     if case == "q_slice":
@@ -419,7 +439,7 @@ def test_gluon_launch_descriptors(dtype, heads):
     pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
     q = torch.zeros(100, heads, 128, dtype=dtype)
     cache = torch.zeros(10, 128, 128, dtype=dtype)
-    q_desc, k_desc = indexer_api._ws_descriptors(q, cache)
+    q_desc, k_desc = indexer_api._gluon_descriptors(q, cache)
     assert (list(q_desc.shape), list(q_desc.strides), list(q_desc.block_shape)) == \
         ([100 * heads, 128], [128, 1], [64, 128])
     assert (list(k_desc.shape), list(k_desc.strides), list(k_desc.block_shape)) == \
@@ -427,12 +447,11 @@ def test_gluon_launch_descriptors(dtype, heads):
     shape = IndexerShape(num_tokens=100, num_heads=heads, head_dim=128, num_requests=2,
                          max_blocks=7, block_size=128, q_dtype=dtype, cache_dtype=dtype,
                          tma_rows=True)
-    ws = plan(shape, DeviceFacts()).find("scores_tile_ws")
+    ws = plan(shape, DeviceFacts()).find("scores_prefill_gluon")
     # 7 blocks: one split of a whole 8-block sector
     assert ws.params["bps"] == 8 and ws.params["H"] == heads
 
 
-# ------------------------------------------------------------- compiled for sm_90 (no GPU)
 def _compile(fn, pointers, scalars, constexprs, gluon=False, options=None, attrs=None):
     from helpers.sm90 import compile_sm90
     return compile_sm90(fn, pointers, scalars, constexprs, gluon=gluon, attrs=attrs,
@@ -451,10 +470,10 @@ STEP = dict(cu_ptr=I32, seq_lens_ptr=I32, bt_ptr=I32)
                                                        (False, "*bf16", "*fp8e4nv"),
                                                        (True, "*bf16", "*bf16")])
 def test_block_scores_kernel_compiles(tile_mode, q_type, c_type):
-    # the request launch (page ids up front, one causal loop) and the tile launch (quick exit,
+    # the decode launch (page ids up front, one causal loop) and the prefill launch (quick exit,
     # last tile first) with the constexprs plan.py passes; neither waits for the launch before
     # it (griddepcontrol.wait): only the selection after them does
-    from openmsa.ops.indexer.scores import _block_scores_kernel
+    from openmsa.ops.indexer.kernels.scores import _block_scores_kernel
     k = _compile(_block_scores_kernel, dict(q_ptr=q_type, cache_ptr=c_type, out_ptr=F32, **STEP),
                  {}, dict(H=4, HP=4, DI=128, DIP=128, BLOCK=128, BPS=32 if tile_mode else 16,
                           SMALL_Q=16, TILE_MODE=tile_mode, ROWS_T=32 if tile_mode else 4,
@@ -467,14 +486,14 @@ def test_block_scores_kernel_compiles(tile_mode, q_type, c_type):
 @pytest.mark.reference
 @compiled
 @pytest.mark.parametrize("dtype, heads", [("fp8e4nv", 4), ("fp8e4nv", 1), ("bf16", 4)])
-def test_block_scores_ws_kernel_compiles(dtype, heads):
-    # the Gluon tile launch (scores_ws.py) with the constexprs plan.py passes: warp
+def test_block_scores_gluon_kernel_compiles(dtype, heads):
+    # the Gluon prefill launch (scores_gluon.py) with the constexprs plan.py passes: warp
     # specialisation, TMA and wgmma lower for sm_90, its shared memory fits one program per SM,
-    # and it waits for the request launch only at its end
+    # and it waits for the decode launch only at its end
     pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
     from triton.experimental.gluon import language as gl
 
-    from openmsa.ops.indexer.scores_ws import _block_scores_ws_kernel as fn
+    from openmsa.ops.indexer.kernels.scores_gluon import _block_scores_gluon_kernel as fn
     gdt = gl.float8e4nv if dtype == "fp8e4nv" else gl.bfloat16
 
     def desc(rows):
@@ -484,7 +503,7 @@ def test_block_scores_ws_kernel_compiles(dtype, heads):
                          max_blocks=1024, block_size=128, q_dtype=FP8 if dtype == "fp8e4nv"
                          else torch.bfloat16, cache_dtype=FP8 if dtype == "fp8e4nv"
                          else torch.bfloat16, tma_rows=True)
-    params = dict(plan(shape, DeviceFacts()).find("scores_tile_ws").params)
+    params = dict(plan(shape, DeviceFacts()).find("scores_prefill_gluon").params)
     del params["bps"], params["launch_pdl"]
     k = _compile(fn, dict(q_desc=desc(64), k_desc=desc(128), out_ptr=F32, **STEP), {}, params,
                  gluon=True, options=dict(num_warps=4))
@@ -509,7 +528,7 @@ def test_short_rows_topk_kernel_compiles(g, w, vec, tpr, warps, sort):
     import re
     pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
 
-    from openmsa.ops.indexer.select_rows import _short_rows_topk_kernel as fn
+    from openmsa.ops.indexer.kernels.select_rows import _short_rows_topk_kernel as fn
     constexprs = dict(H=4, TOPK=min(16, g * w), KP=16, INIT=0, LOCAL=1, BLOCK=128, G=g, W=w,
                       VEC=vec, TPR=tpr, SORT=sort, num_warps=warps, stride_sb=1)
     aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
@@ -531,8 +550,9 @@ def test_short_rows_topk_kernel_compiles(g, w, vec, tpr, warps, sort):
 @compiled
 @pytest.mark.parametrize("by_sort", [False, True])
 def test_selection_kernels_compile(by_sort):
-    from openmsa.ops.indexer.select import (_group_bound_select_kernel, _group_max_kernel,
-                                            _merge_topk_kernel, _segment_topk_kernel)
+    from openmsa.ops.indexer.kernels.select import (_group_bound_select_kernel,
+                                                    _group_max_kernel, _merge_topk_kernel,
+                                                    _segment_topk_kernel)
     for single in (False, True):
         for cap, chunk in ((0, 0), (64, 0), (64, 128)):  # chunk: select_chunk
             _compile(_segment_topk_kernel, dict(scores_ptr=F32, cu_ptr=I32, seq_lens_ptr=I32,
@@ -563,13 +583,14 @@ def test_selection_launches_of_small_topk_compile(topk, init, local):
     without scratch and chunks, the group-bound path (its fallback's chunk no wider than its
     NGP groups' blocks) and select_rows.py's kernel, sorting and searching. At topk 1 the
     kernels' K width is 2 (tl.topk and tl.sort take no width of 1)."""
-    from openmsa.ops.indexer.select import (_group_bound_select_kernel, _group_max_kernel,
-                                            _merge_topk_kernel, _segment_topk_kernel)
+    from openmsa.ops.indexer.kernels.select import (_group_bound_select_kernel,
+                                                    _group_max_kernel, _merge_topk_kernel,
+                                                    _segment_topk_kernel)
     kernels = dict(select_segments=_segment_topk_kernel, select_merge=_merge_topk_kernel,
                    select_group_max=_group_max_kernel,
                    select_group_bound=_group_bound_select_kernel)
     if importlib.util.find_spec("triton.experimental.gluon.nvidia.hopper") is not None:
-        from openmsa.ops.indexer.select_rows import _short_rows_topk_kernel
+        from openmsa.ops.indexer.kernels.select_rows import _short_rows_topk_kernel
         kernels["select_short_rows"] = _short_rows_topk_kernel
     pointers = dict(scores_ptr=F32, out_ptr=I32, cand_ptr=I64, scratch_ptr=I64, gmax_ptr=I32,
                     cu_ptr=I32, seq_lens_ptr=I32)
@@ -577,9 +598,10 @@ def test_selection_launches_of_small_topk_compile(topk, init, local):
     # group-bound path, the threshold path on long rows with and without chunks), and the
     # group-bound path on rows of 60 blocks (4 groups)
     cases = [(1, 8192, {}), (1, 64, {}), (8192, 8, {}), (8192, 1000, {}), (8192, 8192, {}),
-             (64, 8192, dict(select_sort_waves=0)), (8192, 3000, dict(select_short_max=0)),
-             (32, 8192, dict(select_sort_waves=0, select_group_min_blocks=1 << 30)),
-             (8192, 60, dict(select_short_max=0, select_group_min_blocks=0))]
+             (64, 8192, dict(select=dict(sort_waves=0))),
+             (8192, 3000, dict(short_rows=dict(max_blocks=0))),
+             (32, 8192, dict(select=dict(sort_waves=0), group=dict(min_blocks=1 << 30))),
+             (8192, 60, dict(short_rows=dict(max_blocks=0), group=dict(min_blocks=0)))]
     seen = set()
     for facts in (DeviceFacts(), DeviceFacts(gluon_hopper=False)):
         for tokens, blocks, knobs in cases:
@@ -603,12 +625,11 @@ def test_selection_launches_of_small_topk_compile(topk, init, local):
     assert {kernel for kernel, _ in seen} == set(kernels)
 
 
-# ---------------------------------------------------------------------------------- GPU (H200)
 GB = 128  # the GPU tier's block size (M3's)
 
 
 def _triton_tiles():
-    """This GPU's facts without the Gluon kernels: the plan the Triton tile launch and
+    """This GPU's facts without the Gluon kernels: the plan the Triton prefill launch and
     select.py's launches serve (other GPUs, another Triton)."""
     return dataclasses.replace(DeviceFacts.of(torch.device("cuda")), gluon_hopper=False)
 
@@ -674,7 +695,7 @@ def test_selection_of_million_token_rows(group_bound):
     300K): the group-bound path (select.py) or the per-segment search, against the reference
     selection from the same scores; random scores with a run of equal top scores, a row of one
     value (the group-bound path's fallback) and a row whose best blocks share a few groups."""
-    config = DEFAULT if group_bound else _config(select_group_min_blocks=1 << 30)
+    config = DEFAULT if group_bound else _config(group=dict(min_blocks=1 << 30))
     step = make_step([48, 20], [(1 << 20) + 48, 300_000 + 20], block_size=GB)
     g = torch.Generator().manual_seed(5)
     scores = torch.randn(step.num_tokens, 4, step.block_table.shape[1], generator=g)
@@ -718,9 +739,10 @@ def test_prefill_random_floats_threshold(c_dtype):
     assert ok.all()
 
 
-# the Gluon program's forms by config: the default grid; one split per tile (ws_waves 0), whose
+# the Gluon program's forms by config: the default grid; one split per tile (gluon.waves 0), whose
 # maxima are stored in two chunks, the last one partial; two waves with fewer key buffers
-WS_FORMS = [{}, dict(ws_waves=0), dict(ws_waves=2, ws_stages=4, ws_stages_16=2)]
+GLUON_FORMS = [{}, dict(gluon=dict(waves=0)),
+               dict(gluon=dict(waves=2, stages_fp8=4, stages_16=2))]
 
 
 @pytest.mark.gpu
@@ -730,12 +752,12 @@ WS_FORMS = [{}, dict(ws_waves=0), dict(ws_waves=2, ws_stages=4, ws_stages_16=2)]
                                                 (FP8, 1, 2), (FP8, 8, 0), (FP8, 16, 2),
                                                 (torch.bfloat16, 16, 0)])
 def test_prefill_gluon_tile_launch_exact(dtype, heads, form):
-    """The warp-specialised tile launch (scores_ws.py) against the reference and the Triton
-    tile launch, exactly (integer inputs): tiles spanning several requests (long and short),
+    """The warp-specialised prefill launch (scores_gluon.py) against the reference and the Triton
+    prefill launch, exactly (integer inputs): tiles spanning several requests (long and short),
     chunks with and without context and partial last blocks, NaN keys (part of a block, a whole
     page), an unfilled page id, padding tokens, a strided out=, and the Triton fallback for a
     base address TMA cannot take. The selection takes the group-bound path on every row."""
-    config = _config(select_group_min_blocks=0, **WS_FORMS[form])
+    config = _config(group=dict(min_blocks=0), **GLUON_FORMS[form])
     q_lens = [1, 70, 3, 300, 0, 20, 517, 1, 40]
     seq_lens = [900, 70, 45, 300 + 1000, 9, 20 + 128 * 3, 517 + 4000, 5, 40 + 127]
     step = make_step(q_lens, seq_lens, block_size=GB, extra_columns=3, pad_tokens=2)
@@ -751,7 +773,7 @@ def test_prefill_gluon_tile_launch_exact(dtype, heads, form):
     want = ref.block_scores(q, c, *args, block_size=GB)
     qd, cd = q.cuda(), c.cuda()
     # the path under test: the Gluon launch, on aligned bases (api.py's rule)
-    assert "scores_tile_ws" in _scoring_launches(qd, cd, *dargs, GB, config=config)
+    assert "scores_prefill_gluon" in _scoring_launches(qd, cd, *dargs, GB, config=config)
     assert qd.data_ptr() % 16 == 0 and cd.data_ptr() % 16 == 0
     got = openmsa.block_scores(qd, cd, *dargs, block_size=GB, config=config)
     assert not want.isnan().any() and torch.equal(got.cpu(), want)
@@ -767,9 +789,9 @@ def test_prefill_gluon_tile_launch_exact(dtype, heads, form):
                                             config=config), got)
     assert torch.equal(openmsa.select_blocks(qd, cd, *dargs, block_size=GB, max_q_len=hint,
                                              config=config).cpu(), sel)
-    # the Triton tile launch alone (another GPU's plan)
+    # the Triton prefill launch alone (another GPU's plan)
     assert torch.equal(_scores_with(_triton_tiles(), qd, cd, *dargs, config=config), got)
-    # a base one element past a 16-byte boundary: the Triton tile launch takes it
+    # a base one element past a 16-byte boundary: the Triton prefill launch takes it
     shifted = torch.empty(qd.numel() + 1, dtype=qd.dtype, device="cuda")[1:].view(qd.shape)
     shifted.copy_(qd)
     assert shifted.data_ptr() % 16 != 0
@@ -784,10 +806,10 @@ def test_prefill_gluon_tile_launch_exact(dtype, heads, form):
 @pytest.mark.parametrize("q_len, seq_len, pad", [(5, 900, 30), (300, 1300, 0), (17, 17, 3),
                                                  (40, 30, 0)])
 def test_one_request_step_tile_launch_only(dtype, q_len, seq_len, pad):
-    """A step of one request and more than SMALL_Q tokens: the tile launch alone scores it
+    """A step of one request and more than SMALL_Q tokens: the prefill launch alone scores it
     whatever its q_len (a short request among padding tokens, a long one, an invalid one with
     q_len > seq_len), exactly as the reference and as the two-launch plan of the same step
-    with an empty request added, through the Gluon and the Triton tile launches."""
+    with an empty request added, through the Gluon and the Triton prefill launches."""
     step = make_step([q_len], [seq_len], block_size=GB, extra_columns=2, pad_tokens=pad)
     q, c = random_index_inputs(step, num_heads=4, head_dim=128, block_size=GB, q_dtype=dtype,
                                cache_dtype=dtype, integer=True)
@@ -797,12 +819,12 @@ def test_one_request_step_tile_launch_only(dtype, q_len, seq_len, pad):
     d = cuda_step(step)
     qd, cd = q.cuda(), c.cuda()
     dargs = (d.cu_seqlens_q, d.seq_lens, d.block_table)
-    # an empty second request: the request launch and the tile launch
+    # an empty second request: the decode launch and the prefill launch
     two = (torch.cat([d.cu_seqlens_q, d.cu_seqlens_q[-1:]]),
            torch.cat([d.seq_lens, d.seq_lens.new_zeros(1)]),
            torch.cat([d.block_table, d.block_table[:1]]))
-    assert "scores_request" not in _scoring_launches(qd, cd, *dargs, GB)
-    assert "scores_request" in _scoring_launches(qd, cd, *two, GB)
+    assert "scores_decode" not in _scoring_launches(qd, cd, *dargs, GB)
+    assert "scores_decode" in _scoring_launches(qd, cd, *two, GB)
     for facts in (DeviceFacts.of(qd.device), _triton_tiles()):
         for steps in (dargs, two):
             assert torch.equal(_scores_with(facts, qd, cd, *steps).cpu(), want)
@@ -872,7 +894,7 @@ def test_short_rows_selection_exact(topk, init, local, heads, extra, tpr, wide):
     width). Rows of <= 64 blocks (wide 0: 4 or 8 threads a row) and of
     65-128 (wide 1) are sorted (stages in registers and across threads); wide 2, rows of up to
     ~940 blocks (16 or more per thread, a warp per row), are searched."""
-    config = _config(select_short_tpr=tpr)
+    config = _config(short_rows=dict(tpr=tpr))
     longest = (5000, 12000, 120000)[wide]
     seq_lens = [700, longest, 3000, longest // 2, 3, 128]
     step = make_step([700, 300, 1, 4, 5, 0], seq_lens, block_size=GB, extra_columns=extra,
@@ -922,8 +944,8 @@ def test_short_rows_prefill_and_graph_replay(c_dtype):
     got = openmsa.select_blocks(q.cuda(), c.cuda(), d.cu_seqlens_q, d.seq_lens, d.block_table,
                                 block_size=GB)
     assert torch.equal(got.cpu(), want)
-    # the Gluon tile launch a programmatic dependent of the request launch (the 5-token
-    # request's scores), the selection one of the tile launch: eager into a poisoned out=,
+    # the Gluon prefill launch a programmatic dependent of the decode launch (the 5-token
+    # request's scores), the selection one of the prefill launch: eager into a poisoned out=,
     # then replayed from a CUDA graph
     qd, cd, dargs = q.cuda(), c.cuda(), (d.cu_seqlens_q, d.seq_lens, d.block_table)
     out = torch.full(want.shape, -7, dtype=torch.int32, device="cuda")
@@ -960,7 +982,7 @@ def test_short_rows_prefill_and_graph_replay(c_dtype):
         assert torch.equal(out, eager)
         graph.replay()
         assert torch.equal(out, eager)
-    no_short = _config(select_short_max=0)
+    no_short = _config(short_rows=dict(max_blocks=0))
     assert not _short_rows_on(4 * num_req * 4, 4, width, 16, no_short)
     assert torch.equal(openmsa.select_blocks(*args, block_size=GB, max_q_len=4,
                                              config=no_short), eager)
@@ -969,8 +991,8 @@ def test_short_rows_prefill_and_graph_replay(c_dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("context, want_bps", [(0, 10), (8192, 26)])
 def test_short_tile_splits_of_any_size(context, want_bps):
-    """TP4's 8K chunk (one index head) with little context: the Gluon tile launch's splits are
-    as long as plan._short_tile_bps finds fastest, not whole 8-block sectors of a score row,
+    """TP4's 8K chunk (one index head) with little context: the Gluon prefill launch's splits are
+    as long as plan._short_prefill_bps finds fastest, not whole 8-block sectors of a score row,
     so neighbouring programs write parts of one sector; scores exact against the reference on
     integer inputs, and the selection too."""
     step = make_step([8192], [8192 + context], block_size=GB, pad_tokens=3)
@@ -980,7 +1002,7 @@ def test_short_tile_splits_of_any_size(context, want_bps):
     qd, cd, dargs = q.cuda(), c.cuda(), (d.cu_seqlens_q, d.seq_lens, d.block_table)
     p = plan(indexer_api._shape(qd, cd, d.seq_lens, d.block_table, GB, None),
              DeviceFacts.of(torch.device("cuda")))
-    assert p.find("scores_tile_ws").params["bps"] == want_bps
+    assert p.find("scores_prefill_gluon").params["bps"] == want_bps
     want = ref.block_scores(q, c, step.cu_seqlens_q, step.seq_lens, step.block_table,
                             block_size=GB)
     assert torch.equal(openmsa.block_scores(qd, cd, *dargs, block_size=GB).cpu(), want)
@@ -989,7 +1011,6 @@ def test_short_tile_splits_of_any_size(context, want_bps):
     assert torch.equal(openmsa.select_blocks(qd, cd, *dargs, block_size=GB).cpu(), want_sel)
 
 
-# --------------------------------------------------------------- NVFP4 index caches (nvfp4.py)
 def _nvfp4_cache(num_pages, page_stride=None, generator=None, device="cpu"):
     """An NVFP4 cache of random keys, pages `page_stride` bytes apart (9216: packed), quantized
     with nvfp4.quantize_index_keys; returns (cache uint8 [P, 128, 72] view, fp32 keys)."""
@@ -1023,7 +1044,7 @@ def _assert_nvfp4_matches(got_scores, got_sel, want_scores, pos, topk, init, loc
 
 
 # decode, a 16-token verify, a 3-token verify after a context shorter than topk blocks, q_len 0,
-# a 37-token prefill chunk (the tile launch) ending in a partial block, decode in the first block
+# a 37-token prefill chunk (the prefill launch) ending in a partial block, decode in the first block
 NV_Q_LENS = [1, 16, 3, 0, 37, 1]
 NV_SEQ_LENS = [700, 530, 200, 9, 420, 5]
 
@@ -1033,7 +1054,7 @@ NV_SEQ_LENS = [700, 530, 200, 9, 420, 5]
 @pytest.mark.parametrize("page_stride", [None, 9216 + 48])
 def test_nvfp4_cache_matches_reference(kernel_device, q_dtype, page_stride):
     """NVFP4 pages (scattered, at a packed or a padded page stride, one table entry -1) scored
-    by the request launch (decode, verify up to 16) and the tile launch (a prefill chunk) in one
+    by the decode launch (decode, verify up to 16) and the prefill launch (a prefill chunk) in one
     call, against the reference on the dequantized keys; padding tokens score -inf."""
     g = torch.Generator().manual_seed(41)
     step = make_step(NV_Q_LENS, NV_SEQ_LENS, block_size=128, extra_columns=1, pad_tokens=2,
@@ -1051,7 +1072,7 @@ def test_nvfp4_cache_matches_reference(kernel_device, q_dtype, page_stride):
         cd = _nvfp4_cache(step.num_pages, page_stride, device=kernel_device)[0]
         cd.copy_(cache.to(kernel_device))
     assert set(_scoring_launches(qd, cd, *dargs, 128)) >= {_request_launch(qd, cd, *dargs),
-                                                           "scores_tile"}
+                                                           "scores_prefill"}
     want = ref.block_scores(q, cache, *args, block_size=128)
     got = openmsa.block_scores(qd, cd, *dargs, block_size=128)
     sel = openmsa.select_blocks(qd, cd, *dargs, topk=4, init_blocks=1, local_blocks=1,
@@ -1065,7 +1086,7 @@ def test_nvfp4_cache_matches_reference(kernel_device, q_dtype, page_stride):
 def test_nvfp4_nan_groups_score_as_the_reference(kernel_device):
     """Groups holding NaN (what the writers store for a NaN key value: scale byte 0x7F, codes 7)
     read back as NaN, so a key with one scores -inf before its block's maximum and a block of
-    only such keys scores -inf: request and tile launches in one call (the chunk in-kernel and
+    only such keys scores -inf: request and prefill launches in one call (the chunk in-kernel and
     staged), as the reference."""
     from openmsa import nvfp4
     g = torch.Generator().manual_seed(43)
@@ -1166,13 +1187,13 @@ def test_nvfp4_support_reasons():
                                                (True, "*bf16")])
 def test_block_scores_kernel_compiles_nvfp4(tile_mode, q_type):
     """The Triton NVFP4 launches as plan.py makes them on Hopper (M3's 4 index heads: the tile
-    launch, and the request launch of a bf16 query; an fp8 one is the Gluon kernel's, tested
+    launch, and the decode launch of a bf16 query; an fp8 one is the Gluon kernel's, tested
     above), compiled for sm_90: the
     PTX dequantization (paired e4m3 -> f16 conversions, f16x2 scale multiplies), one wgmma
     chain per block, and no register spills."""
     from helpers.sm90 import assert_no_spills
 
-    from openmsa.ops.indexer.scores import _block_scores_kernel
+    from openmsa.ops.indexer.kernels.scores import _block_scores_kernel
     q_dtype = FP8 if q_type == "*fp8e4nv" else torch.bfloat16
     shape = IndexerShape(num_tokens=8192 if tile_mode else 64, num_heads=4, head_dim=128,
                          num_requests=1 if tile_mode else 64, max_blocks=1024, block_size=128,
@@ -1181,7 +1202,7 @@ def test_block_scores_kernel_compiles_nvfp4(tile_mode, q_type):
     launch = plan(shape, DeviceFacts(kind="cuda", num_sms=132, capability=(9, 0),
                                      gluon_hopper=True),
                   dataclasses.replace(DEFAULT, nvfp4_prefill="inkernel")).find(
-        "scores_tile" if tile_mode else "scores_request")
+        "scores_prefill" if tile_mode else "scores_decode")
     params = dict(launch.params)
     options = dict(num_warps=params.pop("num_warps"), num_stages=params.pop("num_stages"))
     if "maxnreg" in params:
@@ -1189,7 +1210,7 @@ def test_block_scores_kernel_compiles_nvfp4(tile_mode, q_type):
     params.pop("table_width", None)
     assert params["NVFP4"]
     # as launched on a packed cache: pointers and the page, query, table and score strides
-    # multiples of 16 (the request launch's 128-register cap spills ~230 bytes without that
+    # multiples of 16 (the decode launch's 128-register cap spills ~230 bytes without that
     # specialization; the code that runs has it)
     div16 = ("q_ptr", "cache_ptr", "cu_ptr", "seq_lens_ptr", "bt_ptr", "out_ptr", "stride_cp",
              "stride_qt", "stride_qh", "stride_btr", "stride_ot", "stride_oh")
@@ -1229,7 +1250,7 @@ def test_nvfp4_realistic_steps(q_dtype, page_stride):
     sel = openmsa.select_blocks(*dargs, topk=16, init_blocks=1, local_blocks=2)
     _, pos = token_layout(step.cu_seqlens_q, step.seq_lens, step.num_tokens)
     _assert_nvfp4_matches(got, sel, want, pos, 16, 1, 2)
-    # a decode-only step (the request launch alone) and the max_q_len hint
+    # a decode-only step (the decode launch alone) and the max_q_len hint
     one = openmsa.select_blocks(*dargs, topk=16, init_blocks=1, local_blocks=2, max_q_len=2048)
     assert torch.equal(one, sel)
 
@@ -1237,28 +1258,28 @@ def test_nvfp4_realistic_steps(q_dtype, page_stride):
 @pytest.mark.reference
 @compiled
 @pytest.mark.parametrize("np_rows", [8, 16])
-def test_nvfp4_request_kernel_compiles(np_rows):
-    """The Gluon NVFP4 request launch (scores_nvfp4.py) compiled for sm_90 as plan.py makes it
+def test_nvfp4_decode_kernel_compiles(np_rows):
+    """The Gluon NVFP4 decode launch (scores_nvfp4.py) compiled for sm_90 as plan.py makes it
     (4 index heads): pages arrive by cp.async, the key operand reaches the MMA (mma.sync)
     straight from the registers the bit moves fill (the relabellings are layout changes without
     data movement, asserted at compile time), and nothing spills."""
     from helpers.sm90 import assert_no_spills
 
-    from openmsa.ops.indexer.scores_nvfp4 import _nvfp4_request_kernel
+    from openmsa.ops.indexer.kernels.scores_nvfp4 import _nvfp4_decode_kernel
     shape = IndexerShape(num_tokens=64, num_heads=4, head_dim=128, num_requests=64,
                          max_blocks=1024, block_size=128, q_dtype=FP8,
                          cache_dtype=torch.uint8, max_q_len=2 if np_rows == 8 else None)
     launch = plan(shape, DeviceFacts(kind="cuda", num_sms=132, capability=(9, 0),
-                                     gluon_hopper=True)).find("scores_request_nvfp4")
+                                     gluon_hopper=True)).find("scores_decode_nvfp4")
     params = dict(launch.params)
     assert params["NP"] == np_rows
     options = dict(num_warps=params.pop("num_warps"), maxnreg=params.pop("maxnreg", None))
     div16 = ("q_ptr", "cache_ptr", "cu_ptr", "seq_lens_ptr", "bt_ptr", "out_ptr", "stride_cp",
              "stride_qt", "stride_qh", "stride_btr", "stride_ot", "stride_oh")
-    attrs = {(_nvfp4_request_kernel.arg_names.index(n),): [["tt.divisibility", 16]]
+    attrs = {(_nvfp4_decode_kernel.arg_names.index(n),): [["tt.divisibility", 16]]
              for n in div16}
     params.update(stride_qd=1, stride_btb=1, stride_ob=1)
-    k = _compile(_nvfp4_request_kernel, dict(q_ptr="*fp8e4nv", cache_ptr="*u8", out_ptr=F32,
+    k = _compile(_nvfp4_decode_kernel, dict(q_ptr="*fp8e4nv", cache_ptr="*u8", out_ptr=F32,
                                              **STEP), {}, params, options=options,
                  attrs=attrs, gluon=True)
     ptx = k.asm["ptx"]
@@ -1283,7 +1304,7 @@ def _random_nvfp4_pages(num_pages, page_stride, generator, device, scale_bytes=N
 @pytest.mark.gpu
 @pytest.mark.parametrize("q_dtype", [FP8, torch.float16])
 @pytest.mark.parametrize("page_stride", [None, 9216 + 48])
-def test_nvfp4_request_kernel_is_exact_per_dim(q_dtype, page_stride):
+def test_nvfp4_decode_kernel_is_exact_per_dim(q_dtype, page_stride):
     """One-hot queries read one head dim each, so every score is one dequantized key value's
     maximum over a block: exact, whatever the summation order. 32 decode requests of 4 heads
     cover all 128 dims (the kernel's head-dim order in the MMA registers, its bit moves on every
@@ -1303,14 +1324,14 @@ def test_nvfp4_request_kernel_is_exact_per_dim(q_dtype, page_stride):
     dcache = _nvfp4_cache(step.num_pages, page_stride, device="cuda")[0]
     dcache.copy_(cache.cuda())
     dargs = (q.cuda(), dcache, d.cu_seqlens_q, d.seq_lens, table.cuda())
-    assert "scores_request_nvfp4" in _scoring_launches(*dargs, 128)
+    assert "scores_decode_nvfp4" in _scoring_launches(*dargs, 128)
     got = openmsa.block_scores(*dargs)
     assert torch.equal(got.cpu(), want)
 
 
 @pytest.mark.gpu
-def test_nvfp4_request_kernel_cuda_graph_and_strided_query():
-    """The Gluon NVFP4 request launch on a strided fp8 query ([T, H, D] view of a wider
+def test_nvfp4_decode_kernel_cuda_graph_and_strided_query():
+    """The Gluon NVFP4 decode launch on a strided fp8 query ([T, H, D] view of a wider
     buffer), NaN-poisoned score buffer, verify steps of up to 16 tokens (several 16-row
     passes), captured in a CUDA graph and replayed with new lengths and tables: the scores of
     the eager call on the same inputs."""
@@ -1325,7 +1346,7 @@ def test_nvfp4_request_kernel_cuda_graph_and_strided_query():
     qd, cd = wide.cuda()[:, :, 32:160], cache.cuda()
     out = nan_poison((step.num_tokens, 4, step.block_table.shape[1]), torch.float32, "cuda")
     args = (qd, cd, d.cu_seqlens_q, d.seq_lens, d.block_table)
-    assert "scores_request_nvfp4" in _scoring_launches(*args, 128, max_q_len=16)
+    assert "scores_decode_nvfp4" in _scoring_launches(*args, 128, max_q_len=16)
     openmsa.block_scores(*args, out=out, max_q_len=16)
     fin = want.isfinite()
     assert torch.equal(out.cpu().isinf(), want.isinf())
@@ -1346,10 +1367,9 @@ def test_nvfp4_request_kernel_cuda_graph_and_strided_query():
     assert torch.equal(out[eager.isfinite()], eager[eager.isfinite()])
 
 
-# ------------------------------------- NVFP4 prefill, staged form (stage.py; issue 41)
 STAGED = _config(nvfp4_prefill="staged")
 # three long requests (40, 21 and 18 tokens: staging slots 0, 1, 2) between decode, verify, q_len
-# 0 and a 16-token verify (the request launch's longest); partial last blocks, a request whose
+# 0 and a 16-token verify (the decode launch's longest); partial last blocks, a request whose
 # chunk starts inside its last block, 3 padding tokens
 ST_Q_LENS = [1, 40, 3, 0, 21, 16, 18, 1]
 ST_SEQ_LENS = [700, 300, 200, 9, 420, 150, 18, 5]
@@ -1392,15 +1412,15 @@ def _staged_case(q_lens, seq_lens, q_dtype, device, seed):
                                                 (torch.bfloat16, None)])
 def test_nvfp4_staged_prefill_matches_reference(kernel_device, q_dtype, max_q_len):
     """The staged form (the long requests' pages dequantized into a 16-bit staging cache, then
-    the 16-bit tile launch) gives the reference's scores and selection exactly, on a ragged
+    the 16-bit prefill launch) gives the reference's scores and selection exactly, on a ragged
     step mixing decode, verify and three prefill chunks over scattered pages with negative
-    table entries; the request launch is the one the in-kernel form makes."""
+    table entries; the decode launch is the one the in-kernel form makes."""
     step, q, cache, table = _staged_case(ST_Q_LENS, ST_SEQ_LENS, q_dtype, kernel_device, 5)
     args = (q, cache, step.cu_seqlens_q, step.seq_lens, table)
     dargs = tuple(a.to(kernel_device) for a in args)
     kernels = _scoring_launches(*dargs, GB, max_q_len, STAGED)
     assert kernels[:2] == [_request_launch(*dargs),
-                           "scores_tile" if INTERPRET else "scores_tile_ws"]
+                           "scores_prefill" if INTERPRET else "scores_prefill_gluon"]
     assert _staged_plan(*dargs, max_q_len).kernels()[0] == "stage_nvfp4"
     want = ref.block_scores(*args, block_size=GB)
     got = openmsa.block_scores(*dargs, block_size=GB, max_q_len=max_q_len, config=STAGED)
@@ -1412,14 +1432,14 @@ def test_nvfp4_staged_prefill_matches_reference(kernel_device, q_dtype, max_q_le
 
 @pytest.mark.interpret
 def test_nvfp4_staged_one_request_step(kernel_device):
-    """A prefill chunk alone (the tile launch takes it whatever its q_len; no request launch),
+    """A prefill chunk alone (the prefill launch takes it whatever its q_len; no decode launch),
     ending in a partial block, with a -1 entry: staged scores and selection exactly the
     reference's."""
     step, q, cache, table = _staged_case([150], [530], FP8, kernel_device, 6)
     table[0, 1] = -1
     args = (q, cache, step.cu_seqlens_q, step.seq_lens, table)
     dargs = tuple(a.to(kernel_device) for a in args)
-    assert "scores_request" not in _scoring_launches(*dargs, GB, None, STAGED)
+    assert "scores_decode" not in _scoring_launches(*dargs, GB, None, STAGED)
     want = ref.block_scores(*args, block_size=GB)
     assert torch.equal(openmsa.block_scores(*dargs, block_size=GB, config=STAGED).cpu(), want)
     rule = dict(topk=3, init_blocks=1, local_blocks=1, block_size=GB)
@@ -1474,7 +1494,7 @@ def test_stage_kernel_compiles(out_type):
     the PTX dequantization (paired e4m3 -> f16 conversions) and no register spills."""
     from helpers.sm90 import assert_no_spills
 
-    from openmsa.ops.indexer.stage import _stage_nvfp4_kernel
+    from openmsa.ops.indexer.kernels.stage import _stage_nvfp4_kernel
     shape = IndexerShape(num_tokens=8192, num_heads=4, head_dim=128, num_requests=1,
                          max_blocks=8192, block_size=128, q_dtype=FP8, cache_dtype=torch.uint8,
                          tma_q=True)
@@ -1509,7 +1529,7 @@ def test_nvfp4_staged_realistic_steps(q_dtype):
     want = ref.block_scores(q, cache, step.cu_seqlens_q, step.seq_lens, table)
     d = cuda_step(step)
     dargs = (q.cuda(), cache.cuda(), d.cu_seqlens_q, d.seq_lens, table.cuda())
-    assert "scores_tile_ws" in _scoring_launches(*dargs, GB, None, STAGED)
+    assert "scores_prefill_gluon" in _scoring_launches(*dargs, GB, None, STAGED)
     got = openmsa.block_scores(*dargs, config=STAGED)
     sel = openmsa.select_blocks(*dargs, topk=16, init_blocks=1, local_blocks=2, config=STAGED)
     _, pos = token_layout(step.cu_seqlens_q, step.seq_lens, step.num_tokens)

@@ -10,7 +10,7 @@ from helpers.rocm import DEVICES, MI300X, MI300X_GLUON, plans
 
 pytestmark = pytest.mark.reference
 
-GLUON = {"tiles_gluon", "scores_tile_ws", "select_short_rows"}
+GLUON = {"tiles_gluon", "scores_prefill_gluon", "select_short_rows"}
 NVIDIA_ONLY = {"launch_pdl", "maxnreg"}
 
 
@@ -38,7 +38,7 @@ def test_the_same_steps_take_cuda_only_forms_on_hopper():
     PTX."""
     cases = plans(DeviceFacts())
     kernels = {k for _, _, p in cases for k in p.kernels()}
-    assert {"tiles_gluon", "scores_tile_ws"} <= kernels
+    assert {"tiles_gluon", "scores_prefill_gluon"} <= kernels
     flags = {k for _, _, p in cases for launch in p for k, v in launch.params.items()
              if k in ("PDL", "PTX", "launch_pdl", "WAIT_PRIOR") and v}
     assert flags == {"PDL", "PTX", "launch_pdl", "WAIT_PRIOR"}
@@ -60,4 +60,4 @@ def test_rocm_keeps_the_gpu_grids():
     """ROCm plans size grids by the device's CUs like any GPU (not the interpreter's 4)."""
     _, _, p = next(c for c in plans(MI300X) if c[0].startswith("decode-b1-bf16") and
                    c[1] == "indexer")
-    assert p.find("scores_request").grid[1] > 1
+    assert p.find("scores_decode").grid[1] > 1

@@ -17,23 +17,20 @@ key is a better block under the tie rule (higher score, then lower block), and I
 "no candidate" (every real key is larger). torch.topk over distinct keys is exact and
 deterministic. Everything here is device ops: no host sync, CUDA-graph capturable (the
 collective included, with NCCL).
+
+This module holds the rule and the exchange in plain PyTorch, shared by both paths: the
+reference (reference.py) runs the rule as written here; the kernel path (api.py) runs the same
+rule as kernels/cp.py's two launches. Both exchange with exchange_candidates.
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from ..._checks import check_cp_shape
-from ..._dispatch import next_pow2
-from ...batch import num_causal_blocks, token_layout
-from ..common.launch import PlanCache, call_key
-from ..common.plan import Launch
-from ..common.triton_utils import token_position
+from ...batch import num_causal_blocks
 
 __all__ = ["pack_keys", "key_block_ids", "local_candidates", "merge_candidates",
-           "exchange_candidates", "local_block_scores", "select_blocks_cp", "owned_table"]
+           "exchange_candidates", "owned_table", "INT64_MIN"]
 
 INT64_MIN = -(2 ** 63)
 INT64_MAX = 2 ** 63 - 1
@@ -148,231 +145,8 @@ def exchange_candidates(keys: torch.Tensor, group) -> torch.Tensor:
     return gathered.view(world, num_tokens, num_heads, k).permute(1, 2, 0, 3)
 
 
-# ---------------------------------------------------------------------------- kernel path
-# The same two steps as local_candidates / merge_candidates, each one Triton launch instead of
-# a dozen PyTorch ops (those remain the CPU reference path and the tests' oracle).
-
-@triton.jit
-def _int64_min():
-    return -9223372036854775807 - 1
-
-
-@triton.jit
-def _local_keys_kernel(scores_ptr, cu_ptr, seq_lens_ptr, keys_ptr, pos_ptr, num_requests,
-                       num_tokens, width, max_blocks, cp_size, cp_rank, init_blocks, local_blocks,
-                       stride_st, stride_sh, stride_sb, stride_kt, stride_kh, stride_kb,
-                       H: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
-    """Program (t, c): token t's keys of local blocks [c * CHUNK, (c + 1) * CHUNK) for every
-    head (pack_keys of the causal, non-forced owned blocks, INT64_MIN elsewhere); program
-    (t, 0) also writes the token's position (-1: padding), which the merge reads."""
-    t = tl.program_id(0)
-    j = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
-    _, p = token_position(cu_ptr, seq_lens_ptr, num_requests, num_tokens, max_blocks, t,
-                          (t.to(tl.int64) * num_requests // tl.maximum(num_tokens, 1)).to(tl.int32),
-                          BLOCK)
-    if tl.program_id(1) == 0:
-        tl.store(pos_ptr + t, p)
-    n = tl.where(p >= 0, p // BLOCK + 1, 0)
-    g = j.to(tl.int64) * cp_size + cp_rank
-    valid = (j < width) & (g < n) & (g < max_blocks) & (g >= init_blocks) \
-        & (g < n - local_blocks)
-    for h in tl.static_range(H):
-        s = tl.load(scores_ptr + t.to(tl.int64) * stride_st + h * stride_sh + j * stride_sb,
-                    mask=valid, other=0.0)
-        s = tl.where(s == s, s, float("-inf"))
-        s = tl.where(s == 0.0, 0.0, s)  # -0.0 -> +0.0
-        bits = s.to(tl.int32, bitcast=True)
-        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
-        key = ordered * 4294967296 + (4294967295 - g)
-        key = tl.where(valid, key, _int64_min())
-        tl.store(keys_ptr + t.to(tl.int64) * stride_kt + h * stride_kh + j * stride_kb, key,
-                 mask=j < width)
-
-
-@triton.jit
-def _merge_kernel(cand_ptr, pos_ptr, out_ptr, num_ranks, per_rank, topk, init_blocks,
-                  local_blocks, stride_ct, stride_ch, stride_cw, stride_ck, stride_ot, stride_oh,
-                  stride_ok, H: tl.constexpr, BLOCK: tl.constexpr, CP2: tl.constexpr,
-                  KP2: tl.constexpr):
-    """Program (t * H + h): the selection of row (t, h) from candidates [T, H, W, k] (any
-    strides): init blocks, then the best topk - |forced| non-forced candidates ascending, then
-    the local blocks, then -1 (ascending overall: init < scored < local)."""
-    pid = tl.program_id(0)
-    t = pid // H
-    h = pid % H
-    p = tl.load(pos_ptr + t)
-    n = tl.where(p >= 0, p // BLOCK + 1, 0)
-    c = tl.arange(0, CP2)
-    w = c // per_rank
-    i = c % per_rank
-    ok = c < num_ranks * per_rank
-    keys = tl.load(cand_ptr + t.to(tl.int64) * stride_ct + h * stride_ch + w * stride_cw
-                   + i * stride_ck, mask=ok, other=_int64_min())
-    ids = 4294967295 - (keys & 4294967295)
-    forced = (ids < init_blocks) | (ids >= n - local_blocks)
-    keys = tl.where(forced, _int64_min(), keys)
-    n_init = tl.minimum(init_blocks, n)
-    lo = tl.maximum(n - local_blocks, init_blocks)
-    n_local = tl.maximum(n - lo, 0)
-    room = topk - n_init - n_local
-    best = tl.sort(keys, descending=True)
-    best_ids = 4294967295 - (best & 4294967295)
-    chosen = (c < room) & (best != _int64_min())
-    n_chosen = tl.sum(chosen.to(tl.int32), axis=0)
-    ascending = tl.sort(tl.where(chosen, best_ids, 4611686018427387904), descending=False)
-    row = out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh
-    tl.store(row + (n_init + c) * stride_ok, ascending.to(tl.int32), mask=c < n_chosen)
-    k = tl.arange(0, KP2)
-    tl.store(row + k * stride_ok, k, mask=k < n_init)
-    tl.store(row + (n_init + n_chosen + k) * stride_ok, (lo + k).to(tl.int32), mask=k < n_local)
-    tl.store(row + k * stride_ok, tl.full([KP2], -1, tl.int32),
-             mask=(k >= n_init + n_chosen + n_local) & (k < topk))
-
-
-def _pow2(x: int, least: int = 16) -> int:
-    """A tl.arange length: a power of two, at least `least` (16: a tile Triton lays out)."""
-    return max(least, next_pow2(x))
-
-
-# the two kernels' launches by call key, run through the cached launcher (Launch.run) like the
-# ops' plans: a key holds the shapes, strides, dtypes and devices of the tensors given and the
-# ints, from which every int, constexpr and grid the launch passes follows (the tensors made
-# here are contiguous, of fixed dtypes)
-_LAUNCHES = PlanCache()
-
-
-def _launch(kernel: str, key, grid_and_params) -> Launch:
-    """The cached Launch under `key`, made on a miss from grid_and_params() -> (grid, params)."""
-    launch = _LAUNCHES.get(key)
-    if launch is None:
-        launch = Launch(kernel, *grid_and_params())
-        _LAUNCHES.put(key, launch)
-    return launch
-
-
-def local_candidates_kernel(local_scores, cu_seqlens_q, seq_lens, *, cp_size, cp_rank,
-                            max_blocks, topk, init_blocks, local_blocks, block_size):
-    """local_candidates on the kernel path: (keys [T, H, min(topk, width)], position [T])."""
-    num_tokens, num_heads, width = local_scores.shape
-    device = local_scores.device
-    keys = torch.empty((num_tokens, num_heads, width), dtype=torch.int64, device=device)
-    position = torch.empty(num_tokens, dtype=torch.int32, device=device)
-    if num_tokens:
-        def grid_and_params():
-            chunk = min(1024, _pow2(width))
-            return ((num_tokens, triton.cdiv(max(width, 1), chunk)),
-                    dict(H=num_heads, BLOCK=block_size, CHUNK=chunk))
-        key = call_key((local_scores, cu_seqlens_q, seq_lens),
-                       ("local_keys", max_blocks, cp_size, cp_rank, init_blocks, local_blocks,
-                        block_size))
-        _launch("local_keys", key, grid_and_params).run(
-            _local_keys_kernel, local_scores, cu_seqlens_q, seq_lens, keys, position,
-            seq_lens.shape[0], num_tokens, width, max_blocks, cp_size, cp_rank, init_blocks,
-            local_blocks, *local_scores.stride(), *keys.stride())
-    k = min(topk, width)
-    if k < width:
-        keys = torch.topk(keys, k, dim=-1, sorted=False).values
-    return keys, position
-
-
-def merge_candidates_kernel(candidates, position, *, topk, init_blocks, local_blocks,
-                            block_size, out=None):
-    """merge_candidates on the kernel path, from candidates [T, H, W, k] (any strides)."""
-    num_tokens, num_heads, num_ranks, per_rank = candidates.shape
-    if out is None:
-        out = torch.empty((num_tokens, num_heads, topk), dtype=torch.int32,
-                          device=candidates.device)
-    if per_rank == 0:
-        # a table of no columns: no request has a block (the argument checks hold the table
-        # wide enough for every seq_len), so every row is empty
-        out.fill_(-1)
-    elif num_tokens * num_heads:
-        def grid_and_params():
-            return ((num_tokens * num_heads,),
-                    dict(H=num_heads, BLOCK=block_size, CP2=_pow2(num_ranks * per_rank),
-                         KP2=_pow2(topk)))
-        key = call_key((candidates, position, out),
-                       ("merge", topk, init_blocks, local_blocks, block_size))
-        _launch("merge", key, grid_and_params).run(
-            _merge_kernel, candidates, position, out, num_ranks, per_rank, topk, init_blocks,
-            local_blocks, *candidates.stride(), *out.stride())
-    return out
-
-
 def owned_table(block_table: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
     """The block table with -1 at the blocks rank cp_rank does not own (b % cp_size != r)."""
     cols = torch.arange(block_table.shape[1], device=block_table.device)
     return torch.where((cols % cp_size == cp_rank)[None, :], block_table,
                        torch.full_like(block_table, -1))
-
-
-def local_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, cp_size,
-                       cp_rank, block_size=128, max_q_len=None, config=None,
-                       reference: bool = False) -> torch.Tensor:
-    """fp32 [T, H, ceil(max_blocks / cp_size)]: column j scores global block j * cp_size +
-    cp_rank, read through block_table[:, cp_rank::cp_size] only (other entries may be -1).
-    Entries past a token's causal blocks are unspecified on the kernel path (-inf on the
-    reference path). Bit-identical, entry by entry, to block_scores over the whole table.
-    reference: the reference path whatever the device (openmsa.reference.select_blocks)."""
-    from ..._dispatch import use_kernels
-    check_cp_shape(cp_size, cp_rank)
-    max_blocks = block_table.shape[1]
-    width = -(-max_blocks // cp_size)
-    if reference or not use_kernels(index_q):
-        from . import reference as ref
-        # the same shapes as the whole scan (so the same arithmetic per score), with pages of
-        # other ranks' blocks as -1: their entries are masked out, never used
-        full = ref.block_scores(index_q, index_cache, cu_seqlens_q, seq_lens,
-                                      owned_table(block_table, cp_size, cp_rank),
-                                      block_size=block_size, max_q_len=max_q_len)
-        local = torch.full((*index_q.shape[:2], width), float("-inf"), dtype=torch.float32,
-                           device=index_q.device)
-        own = full[:, :, cp_rank::cp_size]
-        local[:, :, :own.shape[2]] = own
-        return local
-    from .api import _local_scores_kernels
-    return _local_scores_kernels(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
-                                 cp_size=cp_size, cp_rank=cp_rank, block_size=block_size,
-                                 width=width, max_q_len=max_q_len, config=config)
-
-
-def rank_candidates(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, cp_size,
-                    cp_rank, topk, init_blocks, local_blocks, block_size=128, max_q_len=None,
-                    config=None, reference: bool = False):
-    """One rank's share: its local scores, then its int64 candidate keys [T, H, k] and the
-    tokens' positions (for the merge)."""
-    from ..._dispatch import use_kernels
-    scores = local_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
-                                cp_size=cp_size, cp_rank=cp_rank, block_size=block_size,
-                                max_q_len=max_q_len, config=config, reference=reference)
-    if not reference and use_kernels(index_q):
-        return local_candidates_kernel(scores, cu_seqlens_q, seq_lens, cp_size=cp_size,
-                                       cp_rank=cp_rank, max_blocks=block_table.shape[1],
-                                       topk=topk, init_blocks=init_blocks,
-                                       local_blocks=local_blocks, block_size=block_size)
-    _, position = token_layout(cu_seqlens_q, seq_lens, index_q.shape[0], block_size=block_size,
-                               table_width=block_table.shape[1])
-    keys = local_candidates(scores, position, cp_size=cp_size, cp_rank=cp_rank,
-                            max_blocks=block_table.shape[1], topk=topk, init_blocks=init_blocks,
-                            local_blocks=local_blocks, block_size=block_size)
-    return keys, position
-
-
-def select_blocks_cp(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, cp_group,
-                     topk, init_blocks, local_blocks, block_size=128, out=None, max_q_len=None,
-                     config=None, reference: bool = False):
-    """select_blocks over a context-parallel group (see the module docstring)."""
-    import torch.distributed as dist
-    world, rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
-    keys, position = rank_candidates(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
-                                     cp_size=world, cp_rank=rank, topk=topk,
-                                     init_blocks=init_blocks, local_blocks=local_blocks,
-                                     block_size=block_size, max_q_len=max_q_len, config=config,
-                                     reference=reference)
-    from ..._dispatch import use_kernels
-    candidates = exchange_candidates(keys, cp_group) if world > 1 else keys.unsqueeze(2)
-    rule = dict(topk=topk, init_blocks=init_blocks, local_blocks=local_blocks,
-                block_size=block_size, out=out)
-    if not reference and use_kernels(index_q):
-        return merge_candidates_kernel(candidates, position, **rule)
-    return merge_candidates(candidates.reshape(*keys.shape[:2], -1), position, **rule)

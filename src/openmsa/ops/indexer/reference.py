@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import torch
 
-from ..._checks import check_process_group
+from ..._checks import check_cp_shape, check_process_group
 from ...batch import num_causal_blocks, page_in_cache, request_spans, token_layout
 from ...nvfp4 import dequantize_index_keys, is_nvfp4_cache, page_parts
 from .checks import check_indexer_args, check_select_args
+from .cp import exchange_candidates, local_candidates, merge_candidates, owned_table
 from .plan import IndexerConfig
 
-__all__ = ["block_scores", "select_blocks", "select_from_scores"]
+__all__ = ["block_scores", "select_blocks", "select_from_scores", "local_block_scores",
+           "rank_candidates"]
 
 # fp32 elements of one [tokens, heads, keys] score chunk: bounds the reference's memory (128 MB).
 _CHUNK_ELEMENTS = 1 << 25
@@ -125,7 +127,8 @@ def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, 
                   config: IndexerConfig | None = None, cp_group=None):
     """Top-`topk` blocks per (token, index head) by block_scores, with forced init/local blocks
     (max_q_len, config: the kernels' hint and knobs, see block_scores). cp_group: the
-    context-parallel selection of cp.py on this reference path (see api.select_blocks).
+    context-parallel selection (cp.py's rule and exchange) on this reference path (see
+    api.select_blocks).
 
     Returns:
         int32 [T, H, topk]: ascending block ids (logical, into the request's block table), -1
@@ -136,12 +139,10 @@ def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, 
                        block_size=block_size, out=out, out_width=topk, out_dtype=torch.int32,
                        max_q_len=max_q_len)
     if cp_group is not None:
-        from .cp import select_blocks_cp
         check_process_group("cp_group", cp_group)
-        return select_blocks_cp(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
-                                cp_group=cp_group, topk=topk, init_blocks=init_blocks,
-                                local_blocks=local_blocks, block_size=block_size, out=out,
-                                reference=True)
+        return _select_blocks_cp(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
+                                 cp_group=cp_group, topk=topk, init_blocks=init_blocks,
+                                 local_blocks=local_blocks, block_size=block_size, out=out)
     num_tokens = index_q.shape[0]
     scores = block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
                           block_size=block_size)
@@ -153,3 +154,57 @@ def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, 
         return result
     out.copy_(result)
     return out
+
+
+def local_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, cp_size,
+                       cp_rank, block_size=128, max_q_len=None,
+                       config: IndexerConfig | None = None) -> torch.Tensor:
+    """A context-parallel rank's scores: fp32 [T, H, ceil(max_blocks / cp_size)], column j the
+    score of global block j * cp_size + cp_rank, read through the rank's blocks of block_table
+    only (other entries may be -1); -inf past a token's causal blocks. Bit-identical, entry by
+    entry, to block_scores over the whole table (max_q_len, config: see block_scores)."""
+    check_cp_shape(cp_size, cp_rank)
+    width = -(-block_table.shape[1] // cp_size)
+    # the same shapes as the whole scan (so the same arithmetic per score), with pages of
+    # other ranks' blocks as -1: their entries are masked out, never used
+    full = block_scores(index_q, index_cache, cu_seqlens_q, seq_lens,
+                        owned_table(block_table, cp_size, cp_rank), block_size=block_size,
+                        max_q_len=max_q_len)
+    local = torch.full((*index_q.shape[:2], width), float("-inf"), dtype=torch.float32,
+                       device=index_q.device)
+    own = full[:, :, cp_rank::cp_size]
+    local[:, :, :own.shape[2]] = own
+    return local
+
+
+def rank_candidates(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, cp_size,
+                    cp_rank, topk, init_blocks, local_blocks, block_size=128, max_q_len=None,
+                    config: IndexerConfig | None = None):
+    """One rank's share of the context-parallel selection: its local scores' candidate keys,
+    int64 [T, H, min(topk, width)] (cp.local_candidates), and the tokens' positions, int32 [T]
+    (-1: padding), which the merge reads."""
+    scores = local_block_scores(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
+                                cp_size=cp_size, cp_rank=cp_rank, block_size=block_size,
+                                max_q_len=max_q_len)
+    _, position = token_layout(cu_seqlens_q, seq_lens, index_q.shape[0], block_size=block_size,
+                               table_width=block_table.shape[1])
+    keys = local_candidates(scores, position, cp_size=cp_size, cp_rank=cp_rank,
+                            max_blocks=block_table.shape[1], topk=topk, init_blocks=init_blocks,
+                            local_blocks=local_blocks, block_size=block_size)
+    return keys, position
+
+
+def _select_blocks_cp(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, cp_group,
+                      topk, init_blocks, local_blocks, block_size, out):
+    """select_blocks over a context-parallel group (cp.py): this rank's candidates, every
+    rank's by the exchange, merged."""
+    import torch.distributed as dist
+    world, rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
+    keys, position = rank_candidates(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
+                                     cp_size=world, cp_rank=rank, topk=topk,
+                                     init_blocks=init_blocks, local_blocks=local_blocks,
+                                     block_size=block_size)
+    candidates = exchange_candidates(keys, cp_group) if world > 1 else keys.unsqueeze(2)
+    return merge_candidates(candidates.reshape(*keys.shape[:2], -1), position, topk=topk,
+                            init_blocks=init_blocks, local_blocks=local_blocks,
+                            block_size=block_size, out=out)

@@ -11,7 +11,7 @@ blocks each: 16-byte loads where that is 4 or more), so a sort's stage within a 
 register moves, one across threads a shuffle a value, a count a sum inside each thread and
 log2(TPR) shuffles, and a warp selects 32 / TPR rows at once. Triton cannot be told to lay a
 tile out that way (it spreads a 64-wide row over 16 lanes), hence Gluon. Wider rows (up to
-plan.py's select_short_max, 1024: a chunk after ~120K tokens) lie 16 blocks per thread up to a
+plan.py's short_rows.max_blocks, 1024: a chunk after ~120K tokens) lie 16 blocks per thread up to a
 warp per row (32 blocks per thread at 1024), in one pass where select.py reads a row twice and
 searches it bit by bit with a warp-wide sum per step.
 
@@ -21,7 +21,7 @@ ascending ids, -1 padded), found differently: the forced
 blocks are known from n, so only the K2 = TOPK - INIT - LOCAL best of the other blocks are
 looked for, on their float values with forced and absent blocks as NaN (which no comparison
 counts): in launches whose width (the block table's, a power of 2) is at most 128 blocks
-(plan.py's SHORT_SORT_MAX) by sorting each row (a bitonic network in registers, its K2-th
+(plan.py's short_rows.sort_max) by sorting each row (a bitonic network in registers, its K2-th
 largest read off), in wider ones by searching an interval of keys (floats as
 order-preserving ints) between a lower bound and the largest value, first at the interval's
 value midpoints, one candidate a step; then ties to the lower blocks.
@@ -34,7 +34,7 @@ interpreter and everything else keep select.py.
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from ..common.gluon_utils import token_position, wait_prerequisites
+from ...common.gluon_utils import token_position, wait_prerequisites
 
 @gluon.jit
 def _key(x):

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..common.triton_utils import (EMPTY_KEY, FORCED_SCORE_KEY, pack_key, score_key,
+from ...common.triton_utils import (EMPTY_KEY, FORCED_SCORE_KEY, pack_key, score_key,
                                    token_position, unpack_block)
 
 # the int32 key of a block that does not exist: below every real key (-inf's is 0x807FFFFF)
@@ -334,9 +334,10 @@ def _merge_topk_kernel(cand_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_requests, ta
             _store_in_order(out_row, stride_ok, picked, unpack_block(packed), TOPK, KP)
 
 
-# The group-bound path for long rows (plan.py, select_group_min_blocks): a row of n blocks is read once
-# by a wide, memory-bound launch that reduces it to ceil(n / GS) group maxima of keys, and one
-# program per row then needs two dependent reads instead of a chain per segment: the K-th largest
+# The group-bound path for long rows (plan.py, IndexerConfig.group.min_blocks): a row of n
+# blocks is read once by a wide, memory-bound launch that reduces it to ceil(n / GS) group
+# maxima of keys, and one program per row then needs two dependent reads instead of a chain per
+# segment: the K-th largest
 # group maximum bounds the answer from below (K groups hold a key at least that large), so only
 # the groups reaching it (usually about K of them) can hold a picked block, and of their blocks
 # only those whose key reaches it too. Those, packed in block order into the row's scratch

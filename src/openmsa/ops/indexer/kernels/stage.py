@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The staged form of prefill scoring on NVFP4 index pages (issue 41): the pages that the long
 requests' causal blocks reference, dequantized into a contiguous 16-bit staging cache, so that
-the tile launch scores them as a 16-bit cache (on Hopper: scores_ws.py's Gluon kernel, which
+the prefill launch scores them as a 16-bit cache (on Hopper: scores_gluon.py's Gluon kernel, which
 reads keys by TMA and cannot dequantize), against the in-kernel form of scores.py, which
 dequantizes every block in registers in each tile program that reads it.
 
@@ -28,10 +28,10 @@ def _stage_nvfp4_kernel(cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, staged_ptr, sta
                         SMALL_Q: tl.constexpr, BPP: tl.constexpr, BLOCK: tl.constexpr,
                         DI: tl.constexpr, RCH: tl.constexpr, PTX: tl.constexpr):
     """Program (r, s): blocks [s * BPP, (s + 1) * BPP) of request r. For a long request (q_len >
-    SMALL_Q, the tile launch's rule) its causal blocks' pages are dequantized into its slot and
+    SMALL_Q, the prefill launch's rule) its causal blocks' pages are dequantized into its slot and
     their table entries point there (an entry naming no page of the cache, negative or past it,
     becomes -1: it reads nothing); every other entry of the program's part of the remapped
-    table is -1 (the tile launch never reads it)."""
+    table is -1 (the prefill launch never reads it)."""
     r = tl.program_id(0)
     b_first = tl.program_id(1) * BPP
     cols = b_first + tl.arange(0, BPP)
@@ -47,7 +47,7 @@ def _stage_nvfp4_kernel(cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, staged_ptr, sta
             t0 = tl.load(cu_ptr + rr, mask=before, other=0)
             t1 = tl.load(cu_ptr + rr + 1, mask=before, other=0)
             rank += tl.sum((before & (t1 - t0 > SMALL_Q)).to(tl.int32), axis=0)
-    # the blocks the tile launch may read: those of the request's last position, at most
+    # the blocks the prefill launch may read: those of the request's last position, at most
     n_blocks = tl.minimum(tl.where(seq_len > 0, (seq_len - 1) // BLOCK + 1, 0), width)
     n_blocks = tl.where(is_long & (rank < slots), n_blocks, 0)
     row = bt_ptr + r.to(tl.int64) * stride_btr

@@ -18,7 +18,7 @@ of cp_size ranks, the logical blocks b = j * cp_size + cp_rank, through the stri
 block_table[:, cp_rank::cp_size] (local block j). Every causal position is then mapped into that
 local space (_cp_local_pos), so the same masks, loop bounds and tiles apply unchanged.
 
-Bytes: the request launch reads sum_r nb_r * B * Di * bytes(cache) plus the tiny query and score
+Bytes: the decode launch reads sum_r nb_r * B * Di * bytes(cache) plus the tiny query and score
 traffic; that is the whole cost model of decode. An NVFP4 cache (NVFP4=True) is 72 bytes a token,
 dequantized in registers by _nvfp4_keys.
 """
@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from ..common.triton_utils import find_request, request_ok, step_well_formed
+from ...common.triton_utils import find_request, request_ok, step_well_formed
 
 
 @triton.jit
@@ -184,9 +184,9 @@ def _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, strid
             s = tl.where(s == s, s, float("-inf"))
         best = tl.reduce(s, 1, _max_skip_nan)  # [M]
     # NaN counts as -inf. On the GPU the max already skips NaN keys (PTX max.f32 returns the
-    # other operand), so only an all-NaN block is left to fix, per row instead of per key: half
-    # of the prefill loop's instructions were that per-key compare and select. The interpreter's
-    # numpy max propagates NaN, so there every key is cleaned first.
+    # other operand), so only an all-NaN block is left to fix, per row instead of per key: a
+    # per-key compare and select would double the prefill loop's instructions. The
+    # interpreter's numpy max propagates NaN, so there every key is cleaned first.
     best = tl.where(page_ok & (best == best), best, float("-inf"))
     return tl.where(cols[None, :] == b - b_lo, best[:, None], tile)
 

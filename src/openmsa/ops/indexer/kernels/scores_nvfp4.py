@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Gluon kernel of the request launch (decode, speculative verify) on NVFP4 index pages.
+"""Gluon kernel of the decode launch (decode, speculative verify) on NVFP4 index pages.
 
-The same scores as scores.py's request launch, S[t, h, b] = max over block b's causal keys of
+The same scores as scores.py's decode launch, S[t, h, b] = max over block b's causal keys of
 q[t, h] . key, for requests of q_len <= SMALL_Q against an NVFP4 cache (openmsa/nvfp4.py), with
 an fp8 e4m3 or fp16 index query. A decode scan reads every page once, so at the HBM roof a
 72-byte token arrives every ~16 ps and leaves ~3.7 thread instructions per key value for
@@ -13,7 +13,7 @@ neither:
   maxima, so no tile is shared and no maximum crosses warps. Its pages arrive by cp.async in a
   ring of half-block stages in shared memory (bytes in flight cost no registers), and 15 such
   warps share an SM (14 KB of ring each, plus the 1 KB an sm_90 block reserves; plan.py:
-  NVFP4_STAGES, NVFP4_MAXNREG_8_ROWS).
+  IndexerConfig.decode_nvfp4: stages, maxnreg_8_rows).
 * A thread reads 16 contiguous code bytes (4 words, 32 values of two scale groups) per token
   row and turns them into fp16 values straight in the registers the MMA (m16n8k16) reads as
   its key operand. The head-dim order in those registers is whatever the bit moves leave
@@ -35,7 +35,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from ..common.gluon_utils import launch_dependents, request_ok, step_well_formed
+from ...common.gluon_utils import launch_dependents, request_ok, step_well_formed
 
 # code words (32-bit, 8 values) of a token (Di = 128), and the words of a thread's 16-byte load
 WORDS = gl.constexpr(16)
@@ -161,7 +161,7 @@ def _query_chunk(q_ptr, tok, head, row_ok, stride_qt, stride_qh, stride_qd, i: g
 
 
 @gluon.jit
-def _nvfp4_request_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr, num_requests,
+def _nvfp4_decode_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr, num_requests,
                           num_tokens, num_pages, table_width, stride_qt, stride_qh, stride_qd,
                           stride_cp, stride_btr, stride_btb, stride_ot, stride_oh, stride_ob,
                           H: gl.constexpr, NP: gl.constexpr, BPS: gl.constexpr,
@@ -328,9 +328,9 @@ def _score_rows(q_ptr, cache_ptr, row_bt, out_ptr, words_s, scales_s, t_req, q_l
     held = b_lo * 0
     # with 8 rows a pass, the units of blocks wholly at or before the earliest row's position
     # first, with no causal mask: that loop's body has no branch between its MMA tiles, so
-    # ptxas interleaves the tiles' dequantization and MMA chains (up to 4% faster at small
-    # batch); then the rest, masked. 16-row passes ran 2-8% slower so split, so they keep one
-    # loop that masks the tiles of blocks at or past b_full (docs/performance.md)
+    # ptxas interleaves the tiles' dequantization and MMA chains; then the rest, masked.
+    # 16-row passes, whose registers leave ptxas less room for that, keep one loop that masks
+    # the tiles of blocks at or past b_full (docs/performance.md, "NVFP4 index pages")
     u_mask = b_lo * 0
     if NP == 8:
         u_mask = gl.minimum(gl.maximum(2 * (b_full - b_lo), 0), n_units)

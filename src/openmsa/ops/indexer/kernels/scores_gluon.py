@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Gluon kernel of the prefill tile launch on Hopper, warp-specialised (fp8 and 16-bit caches).
+"""Gluon kernel of the prefill launch on Hopper, warp-specialised (fp8 and 16-bit caches).
 
-The same scores as scores.py's tile launch (S[t, h, b] = max over block b's causal keys of
+The same scores as scores.py's prefill launch (S[t, h, b] = max over block b's causal keys of
 q[t, h] . key), for the tiles of packed tokens of long requests, in the shape FlashInfer's fp32
 prefill kernel uses: a program owns 256 (token, head) rows and one split of `bps` blocks, as four
 64-row consumer warpgroups and one producer warp.
@@ -18,14 +18,14 @@ prefill kernel uses: a program owns 256 (token, head) rows and one split of `bps
   tile every CH blocks, coalesced along the blocks as scores.py's tile is (read back a block
   row per warp instruction and converted to the store's layout in registers: reading the
   store's layout straight from the chunk hit each bank 8 times). So a split can be
-  long: the grid is sized to a few programs per SM (plan.py, ws_waves), because a program's
+  long: the grid is sized to a few programs per SM (plan.py, GluonForm.waves), because a program's
   start idles its SM, one program per SM leaving nothing to hide it behind. The start is three
   dependent memory round trips: the request lookup; one look at the window of requests, which
   also loads the first request's offsets, length and page id (a split past every request's
   causal edge ends here); then the queries and the first keys together (the consumers, not
   the whole program, wait for the queries).
 
-Used when the index query and cache allow TMA (plan.py, `ws_eligible`): CUDA sm_90, a
+Used when the index query and cache allow TMA (plan.py, `gluon_eligible`): CUDA sm_90, a
 power-of-two number of heads, q rows [T * H, DI] and cache rows [pages * BLOCK, DI] each one
 strided 2-D array with 16-byte aligned bases, BLOCK = DI = 128, and the Triton these Gluon
 kernels are tested on (`_dispatch.gluon_hopper_available`). Everything else, and the
@@ -38,17 +38,15 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from ..common.gluon_utils import (find_request, launch_dependents, request_ok, step_well_formed,
-                                  wait_prerequisites)
+from ...common.gluon_utils import (find_request, launch_dependents, request_ok,
+                                   step_well_formed, wait_prerequisites)
+from ..geometry import GLUON_CH, GLUON_CONSUMERS, GLUON_WG_ROWS
 
-# rows per consumer warpgroup (Hopper's MMA M); blocks per chunk of a consumer's maxima (each
-# chunk is stored as one [CH, 64] tile)
-WG_ROWS = gl.constexpr(64)
-CH = gl.constexpr(32)
-# consumer warpgroups per program (three, 192 rows, were slower: docs/performance.md)
-CONSUMERS = gl.constexpr(4)
-# registers per consumer thread (setmaxnreg); the producer warp keeps 24
-CONSUMER_REGS = gl.constexpr(112)
+# rows per consumer warpgroup (Hopper's MMA M), blocks per chunk of a consumer's maxima (each
+# chunk is stored as one [CH, 64] tile) and consumer warpgroups per program: geometry.py
+WG_ROWS = gl.constexpr(GLUON_WG_ROWS)
+CH = gl.constexpr(GLUON_CH)
+CONSUMERS = gl.constexpr(GLUON_CONSUMERS)
 
 
 @gluon.jit
@@ -64,7 +62,7 @@ def _request_blocks(t_req, t_next, seq_len, tile_begin, tile_end, b_first, bps, 
                     BLOCK: gl.constexpr, SMALL_Q: gl.constexpr):
     """A request's part of this tile, from its cu_seqlens_q[r], cu_seqlens_q[r + 1] and
     seq_lens[r]: (its tokens' first position, the tile's token range in it, the blocks
-    [b_first, b_first + n) to score); n = 0 when the request is short (the request launch's),
+    [b_first, b_first + n) to score); n = 0 when the request is short (the decode launch's),
     padding (request_ok: q_len > seq_len, or more blocks than the table's width), or has no
     block in this split."""
     q_len = t_next - t_req
@@ -212,10 +210,15 @@ def _consumer(q_smem, q_bar, k_smem, ready, empty, mine, cu_ptr, seq_lens_ptr, b
 
 
 @gluon.jit
-def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr,
-                            num_requests, num_tokens, num_pages, table_width, stride_btr,
-                            stride_btb, stride_ot, stride_oh, stride_ob, bps, H: gl.constexpr,
-                            SMALL_Q: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+def _block_scores_gluon_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr,
+                               num_requests, num_tokens, num_pages, table_width, stride_btr,
+                               stride_btb, stride_ot, stride_oh, stride_ob, bps, H: gl.constexpr,
+                               SMALL_Q: gl.constexpr, STAGES: gl.constexpr,
+                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                               num_warps: gl.constexpr):
+    """Program (tile, split): the tile's ROWS_T tokens (all heads) against the split's `bps`
+    blocks. CONSUMER_REGS, PRODUCER_REGS: registers per thread of the consumer warpgroups and
+    of the producer warp (setmaxnreg; plan.py's GluonForm)."""
     BLOCK: gl.constexpr = k_desc.block_type.shape[0]
     DI: gl.constexpr = k_desc.block_type.shape[1]
     ROWS_T: gl.constexpr = WG_ROWS * CONSUMERS // H
@@ -311,8 +314,8 @@ def _block_scores_ws_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out_pt
                          stride_btr, stride_btb, num_requests, tile_begin, tile_end, b_first,
                          r_first, t_req0, t_next0, seq0, page0, bps, num_pages, table_width,
                          BLOCK, SMALL_Q, STAGES)),
-        ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, 24])
-    # launched as a programmatic dependent of the request launch (the two write disjoint rows,
+        ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    # launched as a programmatic dependent of the decode launch (the two write disjoint rows,
     # so nothing above waits for it), this launch ends only after that one has: the selection
-    # launch, which waits for this one, sees both (without a request launch it returns at once)
+    # launch, which waits for this one, sees both (without a decode launch it returns at once)
     wait_prerequisites()
