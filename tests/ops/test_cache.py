@@ -11,7 +11,7 @@ import torch
 
 import openmsa
 from openmsa import reference as ref
-from openmsa._dispatch import INTERPRET
+from openmsa._interpreter import INTERPRET
 from helpers import assert_close, nan_poison
 from helpers.sm90 import COMPILE_SKIP, F32, I32, I64, compile_sm90
 

@@ -9,12 +9,11 @@ from typing import NamedTuple
 
 import torch
 
-from ..._dispatch import next_pow2 as _next_pow2
-from ..._dispatch import on_tensor_device, scale_args, use_kernels
+from ..._dispatch import on_tensor_device, use_kernels
 from ...support import attention_unsupported_reason
 from ..common.counters import arrival_counters
-from ..common.launch import PlanCache, call_key, launch, scale_key, tma_descriptor
-from ..common.plan import DeviceFacts, LaunchPlan, config_or_default
+from ..common.launch import PlanCache, call_key, launch, scale_args, scale_key, tma_descriptor
+from ..common.plan import DeviceFacts, LaunchPlan, config_or_default, next_pow2
 from . import reference
 from .checks import check_attention_args, check_page_table_args, page_bound
 from .plan import DEFAULT, AttentionConfig, AttentionShape, plan
@@ -300,5 +299,5 @@ def sparse_page_table(indices, cu_seqlens_q, seq_lens, block_table, *, num_kv_he
                block_table.shape[1], page_bound(num_pages, per_block), *indices.stride(),
                *block_table.stride(), *pages.stride(),
                NUM_KV_HEADS=num_kv_heads, NUM_INDEX_HEADS=num_index_heads, TOPK=topk,
-               KP=_next_pow2(topk), BLOCK=block_size, SUB=sub_page_size, num_warps=1)
+               KP=next_pow2(topk), BLOCK=block_size, SUB=sub_page_size, num_warps=1)
     return pages, lens

@@ -25,8 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..._checks import FP8, FP8_TYPES, HALF
-from ..._dispatch import next_pow2
-from ..common.plan import DeviceFacts, Launch, LaunchPlan
+from ..common.plan import DeviceFacts, Launch, LaunchPlan, next_pow2
 from .geometry import GLUON_WARPS, MIN_ROWS, TILE_MAX_TOKENS, TILE_ROWS
 
 __all__ = ["AttentionConfig", "AttentionShape", "DEFAULT", "GluonForm", "SplitForm", "TileForm",

@@ -14,8 +14,8 @@ import torch
 
 from ... import nvfp4, rope
 from ..._checks import check_scale_arg
-from ..._dispatch import on_tensor_device, scale_args, use_kernels
-from ..common.launch import PlanCache, call_key, scale_key
+from ..._dispatch import on_tensor_device, use_kernels
+from ..common.launch import PlanCache, call_key, scale_args, scale_key
 from ..common.plan import DeviceFacts, LaunchPlan, config_or_default
 from . import reference
 from .checks import check_index_write, check_kv_write, check_prepare

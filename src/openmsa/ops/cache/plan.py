@@ -15,9 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from ..._checks import FP8_TYPES
-from ..._dispatch import next_pow2
 from ...nvfp4 import DTYPE as NVFP4  # an index cache of this dtype holds NVFP4 pages
-from ..common.plan import DeviceFacts, Launch, LaunchPlan
+from ..common.plan import DeviceFacts, Launch, LaunchPlan, next_pow2
 from .geometry import ROPE_FINE, ROPE_MAX_POSITION
 
 __all__ = ["CacheConfig", "DEFAULT", "IndexWriteShape", "KVWriteShape", "PrepareShape", "plan"]

@@ -32,7 +32,7 @@ import torch
 import triton
 from triton import knobs
 
-from ..._dispatch import INTERPRET
+from ..._interpreter import INTERPRET
 
 _I32 = range(-(2 ** 31), 2 ** 31)
 _MISALIGNED = 15
@@ -274,7 +274,6 @@ def _runner(kernel):
     return launch_native
 
 
-# ---------------------------------------------------------------------------------- launch plans
 def tensor_key(t) -> tuple:
     return (t.shape, t.stride(), t.dtype, t.device)
 
@@ -283,6 +282,22 @@ def scale_key(s):
     """A dequantisation scale argument as a key: a tensor by shape, dtype and device (its value
     is read on the device), anything else as itself."""
     return (s.shape, s.dtype, s.device) if isinstance(s, torch.Tensor) else s
+
+
+def scale_tensor(value, device) -> torch.Tensor:
+    """A dequantisation scale as a one-element fp32 device tensor (a float becomes one)."""
+    if isinstance(value, torch.Tensor):
+        return value.reshape(1).float()
+    return torch.full((1,), float(value), dtype=torch.float32, device=device)
+
+
+def scale_args(k_scale, v_scale, device, placeholder: torch.Tensor):
+    """(HAS_SCALE, k scale pointer, v scale pointer) for a launch. Without scales the kernel never
+    reads the pointers, so any tensor stands in: no fill kernel per call for a constant 1.0."""
+    if k_scale is None and v_scale is None:
+        return False, placeholder, placeholder
+    return (True, scale_tensor(1.0 if k_scale is None else k_scale, device),
+            scale_tensor(1.0 if v_scale is None else v_scale, device))
 
 
 def call_key(tensors, values) -> tuple | None:
@@ -303,19 +318,9 @@ class PlanCache:
     the argument checks and the launch choices, which cost more host time than the launch
     itself (benchmarks/host_cost.py; docs/performance.md). Bounded like Launcher's keys."""
 
-    def __init__(self, op: str = "op"):
+    def __init__(self, op: str):
         self.op = op
         self._plans: dict = {}
-
-    # get/put: the callers move to get_or_plan (then these two go)
-    def get(self, key):
-        return None if key is None else self._plans.get(key)
-
-    def put(self, key, plan) -> None:
-        if key is not None:
-            if len(self._plans) >= MAX_KEYS:
-                self._plans.clear()
-            self._plans[key] = plan
 
     def get_or_plan(self, key, make):
         """The plan cached under `key`, else `make()` (the argument checks and the launch

@@ -43,9 +43,8 @@ from dataclasses import dataclass
 import torch
 
 from ..._checks import FP8, FP8_TYPES, HALF
-from ..._dispatch import next_pow2
 from ...nvfp4 import DTYPE as NVFP4_DTYPE
-from ..common.plan import DeviceFacts, Launch, LaunchPlan
+from ..common.plan import DeviceFacts, Launch, LaunchPlan, next_pow2
 from .geometry import (ANY_Q, DECODE_ROWS, GLUON_CH, GLUON_CONSUMERS, GLUON_WARPS,
                        GLUON_WG_ROWS, GROUP_MAX_KP, MIN_ARANGE, NVFP4_DECODE_WARPS, NVFP4_ROWS,
                        SECTOR_BLOCKS, SHORT_ROWS_MAX_KP, SMALL_Q, WARP)
