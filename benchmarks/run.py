@@ -890,7 +890,7 @@ def attention_prefill(args, fi):
                 per_token = med(device_times_us(alone, iters))
                 same = float((out.float() - want.float()).abs().max())
                 # the per-token form's memory roof on the same selections (rows the tiles
-                # cannot take: "Why unshared selections stay far below" in performance.md)
+                # cannot take: docs/history/2026-12-02-attention-prefill-41bc87e.md)
                 gather = gather_roof_us(k, v, idx, table, iters) if shared == 1 or jitter \
                     else None
                 gather_bytes = chunk * model.num_kv_heads * idx.shape[2] * 128 * 2 * d \

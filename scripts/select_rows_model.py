@@ -10,7 +10,7 @@ Prints the number of mismatches with `reference.select_from_scores` on random ro
 integer and special values: NaN, +-inf, -0.0; topk, init, local and widths varied), then, per
 number of candidates a step (1: the kernel's bisection, which it keeps for rows of more than
 64 blocks; 2^d - 1: the interval split in 2^d parts, forms tried on rows of <= 64 blocks
-before those were sorted: docs/performance.md, "What was tried") and of
+before those were sorted: docs/history/tried.md) and of
 value-midpoint steps V (the kernel takes 8), the search's steps on rows of 17-64 blocks: per row,
 and the largest of 8 consecutive rows (a warp of TPR = 4 threads per row runs until its slowest
 row ends). `--bench` counts the same on the rows of the benchmark's no-context fp8 chunk

@@ -2,8 +2,8 @@
 """What the interpreter tier rests on: under TRITON_INTERPRET=1 a kernel's float casts and bf16
 dots give the GPU's values (openmsa._interpreter replaces Triton 3.6's interpreter conversion,
 which truncated fp32 -> bf16, dropped the carry of fp32 -> e4m3 rounding and turned NaN into
-384), so bf16 and fp8 on CPU tensors are computed, not approximated. The ops built on them are checked
-bit for bit against the reference in tests/ops (bf16 index scores, fp8 cache writes); here the
+384), so bf16 and fp8 on CPU tensors are computed, not approximated. The ops built on them are
+checked bit for bit against the reference in tests/ops (bf16 index scores, fp8 cache writes); here the
 casts themselves, over every e4m3 byte and random fp32 values around every rounding boundary.
 On a GPU the same kernels check the hardware's conversions against torch's."""
 

@@ -712,7 +712,7 @@ def test_launch_plans_follow_config_and_layouts(kernel_device):
     reference."""
     from openmsa.ops.common.launch import PlanCache
     cache = api._PLANS
-    api._PLANS = PlanCache()
+    api._PLANS = PlanCache("attention")
     try:
         dtype = _attention_dtype(kernel_device)
         step, dstep, q, k, v, idx = _attention_case(kernel_device, dtype, "vllm")

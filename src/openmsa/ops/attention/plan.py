@@ -50,8 +50,8 @@ class SplitForm:
     """How the per-token kernel splits a (token, KV head)'s steps over programs, and how the
     partials merge: `num_splits`'s cost model and its bounds.
 
-    The model's constants (µs, TB/s) were fitted on an H200 (docs/performance.md, "What was
-    tried": the split count priced in µs); what decides is the order of split counts at one
+    The model's constants (µs, TB/s) were fitted on an H200 (docs/history/tried.md: the
+    split count priced in µs); what decides is the order of split counts at one
     shape, which other GPUs of the kind share more closely than the absolute times."""
 
     # a split takes at least this many steps: a split's fixed cost (prologue, partial writes)

@@ -31,7 +31,7 @@ A context-parallel rank's share (`cp_share`) is scored by the Triton launches al
 candidates are packed ("cp_local_keys") and, after the exchange, merged ("cp_merge") by
 kernels/cp.py (`cp_plan`).
 
-The measurements behind each rule and default are in docs/performance.md ("What was tried").
+The measurements behind each rule and default are in docs/history/tried.md.
 """
 
 from __future__ import annotations

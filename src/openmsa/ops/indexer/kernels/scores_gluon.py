@@ -13,7 +13,7 @@ prefill kernel uses: a program owns 256 (token, head) rows and one split of `bps
   while one takes maxima the others keep the tensor cores busy. Triton's loop cannot do this:
   its 4-warp programs wait for their own MMA, then reduce, and its 16-warp programs keep the
   warpgroups in step (two CTA barriers per block), and were slower on the same loop
-  (docs/performance.md, "What was tried").
+  (docs/history/tried.md).
 * A consumer keeps its maxima in shared memory, [CH, 64] per warpgroup, and stores them as one
   tile every CH blocks, coalesced along the blocks as scores.py's tile is (read back a block
   row per warp instruction and converted to the store's layout in registers: reading the
