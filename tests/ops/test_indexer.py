@@ -485,6 +485,28 @@ def test_block_scores_kernel_compiles(tile_mode, q_type, c_type):
 
 @pytest.mark.reference
 @compiled
+@pytest.mark.parametrize("dim", [16, 24])
+def test_block_scores_kernel_compiles_for_short_fp8_index_dims(dim):
+    # fp8 x fp8 tensor-core dots need K >= 32: the plan pads an index head dim under 32 up to
+    # it (with 16, sm_90's compile failed: "Input shapes should have ... K >= 32")
+    from openmsa.ops.indexer.kernels.scores import _block_scores_kernel
+    fp8 = torch.float8_e4m3fn
+    shape = IndexerShape(num_tokens=40, num_heads=4, head_dim=dim, num_requests=3, max_blocks=64,
+                         block_size=128, q_dtype=fp8, cache_dtype=fp8, tma_rows=False)
+    names = {p.name for p in _block_scores_kernel.params if p.is_constexpr}
+    launches = [launch for launch in plan(shape, DeviceFacts(gluon_hopper=False))
+                if launch.kernel in ("scores_decode", "scores_prefill")]
+    assert {launch.kernel for launch in launches} == {"scores_decode", "scores_prefill"}
+    for launch in launches:
+        params = dict(launch.params)
+        _compile(_block_scores_kernel, dict(q_ptr="*fp8e4nv", cache_ptr="*fp8e4nv",
+                                            out_ptr=F32, **STEP), {},
+                 {k: v for k, v in params.items() if k in names},
+                 options=dict(num_warps=params["num_warps"], num_stages=params["num_stages"]))
+
+
+@pytest.mark.reference
+@compiled
 @pytest.mark.parametrize("dtype, heads", [("fp8e4nv", 4), ("fp8e4nv", 1), ("bf16", 4)])
 def test_block_scores_gluon_kernel_compiles(dtype, heads):
     # the Gluon prefill launch (scores_gluon.py) with the constexprs plan.py passes: warp

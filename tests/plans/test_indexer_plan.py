@@ -498,3 +498,16 @@ def test_cp_merge_launch_and_plan():
     assert dict(p.sizes) == dict(width=256, per_rank=16)
     assert cp_plan(_shape(tokens=64, requests=64, blocks=4, topk=16, max_q_len=1), H200,
                    DEFAULT, 8, 7).kernels() == ("cp_local_keys", "cp_merge")
+
+
+@pytest.mark.parametrize("dim", [16, 24, 32, 128])
+@pytest.mark.parametrize("dtype", [FP8, torch.bfloat16, torch.float32])
+def test_index_dim_padded_to_the_dot_depth(dim, dtype):
+    # an fp8 query's tensor-core dot needs K >= 32 (Triton refuses 16 at compile time on a GPU;
+    # the interpreter does not care), a 16-bit or fp32 one K >= 16
+    least = 32 if dtype == FP8 else 16
+    for tokens, requests in ((1, 1), (8192, 1), (40, 3)):
+        shape = _shape(tokens=tokens, requests=requests, blocks=64, dtype=dtype, dim=dim)
+        for launch in plan(shape, DeviceFacts(gluon_hopper=False), DEFAULT):
+            if "DIP" in launch.params:
+                assert launch.params["DIP"] == max(least, 1 << (dim - 1).bit_length())

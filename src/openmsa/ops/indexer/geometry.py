@@ -5,7 +5,7 @@ a kernel. The launch knobs are plan.py's IndexerConfig."""
 
 __all__ = ["SMALL_Q", "ANY_Q", "DECODE_ROWS", "SECTOR_BLOCKS", "GLUON_WG_ROWS", "GLUON_CH",
            "GLUON_CONSUMERS", "GLUON_WARPS", "NVFP4_DECODE_WARPS", "NVFP4_ROWS",
-           "SHORT_ROWS_MAX_KP", "GROUP_MAX_KP", "WARP", "MIN_ARANGE"]
+           "SHORT_ROWS_MAX_KP", "GROUP_MAX_KP", "WARP", "MIN_ARANGE", "MIN_DOT_K", "MIN_DOT_K_FP8"]
 
 # requests with q_len <= SMALL_Q (decode, speculative verify) take the decode launch, which
 # walks a request's tokens in one program (the max_q_len hint's bound, docs/spec.md)
@@ -37,3 +37,7 @@ GROUP_MAX_KP = 32
 WARP = 32
 # the least tl.arange extent the context-parallel kernels lay out (a tile Triton lays out)
 MIN_ARANGE = 16
+# the least reduction depth of a tensor-core dot (Triton's min_dot_size on NVIDIA): 16 for 16-bit
+# and fp32 operands, 32 for fp8 ones; the scoring kernel pads the index head dim up to it
+MIN_DOT_K = 16
+MIN_DOT_K_FP8 = 32

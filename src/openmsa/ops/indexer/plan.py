@@ -47,7 +47,8 @@ from ...nvfp4 import DTYPE as NVFP4_DTYPE
 from ..common.plan import DeviceFacts, Launch, LaunchPlan, next_pow2
 from .geometry import (ANY_Q, DECODE_ROWS, GLUON_CH, GLUON_CONSUMERS, GLUON_WARPS,
                        GLUON_WG_ROWS, GROUP_MAX_KP, MIN_ARANGE, NVFP4_DECODE_WARPS, NVFP4_ROWS,
-                       SECTOR_BLOCKS, SHORT_ROWS_MAX_KP, SMALL_Q, WARP)
+                       MIN_DOT_K, MIN_DOT_K_FP8, SECTOR_BLOCKS, SHORT_ROWS_MAX_KP, SMALL_Q,
+                       WARP)
 
 __all__ = ["IndexerConfig", "DEFAULT", "DecodeForm", "Nvfp4DecodeForm", "PrefillForm",
            "GluonForm", "StageForm", "SelectForm", "GroupForm", "ShortRowsForm", "CpForm",
@@ -498,8 +499,11 @@ def _common(shape: IndexerShape, device: DeviceFacts) -> dict:
     # the GPU's max skips NaN by itself; the interpreter's does not (see kernels/scores.py).
     # PDL: the selection launch after this one starts early (programmatic dependent launch,
     # NVIDIA only; on ROCm neither is assumed)
+    # an fp8 query dots fp8 keys (a 16-bit one converts them first: CAST_K), whose tensor-core
+    # dot needs a deeper K than 16-bit operands; the padding columns load as 0
+    min_k = MIN_DOT_K_FP8 if shape.q_dtype in FP8_TYPES else MIN_DOT_K
     return dict(H=shape.num_heads, HP=_hp(shape), DI=shape.head_dim,
-                DIP=max(16, next_pow2(shape.head_dim)), BLOCK=shape.block_size,
+                DIP=max(min_k, next_pow2(shape.head_dim)), BLOCK=shape.block_size,
                 CAST_K=shape.q_dtype in HALF and shape.cache_dtype in FP8_TYPES,
                 IEEE=shape.q_dtype == torch.float32, MAX_SKIPS_NAN=device.nvidia,
                 PDL=device.nvidia, NVFP4=shape.nvfp4)
