@@ -3,6 +3,10 @@
 # the GPU machine; results land in $OUT (the device tool brings them back).
 #   bash scripts/gpu_check.sh tests            # tier 2 + tier 1 on the GPU (168 tests; 502 s
 #                                              # at 3728589: give the call 600)
+#   bash scripts/gpu_check.sh tests-n N [paths]  # the tier (or the paths) over N pytest-xdist
+#                                              # workers: compilation dominates and the machine
+#                                              # has 16 cores (-v log in $OUT/tests.log, so a
+#                                              # call cut by its limit still says what ran)
 #   bash scripts/gpu_check.sh tests-part I/N   # every N-th test of that tier from the I-th
 #                                              # (the whole tier took over 600 s at e0afd54 on
 #                                              # a fresh machine: two calls with 1/2 and 2/2)
@@ -57,6 +61,12 @@ case "$what" in
   tests)
     python3 -m pytest -q -x --durations=20 -m "gpu or interpret" tests "$@" 2>&1 \
       | tee "$OUT/tests.log" ;;
+  tests-n)
+    n=${1:-8}; shift || true
+    [ $# -gt 0 ] || set -- tests
+    python3 -m pytest -v -n "$n" -p no:benchmark -rfE -m "gpu or interpret" "$@" \
+      > "$OUT/tests.log" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -30 ;;
   tests-part)
     part=${1%/*}; parts=${1#*/}; shift
     python3 -m pytest -q --collect-only -m "gpu or interpret" tests 2>/dev/null | grep '::' \
