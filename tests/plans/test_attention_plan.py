@@ -306,8 +306,12 @@ def test_form_sizes_are_checked():
         dataclasses.replace(DEFAULT.tile_16, plan_warps=0)
     with pytest.raises(ValueError, match="SplitForm.copy_tbs"):
         SplitForm(copy_tbs=0.0)
-    with pytest.raises(ValueError, match="SplitForm.min_steps"):
+    with pytest.raises(TypeError, match="SplitForm.min_steps"):
         SplitForm(min_steps=1.5)
+    with pytest.raises(TypeError, match="TileForm.persistent"):
+        dataclasses.replace(DEFAULT.tile_16, persistent=1)
+    with pytest.raises(ValueError, match="GluonForm.consumer_regs"):
+        dataclasses.replace(DEFAULT.gluon_16, consumer_regs=-1)
     SplitForm(per_split_us=0.0)  # a cost may be 0
 
 

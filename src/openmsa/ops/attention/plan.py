@@ -25,24 +25,12 @@ from dataclasses import dataclass
 import torch
 
 from ..._checks import FP8, FP8_TYPES, HALF
-from ..common.plan import DeviceFacts, Launch, LaunchPlan, next_pow2
+from ..common.plan import (DeviceFacts, Launch, LaunchPlan, cached_hash, check_form,
+                           next_pow2, state_without_hash)
 from .geometry import GLUON_WARPS, MIN_ROWS, TILE_MAX_TOKENS, TILE_ROWS
 
 __all__ = ["AttentionConfig", "AttentionShape", "DEFAULT", "GluonForm", "SplitForm", "TileForm",
            "TokenForm", "num_splits", "plan"]
-
-
-def _check_form(form, *names, zero_ok=(), none_ok=()) -> None:
-    """A form's fields are positive numbers: those in `zero_ok` may be 0 (a waste threshold of
-    0: no tile is ever taken; a cost of 0 µs), those in `none_ok` None (no cap)."""
-    for name in names:
-        value = getattr(form, name)
-        if value is None and name in none_ok:
-            continue
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not number or not (value >= 0 if name in zero_ok else value > 0):
-            raise ValueError(f"{type(form).__name__}.{name} must be "
-                             f"{'at least 0' if name in zero_ok else 'positive'}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -76,12 +64,7 @@ class SplitForm:
     copy_tbs: float = 4.28
 
     def __post_init__(self):
-        _check_form(self, "min_steps", "fused_max", "merge_warps", "fixed_us", "step_us",
-                    "fused_us", "launch_us", "per_split_us", "copy_tbs",
-                    zero_ok=("fixed_us", "step_us", "fused_us", "launch_us", "per_split_us"))
-        for name in ("min_steps", "fused_max", "merge_warps"):
-            if not isinstance(getattr(self, name), int):
-                raise ValueError(f"SplitForm.{name} must be an int, got {getattr(self, name)!r}")
+        check_form(self, positive=("min_steps", "fused_max", "merge_warps", "copy_tbs"))
 
 
 @dataclass(frozen=True)
@@ -99,8 +82,7 @@ class TokenForm:
     maxnreg: int | None = None
 
     def __post_init__(self):
-        _check_form(self, "sub", "warps", "stages", "resident", "maxnreg",
-                    none_ok=("resident", "maxnreg"))
+        check_form(self, positive=("sub", "warps", "stages", "resident", "maxnreg"))
 
 
 @dataclass(frozen=True)
@@ -125,8 +107,8 @@ class TileForm:
     plan_warps: int = 1
 
     def __post_init__(self):
-        _check_form(self, "rows", "sub", "stages", "waste", "warps", "resident",
-                    "interpret_programs", "plan_warps", zero_ok=("waste",))
+        check_form(self, positive=("rows", "sub", "stages", "warps", "resident",
+                   "interpret_programs", "plan_warps"))
 
 
 @dataclass(frozen=True)
@@ -142,8 +124,7 @@ class GluonForm:
     waste: float  # tile_plan's threshold when these tiles run (cheaper per union block)
 
     def __post_init__(self):
-        _check_form(self, "sub", "stages_k", "stages_v", "maxnreg", "producer_regs", "waste",
-                    zero_ok=("waste",))
+        check_form(self, positive=("sub", "stages_k", "stages_v", "maxnreg", "producer_regs"))
 
 
 @dataclass(frozen=True)
@@ -205,14 +186,8 @@ class AttentionConfig:
                 raise TypeError(f"AttentionConfig.{f.name} must be a {kind.__name__}, got "
                                 f"{value!r}")
 
-    def __hash__(self) -> int:
-        # computed once: the config is part of every call's plan key, and hashing every field
-        # and form again would cost each eager call several µs of host time
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
-            object.__setattr__(self, "_hash", h)
-        return h
+    __hash__ = cached_hash
+    __getstate__ = state_without_hash
 
 
 DEFAULT = AttentionConfig()

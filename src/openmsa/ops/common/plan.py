@@ -10,6 +10,7 @@ every replay of a CUDA graph, and the plan tests build shapes and `DeviceFacts` 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass, field
@@ -18,8 +19,9 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["DeviceFacts", "Launch", "LaunchPlan", "capability", "config_or_default",
-           "gluon_hopper_available", "next_pow2", "num_sms"]
+__all__ = ["DeviceFacts", "Launch", "LaunchPlan", "cached_hash", "capability", "check_form",
+           "config_or_default", "gluon_hopper_available", "next_pow2", "num_sms",
+           "state_without_hash"]
 
 from .launch import launch_planned, plan_serials
 
@@ -163,6 +165,58 @@ class LaunchPlan:
     def find(self, kernel: str) -> Launch | None:
         """The first launch of `kernel`, or None."""
         return next((launch for launch in self.launches if launch.kernel == kernel), None)
+
+
+def check_form(form, *, positive=(), pow2=(), pow2_or_zero=()) -> None:
+    """A frozen launch form's fields, by their annotations: an `int` field holds an int (a
+    `tuple[int, ...]` one a tuple of them, an `int | None` one may hold None: no cap), a `float`
+    field a number, a `bool` field a bool; every number is at least 0, those in `positive`
+    above 0, those in `pow2` powers of two (tl.arange extents; `pow2_or_zero`: or 0, "none").
+    A wrong type is a TypeError and a wrong value a ValueError, each naming Form.field."""
+    name = type(form).__name__
+    for f in dataclasses.fields(form):
+        value, kind = getattr(form, f.name), str(f.type)
+        if value is None and "None" in kind:
+            continue
+        if kind == "bool":
+            if not isinstance(value, bool):
+                raise TypeError(f"{name}.{f.name} must be a bool, got {value!r}")
+            continue
+        if kind.startswith("tuple"):
+            if not isinstance(value, tuple):
+                raise TypeError(f"{name}.{f.name} must be a tuple of ints, got {value!r}")
+            values = value
+        else:
+            values = (value,)
+        for v in values:
+            numbers = (int, float) if kind == "float" else (int,)
+            if isinstance(v, bool) or not isinstance(v, numbers):
+                what = "a number" if kind == "float" else "an int"
+                raise TypeError(f"{name}.{f.name} must be {what}, got {v!r}")
+            if f.name in pow2 or f.name in pow2_or_zero:
+                if (v <= 0 or v & (v - 1)) and not (f.name in pow2_or_zero and v == 0):
+                    raise ValueError(f"{name}.{f.name} must be a power of two, got {v}")
+            elif v < 0 or (v == 0 and f.name in positive):
+                raise ValueError(f"{name}.{f.name} must be "
+                                 f"{'positive' if f.name in positive else 'at least 0'}, got {v}")
+
+
+def cached_hash(config) -> int:
+    """An op config's `__hash__`, computed once: the config is part of every call's plan key,
+    and hashing every field and form again would cost each eager call host time."""
+    h = config.__dict__.get("_hash")
+    if h is None:
+        h = hash(tuple(getattr(config, f.name) for f in dataclasses.fields(config)))
+        object.__setattr__(config, "_hash", h)
+    return h
+
+
+def state_without_hash(config) -> dict:
+    """An op config's `__getstate__`: the cached hash stays behind (a string's hash differs
+    between processes)."""
+    state = dict(config.__dict__)
+    state.pop("_hash", None)
+    return state
 
 
 def config_or_default(config, default, name: str = "config"):

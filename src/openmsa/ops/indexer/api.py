@@ -411,14 +411,10 @@ def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, 
                     block_size, max_q_len, topk, init_blocks, local_blocks, config)
 
     def make():
-        check_select_args(topk, init_blocks, local_blocks)
-        check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
-                           block_size=block_size, out=out, out_width=topk,
-                           out_dtype=torch.int32, max_q_len=max_q_len)
-        _raise_if_unsupported(index_q, index_cache, block_size, topk)
-        return plan(_shape(index_q, index_cache, seq_lens, block_table, block_size, max_q_len,
-                           topk, init_blocks, local_blocks), DeviceFacts.of(index_q.device),
-                    config)
+        shape = _checked_selection_shape(index_q, index_cache, cu_seqlens_q, seq_lens,
+                                         block_table, topk, init_blocks, local_blocks,
+                                         block_size, out, max_q_len)
+        return plan(shape, DeviceFacts.of(index_q.device), config)
     launches = _PLANS.get_or_plan(key, make)
     num_tokens, num_heads, _ = index_q.shape
     if out is None:
@@ -430,6 +426,18 @@ def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, 
     _run_scores(launches, index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores)
     _run_selection(launches, scores, cu_seqlens_q, seq_lens, out)
     return out
+
+
+def _checked_selection_shape(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, topk,
+                             init_blocks, local_blocks, block_size, out, max_q_len):
+    """A selection call's argument checks (once per call key), then the step's shape."""
+    check_select_args(topk, init_blocks, local_blocks)
+    check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
+                       block_size=block_size, out=out, out_width=topk, out_dtype=torch.int32,
+                       max_q_len=max_q_len)
+    _raise_if_unsupported(index_q, index_cache, block_size, topk)
+    return _shape(index_q, index_cache, seq_lens, block_table, block_size, max_q_len, topk,
+                  init_blocks, local_blocks)
 
 
 def _select_blocks_cp(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, cp_group,
@@ -449,15 +457,11 @@ def _select_blocks_cp(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
                     block_size, max_q_len, topk, init_blocks, local_blocks, config, world, rank)
 
     def make():
-        check_select_args(topk, init_blocks, local_blocks)
-        check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
-                           block_size=block_size, out=out, out_width=topk,
-                           out_dtype=torch.int32, max_q_len=max_q_len)
-        # the merge sorts W * topk candidates in one program: the kernels' topk bound
-        _raise_if_unsupported(index_q, index_cache, block_size, topk)
-        return cp_plan(_shape(index_q, index_cache, seq_lens, block_table, block_size,
-                              max_q_len, topk, init_blocks, local_blocks),
-                       DeviceFacts.of(index_q.device), config, world, rank)
+        # (the merge sorts W * topk candidates in one program: the kernels' topk bound holds)
+        shape = _checked_selection_shape(index_q, index_cache, cu_seqlens_q, seq_lens,
+                                         block_table, topk, init_blocks, local_blocks,
+                                         block_size, out, max_q_len)
+        return cp_plan(shape, DeviceFacts.of(index_q.device), config, world, rank)
     launches = _PLANS.get_or_plan(key, make)
     sizes = launches.sizes
     scores = _share_scores(launches, index_q, index_cache, cu_seqlens_q, seq_lens, block_table,

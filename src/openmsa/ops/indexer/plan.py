@@ -44,7 +44,8 @@ import torch
 
 from ..._checks import FP8, FP8_TYPES, HALF
 from ...nvfp4 import DTYPE as NVFP4_DTYPE
-from ..common.plan import DeviceFacts, Launch, LaunchPlan, next_pow2
+from ..common.plan import (DeviceFacts, Launch, LaunchPlan, cached_hash, check_form,
+                           next_pow2, state_without_hash)
 from .geometry import (ANY_Q, DECODE_ROWS, GLUON_CH, GLUON_CONSUMERS, GLUON_WARPS,
                        GLUON_WG_ROWS, GROUP_MAX_KP, MIN_ARANGE, NVFP4_DECODE_WARPS, NVFP4_ROWS,
                        MIN_DOT_K, MIN_DOT_K_FP8, SECTOR_BLOCKS, SHORT_ROWS_MAX_KP, SMALL_Q,
@@ -58,27 +59,6 @@ __all__ = ["IndexerConfig", "DEFAULT", "DecodeForm", "Nvfp4DecodeForm", "Prefill
 
 # the forms of an NVFP4 cache's prefill scoring (IndexerConfig.nvfp4_prefill)
 NVFP4_PREFILL_FORMS = ("auto", "inkernel", "staged")
-
-
-def _check_form(form, pow2=(), positive=(), pow2_or_zero=()) -> None:
-    """A form's fields are ints (tuples of ints where the default is one): tl.arange extents
-    powers of two (or 0 where that means "none"), counts of warps, stages and waves that cannot
-    be 0 at least 1, the rest (thresholds, model costs) at least 0."""
-    name = type(form).__name__
-    for f in dataclasses.fields(form):
-        value = getattr(form, f.name)
-        values = value if isinstance(f.default, tuple) else (value,)
-        if isinstance(f.default, tuple) and not isinstance(value, tuple):
-            raise TypeError(f"{name}.{f.name} must be a tuple of ints, got {value!r}")
-        for v in values:
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"{name}.{f.name} must be an int, got {v!r}")
-            if f.name in pow2 or f.name in pow2_or_zero:
-                if (v <= 0 or v & (v - 1)) and not (f.name in pow2_or_zero and v == 0):
-                    raise ValueError(f"{name}.{f.name} must be a power of two, got {v}")
-            elif v < (1 if f.name in positive else 0):
-                raise ValueError(f"{name}.{f.name} must be at least "
-                                 f"{1 if f.name in positive else 0}, got {v}")
 
 
 @dataclass(frozen=True)
@@ -98,8 +78,8 @@ class DecodeForm:
     maxnreg_nvfp4: int = 128
 
     def __post_init__(self):
-        _check_form(self, pow2=("max_bps",), positive=("waves", "warps", "stages",
-                                                       "maxnreg_nvfp4"))
+        check_form(self, pow2=("max_bps",), positive=("waves", "warps", "stages",
+                   "maxnreg_nvfp4"))
 
 
 @dataclass(frozen=True)
@@ -122,8 +102,8 @@ class Nvfp4DecodeForm:
     maxnreg_8_rows: int = 112
 
     def __post_init__(self):
-        _check_form(self, pow2=("max_bps", "min_bps"),
-                    positive=("programs", "stages", "maxnreg_8_rows"))
+        check_form(self, pow2=("max_bps", "min_bps"),
+                   positive=("programs", "stages", "maxnreg_8_rows"))
 
 
 @dataclass(frozen=True)
@@ -146,8 +126,8 @@ class PrefillForm:
     max_rows_nvfp4: int = 64
 
     def __post_init__(self):
-        _check_form(self, pow2=("rows", "bps", "max_rows_nvfp4"),
-                    positive=("warps", "stages_16", "stages_fp8", "stages_nvfp4"))
+        check_form(self, pow2=("rows", "bps", "max_rows_nvfp4"),
+                   positive=("warps", "stages_16", "stages_fp8", "stages_nvfp4"))
 
 
 @dataclass(frozen=True)
@@ -170,8 +150,8 @@ class GluonForm:
     empty_blocks: int = 1
 
     def __post_init__(self):
-        _check_form(self, positive=("stages_fp8", "stages_16", "consumer_regs",
-                                    "producer_regs"))
+        check_form(self, positive=("stages_fp8", "stages_16", "consumer_regs",
+                   "producer_regs"))
 
 
 @dataclass(frozen=True)
@@ -187,7 +167,7 @@ class StageForm:
     rank_chunk: int = 128
 
     def __post_init__(self):
-        _check_form(self, pow2=("max_bpp", "rank_chunk"), positive=("waves", "warps"))
+        check_form(self, pow2=("max_bpp", "rank_chunk"), positive=("waves", "warps"))
 
 
 @dataclass(frozen=True)
@@ -219,8 +199,8 @@ class SelectForm:
     groups: int = 64
 
     def __post_init__(self):
-        _check_form(self, pow2=("segment", "sort_widths", "scratch_slots", "groups"),
-                    pow2_or_zero=("chunk",), positive=("sort_warps", "search_warps"))
+        check_form(self, pow2=("segment", "sort_widths", "scratch_slots", "groups"),
+                   pow2_or_zero=("chunk",), positive=("sort_warps", "search_warps"))
 
 
 @dataclass(frozen=True)
@@ -242,8 +222,8 @@ class GroupForm:
     bound_warps: int = 1
 
     def __post_init__(self):
-        _check_form(self, pow2=("size", "per_program", "chunk", "scratch"),
-                    positive=("max_warps", "bound_warps"))
+        check_form(self, pow2=("size", "per_program", "chunk", "scratch"),
+                   positive=("max_warps", "bound_warps"))
 
 
 @dataclass(frozen=True)
@@ -266,7 +246,7 @@ class ShortRowsForm:
     sort_max: int = 128
 
     def __post_init__(self):
-        _check_form(self, pow2=("tpr", "blocks_per_thread"), positive=("warps",))
+        check_form(self, pow2=("tpr", "blocks_per_thread"), positive=("warps",))
 
 
 @dataclass(frozen=True)
@@ -277,7 +257,7 @@ class CpForm:
     keys_chunk: int = 1024
 
     def __post_init__(self):
-        _check_form(self, pow2=("keys_chunk",))
+        check_form(self, pow2=("keys_chunk",))
 
 
 _FORMS = dict(decode=DecodeForm, decode_nvfp4=Nvfp4DecodeForm, prefill=PrefillForm,
@@ -330,20 +310,8 @@ class IndexerConfig:
             if name in _FORMS and isinstance(value, dict) else value
             for name, value in changes.items()})
 
-    def __getstate__(self) -> dict:
-        # (the cached hash stays behind: a string's hash differs between processes)
-        state = dict(self.__dict__)
-        state.pop("_hash", None)
-        return state
-
-    def __hash__(self) -> int:
-        # computed once: the config is part of every call's plan key, and hashing every form
-        # again would cost each eager call host time
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
-            object.__setattr__(self, "_hash", h)
-        return h
+    __hash__ = cached_hash
+    __getstate__ = state_without_hash
 
 
 DEFAULT = IndexerConfig()
