@@ -65,9 +65,6 @@ OUT_DIR: str | None = None  # main() sets it: where record() keeps bench.json cu
 CEIL = {"copy_tbs": None, "bf16_tflops": None, "fp8_tflops": None}
 
 
-# ---------------------------------------------------------------------------------------------
-# timing
-
 @triton.jit
 def _bench_l2_flush_kernel(ptr, n, WRITE: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -228,9 +225,6 @@ def _fmt(v):
         return f"{v:.4g}"
     return str(v)
 
-
-# ---------------------------------------------------------------------------------------------
-# peers
 
 def load_flashinfer():
     try:
@@ -420,9 +414,6 @@ def time_peers(ours, peers: dict, iters: int, graph: bool = True) -> tuple[float
         row["ratio"] = row["fi_ratio"]  # the name the earlier tables (report.py) read
     return dev, row
 
-
-# ---------------------------------------------------------------------------------------------
-# sections
 
 def ceilings(args, fi=None):
     n = 1 << 30  # 1 GiB each way
@@ -994,7 +985,6 @@ def _dense_prefill_us(model, context, chunk, args):
     return med(device_times_us(fn, max(5, args.iters // 4)))
 
 
-# ---------------------------------------------------------------------------------------------
 # the sparse layer: preparation + indexer + sparse attention, against the same layer with dense
 # attention over the whole context
 
@@ -1022,7 +1012,7 @@ def kernel_breakdown_us(fn, iters: int) -> dict[str, float]:
 def _short(name: str) -> str:
     for key, short in (("tile_plan", "attn-plan"), ("attention_tile", "attn-tile"),
                        ("fused_prepare", "prep"), ("block_scores", "score"),
-                       ("nvfp4_request", "score"), ("short_rows_topk", "topk"),
+                       ("nvfp4_decode", "score"), ("short_rows_topk", "topk"),
                        ("segment_topk", "topk"), ("merge_topk", "topk-merge"),
                        ("sparse_attention", "attn"), ("merge_splits", "attn-merge"),
                        ("flash", "dense-attn"), ("fmha", "dense-attn")):

@@ -7,7 +7,7 @@
 #                                                # stall samples (ncu-<case>-sass.csv)
 #   NCU_METRICS=sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,... adds metrics
 #   (OPENMSA_TUNING='{...}' in the environment profiles a variant)
-# (the prefill cases' tile launch is every second _block_scores launch; the L2 question of
+# (the prefill cases' prefill launch is every second _block_scores launch; the L2 question of
 # docs/performance.md is answered by the MemoryWorkloadAnalysis section's L2 throughput)
 set -uo pipefail
 OUT=${OUT:-/tmp/openmsa-out}

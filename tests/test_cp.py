@@ -144,7 +144,7 @@ def test_ranks_one_after_another_reference():
 @pytest.mark.interpret
 @pytest.mark.parametrize("world, max_q_len", [(2, None), (3, 20)])
 def test_ranks_one_after_another_kernels(kernel_device, world, max_q_len):
-    """The Triton scoring kernel (request and tile launches, positions mapped per rank), the
+    """The Triton scoring kernel (decode and prefill launches, positions mapped per rank), the
     candidate and merge kernels, run rank by rank: bit-identical to select_blocks on the kernel
     path, ties (integer inputs) and NaN keys included, replicated and sharded."""
     name, args, rule = cases(quick=True)[0]
@@ -371,7 +371,7 @@ def test_gpu_ranks_one_after_another(dtype, q_len):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 def test_gpu_prefill_chunk_ranks(dtype):
-    """A prefill chunk (the tile launch, Triton form under CP) beside decode requests."""
+    """A prefill chunk (the prefill launch, Triton form under CP) beside decode requests."""
     q, c, cu, seq, table = _gpu_case(dtype, 3, 8192, q_len=1, seed=3)
     # make request 1 a prefill chunk of 600 tokens
     g = torch.Generator(device="cuda").manual_seed(4)

@@ -244,3 +244,26 @@ def test_cp_kernels_launch_through_the_cached_launcher(compiled, monkeypatch):
     # the first round compiled or found every kernel, the next two launched them cached
     assert sum(len(c.launches) for c in compiled) == calls - len(compiled)
     assert len(compiled) <= calls // 3
+
+
+@pytest.mark.reference
+def test_show_plans_logs_each_plan_made_once(monkeypatch, caplog):
+    # OPENMSA_SHOW_PLANS=1: a plan is logged when it is made (not on a cache hit), at INFO even
+    # where the root logger keeps warnings only
+    import logging
+
+    from openmsa.ops.common.plan import Launch, LaunchPlan
+    monkeypatch.setattr(launch_mod, "SHOW_PLANS", True)
+    logging.getLogger().setLevel(logging.WARNING)
+    cache = launch_mod.PlanCache("attention")
+    made = []
+
+    def make():
+        made.append(1)
+        return LaunchPlan([Launch("token", (4, 2), dict(num_warps=4))], dict(splits=2))
+    for _ in range(3):
+        cache.get_or_plan(("key",), make)
+    assert len(made) == 1
+    logged = [r.getMessage() for r in caplog.records if r.name == "openmsa.plans"]
+    assert len(logged) == 1 and "openmsa plan for attention" in logged[0]
+    assert "token grid=(4, 2) num_warps=4" in logged[0] and "splits" in logged[0]

@@ -10,6 +10,7 @@ import torch
 
 from ._interpreter import INTERPRET
 
+
 def use_kernels(t) -> bool:
     """Non-tensors go to the reference, whose validation names them."""
     if not isinstance(t, torch.Tensor):

@@ -127,8 +127,8 @@ def attention_unsupported_reason(*, head_dim: int, block_size: int, group_size: 
         return f"the attention kernels take bf16/fp16/fp8 e4m3 (fn or fnuz) K/V, got {kv_dtype}"
     if INTERPRET and device is not None and torch.device(device).type == "cpu" \
             and torch.bfloat16 in (query_dtype, kv_dtype):
-        # measured: Triton 3.6's interpreter returns garbage (~1e9) from the attention kernel's
-        # bf16 dots; fp16 and fp32 are exact
+        # Triton 3.6's interpreter returns garbage (~1e9) from the attention kernel's bf16 dots;
+        # fp16 and fp32 are exact
         return "Triton's interpreter computes the attention kernel wrongly in bf16: use fp16 " \
                "or fp32 CPU tensors under TRITON_INTERPRET=1 (bf16 runs on the GPU)"
     return _device_reason(device, kv_dtype if kv_dtype in FP8_TYPES else False)

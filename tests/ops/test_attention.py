@@ -92,7 +92,6 @@ def _resplit(p: LaunchPlan, splits: int, fused: bool) -> LaunchPlan:
     return LaunchPlan(launches, dict(p.sizes, splits=splits, fused=int(fused)))
 
 
-# ====================================================================== reference tier: checks
 @pytest.mark.reference
 def test_config_must_be_an_attention_config():
     with pytest.raises(TypeError, match="config"):
@@ -148,7 +147,6 @@ def test_gluon_tiles_read_their_own_views():
     assert k8 is k and v8 is v
 
 
-# ===================================================== reference tier: the kernels built for sm_90
 def _sm90():
     if INTERPRET:
         pytest.skip("compilation needs the real compiler, not the interpreter")
@@ -323,7 +321,6 @@ def test_gluon_tile_kernel_compiles_as_planned(dtype, heads, changes, topk):
     sm90.assert_no_spills(ptx, (40 if constexprs["QT"] == 16 else 24) if loader else 0)
 
 
-# ============================================================ interpret tier: tiny shapes, any kernel
 B = 16
 # decode, 3-token verify, q_len 0, a 20-token prefill chunk (the tile launch), decode in the
 # first block, seq_len 0, and 2 padding tokens after cu_seqlens_q[R]
@@ -738,7 +735,6 @@ def test_launch_plans_follow_config_and_layouts(kernel_device):
         api._PLANS = cache
 
 
-# ================================================================== gpu tier: an H200, M3 shapes
 GB = 128
 
 

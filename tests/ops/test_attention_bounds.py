@@ -109,7 +109,6 @@ def _malformed(cu):
     return {"starts_late": starts_late, "decreasing": decreasing, "past_end": past_end}
 
 
-# ====================================================================== reference tier: the rule
 @pytest.mark.reference
 def test_reference_reads_nothing_from_pages_outside_the_cache():
     """An entry past the cache or negative reads nothing, exactly as -1 does; the requests with
@@ -187,7 +186,6 @@ def test_page_table_num_pages_is_checked(fn):
     fn(*args, num_kv_heads=2, block_size=B, num_pages=0)
 
 
-# ============================================================= interpret tier: every kernel path
 def _token_only():
     """The per-token kernel for every token (no tiles, the decode forms' knobs)."""
     return dataclasses.replace(DEFAULT, prefill_min_tokens=10 ** 6)
@@ -273,7 +271,6 @@ def test_page_table_kernel_matches_reference_on_hostile_metadata(kernel_device, 
         assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
 
 
-# ================================================================== gpu tier: the Gluon tiles
 def _gluon_hostile_case(dtype):
     """test_attention's mixed prefill chunk (B = D = 128, M3's 64 / 4 heads) with the table
     entries of blocks 0-2 (block 0: every token's first selected block) of both chunks'

@@ -19,7 +19,6 @@ FP8 = torch.float8_e4m3fn
 B = 16
 
 
-# ---------------------------------------------------------------------- the reference's rules
 @pytest.mark.reference
 def test_index_write_saturates_and_skips_negative_slots():
     cache = torch.zeros(3, 4, 8, dtype=FP8)
@@ -108,7 +107,6 @@ def test_prepare_index_qk_casts_to_cache_dtype():
     torch.testing.assert_close(qq.float().pow(2).mean(-1), torch.ones(3, 2), atol=0.1, rtol=0.1)
 
 
-# ------------------------------------------------------------------ the fused preparation
 CFG = openmsa.MSAConfig(num_heads=8, num_kv_heads=2, head_dim=64, num_index_heads=2,
                         index_head_dim=64, block_size=B, rotary_dim=32, rope_theta=5e6)
 # positions across both RoPE table levels, including ~1M (coarse row 976) and padding (-1)
@@ -286,7 +284,6 @@ def test_fused_prepare_bits_at_m3_shapes(kv_dtype):
                (name == "k_cache" and kv_dtype == FP8) else torch.bfloat16)
 
 
-# ------------------------------------------------------------------------- the cache writes
 def _same_bits(got, want) -> bool:
     """The same bits, NaN at the same places (a GPU writes its own NaN pattern)."""
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[want.element_size()]
@@ -298,7 +295,7 @@ def _same_bits(got, want) -> bool:
 @pytest.mark.interpret
 def test_cache_writes_match_reference(kernel_device):
     """The writes' casts give the reference's bytes, on any device (the interpreter's casts are
-    the GPU's, openmsa._dispatch): random fp32 keys (most between two values of the cache's
+    the GPU's, openmsa._interpreter): random fp32 keys (most between two values of the cache's
     type: the rounding decides), values past fp8's range, NaN, -0.0 and infinities, into
     fp16, bf16 and fp8 caches, the KV write with scales."""
     g = torch.Generator().manual_seed(11)
@@ -334,7 +331,6 @@ def test_cache_writes_match_reference(kernel_device):
     assert torch.equal(kc.cpu(), wk) and torch.equal(vc.cpu(), wv)
 
 
-# --------------------------------------------------------------------------- sm_90 compiles
 @pytest.mark.reference
 @pytest.mark.skipif(INTERPRET, reason=COMPILE_SKIP)
 def test_cache_write_kernels_compile_sm90():
@@ -393,7 +389,6 @@ def test_launch_config_type_is_checked():
         openmsa.fused_prepare(qkv, pos, CFG, *w, kc, vc, s, ic, islots, cache_config=CFG)
 
 
-# ------------------------------------------------- fp8 e4m3fnuz (AMD gfx942): reference and kernels
 FNUZ = torch.float8_e4m3fnuz
 
 
@@ -439,7 +434,6 @@ def test_fnuz_cache_writes_match_reference(kernel_device):
     assert torch.equal(got_v.cpu().view(torch.uint8), want_v.view(torch.uint8))
 
 
-# ------------------------------------------------------------------- NVFP4 index pages
 NVFP4_STRIDE = 9216 + 48  # pages apart in a wider buffer (a multiple of 16)
 MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 

@@ -34,7 +34,7 @@ FNUZ = torch.float8_e4m3fnuz
 # AMD gfx942's fp8 (e4m3fnuz): on the interpreter and ROCm only (NVIDIA GPUs have no fnuz)
 ON_FNUZ = pytest.mark.skipif(torch.cuda.is_available() and torch.version.hip is None,
                              reason="e4m3fnuz is AMD gfx942's fp8; NVIDIA GPUs have none")
-# (bf16 under the interpreter too: its casts and bf16 dots are the GPU's, openmsa._dispatch)
+# (bf16 under the interpreter too: its casts and bf16 dots are the GPU's, openmsa._interpreter)
 INDEX_DTYPES = [(torch.float16, torch.float16), (torch.float16, FP8), (FP8, FP8),
                 (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                 (torch.bfloat16, FP8),
@@ -447,9 +447,9 @@ def test_gluon_launch_descriptors(dtype, heads):
     shape = IndexerShape(num_tokens=100, num_heads=heads, head_dim=128, num_requests=2,
                          max_blocks=7, block_size=128, q_dtype=dtype, cache_dtype=dtype,
                          tma_rows=True)
-    ws = plan(shape, DeviceFacts()).find("scores_prefill_gluon")
+    gluon = plan(shape, DeviceFacts()).find("scores_prefill_gluon")
     # 7 blocks: one split of a whole 8-block sector
-    assert ws.params["bps"] == 8 and ws.params["H"] == heads
+    assert gluon.params["bps"] == 8 and gluon.params["H"] == heads
 
 
 def _compile(fn, pointers, scalars, constexprs, gluon=False, options=None, attrs=None):
@@ -1012,7 +1012,7 @@ def test_short_rows_prefill_and_graph_replay(c_dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("context, want_bps", [(0, 10), (8192, 26)])
-def test_short_tile_splits_of_any_size(context, want_bps):
+def test_short_prefill_splits_of_any_size(context, want_bps):
     """TP4's 8K chunk (one index head) with little context: the Gluon prefill launch's splits are
     as long as plan._short_prefill_bps finds fastest, not whole 8-block sectors of a score row,
     so neighbouring programs write parts of one sector; scores exact against the reference on

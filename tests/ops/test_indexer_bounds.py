@@ -118,7 +118,7 @@ def _check_margins(buf, margin, fill):
 def test_kernels_equal_the_reference(kernel_device, name):
     """block_scores and select_blocks on the kernel path: the reference's scores and the same
     indices bit for bit (integer inputs: ties decided by the tie rule), nothing written outside
-    the outputs; with and without the decode hint (request and tile launches)."""
+    the outputs; with and without the decode hint (decode and prefill launches)."""
     step, q, c = _base(q_dtype=torch.float16, c_dtype=torch.float16)
     cu, sl, bt = _hostile(name, step)
     want_s = indexer_ref.block_scores(q, c, cu, sl, bt, block_size=B)

@@ -343,7 +343,7 @@ def test_nvfp4_cache_launches(q_dtype):
     (1, 8192, 2),      # B = 1 at 1M
     (1, 1, 2),         # one block: a split larger than the request is one split
 ])
-def test_nvfp4_request_splits(requests, blocks, want_bps):
+def test_nvfp4_decode_splits(requests, blocks, want_bps):
     """The Gluon NVFP4 decode launch's splits aim at 64 one-warp programs an SM (over four
     waves of the 15 an SM holds, so the last is short), power-of-two blocks between 2 (a
     program's query gather costs about a block at 16 rows) and 32; a decode.max_bps below 2

@@ -183,3 +183,21 @@ def test_revision_names_a_modified_tree(monkeypatch, tmp_path):
     assert run._revision(str(tmp_path)) == "abc1234"
     monkeypatch.setenv("OPENMSA_REVISION", "def5678")
     assert run._revision(str(tmp_path)) == "def5678"
+
+
+def test_kernel_columns_follow_the_kernel_names():
+    # the per-kernel columns sort profiler events by the kernels' names: each of today's kernels
+    # lands in its own column, not in "other"
+    from openmsa.ops.attention.kernels import tile, token
+    from openmsa.ops.cache.kernels import prepare
+    from openmsa.ops.indexer.kernels import scores, scores_gluon, scores_nvfp4, select, select_rows
+    columns = {scores._block_scores_kernel: "score", scores_gluon._block_scores_gluon_kernel:
+               "score", scores_nvfp4._nvfp4_decode_kernel: "score",
+               select_rows._short_rows_topk_kernel: "topk", select._segment_topk_kernel: "topk",
+               select._merge_topk_kernel: "topk-merge", prepare._fused_prepare_kernel: "prep",
+               token._sparse_attention_kernel: "attn", token._merge_splits_kernel: "attn-merge",
+               tile._tile_plan_kernel: "attn-plan", tile._sparse_attention_tile_kernel:
+               "attn-tile"}
+    for kernel, column in columns.items():
+        name = getattr(kernel, "__name__", None) or kernel.fn.__name__
+        assert run._short(name) == column, name

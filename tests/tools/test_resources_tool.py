@@ -28,7 +28,7 @@ def test_resources_tool():
     assert spills == 0 and len(loops) == 1, "no search loop (a SHFL in a backward branch)"
     count, _, _, alu = loops[0]
     assert 0 < alu < count
-    # the NVFP4 request launch (Gluon) under its 8-row register cap: its two loops, over the
+    # the NVFP4 decode launch (Gluon) under its 8-row register cap: its two loops, over the
     # blocks that need no causal mask (two ring units an iteration) and over the rest (one),
     # the first with fewer instructions a unit; 16-row passes have the second alone
     regs, spills, _, per_sm, loops = resources.nvfp4_resources(8, sass=True)

@@ -16,6 +16,7 @@ from ..common.launch import PlanCache, call_key, launch, scale_args, scale_key, 
 from ..common.plan import DeviceFacts, LaunchPlan, config_or_default, next_pow2
 from . import reference
 from .checks import check_attention_args, check_page_table_args, page_bound
+from .geometry import PAGE_TABLE_WARPS
 from .plan import DEFAULT, AttentionConfig, AttentionShape, plan
 
 __all__ = ["sparse_attention", "sparse_page_table"]
@@ -299,5 +300,6 @@ def sparse_page_table(indices, cu_seqlens_q, seq_lens, block_table, *, num_kv_he
                block_table.shape[1], page_bound(num_pages, per_block), *indices.stride(),
                *block_table.stride(), *pages.stride(),
                NUM_KV_HEADS=num_kv_heads, NUM_INDEX_HEADS=num_index_heads, TOPK=topk,
-               KP=next_pow2(topk), BLOCK=block_size, SUB=sub_page_size, num_warps=1)
+               KP=next_pow2(topk), BLOCK=block_size, SUB=sub_page_size,
+               num_warps=PAGE_TABLE_WARPS)
     return pages, lens

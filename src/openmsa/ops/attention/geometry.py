@@ -13,3 +13,6 @@ TILE_MAX_TOKENS = 16
 GLUON_WARPS = 4
 # the per-token kernel's rows at least (a group's heads padded up to it): tl.dot's smallest M
 MIN_ROWS = 16
+# warps of a sparse_page_table program: it writes one (token, KV head)'s topk <= 64 blocks'
+# pages, a warp's lanes' worth
+PAGE_TABLE_WARPS = 1

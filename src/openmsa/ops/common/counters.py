@@ -24,8 +24,8 @@ def arrival_counters(device: torch.device, n: int, role: str) -> torch.Tensor:
     if device.type != "cuda":
         return torch.zeros(n, dtype=torch.int32, device=device)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    # the raw query: torch.cuda.current_stream() builds a Stream object (8 µs on the H200
-    # machine's host, benchmarks/host_cost.py)
+    # the raw query: torch.cuda.current_stream() builds a Stream object, host time on every
+    # call (benchmarks/host_cost.py)
     key = (index, torch._C._cuda_getCurrentRawStream(index), role)
     buf = COUNTERS.get(key)
     if buf is None or buf.numel() < n:

@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Kernel launches with less host work per call than `kernel[grid](...)`.
 
-Measured on the H200 machine's host (`python3 benchmarks/host_cost.py`): an empty kernel with 48
-arguments takes 39 µs to launch through `kernel[grid](...)`, 13.5 µs with one argument, and a
-decode step's one attention launch 66 µs of its 133 µs of host time. Per call, Triton's
+A launch through `kernel[grid](...)` costs host time in proportion to its arguments, and a
+decode step's launches are a large share of its host time (`benchmarks/host_cost.py`; the
+numbers in docs/history/2026-11-30-host-cost.md). Per call, Triton's
 `JITFunction.run` specialises every argument in native code (type, 16-byte alignment, value 1),
 builds and hashes a cache key (with `str()` of the options), checks the kernel's globals, and
 its compiled launcher then calls `data_ptr()` and the driver's `cuPointerGetAttribute` on every
@@ -88,8 +88,8 @@ def _descriptor_key(d) -> tuple:
 def tma_descriptor(tensor: torch.Tensor, shape, strides, box):
     """A host-side TMA descriptor for a Gluon kernel: `tensor`'s memory as `shape` and
     `strides` (elements), copied in `box` tiles into the default NVMMA shared layout of its
-    dtype. The layout is cached by box and dtype: computing it took 11 µs per call on a
-    workstation (the H200 machine's host is 2-3x slower), once per descriptor per launch. The
+    dtype. The layout is cached by box and dtype: computing it is Python work of several µs, once
+    per descriptor per launch. The
     descriptor itself holds the tensor, so it is built per call (caching it would keep an
     engine's freed cache alive)."""
     return _descriptor_class()(tensor, list(shape), list(strides), list(box),
@@ -326,12 +326,12 @@ class PlanCache:
         """The plan cached under `key`, else `make()` (the argument checks and the launch
         choices), cached. A None key (an argument that is not hashable) is never cached: `make`
         runs, and its checks say what is wrong. With OPENMSA_SHOW_PLANS=1 each plan made is
-        logged (logger "openmsa.plans", stderr when logging is not configured)."""
+        logged at INFO (logger "openmsa.plans", on stderr unless a handler is configured)."""
         plan = None if key is None else self._plans.get(key)
         if plan is None:
             plan = make()
             if SHOW_PLANS:
-                _log_plan(self.op, key, plan)
+                _log_plan(self.op, plan)
             if key is not None:
                 if len(self._plans) >= MAX_KEYS:
                     self._plans.clear()
@@ -342,12 +342,13 @@ class PlanCache:
 SHOW_PLANS = os.environ.get("OPENMSA_SHOW_PLANS", "0") == "1"
 
 
-def _log_plan(op: str, key, plan) -> None:
+def _log_plan(op: str, plan) -> None:
     import logging
     log = logging.getLogger("openmsa.plans")
+    # asked for by the variable: INFO even where the application's root logs warnings only
+    log.setLevel(logging.INFO)
     if not log.hasHandlers():
         log.addHandler(logging.StreamHandler())
-        log.setLevel(logging.INFO)
     launches = getattr(plan, "launches", plan)
     lines = [f"openmsa plan for {op}:"]
     if isinstance(launches, (tuple, list)):

@@ -39,7 +39,6 @@ def kv_scales(k_scale_ptr, v_scale_ptr, HAS_SCALE: tl.constexpr):
     return k_scale, v_scale
 
 
-# ------------------------------------------------------------------ NVFP4 (docs/spec.md)
 # Every step below is exact integer or correctly rounded fp32 math, so the bytes are the same on
 # every back end, Triton's interpreter included: its fp32 -> fp8 cast and its fma are not
 # IEEE-exact, and the GPU's plain `/` is an approximate division.

@@ -28,7 +28,7 @@ prefill kernel uses: a program owns 256 (token, head) rows and one split of `bps
 Used when the index query and cache allow TMA (plan.py, `gluon_eligible`): CUDA sm_90, a
 power-of-two number of heads, q rows [T * H, DI] and cache rows [pages * BLOCK, DI] each one
 strided 2-D array with 16-byte aligned bases, BLOCK = DI = 128, and the Triton these Gluon
-kernels are tested on (`_dispatch.gluon_hopper_available`). Everything else, and the
+kernels are tested on (`ops/common/plan.py`: `gluon_hopper_available`). Everything else, and the
 interpreter, keeps scores.py. Keys of a page id < 0 are not read (TMA fills an out-of-range box
 with zeros) and score -inf, as in scores.py.
 """

@@ -5,8 +5,8 @@ select.py gives each row one warp: the row's keys are spread over the 32 lanes, 
 its search is a warp-wide sum (a chain of shuffles), ~410 warp instructions per row on rows of
 <= 64 blocks, and a launch of one-warp programs stops at 32 programs per SM. A prefill chunk
 with little context is many such rows: an 8K chunk with no context at 4 index heads has 32768
-rows of 1-64 blocks, and their selection took ~22 µs beside ~40 of scoring (docs/performance.md,
-"Indexer prefill"). Here a row of SEG <= 64 blocks lies in TPR threads (SEG / TPR contiguous
+rows of 1-64 blocks, whose one-warp selection costs a large share of the chunk's scoring time
+(docs/history/tried.md). Here a row of SEG <= 64 blocks lies in TPR threads (SEG / TPR contiguous
 blocks each: 16-byte loads where that is 4 or more), so a sort's stage within a thread is
 register moves, one across threads a shuffle a value, a count a sum inside each thread and
 log2(TPR) shuffles, and a warp selects 32 / TPR rows at once. Triton cannot be told to lay a
@@ -71,7 +71,7 @@ def _count(v, c, OP: gl.constexpr):
     NaN never does. Written as PTX `set` to 1.0 or 0.0 per value and a float sum (exact: at
     most 1024 ones): ptxas makes that an FSET (ALU pipe) and an FADD (FMA pipe) per value,
     where `set` to an integer became an FSETP and a SEL summed by IADD3s, all on the ALU pipe
-    (half rate on Hopper, and what this kernel is bound by: Nsight Compute, 70% of its peak).
+    (half rate on Hopper, and the pipe this kernel is bound by).
     (A sum of the comparisons as booleans would let LLVM pack them into bit masks for a
     popcount, ~5 PTX instructions per value instead of 2.)"""
     hit = gl.inline_asm_elementwise(f"set.{OP}.f32.f32 $0, $1, $2;", "=f,f,f", [v, c],

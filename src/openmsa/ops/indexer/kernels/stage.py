@@ -18,9 +18,6 @@ import triton.language as tl
 
 from .scores import _nvfp4_keys
 
-# requests read per step of the long-request count (one vector load of their offsets)
-RANK_CHUNK = 128
-
 
 @triton.jit
 def _stage_nvfp4_kernel(cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, staged_ptr, staged_bt_ptr,
