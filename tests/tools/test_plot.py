@@ -74,6 +74,9 @@ def test_series_skip_disagreeing_peers():
     layer = plot.layer_series(rows, 32)
     assert set(layer) == {f"{tp}, {kv}" for tp in ("TP1", "TP4")
                           for kv in ("bf16 K/V", "fp8 K/V", "fp8 K/V, NVFP4 keys")}
+    # --layer-dtypes: only those rows (a row that a newer results file supersedes left out)
+    layer = plot.layer_series(rows, 32, ["bf16", "fp8"])
+    assert set(layer) == {f"{tp}, {kv}" for tp in ("TP1", "TP4") for kv in ("bf16 K/V", "fp8 K/V")}
 
 
 def test_default_panels_are_in_the_run_grids():
