@@ -16,6 +16,9 @@ writes:
   TP4, per KV dtype, at one batch size (--layer-dtypes: only those rows, e.g. to leave out a
   row that a newer results file supersedes).
 
+A figure with nothing to draw is not written (the files on disk stay), so figures can be drawn
+from different results files one command each.
+
 Needs matplotlib (pip install -e '.[bench]'); nothing else of openmsa.
 """
 
@@ -125,7 +128,9 @@ def plot_indexer(rows, batches, path, note=""):
     if note:
         fig.text(0.01, 0.005, note, fontsize=6, alpha=0.7)
     fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(path, dpi=120)
+    # nothing drawn: the file on disk (from a run that has these rows) stays as it is
+    if drawn:
+        fig.savefig(path, dpi=120)
     plt.close(fig)
     return drawn
 
@@ -149,7 +154,8 @@ def plot_layer(rows, batch, path, note="", dtypes=None):
     if note:
         fig.text(0.01, 0.005, note, fontsize=6, alpha=0.7)
     fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(path, dpi=120)
+    if series:
+        fig.savefig(path, dpi=120)
     plt.close(fig)
     return len(series)
 
