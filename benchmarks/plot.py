@@ -2,7 +2,7 @@
 """Figures from benchmarks/run.py's bench.json: PNGs under docs/figures/.
 
     python benchmarks/plot.py RESULTS/bench-*/bench.json [--out docs/figures]
-                              [--batches 1,32] [--layer-batch 32]
+                              [--batches 1,32] [--layer-batch 32] [--layer-dtypes bf16,fp8]
 
 Several JSON files (the parts of one run, scripts/gpu_check.sh bench-part) are read as one. It
 writes:
@@ -13,7 +13,11 @@ writes:
   blocks replaces). A peer's point is drawn only where its selections agreed with ours.
 * layer_speedup.png: one sparse layer's decode step (preparation + indexer + sparse attention)
   against the same layer with dense bf16 attention: speed-up against context length, TP1 and
-  TP4, per KV dtype, at one batch size.
+  TP4, per KV dtype, at one batch size (--layer-dtypes: only those rows, e.g. to leave out a
+  row that a newer results file supersedes).
+
+A figure with nothing to draw is not written (the files on disk stay), so figures can be drawn
+from different results files one command each.
 
 Needs matplotlib (pip install -e '.[bench]'); nothing else of openmsa.
 """
@@ -78,11 +82,11 @@ def indexer_series(rows, batch, model="m3-tp1", q_len=1):
     return out
 
 
-def layer_series(rows, batch):
-    """{label: [(L, speed-up)]} for layer_speedup.png."""
+def layer_series(rows, batch, dtypes=None):
+    """{label: [(L, speed-up)]} for layer_speedup.png (rows of `dtypes` only, when given)."""
     out: dict[str, list] = {}
     sel = [r for r in rows if r.get("section") == "layer-decode" and r.get("B") == batch
-           and r.get("speedup")]
+           and r.get("speedup") and (dtypes is None or r.get("dtype") in dtypes)]
     for r in sorted(sel, key=lambda r: r["L"]):
         tp = {"m3-tp1": "TP1", "m3-tp4": "TP4", "m3-tp8": "TP8"}.get(r["model"], r["model"])
         kv = {"nvfp4": "fp8 K/V, NVFP4 keys"}.get(r["dtype"], f"{r['dtype']} K/V")
@@ -124,17 +128,19 @@ def plot_indexer(rows, batches, path, note=""):
     if note:
         fig.text(0.01, 0.005, note, fontsize=6, alpha=0.7)
     fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(path, dpi=120)
+    # nothing drawn: the file on disk (from a run that has these rows) stays as it is
+    if drawn:
+        fig.savefig(path, dpi=120)
     plt.close(fig)
     return drawn
 
 
-def plot_layer(rows, batch, path, note=""):
+def plot_layer(rows, batch, path, note="", dtypes=None):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    series = layer_series(rows, batch)
+    series = layer_series(rows, batch, dtypes)
     xs = sorted({x for pts in series.values() for x, _ in pts})
     for label, pts in series.items():
         ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=label)
@@ -148,7 +154,8 @@ def plot_layer(rows, batch, path, note=""):
     if note:
         fig.text(0.01, 0.005, note, fontsize=6, alpha=0.7)
     fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(path, dpi=120)
+    if series:
+        fig.savefig(path, dpi=120)
     plt.close(fig)
     return len(series)
 
@@ -160,6 +167,8 @@ def main(argv=None):
     p.add_argument("--batches", default=DEFAULT_BATCHES,
                    help="the indexer figure's batch sizes, one panel each")
     p.add_argument("--layer-batch", type=int, default=32)
+    p.add_argument("--layer-dtypes", default=None,
+                   help="the layer figure's KV / key dtypes, comma-separated (default: all)")
     args = p.parse_args(argv)
     prov, rows = load(args.bench)
     os.makedirs(args.out, exist_ok=True)
@@ -170,7 +179,8 @@ def main(argv=None):
     if plot_indexer(rows, batches, path, note):
         written.append(path)
     path = os.path.join(args.out, "layer_speedup.png")
-    if plot_layer(rows, args.layer_batch, path, note):
+    layer_dtypes = None if args.layer_dtypes is None else args.layer_dtypes.split(",")
+    if plot_layer(rows, args.layer_batch, path, note, layer_dtypes):
         written.append(path)
     for w in written:
         print(w)

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Test tiers (README.md, Test): `reference` runs anywhere; `interpret` needs TRITON_INTERPRET=1 (set
-before openmsa is imported, i.e. in the environment of the pytest run); `gpu` needs CUDA.
+"""Test tiers (README.md, Test; docs/contributing.md): `reference` runs anywhere; `interpret`
+needs TRITON_INTERPRET=1 (set before openmsa is imported, i.e. in the environment of the pytest
+run); `gpu` needs CUDA.
 
 The `kernel_device` fixture gives the device on which the public ops run the Triton kernels:
 "cpu" under the interpreter, "cuda" on a GPU. This file applies to every folder below it

@@ -74,6 +74,9 @@ def test_series_skip_disagreeing_peers():
     layer = plot.layer_series(rows, 32)
     assert set(layer) == {f"{tp}, {kv}" for tp in ("TP1", "TP4")
                           for kv in ("bf16 K/V", "fp8 K/V", "fp8 K/V, NVFP4 keys")}
+    # --layer-dtypes: only those rows (a row that a newer results file supersedes left out)
+    layer = plot.layer_series(rows, 32, ["bf16", "fp8"])
+    assert set(layer) == {f"{tp}, {kv}" for tp in ("TP1", "TP4") for kv in ("bf16 K/V", "fp8 K/V")}
 
 
 def test_default_panels_are_in_the_run_grids():
@@ -93,6 +96,14 @@ def test_figures_written(bench, tmp_path):
     for w in written:
         with open(w, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    # a file without layer rows leaves layer_speedup.png as it was
+    only_indexer = tmp_path / "indexer.json"
+    only_indexer.write_text(json.dumps({"rows": [r for r in _rows()
+                                                 if r["section"] != "layer-decode"]}))
+    before = (out / "layer_speedup.png").read_bytes()
+    assert [os.path.basename(w) for w in plot.main([str(only_indexer), "--out", str(out)])] \
+        == ["indexer_decode.png"]
+    assert (out / "layer_speedup.png").read_bytes() == before
 
 
 def test_doc_section_generated(bench, tmp_path):
