@@ -202,6 +202,9 @@ def eager_call_us(fn, iters: int) -> float:
     return statistics.median(ts)
 
 
+STARTED = time.monotonic()
+
+
 def med(xs):
     return statistics.median(xs) if xs else float("nan")
 
@@ -209,7 +212,9 @@ def med(xs):
 def record(**row):
     ROWS.append(row)
     keys = [k for k in row if k not in ("section",)]
-    print(" | ".join(f"{k}={_fmt(row[k])}" for k in keys), flush=True)
+    # progress: rows so far and the run's elapsed time, so a long run shows where it is
+    print(f"[{len(ROWS)} {time.monotonic() - STARTED:.0f}s] "
+          + " | ".join(f"{k}={_fmt(row[k])}" for k in keys), flush=True)
     if OUT_DIR is not None:
         save()
 
@@ -1273,7 +1278,7 @@ def main():
     if "ceilings" not in sections:
         sections.insert(0, "ceilings")
     for name in sections:
-        print(f"## {name}", flush=True)
+        print(f"## {name} ({time.monotonic() - STARTED:.0f}s into the run)", flush=True)
         try:
             SECTIONS[name](args, fi)
         except Exception as e:  # noqa: BLE001
