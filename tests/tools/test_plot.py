@@ -138,3 +138,44 @@ def test_a_later_file_replaces_its_sections(bench, tmp_path):
     # in the other order the older file's section replaces the newer one's
     _, rows = plot.load([str(newer), bench])
     assert [r["us"] for r in rows if r["section"] == "indexer-prefill"] == [33.7]
+
+
+def test_readme_speed_table_from_results(tmp_path):
+    # perf_doc.py --readme: one line per section and dtype, ours over each peer's time as in the
+    # rows (NVFP4 against the peer's fp8 time on the same step), a later file's rows of a
+    # section and dtype replacing an earlier one's, and the layer's speed-up; each line names
+    # its files, commits and GPU; the text between the README markers is all that changes
+    prov = "# NVIDIA H200 (132 SMs), CUDA 13.0, torch 2.11.0, triton 3.6.0, openmsa 0.1.0 @ {}, x"
+    step = dict(section="indexer-decode", model="m3-tp1", L=131072, q_len=1)
+    old = dict(provenance=prov.format("aaaaaaa"), rows=[
+        dict(step, dtype="fp8", B=1, us=9.0, call_us=9.0, fi_us=10.0, fi_graph_us=10.0,
+             fi_ratio=0.9, vllm_us=9.0, vllm_ratio=1.0)])
+    new = dict(provenance=prov.format("bbbbbbb"), rows=[
+        dict(step, dtype="fp8", B=1, us=8.0, call_us=8.0, fi_us=10.0, fi_graph_us=16.0,
+             fi_ratio=0.8),
+        dict(step, dtype="fp8", B=8, us=20.0, call_us=20.0, fi_us=10.0, fi_graph_us=10.0,
+             fi_ratio=2.0, fi_agrees=False),
+        dict(step, dtype="nvfp4", B=1, us=5.0, call_us=4.0),
+        dict(section="layer-decode", model="m3-tp1", dtype="fp8", B=32, L=1 << 20, q_len=1,
+             speedup=15.2), ])
+    paths = []
+    for name, doc in (("old.json", old), ("new.json", new)):
+        paths.append(str(tmp_path / name))
+        with open(paths[-1], "w") as f:
+            json.dump(doc, f)
+    table = perf_doc.headline(paths, str(tmp_path))
+    lines = {line.split(" | ")[0]: line for line in table.splitlines() if line.startswith("| ")}
+    fp8 = lines["| indexer-decode, fp8 keys"]
+    # FI: the newer file's agreeing row; vLLM: the older file's, the newer one has none
+    assert "graph 0.500, device 0.800 (0.80-0.80, 1 rows)" in fp8
+    assert "device 1.000 (1.00-1.00, 1 rows)" in fp8
+    assert "(bbbbbbb, NVIDIA H200)" in fp8 and "(aaaaaaa, NVIDIA H200)" in fp8
+    assert "graph 0.250, device 0.500 (0.50-0.50, 1 rows) against its fp8 time" \
+        in lines["| indexer-decode, nvfp4 keys"]
+    assert "fp8 15.2x" in table.splitlines()[-3]
+    readme = tmp_path / "README.md"
+    readme.write_text(f"a\n{perf_doc.README_BEGIN}\nold\n{perf_doc.README_END}\nb\n")
+    perf_doc.main(["--readme", str(readme), *paths])
+    text = readme.read_text()
+    assert text.startswith("a\n") and text.endswith("b\n") and "old" not in text.split("\n")[2]
+    assert fp8 in text
