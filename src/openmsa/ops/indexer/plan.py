@@ -52,7 +52,7 @@ from .geometry import (ANY_Q, DECODE_ROWS, GLUON_CH, GLUON_CONSUMERS, GLUON_WARP
                        WARP)
 
 __all__ = ["IndexerConfig", "DEFAULT", "DecodeForm", "Nvfp4DecodeForm", "PrefillForm",
-           "GluonForm", "StageForm", "SelectForm", "GroupForm", "ShortRowsForm", "CpForm",
+           "GluonPrefillForm", "StageForm", "SelectForm", "GroupForm", "ShortRowsForm", "CpForm",
            "IndexerShape", "plan", "selection_plan", "selection_layout", "gluon_eligible",
            "nvfp4_decode_eligible", "SMALL_Q", "NVFP4_PREFILL_FORMS", "stage_dtype", "cp_share",
            "cp_local_keys", "cp_merge", "cp_plan"]
@@ -131,7 +131,7 @@ class PrefillForm:
 
 
 @dataclass(frozen=True)
-class GluonForm:
+class GluonPrefillForm:
     """The Gluon prefill launch (kernels/scores_gluon.py, Hopper): a TMA producer warp and
     GLUON_CONSUMERS consumer warpgroups per program, one program per SM."""
 
@@ -261,20 +261,20 @@ class CpForm:
 
 
 _FORMS = dict(decode=DecodeForm, decode_nvfp4=Nvfp4DecodeForm, prefill=PrefillForm,
-              gluon=GluonForm, stage=StageForm, select=SelectForm, group=GroupForm,
+              gluon=GluonPrefillForm, stage=StageForm, select=SelectForm, group=GroupForm,
               short_rows=ShortRowsForm, cp=CpForm)
 
 
 @dataclass(frozen=True)
 class IndexerConfig:
     """Every launch knob of the index branch, as small frozen forms, one per launch (or family
-    of launches). benchmarks/tune.py varies them with dataclasses.replace(DEFAULT, form=
-    dataclasses.replace(DEFAULT.form, ...)). Defaults are the measured best on the H200."""
+    of launches). benchmarks/tune.py varies them with `replace` (a form's changes as a dict).
+    Defaults are the measured best on the H200."""
 
     decode: DecodeForm = DecodeForm()
     decode_nvfp4: Nvfp4DecodeForm = Nvfp4DecodeForm()
     prefill: PrefillForm = PrefillForm()
-    gluon: GluonForm = GluonForm()
+    gluon: GluonPrefillForm = GluonPrefillForm()
     stage: StageForm = StageForm()
     select: SelectForm = SelectForm()
     group: GroupForm = GroupForm()
@@ -549,7 +549,7 @@ def _prefill(shape: IndexerShape, device: DeviceFacts, config: IndexerConfig,
 
 
 def _short_prefill_bps(shape: IndexerShape, num_sms: int, rows_t: int, tiles: int, chunk: int,
-                       form: GluonForm = GluonForm()) -> int:
+                       form: GluonPrefillForm = GluonPrefillForm()) -> int:
     """Blocks per split of the Gluon prefill launch at short contexts: the count from
     SECTOR_BLOCKS up to a chunk whose programs end first, placed in launch order (each split's
     tiles last first, kernels/scores_gluon.py) on whichever SM frees first. A program holds its

@@ -18,8 +18,8 @@ prefill kernel uses: a program owns 256 (token, head) rows and one split of `bps
   tile every CH blocks, coalesced along the blocks as scores.py's tile is (read back a block
   row per warp instruction and converted to the store's layout in registers: reading the
   store's layout straight from the chunk hit each bank 8 times). So a split can be
-  long: the grid is sized to a few programs per SM (plan.py, GluonForm.waves), because a program's
-  start idles its SM, one program per SM leaving nothing to hide it behind. The start is three
+  long: the grid is sized to a few programs per SM (plan.py, GluonPrefillForm.waves), because a
+  program's start idles its SM, one program per SM leaving nothing to hide it behind. The start is three
   dependent memory round trips: the request lookup; one look at the window of requests, which
   also loads the first request's offsets, length and page id (a split past every request's
   causal edge ends here); then the queries and the first keys together (the consumers, not
@@ -218,7 +218,7 @@ def _block_scores_gluon_kernel(q_desc, k_desc, cu_ptr, seq_lens_ptr, bt_ptr, out
                                num_warps: gl.constexpr):
     """Program (tile, split): the tile's ROWS_T tokens (all heads) against the split's `bps`
     blocks. CONSUMER_REGS, PRODUCER_REGS: registers per thread of the consumer warpgroups and
-    of the producer warp (setmaxnreg; plan.py's GluonForm)."""
+    of the producer warp (setmaxnreg; plan.py's GluonPrefillForm)."""
     BLOCK: gl.constexpr = k_desc.block_type.shape[0]
     DI: gl.constexpr = k_desc.block_type.shape[1]
     ROWS_T: gl.constexpr = WG_ROWS * CONSUMERS // H
