@@ -38,12 +38,12 @@ def test_gluon_kernels_only_on_the_triton_they_were_tested_on(monkeypatch, versi
     on 3.6 (the tested one), on another only with OPENMSA_GLUON=1, never with =0."""
     import triton
 
-    from openmsa.ops.common import plan
+    from openmsa import _device
     monkeypatch.setattr(triton, "__version__", version)
     monkeypatch.setenv("OPENMSA_GLUON", setting)
-    plan.gluon_hopper_available.cache_clear()
+    _device.gluon_hopper_available.cache_clear()
     try:
-        assert plan.gluon_hopper_available() == want
+        assert _device.gluon_hopper_available() == want
     finally:
         monkeypatch.undo()
-        plan.gluon_hopper_available.cache_clear()
+        _device.gluon_hopper_available.cache_clear()

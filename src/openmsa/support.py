@@ -14,7 +14,7 @@ import torch
 from . import nvfp4
 from ._checks import FP8, FP8_FNUZ, FP8_TYPES, HALF, MAX_TOPK
 from ._interpreter import INTERPRET
-from .ops.common.plan import capability
+from ._device import capability
 from .config import MSAConfig
 
 __all__ = ["unsupported_reason", "indexer_unsupported_reason", "attention_unsupported_reason"]

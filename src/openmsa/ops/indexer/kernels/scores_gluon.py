@@ -17,18 +17,18 @@ prefill kernel uses: a program owns 256 (token, head) rows and one split of `bps
 * A consumer keeps its maxima in shared memory, [CH, 64] per warpgroup, and stores them as one
   tile every CH blocks, coalesced along the blocks as scores.py's tile is (read back a block
   row per warp instruction and converted to the store's layout in registers: reading the
-  store's layout straight from the chunk hit each bank 8 times). So a split can be
-  long: the grid is sized to a few programs per SM (plan.py, GluonPrefillForm.waves), because a
-  program's start idles its SM, one program per SM leaving nothing to hide it behind. The start is three
-  dependent memory round trips: the request lookup; one look at the window of requests, which
-  also loads the first request's offsets, length and page id (a split past every request's
-  causal edge ends here); then the queries and the first keys together (the consumers, not
-  the whole program, wait for the queries).
+  store's layout straight from the chunk hit each bank 8 times). So a split can be long: the grid
+  is sized to a few programs per SM (plan.py, GluonPrefillForm.waves), because a program's start
+  idles its SM, one program per SM leaving nothing to hide it behind. The start is three dependent
+  memory round trips: the request lookup; one look at the window of requests, which also loads the
+  first request's offsets, length and page id (a split past every request's causal edge ends
+  here); then the queries and the first keys together (the consumers, not the whole program, wait
+  for the queries).
 
 Used when the index query and cache allow TMA (plan.py, `gluon_eligible`): CUDA sm_90, a
 power-of-two number of heads, q rows [T * H, DI] and cache rows [pages * BLOCK, DI] each one
 strided 2-D array with 16-byte aligned bases, BLOCK = DI = 128, and the Triton these Gluon
-kernels are tested on (`ops/common/plan.py`: `gluon_hopper_available`). Everything else, and the
+kernels are tested on (`_device.gluon_hopper_available`). Everything else, and the
 interpreter, keeps scores.py. Keys of a page id < 0 are not read (TMA fills an out-of-range box
 with zeros) and score -inf, as in scores.py.
 """
