@@ -290,25 +290,19 @@ def main(argv=None):
                         "dtype) into this file instead")
     args = p.parse_args(argv)
     if args.readme:
-        table = headline(args.bench, os.path.dirname(os.path.abspath(args.readme)))
-        if args.print:
-            print(table)
-            return table
-        with open(args.readme) as f:
-            text = f.read()
-        with open(args.readme, "w") as f:
-            f.write(splice(text, table, README_BEGIN, README_END))
-        print(f"rewrote the speed table of {args.readme}")
-        return table
-    section = render(*load(args.bench))
+        path, markers = args.readme, (README_BEGIN, README_END)
+        section = headline(args.bench, os.path.dirname(os.path.abspath(path)))
+    else:
+        path, markers = args.doc, (BEGIN, END)
+        section = render(*load(args.bench))
     if args.print:
         print(section)
         return section
-    with open(args.doc) as f:
+    with open(path) as f:
         text = f.read()
-    with open(args.doc, "w") as f:
-        f.write(splice(text, section))
-    print(f"rewrote the generated section of {args.doc}")
+    with open(path, "w") as f:
+        f.write(splice(text, section, *markers))
+    print(f"rewrote the generated section of {path}")
     return section
 
 

@@ -29,6 +29,8 @@ sys.path[:0] = [os.path.join(ROOT, "src"), os.path.join(ROOT, ".ab")]
 
 import torch  # noqa: E402
 
+from devices import DEVICES as ALL_DEVICES  # noqa: E402
+
 import openmsa_base.ops.attention.plan as base  # noqa: E402
 from openmsa.ops.attention import plan as new  # noqa: E402
 from openmsa.ops.common.plan import DeviceFacts  # noqa: E402
@@ -38,14 +40,8 @@ from openmsa_base.ops.common.plan import DeviceFacts as BaseFacts  # noqa: E402
 KERNELS = {"token": "token", "merge": "merge", "tile_plan": "tile_plan", "tiles": "tiles",
            "tiles_gluon": "tiles_gluon"}
 
-DEVICES = {
-    "h200": dict(kind="cuda", num_sms=132, capability=(9, 0), gluon_hopper=True),
-    "h100-pcie": dict(kind="cuda", num_sms=114, capability=(9, 0), gluon_hopper=True),
-    "hopper-no-gluon": dict(kind="cuda", num_sms=132, capability=(9, 0), gluon_hopper=False),
-    "sm80": dict(kind="cuda", num_sms=108, capability=(8, 0), gluon_hopper=False),
-    "hip": dict(kind="cuda", num_sms=304, capability=(9, 4), gluon_hopper=False, hip=True),
-    "cpu": dict(kind="cpu", num_sms=4, capability=(0, 0), gluon_hopper=False),
-}
+DEVICES = {name: ALL_DEVICES[name] for name in
+           ("h200", "h100-pcie", "hopper-no-gluon", "sm80", "hip", "cpu")}
 
 NO_GLUON = dict(gluon_16=None, gluon_fp8=None, gluon_pair_fp8=None)
 

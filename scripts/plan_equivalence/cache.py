@@ -25,6 +25,8 @@ sys.path[:0] = [os.path.join(ROOT, "src"), os.path.join(ROOT, ".ab")]
 
 import torch  # noqa: E402
 
+from devices import DEVICES as ALL_DEVICES  # noqa: E402
+
 import openmsa_base.ops.cache.plan as base  # noqa: E402
 from openmsa.nvfp4 import DTYPE as NVFP4  # noqa: E402
 from openmsa.ops.cache import plan as new  # noqa: E402
@@ -35,13 +37,7 @@ from openmsa_base.ops.common.plan import DeviceFacts as BaseFacts  # noqa: E402
 KERNELS = {"write_index_cache": "write_index_cache", "write_kv_cache": "write_kv_cache",
            "fused_prepare": "fused_prepare"}
 
-DEVICES = {
-    "h200": dict(kind="cuda", num_sms=132, capability=(9, 0), gluon_hopper=True),
-    "h100-pcie": dict(kind="cuda", num_sms=114, capability=(9, 0), gluon_hopper=True),
-    "sm80": dict(kind="cuda", num_sms=108, capability=(8, 0), gluon_hopper=False),
-    "hip": dict(kind="cuda", num_sms=304, capability=(9, 4), gluon_hopper=False, hip=True),
-    "cpu": dict(kind="cpu", num_sms=4, capability=(0, 0), gluon_hopper=False),
-}
+DEVICES = {name: ALL_DEVICES[name] for name in ("h200", "h100-pcie", "sm80", "hip", "cpu")}
 CONFIGS = ({}, dict(prepare_head_tile=1), dict(prepare_head_tile=8),
            dict(prepare_head_tile=32), dict(prepare_warps=2), dict(prepare_warps=8))
 

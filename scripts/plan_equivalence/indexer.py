@@ -36,6 +36,8 @@ sys.path[:0] = [os.path.join(ROOT, "src"), os.path.join(ROOT, ".ab")]
 
 import torch  # noqa: E402
 
+from devices import DEVICES  # noqa: E402
+
 import openmsa_base.ops.indexer.cp as base_cp  # noqa: E402
 import openmsa_base.ops.indexer.plan as base  # noqa: E402
 import openmsa_base.ops.indexer.scores_ws as base_ws  # noqa: E402
@@ -52,15 +54,6 @@ KERNELS = {"scores_request": "scores_decode", "scores_request_nvfp4": "scores_de
            "select_group_bound": "select_group_bound", "select_segments": "select_segments",
            "select_merge": "select_merge", "local_keys": "cp_local_keys", "merge": "cp_merge"}
 
-DEVICES = {
-    "h200": dict(kind="cuda", num_sms=132, capability=(9, 0), gluon_hopper=True),
-    "h100-pcie": dict(kind="cuda", num_sms=114, capability=(9, 0), gluon_hopper=True),
-    "hopper-no-gluon": dict(kind="cuda", num_sms=132, capability=(9, 0), gluon_hopper=False),
-    "sm100": dict(kind="cuda", num_sms=148, capability=(10, 0), gluon_hopper=True),
-    "sm80": dict(kind="cuda", num_sms=108, capability=(8, 0), gluon_hopper=False),
-    "hip": dict(kind="cuda", num_sms=304, capability=(9, 4), gluon_hopper=False, hip=True),
-    "cpu": dict(kind="cpu", num_sms=4, capability=(0, 0), gluon_hopper=False),
-}
 
 # (name, base IndexerConfig fields, base module globals {module: {name: value}}, this tree's
 # IndexerConfig.replace changes)
