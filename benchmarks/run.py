@@ -1097,7 +1097,33 @@ def _median_device_us(fn, iters):
     return med(device_times_us(fn, iters))
 
 
-def _layer_row(section, model_name, model, dname, batch, context, q_len, args, dense_cache):
+def _engine_dense_fn(model, k_cache, v_cache, q_out, table, batch, context, q_len):
+    """The dense attention an engine runs over the same paged caches, K/V in their own dtype
+    (fp8 included, which SDPA cannot read): FlashInfer's paged decode wrapper for q_len 1
+    (tensor cores: M3's 16 query heads per KV head), its prefill wrapper on the FA3 (Hopper)
+    backend for a chunk; planned once, returning (fn, out)."""
+    import flashinfer
+    bs, nb = model.block_size, table.shape[1]
+    dev = k_cache.device
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    indptr = torch.arange(0, (batch + 1) * nb, nb, dtype=torch.int32, device=dev)
+    indices = table.reshape(-1).contiguous()
+    last = torch.full((batch,), context - (nb - 1) * bs, dtype=torch.int32, device=dev)
+    heads = (model.num_heads, model.num_kv_heads, model.head_dim, bs)
+    if q_len == 1:
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+        wrapper.plan(indptr, indices, last, *heads, q_data_type=q_out.dtype,
+                     kv_data_type=k_cache.dtype)
+    else:
+        qo = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=dev)
+        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa3")
+        wrapper.plan(qo, indptr, indices, last, *heads, causal=True, q_data_type=q_out.dtype,
+                     kv_data_type=k_cache.dtype)
+    return lambda: wrapper.run(q_out, (k_cache, v_cache))
+
+
+def _layer_row(section, model_name, model, dname, batch, context, q_len, args, dense_cache,
+               fi=None):
     check_budget()
     case = _layer_case(model, batch, context, q_len, dname)
     sparse, dense = _layer_fns(model, *case, batch, context, q_len)
@@ -1118,6 +1144,19 @@ def _layer_row(section, model_name, model, dname, batch, context, q_len, args, d
     if dense_cache.get(key):
         row["dense_bf16_us"] = dense_cache[key]
         row["speedup"] = dense_cache[key] / row["us"]
+    if fi is not None and dname in ("bf16", "fp8"):
+        # the same layer with the dense attention an engine would run on these caches (fp8 K/V
+        # read as fp8): the speed-up like for like, beside the one over bf16 SDPA
+        k_cache, v_cache, _, meta, _, _ = case
+        q_out = torch.randn(batch * q_len, model.num_heads, model.head_dim, device="cuda",
+                            dtype=torch.bfloat16)
+        engine = try_peer(lambda: _engine_dense_fn(model, k_cache, v_cache, q_out,
+                                                   meta.block_table, batch, context, q_len))
+        if engine is not None:
+            us = try_peer(functools.partial(_median_device_us, engine, iters))
+            if us:
+                row["engine_dense_attn_us"] = us
+                row["speedup_engine"] = (us + row.get("prep_us", 0.0)) / row["us"]
     record(**row)
     del case, sparse, dense
     torch.cuda.empty_cache()
@@ -1135,7 +1174,7 @@ def layer_decode(args, fi):
             for dname in dtypes:
                 try:
                     _layer_row("layer-decode", model_name, model, dname, batch, context, 1,
-                               args, dense_cache)
+                               args, dense_cache, fi)
                 except Exception as e:  # noqa: BLE001
                     record(section="layer-decode", model=model_name, dtype=dname, B=batch,
                            L=context, q_len=1, note=_not_run(e))
@@ -1150,7 +1189,7 @@ def layer_prefill(args, fi):
             for dname in grid["dtypes"]:
                 try:
                     _layer_row("layer-prefill", model_name, model, dname, 1,
-                               context + grid["chunk"], grid["chunk"], args, dense_cache)
+                               context + grid["chunk"], grid["chunk"], args, dense_cache, fi)
                 except Exception as e:  # noqa: BLE001
                     record(section="layer-prefill", model=model_name, dtype=dname, B=1,
                            L=context + grid["chunk"], q_len=grid["chunk"], note=_not_run(e))
