@@ -240,12 +240,12 @@ def test_prefill_tile_launch_stays_triton(case):
 @pytest.mark.parametrize("requests, blocks, want_bps, want_grid", [
     (1, 1024, 4, (1, 256)),     # B = 1 at 128K: 264 splits wanted, a power of two of blocks
     (1, 8192, 32, (1, 256)),    # B = 1 at 1M
-    (128, 256, 64, (128, 4)),   # B = 128 at 32K: 3 splits wanted, capped at decode_max_bps
+    (128, 256, 64, (128, 4)),   # B = 128 at 32K: 3 splits wanted, capped at decode.max_bps
     (32, 8192, 64, (32, 128)),  # B = 32 at 1M
 ])
 def test_request_launch_splits(requests, blocks, want_bps, want_grid):
     """The decode launch cuts each request's blocks into splits for decode.waves programs per
-    SM, a power of two of blocks each, at most decode_max_bps."""
+    SM, a power of two of blocks each, at most decode.max_bps."""
     (launch,) = plan(_shape(requests, requests=requests, blocks=blocks, max_q_len=1), H200)
     assert launch.kernel == "scores_decode"
     assert launch.params["BPS"] == want_bps and launch.grid == want_grid
