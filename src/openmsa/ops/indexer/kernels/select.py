@@ -334,6 +334,78 @@ def _merge_topk_kernel(cand_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_requests, ta
             _store_in_order(out_row, stride_ok, picked, unpack_block(packed), TOPK, KP)
 
 
+# The fused selection of a small decode step (plan.py, IndexerConfig.select.fuse_max_keys): the
+# decode scoring launch selects too, with no score row written or read. Each scoring program
+# keeps its split's best CK packed keys per row (all of them when the split has at most KP
+# blocks); the last of a request's programs to arrive (an arrival counter,
+# ops/common/counters.py) picks each row's best K among the splits' candidates. A split's best
+# KP hold every key of it that can be among the row's best K, and packed keys are distinct and
+# carry the tie rule, so the pick is the one the score row gives.
+
+
+@triton.jit
+def split_candidates(tile, blk, n_row, row_ok, cand_rows, CK: tl.constexpr, INIT: tl.constexpr,
+                     LOCAL: tl.constexpr):
+    """Store a scoring program's candidates: of its [M, BPS] score tile (blocks `blk`), per row
+    the packed keys of the blocks below the row's n_row causal ones (forced blocks the largest
+    key, as _segment_keys), its best CK of them when BPS > CK, else all (EMPTY_KEY for blocks
+    past n_row); cand_rows: each row's CK slots."""
+    b = blk[None, :]
+    live = b < n_row[:, None]
+    forced = (b < INIT) | (b >= n_row[:, None] - LOCAL)
+    key = tl.where(forced, FORCED_SCORE_KEY, score_key(tile))
+    packed = tl.where(live, pack_key(key, b), EMPTY_KEY)
+    if CK < tile.shape[1]:
+        packed = tl.topk(packed, CK, dim=1)
+    c = tl.arange(0, CK)
+    tl.store(cand_rows[:, None] + c[None, :], packed, mask=row_ok[:, None])
+
+
+@triton.jit
+def merge_split_candidates(cand_tok, out_tok, stride_oh, stride_ok, n, num_splits,
+                           H: tl.constexpr, HP: tl.constexpr, BPS: tl.constexpr,
+                           CK: tl.constexpr, CW: tl.constexpr, TOPK: tl.constexpr,
+                           KP: tl.constexpr):
+    """One token's rows (all H heads) of the fused selection: the best TOPK of its splits'
+    candidates ([H, num_splits, CK] packed keys at cand_tok; splits at or past the token's n
+    causal blocks wrote none for it) as ascending block ids, then -1. The .cg loads read L2:
+    the candidates were stored by other SMs."""
+    hh = tl.arange(0, HP)
+    j = tl.arange(0, CW)
+    ok = (hh < H)[:, None] & ((j < num_splits * CK) & ((j // CK) * BPS < n))[None, :]
+    packed = tl.load(cand_tok + hh.to(tl.int64)[:, None] * (num_splits * CK) + j[None, :],
+                     mask=ok, other=EMPTY_KEY, cache_modifier=".cg")
+    best = tl.topk(packed, KP, dim=1)  # [HP, KP], descending
+    slots = tl.arange(0, KP)
+    keep = (slots < TOPK)[None, :] & (best != EMPTY_KEY)
+    blocks = tl.sort(tl.where(keep, unpack_block(best), 2**31 - 1), dim=1)
+    tl.store(out_tok + hh[:, None] * stride_oh + slots[None, :] * stride_ok,
+             tl.where(blocks == 2**31 - 1, -1, blocks),
+             mask=(hh < H)[:, None] & (slots < TOPK)[None, :])
+
+
+@triton.jit
+def padding_rows(out_ptr, cu_ptr, seq_lens_ptr, num_requests, num_tokens, table_width,
+                 stride_ot, stride_oh, stride_ok, H: tl.constexpr, HP: tl.constexpr,
+                 TOPK: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
+    """The fused selection's rows of the tokens no request's merge writes (token_position's
+    padding): a row of -1 each, the tokens spread over the launch's programs."""
+    programs = tl.num_programs(0) * tl.num_programs(1)
+    first = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    hh = tl.arange(0, HP)
+    slots = tl.arange(0, KP)
+    t = first
+    while t < num_tokens:  # (not a range: the interpreter's would hand out Python ints)
+        guess = (t.to(tl.int64) * num_requests // num_tokens).to(tl.int32)
+        _, pos = token_position(cu_ptr, seq_lens_ptr, num_requests, num_tokens, table_width, t,
+                                guess, BLOCK)
+        if pos < 0:
+            tl.store(out_ptr + t.to(tl.int64) * stride_ot + hh[:, None] * stride_oh
+                     + slots[None, :] * stride_ok, tl.full([HP, KP], -1, tl.int32),
+                     mask=(hh < H)[:, None] & (slots < TOPK)[None, :])
+        t += programs
+
+
 # The group-bound path for long rows (plan.py, IndexerConfig.group.min_blocks): a row of n
 # blocks is read once by a wide, memory-bound launch that reduces it to ceil(n / GS) group
 # maxima of keys, and one program per row then needs two dependent reads instead of a chain per
