@@ -30,7 +30,8 @@ import shapes  # noqa: E402
 
 import openmsa  # noqa: E402
 
-SECTIONS = ("indexer-decode", "indexer-prefill", "attention-decode", "attention-prefill")
+SECTIONS = ("indexer-decode", "indexer-prefill", "attention-decode", "attention-prefill",
+            "layer-decode")
 ROWS: list[dict] = []
 
 
@@ -152,6 +153,38 @@ def attention_prefill(base, args):
                          context=context, selections=label, max_diff=diff,
                          **_time(*fns, max(10, args.iters), graph=False))
                     torch.cuda.empty_cache()
+
+
+def layer_decode(base, args):
+    """The sparse layer's decode step (preparation, indexer, attention: run.py's layer rows) of
+    both trees over the same caches; q_len 4 (a verify step) at B = 1 too. Each row also holds
+    the tree under test's device time per kernel (new_<kernel>_us)."""
+    grid = shapes.LAYER_DECODE
+    for model_name, model in run._models(grid):
+        for dname in grid["dtypes"]:
+            for context in grid["contexts"]:
+                for batch in grid["batches"]:
+                    for q_len in (1, 4) if batch == 1 else (1,):
+                        if args.q_lens and str(q_len) not in args.q_lens.split(","):
+                            continue
+                        case = run._layer_case(model, batch, context, q_len, dname)
+                        fns = [run._layer_fns(model, *case, batch, context, q_len, m=m)[0]
+                               for m in (base, openmsa)]
+                        for f in fns:
+                            f()
+                        (idx_b, out_b), (idx_n, out_n) = (f.buffers for f in fns)
+                        parts = run.kernel_breakdown_us(fns[1], args.iters)
+                        by: dict[str, float] = {}
+                        for name, us in parts.items():
+                            by[run._short(name)] = by.get(run._short(name), 0.0) + us
+                        _row(args.out, section="layer-decode", model=model_name, dtype=dname,
+                             L=context, B=batch, q_len=q_len,
+                             identical=bool(torch.equal(idx_b, idx_n)),
+                             max_diff=float((out_b.float() - out_n.float()).abs().max()),
+                             **_time(*fns, args.iters, graph=True),
+                             **{f"new_{k}_us": v for k, v in sorted(by.items())})
+                        del case, fns
+                        torch.cuda.empty_cache()
 
 
 def main():

@@ -1056,7 +1056,10 @@ def _layer_case(model, batch, context, q_len, dname):
     return k_cache, v_cache, index_cache, meta, qkv, w
 
 
-def _layer_fns(model, k_cache, v_cache, index_cache, meta, qkv, w, batch, context, q_len):
+def _layer_fns(model, k_cache, v_cache, index_cache, meta, qkv, w, batch, context, q_len,
+               m=openmsa):
+    """(sparse, dense) step functions over a _layer_case; `m`: the openmsa tree to call
+    (benchmarks/ab.py passes its base tree). sparse.buffers: (index selection, output)."""
     cfg = model
     t = qkv.shape[0]
     q_out = torch.empty(t, cfg.num_heads, cfg.head_dim, dtype=torch.bfloat16, device="cuda")
@@ -1066,17 +1069,17 @@ def _layer_fns(model, k_cache, v_cache, index_cache, meta, qkv, w, batch, contex
     out = torch.empty_like(q_out)
 
     def prep():
-        openmsa.fused_prepare(qkv, meta.positions, cfg, *w, k_cache, v_cache, meta.slot_mapping,
-                              index_cache, meta.index_slot_mapping, q_out=q_out,
-                              index_q_out=iq_out)
+        m.fused_prepare(qkv, meta.positions, cfg, *w, k_cache, v_cache, meta.slot_mapping,
+                        index_cache, meta.index_slot_mapping, q_out=q_out, index_q_out=iq_out)
 
     def sparse():
         prep()
-        openmsa.select_blocks(iq_out, index_cache, meta.cu_seqlens_q, meta.seq_lens,
-                              meta.index_block_table, topk=cfg.topk_blocks,
-                              block_size=cfg.block_size, out=idx)
-        openmsa.sparse_attention(q_out, k_cache, v_cache, idx, meta.cu_seqlens_q, meta.seq_lens,
-                                 meta.block_table, block_size=cfg.block_size, out=out)
+        m.select_blocks(iq_out, index_cache, meta.cu_seqlens_q, meta.seq_lens,
+                        meta.index_block_table, topk=cfg.topk_blocks, block_size=cfg.block_size,
+                        out=idx)
+        m.sparse_attention(q_out, k_cache, v_cache, idx, meta.cu_seqlens_q, meta.seq_lens,
+                           meta.block_table, block_size=cfg.block_size, out=out)
+    sparse.buffers = (idx, out)
 
     dense = None
     if k_cache.dtype == torch.bfloat16:

@@ -41,7 +41,8 @@ ATTENTION_PREFILL = dict(chunk=8192, contexts=(8 * K, 128 * K), dtypes=("bf16", 
                          models=("m3-tp1", "m3-tp4"))
 # the attention part of one sparse layer (fused preparation + indexer + sparse attention) against
 # the same layer with dense attention; prefill: one chunk of 8192 tokens after the context
-LAYER_DECODE = dict(batches=(1, 32), contexts=(32 * K, 128 * K, 512 * K, 1024 * K), dtypes=("bf16", "fp8"),
+LAYER_DECODE = dict(batches=(1, 8, 32), contexts=(32 * K, 128 * K, 512 * K, 1024 * K),
+                    dtypes=("bf16", "fp8"),
                     models=("m3-tp1", "m3-tp4"),
                     # (model, B, L) rows also run with an NVFP4 index cache (fp8 K/V)
                     nvfp4_rows=(("m3-tp1", 32, 1024 * K),))
