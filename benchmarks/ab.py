@@ -17,6 +17,7 @@ relative, so both trees load side by side); the tree under test is the `openmsa`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -168,8 +169,11 @@ def layer_decode(base, args):
                         if args.q_lens and str(q_len) not in args.q_lens.split(","):
                             continue
                         case = run._layer_case(model, batch, context, q_len, dname)
-                        fns = [run._layer_fns(model, *case, batch, context, q_len, m=m)[0]
-                               for m in (base, openmsa)]
+                        # (each tree checks the model config is its own MSAConfig)
+                        base_model = base.MSAConfig(**{f.name: getattr(model, f.name)
+                                                       for f in dataclasses.fields(model)})
+                        fns = [run._layer_fns(c, *case, batch, context, q_len, m=m)[0]
+                               for c, m in ((base_model, base), (model, openmsa))]
                         for f in fns:
                             f()
                         (idx_b, out_b), (idx_n, out_n) = (f.buffers for f in fns)

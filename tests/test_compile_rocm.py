@@ -45,7 +45,6 @@ def _kernels():
             "tile_plan": _tile_plan_kernel, "tiles": _sparse_attention_tile_kernel,
             "page_table": _sparse_page_table_kernel,
             "scores_decode": _block_scores_kernel, "scores_prefill": _block_scores_kernel,
-            "scores_decode_select": _block_scores_kernel,
             "scores_prefill_unaligned": _block_scores_kernel,
             "select_segments": _segment_topk_kernel, "select_merge": _merge_topk_kernel,
             "select_group_max": _group_max_kernel,

@@ -102,13 +102,7 @@ INDEXER_CONFIGS = (None, openmsa.IndexerConfig().replace(select=dict(segment=16)
                                                    group=dict(min_blocks=16)),
                    openmsa.IndexerConfig().replace(decode=dict(max_bps=2),
                                                    prefill=dict(rows=16, bps=2),
-                                                   select=dict(sort_waves=0)),
-                   # the sort path on every step: a decode step selects inside its scoring
-                   # launch (the fused selection), with splits of at most K blocks ...
-                   openmsa.IndexerConfig().replace(decode=dict(max_bps=2),
-                                                   select=dict(sort_waves=2 ** 20)),
-                   # ... and with splits longer than K (each keeps its best K)
-                   openmsa.IndexerConfig().replace(select=dict(sort_waves=2 ** 20)))
+                                                   select=dict(sort_waves=0)))
 # the prefill forms at any step size: tiles over the selections' union, or per-token programs
 ATTENTION_CONFIGS = (None, openmsa.AttentionConfig(prefill_min_tokens=1),
                      openmsa.AttentionConfig(prefill_min_tokens=1, tiles=False))

@@ -890,37 +890,6 @@ def test_select_deterministic_and_graph_replay(hint):
         assert torch.equal(out, eager)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("requests, q_len, width", [(1, 1, 256), (1, 4, 1024), (1, 1, 8192),
-                                                    (8, 1, 1024), (3, 2, 3000)])
-def test_fused_selection_equals_the_selection_launch(requests, q_len, width):
-    """M3's small decode steps select inside the scoring launch (32K to 1M at B = 1, B = 8 at
-    128K, a ragged step): bit-identical to the scoring launch then the selection launch, eager
-    and replayed in a CUDA graph with new lengths (the arrival counters return to 0)."""
-    torch.manual_seed(0)
-    pages = requests * width + 5
-    cache = torch.randn(pages, GB, 128, device="cuda").to(FP8)
-    table = torch.randperm(pages, device="cuda")[:requests * width].view(requests, width).int()
-    cu = torch.arange(0, q_len * requests + 1, q_len, dtype=torch.int32, device="cuda")
-    seq = torch.full((requests,), width * GB - 5, dtype=torch.int32, device="cuda")
-    q = torch.randn(q_len * requests, 4, 128, device="cuda").to(FP8)
-    args = (q, cache, cu, seq, table)
-    unfused = DEFAULT.replace(select={"fuse_max_keys": 0})
-    shape = indexer_api._shape(q, cache, seq, table, GB, None, 16, 0, 1)
-    assert plan(shape, DeviceFacts.of(q.device), DEFAULT).kernels() == ("scores_decode_select",)
-    out = torch.full((q_len * requests, 4, 16), -7, dtype=torch.int32, device="cuda")
-    openmsa.select_blocks(*args, block_size=GB, out=out)
-    assert torch.equal(out, openmsa.select_blocks(*args, block_size=GB, config=unfused))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        openmsa.select_blocks(*args, block_size=GB, out=out)
-    for lens in ([width * GB] * requests, [(i * 7919) % (width * GB) + 1 for i in range(requests)]):
-        seq.copy_(torch.tensor(lens, dtype=torch.int32))
-        q.copy_(torch.randn_like(q, dtype=torch.float32).to(FP8))
-        graph.replay()
-        assert torch.equal(out, openmsa.select_blocks(*args, block_size=GB, config=unfused))
-
-
 def _short_rows_on(num_rows, heads, width, topk, config=DEFAULT):
     """Whether a selection launch of these shapes takes select_rows.py's kernel (on an H200
     with the tested Triton it must: a test of that kernel that silently ran select.py would

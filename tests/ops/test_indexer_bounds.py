@@ -138,19 +138,14 @@ def test_kernels_equal_the_reference(kernel_device, name):
 
 # a decode and verify step (every request the decode launch's) with padding tokens
 DECODE_Q_LENS = [1, 3, 0, 4, 1]
-# the selection inside the scoring launch (splits of at most K blocks, and longer ones that
-# keep their best K), and the scoring launch then the selection launch
-FUSED = (openmsa.IndexerConfig().replace(decode={"max_bps": 2}, select={"sort_waves": 2 ** 20}),
-         openmsa.IndexerConfig().replace(select={"sort_waves": 2 ** 20}))
-UNFUSED = openmsa.IndexerConfig().replace(select={"fuse_max_keys": 0})
 
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("name", [None, *CASES])
-def test_fused_selection_equals_the_reference(kernel_device, name):
-    """A decode step's selection inside its scoring launch gives the reference's indices under
-    every broken contract (padding tokens' and invalid requests' rows -1, a malformed step all
-    -1), as the separate selection launch does, and writes nothing outside its output."""
+def test_decode_steps_equal_the_reference(kernel_device, name):
+    """A step of the decode launch alone (no prefill launch) under every broken contract:
+    the reference's indices (padding tokens' and invalid requests' rows -1, a malformed step
+    all -1) on the threshold and the sort paths, nothing written outside the output."""
     step = make_step(DECODE_Q_LENS, SEQ_LENS, block_size=B, extra_columns=1, pad_tokens=2,
                      generator=torch.Generator().manual_seed(5))
     q, c = random_index_inputs(step, num_heads=2, head_dim=32, block_size=B,
@@ -160,24 +155,11 @@ def test_fused_selection_equals_the_reference(kernel_device, name):
                   else _hostile(name, step))
     want = indexer_ref.select_blocks(q, c, cu, sl, bt, block_size=B, **RULE)
     args = tuple(x.to(kernel_device) for x in (q, c, cu, sl, bt))
-    for config in (*FUSED, UNFUSED):
-        fused = "scores_decode_select" in indexer_api_plan(args, config).kernels()
-        assert fused == (config is not UNFUSED)
+    for config in (None, openmsa.IndexerConfig().replace(select={"sort_waves": 2 ** 20})):
         idx, buf, margin = _guarded(want.shape, torch.int32, 777, kernel_device)
         openmsa.select_blocks(*args, block_size=B, out=idx, config=config, **RULE)
         _check_margins(buf, margin, 777)
         assert torch.equal(idx.cpu(), want), (name, config)
-
-
-def indexer_api_plan(args, config):
-    """select_blocks' plan for these arguments on their device."""
-    from openmsa.ops.common.plan import DeviceFacts
-    from openmsa.ops.indexer import api
-    from openmsa.ops.indexer.plan import plan
-    q, c, _, sl, bt = args
-    shape = api._shape(q, c, sl, bt, B, None, RULE["topk"], RULE["init_blocks"],
-                       RULE["local_blocks"])
-    return plan(shape, DeviceFacts.of(q.device), config)
 
 
 @pytest.mark.interpret

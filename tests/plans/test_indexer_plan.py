@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from openmsa.ops.common.plan import DeviceFacts
-from openmsa.ops.indexer.plan import (DEFAULT, SMALL_Q, IndexerConfig, IndexerShape,
-                                      SelectForm, cp_local_keys, cp_merge, cp_plan, cp_share,
-                                      plan, selection_layout, selection_plan)
+from openmsa.ops.indexer.plan import (DEFAULT, SMALL_Q, IndexerConfig, IndexerShape, cp_local_keys,
+                                      cp_merge, cp_plan, cp_share, plan, selection_layout,
+                                      selection_plan)
 
 pytestmark = pytest.mark.reference
 
@@ -511,51 +511,3 @@ def test_index_dim_padded_to_the_dot_depth(dim, dtype):
         for launch in plan(shape, DeviceFacts(gluon_hopper=False), DEFAULT):
             if "DIP" in launch.params:
                 assert launch.params["DIP"] == max(least, 1 << (dim - 1).bit_length())
-
-
-@pytest.mark.parametrize("requests, tokens, blocks, want", [
-    (1, 1, 256, dict(grid=(1, 256), CK=1, CW=256)),        # TP1 B = 1, 32K: splits of 1 block
-    (1, 1, 1024, dict(grid=(1, 256), CK=4, CW=1024)),      # 128K
-    (1, 4, 1024, dict(grid=(1, 256), CK=4, CW=1024)),      # a 4-token verify at 128K
-    (1, 1, 8192, dict(grid=(1, 256), CK=16, CW=4096)),     # 1M: each split keeps its best 16
-    (8, 8, 1024, dict(grid=(8, 32), CK=16, CW=512)),       # B = 8, 128K
-    (128, 128, 1024, None),                                # B = 128: the threshold path
-])
-def test_small_decode_steps_select_inside_the_scoring_launch(requests, tokens, blocks, want):
-    """A decode step whose selection would sort (few programs) is one launch: the scoring
-    launch keeps each split's best K per row and its last program per request picks the rows'
-    blocks (no score rows, no selection launch); sizes name the candidates' buffer."""
-    shape = _shape(tokens=tokens, requests=requests, blocks=blocks, topk=16)
-    p = plan(shape, H200)
-    if want is None:
-        assert "scores_decode_select" not in p.kernels()
-        assert p.kernels()[0] == "scores_decode"
-        return
-    assert p.kernels() == ("scores_decode_select",)
-    (launch,) = p
-    unfused = plan(shape, H200, DEFAULT.replace(select={"fuse_max_keys": 0}))
-    decode = unfused.find("scores_decode")
-    # the same scoring launch (grid, constexprs) with the selection's rule added
-    assert launch.grid == decode.grid == want["grid"]
-    assert {k: v for k, v in launch.params.items() if k in decode.params} == dict(decode.params)
-    assert (launch.params["CK"], launch.params["CW"]) == (want["CK"], want["CW"])
-    assert (launch.params["TOPK"], launch.params["KP"]) == (16, 16)
-    assert dict(p.sizes) == dict(fused_splits=want["grid"][1], fused_candidates=want["CK"])
-    assert unfused.kernels()[1:] and "select_segments" in unfused.kernels()
-
-
-def test_fused_selection_only_where_it_applies():
-    """Not fused: a step with a prefill launch, block_scores (no topk), NVFP4 pages on Hopper
-    (the Gluon decode launch), a merge over fuse_max_keys keys, fuse_max_keys 0."""
-    decode = dict(tokens=1, requests=1, blocks=1024, topk=16)
-    assert plan(_shape(**decode), H200).kernels() == ("scores_decode_select",)
-    assert "scores_decode_select" not in plan(_shape(tokens=8192, blocks=1024, topk=16),
-                                              H200).kernels()
-    assert plan(_shape(**{**decode, "topk": None}), H200).kernels() == ("scores_decode",)
-    nvfp4 = plan(_shape(**decode, cache_dtype=torch.uint8), H200).kernels()
-    assert nvfp4[0] == "scores_decode_nvfp4" and "scores_decode_select" not in nvfp4
-    for knob in (512, 0):
-        small = plan(_shape(**decode), H200, DEFAULT.replace(select={"fuse_max_keys": knob}))
-        assert small.kernels()[0] == "scores_decode"
-    with pytest.raises(ValueError, match="fuse_max_keys"):
-        SelectForm(fuse_max_keys=1000)

@@ -60,5 +60,4 @@ def test_rocm_keeps_the_gpu_grids():
     """ROCm plans size grids by the device's CUs like any GPU (not the interpreter's 4)."""
     _, _, p = next(c for c in plans(MI300X) if c[0].startswith("decode-b1-bf16") and
                    c[1] == "indexer")
-    # (a decode step at B = 1 selects inside its scoring launch: one launch)
-    assert p.kernels() == ("scores_decode_select",) and p.launches[0].grid[1] > 1
+    assert p.find("scores_decode").grid[1] > 1

@@ -13,7 +13,6 @@ from ..._dispatch import on_tensor_device, use_kernels
 from ...nvfp4 import ALIGN as NVFP4_ALIGN
 from ...nvfp4 import check_nvfp4_cache, is_nvfp4_cache
 from ...support import indexer_unsupported_reason
-from ..common.counters import arrival_counters
 from ..common.launch import PlanCache, call_key, launch_planned, tma_descriptor
 from ..common.plan import DeviceFacts, LaunchPlan, config_or_default
 from . import reference
@@ -128,10 +127,9 @@ def _runner(table: dict, kernel: str):
 def _triton_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores,
                  width) -> tuple:
     """kernels/scores.py's kernel arguments for these tensors (width: see _run_scores)."""
-    # (the fused selection's pointers and strides: unused here, plain zeros)
     return (index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores, seq_lens.shape[0],
             index_q.shape[0], index_cache.shape[0], width, *index_q.stride(),
-            *index_cache.stride(), *block_table.stride(), *scores.stride(), 0, 0, 0, 0, 0, 0)
+            *index_cache.stride(), *block_table.stride(), *scores.stride())
 
 
 def _run_decode(launch, step: _ScoreStep, cp) -> None:
@@ -422,34 +420,12 @@ def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, 
     if out is None:
         out = torch.empty((num_tokens, num_heads, topk), dtype=torch.int32,
                           device=index_q.device)
-    if launches.sizes.get("fused_splits"):
-        _run_fused_selection(launches, index_q, index_cache, cu_seqlens_q, seq_lens,
-                             block_table, out)
-        return out
     # only blocks below each token's causal count are read back, so no -inf fill is needed
     scores = torch.empty((num_tokens, num_heads, block_table.shape[1]), dtype=torch.float32,
                          device=index_q.device)
     _run_scores(launches, index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores)
     _run_selection(launches, scores, cu_seqlens_q, seq_lens, out)
     return out
-
-
-def _run_fused_selection(launches: LaunchPlan, index_q, index_cache, cu_seqlens_q, seq_lens,
-                         block_table, out) -> None:
-    """The decode launch that selects too (plan._fused_selection): no score row; each split's
-    candidates in a [T, H, splits, candidates] int64 buffer and one arrival counter per request
-    (ops/common/counters.py)."""
-    (launch,) = launches
-    num_tokens, num_heads, _ = index_q.shape
-    device = index_q.device
-    cand = torch.empty((num_tokens, num_heads, launches.sizes["fused_splits"],
-                        launches.sizes["fused_candidates"]), dtype=torch.int64, device=device)
-    counters = arrival_counters(device, seq_lens.shape[0], "indexer")
-    # (no score tensor: the launch writes none, and `cand` stands in for its pointer)
-    launch.run(_block_scores_kernel, index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
-               cand, seq_lens.shape[0], num_tokens, index_cache.shape[0], block_table.shape[1],
-               *index_q.stride(), *index_cache.stride(), *block_table.stride(), 0, 0, 0, out,
-               cand, counters, *out.stride())
 
 
 def _checked_selection_shape(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, topk,

@@ -197,16 +197,10 @@ class SelectForm:
     # 4 * KP) and least groups of a segment (at least 2 * KP)
     scratch_slots: int = 64
     groups: int = 64
-    # a decode step whose selection would sort (few programs) selects inside its scoring launch
-    # (kernels/select.py, "The fused selection") when a token's merge of its splits' candidates
-    # (heads x splits x candidates per split, padded to powers of two) holds at most this many
-    # keys; 0: never
-    fuse_max_keys: int = 16384
 
     def __post_init__(self):
         check_form(self, pow2=("segment", "sort_widths", "scratch_slots", "groups"),
-                   pow2_or_zero=("chunk", "fuse_max_keys"),
-                   positive=("sort_warps", "search_warps"))
+                   pow2_or_zero=("chunk",), positive=("sort_warps", "search_warps"))
 
 
 @dataclass(frozen=True)
@@ -369,33 +363,7 @@ def plan(shape: IndexerShape, device: DeviceFacts, config: IndexerConfig = DEFAU
     selection's temporary buffers (see _selection)."""
     selection = selection_plan(shape, device, config)
     scoring, sizes = _scoring(shape, device, config)
-    fused = _fused_selection(shape, scoring, selection, config)
-    if fused is not None:
-        return fused
     return LaunchPlan((*scoring, *selection), {**selection.sizes, **sizes})
-
-
-def _fused_selection(shape: IndexerShape, scoring: list[Launch], selection: LaunchPlan,
-                     config: IndexerConfig) -> LaunchPlan | None:
-    """The decode launch that selects too ("scores_decode_select", kernels/select.py's fused
-    selection), or None: for a step of the decode launch alone whose selection would take the
-    sort path (a few programs, where each dependent launch's latency is the step's), when a
-    token's merge fits select.fuse_max_keys. Sizes: "fused_splits" and "fused_candidates"
-    (the [T, H, splits, candidates] int64 buffer)."""
-    if (len(scoring) != 1 or scoring[0].kernel != "scores_decode" or not selection
-            or not selection.launches[0].params.get("BY_SORT")):
-        return None
-    decode = scoring[0]
-    bps, splits = decode.params["BPS"], decode.grid[1]
-    kp = selection.launches[0].params["KP"]
-    ck = min(bps, kp)
-    cw = max(next_pow2(splits * ck), kp)
-    if decode.params["HP"] * cw > config.select.fuse_max_keys:
-        return None
-    params = dict(decode.params, CK=ck, CW=cw, TOPK=shape.topk, KP=kp, INIT=shape.init_blocks,
-                  LOCAL=shape.local_blocks)
-    return LaunchPlan((Launch("scores_decode_select", decode.grid, params),),
-                      dict(fused_splits=splits, fused_candidates=ck))
 
 
 def selection_plan(shape: IndexerShape, device: DeviceFacts,

@@ -28,7 +28,6 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from ...common.triton_utils import find_request, request_ok, step_well_formed
-from .select import merge_split_candidates, padding_rows, split_candidates
 
 
 @triton.jit
@@ -211,15 +210,12 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
                        MAX_SKIPS_NAN: tl.constexpr, split_pages_given=0,
                        PAGES_GIVEN: tl.constexpr = False, ONE_LOOP: tl.constexpr = False,
                        NVFP4: tl.constexpr = False, cp_size=1, cp_rank=0,
-                       CP: tl.constexpr = False, cand_ptr=0, split=0, num_splits=1,
-                       CK: tl.constexpr = 0, INIT: tl.constexpr = 0,
-                       LOCAL: tl.constexpr = 0):
+                       CP: tl.constexpr = False):
     """Score tokens [t_begin, t_end) (< ROWS_T of them, all of one request whose first token is
     t_req) against blocks [b_lo, b_hi) and store the tile; rows are (token, head) pairs.
     PAGES_GIVEN: the caller loaded the split's page ids (split_pages_given, [BPS]); ONE_LOOP: one
     causal-masked loop over the split instead of an unmasked loop and a masked one; NVFP4: the
-    cache is NVFP4 pages. CK > 0 (the fused selection): the tile's candidates go to cand_ptr
-    ([T, H, num_splits, CK], this split's slots) instead of the scores."""
+    cache is NVFP4 pages."""
     M: tl.constexpr = ROWS_T * HP
     rows = tl.arange(0, M)
     tok = t_begin + rows // HP  # [M]
@@ -267,30 +263,23 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
                             MAX_SKIPS_NAN, num_pages, NVFP4, page_ptr)
         page_ptr += stride_btb
     blk = b_lo + cols
-    if CK > 0:
-        cand_rows = cand_ptr + ((tok.to(tl.int64) * H + head) * num_splits + split) * CK
-        split_candidates(tile, blk, pos // BLOCK + 1, row_ok, cand_rows, CK, INIT, LOCAL)
-    else:
-        out = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh \
-            + blk.to(tl.int64)[None, :] * stride_ob
-        tl.store(out, tile, mask=row_ok[:, None] & (blk[None, :] < b_hi))
+    out = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh \
+        + blk.to(tl.int64)[None, :] * stride_ob
+    tl.store(out, tile, mask=row_ok[:, None] & (blk[None, :] < b_hi))
 
 
 @triton.jit
 def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr, num_requests,
                          num_tokens, num_pages, full_width, stride_qt, stride_qh, stride_qd,
                          stride_cp, stride_cb, stride_cd, stride_btr,
-                         stride_btb, stride_ot, stride_oh, stride_ob, sel_ptr, cand_ptr,
-                         counter_ptr, stride_st, stride_sh, stride_sk,
+                         stride_btb, stride_ot, stride_oh, stride_ob,
                          H: tl.constexpr, HP: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr,
                          BLOCK: tl.constexpr, BPS: tl.constexpr, SMALL_Q: tl.constexpr,
                          TILE_MODE: tl.constexpr, ROWS_T: tl.constexpr, CAST_K: tl.constexpr,
                          IEEE: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
                          MAX_SKIPS_NAN: tl.constexpr, PDL: tl.constexpr = False,
                          table_width=0, NVFP4: tl.constexpr = False, cp_size=1, cp_rank=0,
-                         CP: tl.constexpr = False, CK: tl.constexpr = 0,
-                         CW: tl.constexpr = 0, TOPK: tl.constexpr = 0, KP: tl.constexpr = 0,
-                         INIT: tl.constexpr = 0, LOCAL: tl.constexpr = 0):
+                         CP: tl.constexpr = False):
     if PDL:
         # the selection launch may start now (programmatic dependent launch): it takes effect
         # once every program of this launch has passed here, and the selection waits for this
@@ -370,9 +359,8 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
         else:
             b_hi = tl.minimum(b_first + BPS, tl.where(seq_len > 0, (seq_len - 1) // BLOCK + 1, 0))
         # (request_ok bounds b_hi by the table's width; a malformed step is padding)
-        valid = ((q_len > 0) & (q_len <= SMALL_Q) & request_ok(q_len, seq_len, full_width, BLOCK)
-                 & step_well_formed(cu_ptr, num_requests, num_tokens))
-        if valid & (b_first < b_hi):
+        if ((q_len > 0) & (q_len <= SMALL_Q) & request_ok(q_len, seq_len, full_width, BLOCK)
+                & (b_first < b_hi) & step_well_formed(cu_ptr, num_requests, num_tokens)):
             # NVFP4: an unmasked loop and a causal one (ONE_LOOP off): the per-key causal
             # compare and select (~24 instructions a block) leave the loop that scans the
             # context; only a request's last split runs the masked loop, for its last block
@@ -384,28 +372,4 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                                    stride_btb,
                                    stride_ot, stride_oh, stride_ob, H, HP, DI, DIP, BLOCK,
                                    ROWS_T, BPS, CAST_K, IEEE, KEYS_AS_ROWS, MAX_SKIPS_NAN,
-                                   pages, True, not NVFP4, NVFP4, cp_size, cp_rank, CP,
-                                   cand_ptr, tl.program_id(1), tl.num_programs(1), CK, INIT,
-                                   LOCAL)
-        if CK > 0:
-            # the fused selection (kernels/select.py): the last of the request's programs to
-            # arrive picks its tokens' blocks from every split's candidates. The barrier orders
-            # every thread's candidate stores before the counter's release; the merger puts the
-            # counter back to 0 for the next launch
-            tl.debug_barrier()
-            counter = counter_ptr + r
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == tl.num_programs(1) - 1:
-                if valid:
-                    t = t_req
-                    while t < t_next:
-                        n = (seq_len - q_len + (t - t_req)) // BLOCK + 1
-                        merge_split_candidates(
-                            cand_ptr + t.to(tl.int64) * H * tl.num_programs(1) * CK,
-                            sel_ptr + t.to(tl.int64) * stride_st, stride_sh, stride_sk, n,
-                            tl.num_programs(1), H, HP, BPS, CK, CW, TOPK, KP)
-                        t += 1
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-            # the padding tokens' rows, which no request's merge writes
-            padding_rows(sel_ptr, cu_ptr, seq_lens_ptr, num_requests, num_tokens, full_width,
-                         stride_st, stride_sh, stride_sk, H, HP, TOPK, KP, BLOCK)
+                                   pages, True, not NVFP4, NVFP4, cp_size, cp_rank, CP)
