@@ -281,8 +281,6 @@ def _merge_splits_kernel(part_out_ptr, out_ptr, lse_ptr, stride_ot, stride_oh,
     """out = sum_s exp(lse_s - lse) * out_s with lse = logsumexp_s lse_s; all -inf gives 0."""
     if PDL:
         gdc_wait()  # launched before the split programs finished: wait for their partials
-        # the next launch (the next layer's preparation) may start; it waits for this one
-        gdc_launch_dependents()
     t = tl.program_id(0)
     h = tl.program_id(1)
     # the partial LSEs follow the T * Hq * SPLITS * D partial outputs (one allocation)

@@ -316,7 +316,6 @@ def _merge_topk_kernel(cand_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_requests, ta
     n = _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, table_width, t, BLOCK)
     if PDL:
         gdc_wait()  # the segment launch's candidates (see _segment_topk_kernel)
-        gdc_launch_dependents()  # the attention launch after it may start (it waits too)
     if n > TOPK:
         # segments past the row's causal blocks wrote nothing: read only those that exist. On
         # the threshold path the candidates are in ascending block order (segments in order,
