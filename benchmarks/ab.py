@@ -159,7 +159,8 @@ def attention_prefill(base, args):
 def layer_decode(base, args):
     """The sparse layer's decode step (preparation, indexer, attention: run.py's layer rows) of
     both trees over the same caches; q_len 4 (a verify step) at B = 1 too. Each row also holds
-    the tree under test's device time per kernel (new_<kernel>_us)."""
+    each tree's device time per kernel (base_<kernel>_us, new_<kernel>_us; a programmatic
+    dependent's includes its wait for the launch before it)."""
     grid = shapes.LAYER_DECODE
     for model_name, model in run._models(grid):
         for dname in grid["dtypes"]:
@@ -177,16 +178,17 @@ def layer_decode(base, args):
                         for f in fns:
                             f()
                         (idx_b, out_b), (idx_n, out_n) = (f.buffers for f in fns)
-                        parts = run.kernel_breakdown_us(fns[1], args.iters)
                         by: dict[str, float] = {}
-                        for name, us in parts.items():
-                            by[run._short(name)] = by.get(run._short(name), 0.0) + us
+                        for side, f in (("base", fns[0]), ("new", fns[1])):
+                            for name, us in run.kernel_breakdown_us(f, args.iters).items():
+                                key = f"{side}_{run._short(name)}_us"
+                                by[key] = by.get(key, 0.0) + us
                         _row(args.out, section="layer-decode", model=model_name, dtype=dname,
                              L=context, B=batch, q_len=q_len,
                              identical=bool(torch.equal(idx_b, idx_n)),
                              max_diff=float((out_b.float() - out_n.float()).abs().max()),
                              **_time(*fns, args.iters, graph=True),
-                             **{f"new_{k}_us": v for k, v in sorted(by.items())})
+                             **dict(sorted(by.items())))
                         del case, fns
                         torch.cuda.empty_cache()
 
