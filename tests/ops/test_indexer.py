@@ -471,17 +471,16 @@ STEP = dict(cu_ptr=I32, seq_lens_ptr=I32, bt_ptr=I32)
                                                        (True, "*bf16", "*bf16")])
 def test_block_scores_kernel_compiles(tile_mode, q_type, c_type):
     # the decode launch (page ids up front, one causal loop) and the prefill launch (quick exit,
-    # last tile first) with the constexprs plan.py passes; both let the launch after them start
-    # early, and only the decode launch is a programmatic dependent itself (it waits first)
+    # last tile first) with the constexprs plan.py passes; neither waits for the launch before
+    # it (griddepcontrol.wait): only the selection after them does
     from openmsa.ops.indexer.kernels.scores import _block_scores_kernel
     k = _compile(_block_scores_kernel, dict(q_ptr=q_type, cache_ptr=c_type, out_ptr=F32, **STEP),
                  {}, dict(H=4, HP=4, DI=128, DIP=128, BLOCK=128, BPS=32 if tile_mode else 16,
                           SMALL_Q=16, TILE_MODE=tile_mode, ROWS_T=32 if tile_mode else 4,
                           CAST_K=q_type != c_type, IEEE=False, KEYS_AS_ROWS=not tile_mode,
-                          MAX_SKIPS_NAN=True, PDL=True, WAIT_PRIOR=not tile_mode))
+                          MAX_SKIPS_NAN=True, PDL=True))
     ptx = k.asm["ptx"]
-    assert "griddepcontrol.launch_dependents" in ptx
-    assert ("griddepcontrol.wait" in ptx) == (not tile_mode)
+    assert "griddepcontrol.launch_dependents" in ptx and "griddepcontrol.wait" not in ptx
 
 
 @pytest.mark.reference
@@ -1231,7 +1230,6 @@ def test_block_scores_kernel_compiles_nvfp4(tile_mode, q_type):
     if "maxnreg" in params:
         options["maxnreg"] = params.pop("maxnreg")
     params.pop("table_width", None)
-    params.pop("launch_pdl", None)  # (a launch option, not a kernel argument)
     assert params["NVFP4"]
     # as launched on a packed cache: pointers and the page, query, table and score strides
     # multiples of 16 (the decode launch's 128-register cap spills ~230 bytes without that

@@ -36,10 +36,6 @@ def test_prepare_tiles_heads_per_token(heads, tile, tiles):
     launch, = plan(_prepare(tokens=100, heads=heads), H200, DEFAULT)
     assert launch.kernel == "fused_prepare" and launch.grid == (100, tiles)
     assert launch.params["HT"] == tile and launch.params["num_warps"] == 4
-    # NVIDIA: a programmatic dependent launch that lets the scoring launch after it start
-    assert launch.params["PDL"] and launch.params["launch_pdl"]
-    cpu, = plan(_prepare(tokens=100, heads=heads), CPU, DEFAULT)
-    assert "PDL" not in cpu.params and "launch_pdl" not in cpu.params
 
 
 def test_prepare_params_follow_dtypes_dims_and_scales():
@@ -89,14 +85,8 @@ def test_an_empty_step_launches_nothing(shape):
                                    KVWriteShape(9, 4, 128, 128, torch.bfloat16, False),
                                    _prepare(tokens=9, heads=(16, 1, 1))])
 def test_the_launches_are_the_same_on_every_device(shape):
-    """The same kernels, grids and constexprs everywhere, but for fused_prepare's programmatic
-    dependent launch on NVIDIA."""
-    def launches(device):
-        return [(launch.kernel, launch.grid,
-                 {k: v for k, v in launch.params.items() if k not in ("PDL", "launch_pdl")})
-                for launch in plan(shape, device)]
-    want = launches(H200)
-    assert launches(H200_NO_GLUON) == want and launches(CPU) == want
+    want = plan(shape, H200)
+    assert plan(shape, H200_NO_GLUON) == want and plan(shape, CPU) == want
 
 
 def test_config_fields_are_checked():

@@ -251,12 +251,9 @@ def test_request_launch_splits(requests, blocks, want_bps, want_grid):
     assert launch.params["BPS"] == want_bps and launch.grid == want_grid
     assert launch.params["KEYS_AS_ROWS"] and launch.params["PDL"]
     assert launch.params["MAX_SKIPS_NAN"] and launch.params["table_width"] == blocks
-    # a programmatic dependent of the launch before it (the layer's preparation)
-    assert launch.params["WAIT_PRIOR"] and launch.params["launch_pdl"]
     # the interpreter: 4 "SMs", no programmatic dependent launches, NaN cleaned per key
     (launch,) = plan(_shape(requests, requests=requests, blocks=blocks, max_q_len=1), CPU)
     assert not launch.params["PDL"] and not launch.params["MAX_SKIPS_NAN"]
-    assert "WAIT_PRIOR" not in launch.params and "launch_pdl" not in launch.params
     # fp32 queries keep the IEEE dot with the queries as rows
     (launch,) = plan(_shape(requests, requests=requests, blocks=blocks, max_q_len=1,
                             dtype=torch.float32), H200)

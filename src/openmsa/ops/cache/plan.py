@@ -100,7 +100,8 @@ def _prepare_tiles(shape: PrepareShape, config: CacheConfig) -> tuple[int, int]:
 
 def plan(shape, device: DeviceFacts, config: CacheConfig = DEFAULT) -> LaunchPlan:
     """The launches of one cache op call (none for an empty step). The kernels are the same on
-    every device; on NVIDIA, fused_prepare is a programmatic dependent launch (its PDL)."""
+    every device: `device` is taken for the shape every op's plan has."""
+    del device
     if not isinstance(shape, (IndexWriteShape, KVWriteShape, PrepareShape)):
         raise TypeError(f"no cache plan for {type(shape).__name__}")
     if shape.num_tokens == 0:
@@ -125,5 +126,4 @@ def plan(shape, device: DeviceFacts, config: CacheConfig = DEFAULT) -> LaunchPla
         KV_SATURATE=shape.kv_cache_dtype in FP8_TYPES,
         INDEX_SATURATE=shape.index_cache_dtype in FP8_TYPES,
         INDEX_NVFP4=shape.index_cache_dtype == NVFP4,
-        IQ_SATURATE=shape.index_q_dtype in FP8_TYPES, num_warps=config.prepare_warps,
-        **(dict(PDL=True, launch_pdl=True) if device.nvidia else {})))])
+        IQ_SATURATE=shape.index_q_dtype in FP8_TYPES, num_warps=config.prepare_warps))])

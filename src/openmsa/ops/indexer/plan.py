@@ -446,7 +446,6 @@ def _decode(shape: IndexerShape, device: DeviceFacts, config: IndexerConfig,
                        **_common(shape, device), SMALL_Q=ANY_Q if any_q else SMALL_Q,
                        KEYS_AS_ROWS=shape.q_dtype != torch.float32, num_warps=form.warps,
                        num_stages=form.stages, table_width=shape.max_blocks,
-                       **(dict(WAIT_PRIOR=True, launch_pdl=True) if device.nvidia else {}),
                        **(dict(maxnreg=form.maxnreg_nvfp4) if shape.nvfp4 and device.nvidia
                           else {})))
 

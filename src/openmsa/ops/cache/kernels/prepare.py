@@ -26,7 +26,6 @@ cos and sin (1.0 without scaling).
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .write import kv_scales, nvfp4_store, saturate_to
 
@@ -95,14 +94,7 @@ def _fused_prepare_kernel(
         NCOARSE: tl.constexpr, FP32_ANGLES: tl.constexpr, ROPE_SCALE: tl.constexpr,
         BLOCK: tl.constexpr, IBLOCK: tl.constexpr, HT: tl.constexpr,
         KV_SATURATE: tl.constexpr, INDEX_SATURATE: tl.constexpr, IQ_SATURATE: tl.constexpr,
-        HAS_SCALE: tl.constexpr, INDEX_NVFP4: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:
-        # a programmatic dependent of the kernel before it on the stream (its programs may
-        # start while that kernel's last ones run; nothing is read before it has finished),
-        # and the launch after it (the index branch's scoring) may start as soon as every
-        # program here has begun: each launch's latency hides behind the one before
-        gdc_wait()
-        gdc_launch_dependents()
+        HAS_SCALE: tl.constexpr, INDEX_NVFP4: tl.constexpr):
     t = tl.program_id(0)
     tile = tl.program_id(1)
     NQ: tl.constexpr = (HQ + HT - 1) // HT

@@ -25,7 +25,7 @@ dequantized in registers by _nvfp4_keys.
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from ...common.triton_utils import find_request, request_ok, step_well_formed
 
@@ -279,12 +279,7 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                          IEEE: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
                          MAX_SKIPS_NAN: tl.constexpr, PDL: tl.constexpr = False,
                          table_width=0, NVFP4: tl.constexpr = False, cp_size=1, cp_rank=0,
-                         CP: tl.constexpr = False, WAIT_PRIOR: tl.constexpr = False):
-    if WAIT_PRIOR:
-        # the decode launch is a programmatic dependent of the kernel before it on the stream
-        # (the layer's preparation writes the index query): it may start while that kernel's
-        # last programs run, and reads nothing before that kernel has finished
-        gdc_wait()
+                         CP: tl.constexpr = False):
     if PDL:
         # the selection launch may start now (programmatic dependent launch): it takes effect
         # once every program of this launch has passed here, and the selection waits for this
