@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Host cost of eager calls: what an engine that does not capture a graph pays per call.
 
-    python3 benchmarks/host_cost.py [CASE...]        # profile_case.py's case names
+    python3 benchmarks/host_cost.py [CASE...] [--out FILE.json]   # profile_case.py's case names
 
 Per case: the synchronised eager call (wall time from an idle GPU: host + device), the host's
 own time per call (calls back to back, no synchronisation: the host returns once its launches
@@ -12,7 +12,9 @@ and a cProfile of 200 calls. Then micro-benchmarks of the pieces: an empty Trito
 (its result checked), `torch.empty` and the stream query.
 """
 
+import argparse
 import cProfile
+import json
 import os
 import pstats
 import statistics
@@ -103,7 +105,7 @@ def _many(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11,
     tl.store(p0, s + C0 + C1 + C2 + C3 + C4 + C5 + f0.to(tl.int32))
 
 
-def micro() -> None:
+def micro() -> dict[str, float]:
     dev = torch.device("cuda")
     x = torch.zeros(16, dtype=torch.int32, device=dev)
     ptrs = [x] * 12
@@ -136,13 +138,26 @@ def micro() -> None:
         lambda: torch.cuda.current_stream(dev).cuda_stream, 2000)
     for k, v in rows.items():
         print(f"micro: {k}: {v:.2f} µs", flush=True)
+    return rows
 
 
 def main() -> None:
-    names = sys.argv[1:] or ["attn-fp8-tp1-b8-out", "attn-fp8-tp1-b1", "idx-fp8-b32-32k",
-                             "idx-fp8-b1-32k"]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("cases", nargs="*", default=["attn-fp8-tp1-b8-out", "attn-fp8-tp1-b1",
+                                                    "idx-fp8-b32-32k", "idx-fp8-b1-32k",
+                                                    "layer-fp8-tp1-b8-32k"])
+    parser.add_argument("--out", help="also write the numbers as JSON here")
+    args = parser.parse_args()
+    names = args.cases
+    result = {"provenance": run.provenance(), "micro_us": {}, "rows": []}
+
+    def save():
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
     if Launcher is not None:
-        micro()
+        result["micro_us"] = micro()
+        save()
     for name in names:
         fn = profile_case.CASES[name]()
         call = run.eager_call_us(fn, 20)
@@ -151,6 +166,9 @@ def main() -> None:
         print(f"{name}: eager call {call:.1f} µs (synchronised, device + host); host "
               f"{host:.1f} µs per call back to back, of which {inside:.1f} in its "
               f"{launches:.0f} launches", flush=True)
+        result["rows"].append(dict(case=name, eager_call_us=call, host_us=host,
+                                   launch_us=inside, launches=launches))
+        save()
     for name in names:
         fn = profile_case.CASES[name]()
         fn()

@@ -108,7 +108,7 @@ case "$what" in
   tune)
     python3 benchmarks/tune.py "$@" 2>&1 | tee -a "$OUT/tune.log" ;;
   host)
-    python3 benchmarks/host_cost.py "$@" 2>&1 | tee -a "$OUT/host.log" ;;
+    python3 benchmarks/host_cost.py --out "$OUT/host.json" "$@" 2>&1 | tee -a "$OUT/host.log" ;;
   multigpu|multigpu-tests|multigpu-bench)
     mkdir -p "$OUT/multigpu"
     gpus=$(nvidia-smi -L | grep -c '^GPU')
