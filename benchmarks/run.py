@@ -1059,7 +1059,9 @@ def _layer_case(model, batch, context, q_len, dname):
 def _layer_fns(model, k_cache, v_cache, index_cache, meta, qkv, w, batch, context, q_len,
                m=openmsa):
     """(sparse, dense) step functions over a _layer_case; `m`: the openmsa tree to call
-    (benchmarks/ab.py passes its base tree). sparse.buffers: (index selection, output)."""
+    (benchmarks/ab.py passes its base tree). sparse.buffers: (index selection, output);
+    sparse.prep: the preparation alone, writing sparse.q_out and sparse.index_q_out
+    (benchmarks/stack.py runs FlashInfer's calls after it)."""
     cfg = model
     t = qkv.shape[0]
     q_out = torch.empty(t, cfg.num_heads, cfg.head_dim, dtype=torch.bfloat16, device="cuda")
@@ -1080,6 +1082,7 @@ def _layer_fns(model, k_cache, v_cache, index_cache, meta, qkv, w, batch, contex
         m.sparse_attention(q_out, k_cache, v_cache, idx, meta.cu_seqlens_q, meta.seq_lens,
                            meta.block_table, block_size=cfg.block_size, out=out)
     sparse.buffers = (idx, out)
+    sparse.prep, sparse.q_out, sparse.index_q_out = prep, q_out, iq_out
 
     dense = None
     if k_cache.dtype == torch.bfloat16:
