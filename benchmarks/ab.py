@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """A/B of two trees of openmsa in one process: the benchmark's indexer decode, indexer prefill,
-attention decode and attention prefill grids, each row timed with the two trees' calls
+attention decode, attention prefill and layer decode grids, each row timed with the two trees' calls
 alternating in one profiled loop (run.interleaved_device_times_us), so both sides see the same
 GPU state. Before timing, each row checks that the two trees agree: selections bit-identical,
 attention outputs equal (the same kernels must give the same bits).
@@ -9,6 +9,8 @@ attention outputs equal (the same kernels must give the same bits).
     python benchmarks/ab.py --base .ab [--sections ...] [--iters N] [--out DIR]   # on the GPU
     python benchmarks/ab.py --base .ab --sections indexer-decode --dtypes nvfp4 \
         --contexts 131072,1048576 --batches 32,128      # a part of indexer-decode's grid
+    python benchmarks/ab.py --base .ab --sections layer-decode --models m3-tp1 --dtypes fp8 \
+        --batches 1,8          # the layer step at small batch, with both trees' kernels
 
 The base tree is the package as it was at BASE_REV, renamed `openmsa_base` (its imports are
 relative, so both trees load side by side); the tree under test is the `openmsa` on the path.
