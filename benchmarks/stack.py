@@ -42,7 +42,7 @@ def cache_sets(layers: int, per_set_bytes: int, free_bytes: int, reserve: float 
     return max(1, min(layers, int(free_bytes * reserve) // per_set_bytes))
 
 
-def _fi_layer(fi, layer, case, batch, context):
+def _fi_layer(fi, layer, case):
     """One layer on FlashInfer's calls over the case's caches, after openmsa's preparation:
     (fn, attention output)."""
     k_cache, v_cache, index_cache, meta, _, _ = case
@@ -91,7 +91,7 @@ def stack_row(args, model_name, context, fi) -> dict:
     row["per_layer_us"] = row["stack_us"] / layers
     row["one_layer_call_us"] = run.graph_call_us(ours[0], args.iters)
     if fi is not None and args.dtype == "fp8":
-        peer = run.try_peer(lambda: [_fi_layer(fi, ours[i], cases[i % n_sets], batch, context)
+        peer = run.try_peer(lambda: [_fi_layer(fi, ours[i], cases[i % n_sets])
                                      for i in range(layers)])
         if peer is not None:
             fns = [fn for fn, _ in peer]
