@@ -35,6 +35,11 @@
 #   bash scripts/gpu_check.sh tune [args...]   # benchmarks/tune.py with args (appends tune.log)
 #   bash scripts/gpu_check.sh ab [args...]     # benchmarks/ab.py: this tree against .ab's base
 #                                              # (python3 benchmarks/prepare_ab.py REV first)
+#   bash scripts/gpu_check.sh layer-ab         # issue 57's A/B in one call (~2 min warm): the
+#                                              # layer step TP1 fp8 at B = 1 (q_len 1, 4) and
+#                                              # 8, 32K-1M, with both trees' kernels; then the
+#                                              # large rows that may lose no more than 2%
+#                                              # (indexer and layer, B = 32 / 128, 128K and 1M)
 #   bash scripts/gpu_check.sh host [cases...]  # benchmarks/host_cost.py (eager calls' host time)
 #   bash scripts/gpu_check.sh multigpu [args...]  # issue 43, on 2-4 GPUs (nvidia-h200-x2/-x4):
 #                                              # tests/test_multigpu.py (NCCL, world 2 and 4),
@@ -85,6 +90,13 @@ case "$what" in
     grep -E "ERROR SUMMARY|Invalid|mismatches" "$OUT/memcheck.log" | head -20 ;;
   ab)
     python3 benchmarks/ab.py --base .ab --out "$OUT" "$@" 2>&1 | tee -a "$OUT/ab.log" ;;
+  layer-ab)
+    mkdir -p "$OUT/small" "$OUT/large"
+    python3 benchmarks/ab.py --base .ab --out "$OUT/small" --sections layer-decode \
+      --models m3-tp1 --dtypes fp8 --batches 1,8 --iters 30 2>&1 | tee "$OUT/small/ab.log"
+    python3 benchmarks/ab.py --base .ab --out "$OUT/large" --sections indexer-decode,layer-decode \
+      --models m3-tp1 --dtypes fp8 --batches 32,128 --contexts 131072,1048576 --q-lens 1 \
+      --iters 20 2>&1 | tee "$OUT/large/ab.log" ;;
   bench)
     python3 benchmarks/run.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" ;;
   bench-part)
