@@ -180,11 +180,9 @@ def layer_decode(base, args):
                         for f in fns:
                             f()
                         (idx_b, out_b), (idx_n, out_n) = (f.buffers for f in fns)
-                        by: dict[str, float] = {}
-                        for side, f in (("base", fns[0]), ("new", fns[1])):
-                            for name, us in run.kernel_breakdown_us(f, args.iters).items():
-                                key = f"{side}_{run._short(name)}_us"
-                                by[key] = by.get(key, 0.0) + us
+                        by = {f"{side}_{part}_us": us
+                              for side, f in (("base", fns[0]), ("new", fns[1]))
+                              for part, us in run.breakdown_by_part_us(f, args.iters).items()}
                         _row(args.out, section="layer-decode", model=model_name, dtype=dname,
                              L=context, B=batch, q_len=q_len,
                              identical=bool(torch.equal(idx_b, idx_n)),

@@ -876,9 +876,7 @@ def attention_prefill(args, fi):
                 if dev is None:
                     dev = med(device_times_us(ours, iters))
                 mhz = sm_clock_mhz()
-                parts = {}
-                for name, us in kernel_breakdown_us(ours, iters).items():
-                    parts[_short(name)] = parts.get(_short(name), 0.0) + us
+                parts = breakdown_by_part_us(ours, iters)
                 want = out.clone()
                 alone = lambda: openmsa.sparse_attention(  # noqa: E731
                     q, k, v, idx, cu, seq, table, out=out, config=per_token_config)
@@ -1014,6 +1012,14 @@ def kernel_breakdown_us(fn, iters: int) -> dict[str, float]:
     return {k: med(v) * len(v) / iters for k, v in per.items()}
 
 
+def breakdown_by_part_us(fn, iters: int) -> dict[str, float]:
+    """kernel_breakdown_us summed by part (`_short`: prep, score, topk, attn, ...)."""
+    parts: dict[str, float] = {}
+    for name, us in kernel_breakdown_us(fn, iters).items():
+        parts[_short(name)] = parts.get(_short(name), 0.0) + us
+    return parts
+
+
 def _short(name: str) -> str:
     for key, short in (("tile_plan", "attn-plan"), ("attention_tile", "attn-tile"),
                        ("fused_prepare", "prep"), ("block_scores", "score"),
@@ -1135,14 +1141,11 @@ def _layer_row(section, model_name, model, dname, batch, context, q_len, args, d
     sparse, dense = _layer_fns(model, *case, batch, context, q_len)
     iters = max(5, args.iters // 2)
     sparse()
-    parts = kernel_breakdown_us(sparse, iters)
+    by = breakdown_by_part_us(sparse, iters)
     row = dict(section=section, model=model_name, dtype=dname, B=batch, L=context, q_len=q_len,
                us=med(device_times_us(sparse, iters)))
     if section == "layer-decode":
         row["call_us"] = graph_call_us(sparse, iters)
-    by = {}
-    for name, us in parts.items():
-        by[_short(name)] = by.get(_short(name), 0.0) + us
     row.update({f"{k}_us": v for k, v in sorted(by.items())})
     key = (model_name, batch, context, q_len)
     if dense is not None:
