@@ -13,7 +13,7 @@ from .ops.attention.api import sparse_attention, sparse_page_table
 from .ops.attention.plan import AttentionConfig
 from .ops.cache.api import fused_prepare, write_index_cache, write_kv_cache
 from .ops.cache.plan import CacheConfig
-from .ops.indexer.api import block_scores, select_blocks
+from .ops.indexer.api import block_scores, prepare_and_select, select_blocks
 from .ops.indexer.plan import IndexerConfig
 from .layer import MSAAttention
 from .nvfp4 import dequantize_index_pages
@@ -33,6 +33,7 @@ def __getattr__(name):
 
 __all__ = ["MSAConfig", "block_scores", "select_blocks", "sparse_attention", "sparse_page_table",
            "validate_batch", "write_index_cache", "write_kv_cache", "fused_prepare",
+           "prepare_and_select",
            "unsupported_reason", "reference", "MSAAttention", "MSAPlanner", "MSAMetadata",
            "IndexerConfig", "AttentionConfig", "CacheConfig", "nvfp4", "dequantize_index_pages",
            "__version__"]

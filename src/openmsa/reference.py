@@ -5,9 +5,9 @@ from .batch import validate_batch
 from .ops.attention.reference import sparse_attention, sparse_page_table
 from .ops.cache.reference import (apply_rope, fused_prepare, prepare_index_qk, prepare_qkv,
                                   rms_norm, write_index_cache, write_kv_cache)
-from .ops.indexer.reference import block_scores, select_blocks
+from .ops.indexer.reference import block_scores, prepare_and_select, select_blocks
 
 __all__ = ["block_scores", "select_blocks", "sparse_attention", "sparse_page_table",
            "validate_batch",
            "write_index_cache", "write_kv_cache", "rms_norm", "apply_rope", "prepare_index_qk",
-           "prepare_qkv", "fused_prepare"]
+           "prepare_qkv", "fused_prepare", "prepare_and_select"]

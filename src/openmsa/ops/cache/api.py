@@ -185,34 +185,11 @@ def fused_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_
                    (config, q_out is None, index_q_out is None, scale_key(k_scale),
                     scale_key(v_scale), cache_config))
 
-    def make() -> _Prepared:
-        checked = _check_config(cache_config, "cache_config")
-        check_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_norm_weight,
-                      index_k_norm_weight, k_cache, v_cache, slot_mapping, index_cache,
-                      index_slot_mapping, q_out, index_q_out)
-        check_scale_arg("k_scale", k_scale, qkv.device)
-        check_scale_arg("v_scale", v_scale, qkv.device)
-        shape = PrepareShape(
-            qkv.shape[0], config.num_heads, config.num_kv_heads, config.num_index_heads,
-            config.head_dim, config.index_head_dim, config.rotary_dim, k_cache.shape[1],
-            index_cache.shape[1], k_cache.dtype, index_cache.dtype,
-            nvfp4.index_query_dtype(index_cache.dtype) if index_q_out is None
-            else index_q_out.dtype,
-            k_scale is not None or v_scale is not None, config.rope_angles == "fp32",
-            rope.attention_factor(config))
-        table = rope_table(config.rotary_dim, float(config.rope_theta), str(qkv.device),
-                           config.rope_scaling, config.rope_angles)
-        return _Prepared(plan(shape, DeviceFacts.of(qkv.device), checked).launches, table)
-
-    launches, table = _PLANS.get_or_plan(key, make)
-    num_tokens = qkv.shape[0]
-    if q_out is None:
-        q_out = torch.empty(num_tokens, config.num_heads, config.head_dim, dtype=qkv.dtype,
-                            device=qkv.device)
-    if index_q_out is None:
-        index_q_out = torch.empty(num_tokens, config.num_index_heads, config.index_head_dim,
-                                  dtype=nvfp4.index_query_dtype(index_cache.dtype),
-                                  device=qkv.device)
+    launches, table = _PLANS.get_or_plan(key, lambda: prepare_plan(
+        qkv, positions, config, q_norm_weight, k_norm_weight, index_q_norm_weight,
+        index_k_norm_weight, k_cache, v_cache, slot_mapping, index_cache, index_slot_mapping,
+        k_scale, v_scale, q_out, index_q_out, cache_config))
+    q_out, index_q_out = prepare_outputs(qkv, config, index_cache, q_out, index_q_out)
     if not launches:
         return q_out, index_q_out
     _, ks, vs = scale_args(k_scale, v_scale, qkv.device, qkv)
@@ -224,4 +201,44 @@ def fused_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_
                    *qkv.stride(), *k_cache.stride(),
                    *v_cache.stride(), *index_cache.stride(), *q_out.stride(),
                    *index_q_out.stride())
+    return q_out, index_q_out
+
+
+def prepare_plan(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_norm_weight,
+                 index_k_norm_weight, k_cache, v_cache, slot_mapping, index_cache,
+                 index_slot_mapping, k_scale, v_scale, q_out, index_q_out,
+                 cache_config) -> _Prepared:
+    """fused_prepare's argument checks (`q_out`, `index_q_out`: the caller's or None) and its
+    plan, with the RoPE table its launch reads (prepare_and_select in ops/indexer plans the
+    same preparation into its scoring launch)."""
+    checked = _check_config(cache_config, "cache_config")
+    check_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_norm_weight,
+                  index_k_norm_weight, k_cache, v_cache, slot_mapping, index_cache,
+                  index_slot_mapping, q_out, index_q_out)
+    check_scale_arg("k_scale", k_scale, qkv.device)
+    check_scale_arg("v_scale", v_scale, qkv.device)
+    shape = PrepareShape(
+        qkv.shape[0], config.num_heads, config.num_kv_heads, config.num_index_heads,
+        config.head_dim, config.index_head_dim, config.rotary_dim, k_cache.shape[1],
+        index_cache.shape[1], k_cache.dtype, index_cache.dtype,
+        nvfp4.index_query_dtype(index_cache.dtype) if index_q_out is None
+        else index_q_out.dtype,
+        k_scale is not None or v_scale is not None, config.rope_angles == "fp32",
+        rope.attention_factor(config))
+    table = rope_table(config.rotary_dim, float(config.rope_theta), str(qkv.device),
+                       config.rope_scaling, config.rope_angles)
+    return _Prepared(plan(shape, DeviceFacts.of(qkv.device), checked).launches, table)
+
+
+def prepare_outputs(qkv, config, index_cache, q_out, index_q_out):
+    """fused_prepare's (q_out, index_q_out): the caller's, or new ones (q in qkv's dtype, the
+    index query in the index cache's, fp8 e4m3 for NVFP4 pages)."""
+    num_tokens = qkv.shape[0]
+    if q_out is None:
+        q_out = torch.empty(num_tokens, config.num_heads, config.head_dim, dtype=qkv.dtype,
+                            device=qkv.device)
+    if index_q_out is None:
+        index_q_out = torch.empty(num_tokens, config.num_index_heads, config.index_head_dim,
+                                  dtype=nvfp4.index_query_dtype(index_cache.dtype),
+                                  device=qkv.device)
     return q_out, index_q_out

@@ -13,20 +13,22 @@ from ..._dispatch import on_tensor_device, use_kernels
 from ...nvfp4 import ALIGN as NVFP4_ALIGN
 from ...nvfp4 import check_nvfp4_cache, is_nvfp4_cache
 from ...support import indexer_unsupported_reason
-from ..common.launch import PlanCache, call_key, launch_planned, tma_descriptor
+from ..cache.api import fused_prepare, prepare_outputs, prepare_plan
+from ..common.launch import (PlanCache, call_key, launch_planned, scale_args, scale_key,
+                             tma_descriptor)
 from ..common.plan import DeviceFacts, LaunchPlan, config_or_default
 from . import reference
 from .checks import check_indexer_args, check_select_args
 from .cp import exchange_candidates
 from .geometry import GLUON_WG_ROWS
 from .kernels.cp import _local_keys_kernel, _merge_kernel
-from .kernels.scores import _block_scores_kernel
+from .kernels.scores import _block_scores_kernel, _prepare_scores_kernel
 from .kernels.select import (_group_bound_select_kernel, _group_max_kernel, _merge_topk_kernel,
                              _segment_topk_kernel)
 from .plan import (DEFAULT, IndexerConfig, IndexerShape, cp_local_keys, cp_merge, cp_plan,
-                   cp_share, plan, selection_plan, stage_dtype)
+                   cp_share, plan, prepared_plan, selection_plan, stage_dtype)
 
-__all__ = ["block_scores", "select_blocks"]
+__all__ = ["block_scores", "select_blocks", "prepare_and_select"]
 
 
 def _check_config(config, name: str = "config"):
@@ -426,6 +428,100 @@ def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, 
     _run_scores(launches, index_q, index_cache, cu_seqlens_q, seq_lens, block_table, scores)
     _run_selection(launches, scores, cu_seqlens_q, seq_lens, out)
     return out
+
+
+@on_tensor_device
+def prepare_and_select(qkv, positions, config, q_norm_weight, k_norm_weight,
+                       index_q_norm_weight, index_k_norm_weight, k_cache, v_cache, slot_mapping,
+                       index_cache, index_slot_mapping, cu_seqlens_q, seq_lens, block_table, *,
+                       max_q_len=None, k_scale=None, v_scale=None, q_out=None, index_q_out=None,
+                       out=None, cache_config=None, indexer_config: IndexerConfig | None = None):
+    """`fused_prepare` then `select_blocks` over the index query it prepared, with the selection
+    rule of `config` (the rank's MSAConfig: topk_blocks, init_blocks, local_blocks, block_size):
+    a sparse layer's step up to its attention, as MSAAttention runs it.
+
+    Args: fused_prepare's (qkv ... index_slot_mapping, k_scale, v_scale, q_out, index_q_out,
+        cache_config), then select_blocks' (cu_seqlens_q, seq_lens, block_table: the index
+        cache's table, max_q_len, out; indexer_config is its `config`).
+
+    Returns:
+        (q, index_q, indices), each as the two ops return them, bit for bit (the one exception:
+        the scores the selection reads are computed from an index query and index keys
+        prepared inside the scoring launch, in the same fp32 arithmetic as the preparation's).
+
+    On the kernel path a step whose scoring is the decode launch alone (q_len <= 16: decode and
+    speculative verify; not into NVFP4 pages) runs the preparation inside the scoring launch:
+    one dependent launch fewer, which is most of what a small batch's step costs
+    (docs/performance.md). Those scoring programs prepare their request's index query from
+    the projection row themselves, and a block into whose page the step writes an index key is
+    scored again over the key as written, unless no row's selection reads its score (forced, as
+    a decode token's own block is), so the scores are those of the preparation running first
+    whatever the slots. Any other step runs the two ops one after the other.
+    """
+    if not use_kernels(qkv):
+        return reference.prepare_and_select(
+            qkv, positions, config, q_norm_weight, k_norm_weight, index_q_norm_weight,
+            index_k_norm_weight, k_cache, v_cache, slot_mapping, index_cache, index_slot_mapping,
+            cu_seqlens_q, seq_lens, block_table, max_q_len=max_q_len, k_scale=k_scale,
+            v_scale=v_scale, q_out=q_out, index_q_out=index_q_out, out=out,
+            cache_config=cache_config, indexer_config=indexer_config)
+    indexer_config = _check_config(indexer_config)
+    tensors = (qkv, positions, q_norm_weight, k_norm_weight, index_q_norm_weight,
+               index_k_norm_weight, k_cache, v_cache, slot_mapping, index_cache,
+               index_slot_mapping, cu_seqlens_q, seq_lens, block_table)
+    given = tuple(t for t in (q_out, index_q_out, out) if t is not None)
+    key = call_key(tensors + given, ("prepare_select", config, q_out is None,
+                                     index_q_out is None, out is None, scale_key(k_scale),
+                                     scale_key(v_scale), cache_config, indexer_config,
+                                     max_q_len))
+
+    def make():
+        prepared = prepare_plan(qkv, positions, config, q_norm_weight, k_norm_weight,
+                                index_q_norm_weight, index_k_norm_weight, k_cache, v_cache,
+                                slot_mapping, index_cache, index_slot_mapping, k_scale, v_scale,
+                                q_out, index_q_out, cache_config)
+        # (the index query as the preparation would return it, for the selection's checks)
+        _, index_q = prepare_outputs(qkv, config, index_cache, q_out, index_q_out)
+        shape = _checked_selection_shape(index_q, index_cache, cu_seqlens_q, seq_lens,
+                                         block_table, config.topk_blocks, config.init_blocks,
+                                         config.local_blocks, config.block_size, out, max_q_len)
+        steps = plan(shape, DeviceFacts.of(qkv.device), indexer_config)
+        fused = prepared_plan(steps, prepared.launches[0], qkv.shape[0]) \
+            if len(prepared.launches) == 1 else None
+        return fused, prepared.table
+
+    fused, table = _PLANS.get_or_plan(key, make)
+    q, index_q = prepare_outputs(qkv, config, index_cache, q_out, index_q_out)
+    if fused is None:
+        fused_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_norm_weight,
+                      index_k_norm_weight, k_cache, v_cache, slot_mapping, index_cache,
+                      index_slot_mapping, k_scale=k_scale, v_scale=v_scale, q_out=q,
+                      index_q_out=index_q, cache_config=cache_config)
+        indices = select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
+                                topk=config.topk_blocks, init_blocks=config.init_blocks,
+                                local_blocks=config.local_blocks, block_size=config.block_size,
+                                out=out, max_q_len=max_q_len, config=indexer_config)
+        return q, index_q, indices
+    num_tokens, num_heads, _ = index_q.shape
+    if out is None:
+        out = torch.empty((num_tokens, num_heads, config.topk_blocks), dtype=torch.int32,
+                          device=qkv.device)
+    scores = torch.empty((num_tokens, num_heads, block_table.shape[1]), dtype=torch.float32,
+                         device=qkv.device)
+    _, ks, vs = scale_args(k_scale, v_scale, qkv.device, qkv)
+    launch = fused.launches[0]
+    launch.run(_prepare_scores_kernel, index_cache, cu_seqlens_q, seq_lens, block_table, scores,
+               seq_lens.shape[0], num_tokens, index_cache.shape[0], block_table.shape[1],
+               block_table.shape[1], *index_cache.stride(), *block_table.stride(),
+               *scores.stride(), config.init_blocks, config.local_blocks, config.topk_blocks,
+               qkv, positions, q_norm_weight, k_norm_weight, index_q_norm_weight,
+               index_k_norm_weight, table, k_cache, v_cache, slot_mapping, index_slot_mapping,
+               ks, vs, q, index_q, float(config.rms_norm_eps), k_cache.shape[0] * k_cache.shape[1],
+               index_cache.shape[0] * index_cache.shape[1], *qkv.stride(), *k_cache.stride(),
+               *v_cache.stride(), *q.stride(), *index_q.stride())
+    _run_selection(LaunchPlan(fused.launches[1:], fused.sizes), scores, cu_seqlens_q, seq_lens,
+                   out)
+    return q, index_q, out
 
 
 def _checked_selection_shape(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, topk,

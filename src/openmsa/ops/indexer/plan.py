@@ -54,8 +54,8 @@ from .geometry import (ANY_Q, DECODE_ROWS, GLUON_CH, GLUON_CONSUMERS, GLUON_WARP
 __all__ = ["IndexerConfig", "DEFAULT", "DecodeForm", "Nvfp4DecodeForm", "PrefillForm",
            "GluonPrefillForm", "StageForm", "SelectForm", "GroupForm", "ShortRowsForm", "CpForm",
            "IndexerShape", "plan", "selection_plan", "selection_layout", "gluon_eligible",
-           "nvfp4_decode_eligible", "SMALL_Q", "NVFP4_PREFILL_FORMS", "stage_dtype", "cp_share",
-           "cp_local_keys", "cp_merge", "cp_plan"]
+           "nvfp4_decode_eligible", "prepared_plan", "SMALL_Q", "NVFP4_PREFILL_FORMS",
+           "stage_dtype", "cp_share", "cp_local_keys", "cp_merge", "cp_plan"]
 
 # the forms of an NVFP4 cache's prefill scoring (IndexerConfig.nvfp4_prefill)
 NVFP4_PREFILL_FORMS = ("auto", "inkernel", "staged")
@@ -372,6 +372,33 @@ def selection_plan(shape: IndexerShape, device: DeviceFacts,
     if shape.topk is None or shape.num_tokens == 0:
         return LaunchPlan()
     return LaunchPlan(*_selection(shape, device, config))
+
+
+def prepared_plan(steps: LaunchPlan, prepare: Launch, num_tokens: int) -> LaunchPlan | None:
+    """The plan of prepare_and_select (api.py): a step whose scoring is the Triton decode
+    launch alone, followed by the preparation's launch (`prepare`, cache/plan.py's
+    "fused_prepare"; not into NVFP4 pages), runs both as one "prepare_scores" launch of grid
+    (max(R, T), splits + the preparation's tiles) (kernels/scores.py, _prepare_scores_kernel),
+    then the selection as planned. None for any other step: the two ops run apart."""
+    scoring = [launch for launch in steps if launch.kernel.startswith("scores")
+               or launch.kernel == "stage_nvfp4"]
+    if ([launch.kernel for launch in scoring] != ["scores_decode"] or prepare.kernel
+            != "fused_prepare" or prepare.params["INDEX_NVFP4"] or scoring[0].params["NVFP4"]):
+        return None
+    decode, p = scoring[0], prepare.params
+    params = {k: v for k, v in decode.params.items()
+              if k not in ("TILE_MODE", "NVFP4", "table_width", "maxnreg")}
+    params.update(HQ=p["HQ"], HKV=p["HKV"], D=p["D"], DP=p["DP"], ROT=p["ROT"],
+                  NCOARSE=p["NCOARSE"], FP32_ANGLES=p["FP32_ANGLES"],
+                  ROPE_SCALE=p["ROPE_SCALE"], KV_BLOCK=p["BLOCK"], HT=p["HT"],
+                  KV_SATURATE=p["KV_SATURATE"], INDEX_SATURATE=p["INDEX_SATURATE"],
+                  IQ_SATURATE=p["IQ_SATURATE"], HAS_SCALE=p["HAS_SCALE"],
+                  PREP_TILES=prepare.grid[1])
+    requests, splits = decode.grid
+    fused = Launch("prepare_scores", (max(requests, num_tokens), splits + prepare.grid[1]),
+                   params)
+    return LaunchPlan((fused, *(launch for launch in steps if launch is not decode)),
+                      steps.sizes)
 
 
 def gluon_eligible(shape: IndexerShape, device: DeviceFacts) -> bool:

@@ -208,3 +208,25 @@ def _select_blocks_cp(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
     return merge_candidates(candidates.reshape(*keys.shape[:2], -1), position, topk=topk,
                             init_blocks=init_blocks, local_blocks=local_blocks,
                             block_size=block_size, out=out)
+
+
+def prepare_and_select(qkv, positions, config, q_norm_weight, k_norm_weight,
+                       index_q_norm_weight, index_k_norm_weight, k_cache, v_cache, slot_mapping,
+                       index_cache, index_slot_mapping, cu_seqlens_q, seq_lens, block_table, *,
+                       max_q_len=None, k_scale=None, v_scale=None, q_out=None, index_q_out=None,
+                       out=None, cache_config=None, indexer_config=None):
+    """fused_prepare, then select_blocks with the selection rule of `config` (the rank's
+    MSAConfig: topk_blocks, init_blocks, local_blocks, block_size) over the index query it
+    prepared: (q, index_q, indices)."""
+    from ..cache.reference import fused_prepare
+
+    q, index_q = fused_prepare(qkv, positions, config, q_norm_weight, k_norm_weight,
+                               index_q_norm_weight, index_k_norm_weight, k_cache, v_cache,
+                               slot_mapping, index_cache, index_slot_mapping, k_scale=k_scale,
+                               v_scale=v_scale, q_out=q_out, index_q_out=index_q_out,
+                               cache_config=cache_config)
+    indices = select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
+                            topk=config.topk_blocks, init_blocks=config.init_blocks,
+                            local_blocks=config.local_blocks, block_size=config.block_size,
+                            out=out, max_q_len=max_q_len, config=indexer_config)
+    return q, index_q, indices

@@ -39,7 +39,19 @@ def _norm_rope(row_ptr, stride_c, col0, nheads, w_ptr, pos, table_ptr, eps,
     h = tl.arange(0, HT)[:, None]
     d = tl.arange(0, DP)[None, :]
     mask = (h < nheads) & (d < DIM)
-    base = row_ptr + (col0 + h * DIM) * stride_c
+    return norm_rope_rows(row_ptr + (col0 + h * DIM) * stride_c, stride_c, mask, w_ptr, pos,
+                          table_ptr, eps, DIM, DP, ROT, NCOARSE, FP32_ANGLES, ROPE_SCALE), mask
+
+
+@triton.jit
+def norm_rope_rows(base, stride_c, mask, w_ptr, pos, table_ptr, eps, DIM: tl.constexpr,
+                   DP: tl.constexpr, ROT: tl.constexpr, NCOARSE: tl.constexpr,
+                   FP32_ANGLES: tl.constexpr, ROPE_SCALE: tl.constexpr):
+    """Gemma RMSNorm then NeoX RoPE on the first ROT dims of rows of DIM values: base [R, 1]
+    points at each row's first value (stride_c apart), mask [R, DP], pos a position per row
+    ([R, 1]) or one for all; returns fp32 [R, DP]. The fused preparation's tiles and the
+    scoring launch that prepares its own index query (kernels in ops/indexer) share it."""
+    d = tl.arange(0, DP)[None, :]
     x = tl.load(base + d * stride_c, mask=mask, other=0.0).to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / DIM + eps)
     w = tl.load(w_ptr + d, mask=d < DIM, other=0.0).to(tl.float32)
@@ -76,7 +88,7 @@ def _norm_rope(row_ptr, stride_c, col0, nheads, w_ptr, pos, table_ptr, eps,
             sin = sin * ROPE_SCALE
         sign = tl.where(d < HALF, -1.0, 1.0)
         y = tl.where(rot, y * cos + sign * yp * sin, y)
-    return y, mask
+    return y
 
 
 @triton.jit
@@ -95,12 +107,41 @@ def _fused_prepare_kernel(
         BLOCK: tl.constexpr, IBLOCK: tl.constexpr, HT: tl.constexpr,
         KV_SATURATE: tl.constexpr, INDEX_SATURATE: tl.constexpr, IQ_SATURATE: tl.constexpr,
         HAS_SCALE: tl.constexpr, INDEX_NVFP4: tl.constexpr):
-    t = tl.program_id(0)
-    tile = tl.program_id(1)
+    prepare_tile(tl.program_id(0), tl.program_id(1), qkv_ptr, pos_ptr, qw_ptr, kw_ptr, iqw_ptr,
+                 ikw_ptr, table_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, index_cache_ptr, index_slot_ptr, k_scale_ptr, v_scale_ptr,
+                 q_out_ptr, iq_out_ptr, eps, num_slots, num_index_slots, stride_xt, stride_xc,
+                 stride_kcp, stride_kcb, stride_kch, stride_kcd, stride_vcp, stride_vcb,
+                 stride_vch, stride_vcd, stride_icp, stride_icb, stride_icd, stride_qt,
+                 stride_qh, stride_qd, stride_it, stride_ih, stride_id, HQ, HKV, H, D, DI, DP,
+                 DIP, ROT, NCOARSE, FP32_ANGLES, ROPE_SCALE, BLOCK, IBLOCK, HT, KV_SATURATE,
+                 INDEX_SATURATE, IQ_SATURATE, HAS_SCALE, INDEX_NVFP4)
+
+
+@triton.jit
+def prepare_tile(
+        t, tile, qkv_ptr, pos_ptr, qw_ptr, kw_ptr, iqw_ptr, ikw_ptr, table_ptr,
+        k_cache_ptr, v_cache_ptr, slot_ptr, index_cache_ptr, index_slot_ptr,
+        k_scale_ptr, v_scale_ptr, q_out_ptr, iq_out_ptr, eps, num_slots, num_index_slots,
+        stride_xt, stride_xc,
+        stride_kcp, stride_kcb, stride_kch, stride_kcd,
+        stride_vcp, stride_vcb, stride_vch, stride_vcd,
+        stride_icp, stride_icb, stride_icd,
+        stride_qt, stride_qh, stride_qd, stride_it, stride_ih, stride_id,
+        HQ: tl.constexpr, HKV: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+        DI: tl.constexpr, DP: tl.constexpr, DIP: tl.constexpr, ROT: tl.constexpr,
+        NCOARSE: tl.constexpr, FP32_ANGLES: tl.constexpr, ROPE_SCALE: tl.constexpr,
+        BLOCK: tl.constexpr, IBLOCK: tl.constexpr, HT: tl.constexpr,
+        KV_SATURATE: tl.constexpr, INDEX_SATURATE: tl.constexpr, IQ_SATURATE: tl.constexpr,
+        HAS_SCALE: tl.constexpr, INDEX_NVFP4: tl.constexpr):
+    """Tile `tile` of token t of the fused preparation (the module's docstring); the
+    preparation's own launch runs one per program, and the scoring launch that also prepares
+    (ops/indexer/kernels/scores.py, PREPARE) runs them after its scoring programs."""
     NQ: tl.constexpr = (HQ + HT - 1) // HT
     NKV: tl.constexpr = (HKV + HT - 1) // HT
     NI: tl.constexpr = (H + HT - 1) // HT
-    row = qkv_ptr + t.to(tl.int64) * stride_xt
+    # (t may be a loop's int: the scoring launch that prepares loops over tokens)
+    t64 = tl.cast(t, tl.int64)
+    row = qkv_ptr + t64 * stride_xt
     pos = tl.load(pos_ptr + t).to(tl.int32)
     hh = tl.arange(0, HT)[:, None]
     if tile < NQ:
@@ -108,7 +149,7 @@ def _fused_prepare_kernel(
         y, mask = _norm_rope(row, stride_xc, h0 * D, HQ - h0, qw_ptr, pos, table_ptr, eps,
                              HT, D, DP, ROT, NCOARSE, FP32_ANGLES, ROPE_SCALE)
         d = tl.arange(0, DP)[None, :]
-        dst = q_out_ptr + t.to(tl.int64) * stride_qt + (h0 + hh) * stride_qh + d * stride_qd
+        dst = q_out_ptr + t64 * stride_qt + (h0 + hh) * stride_qh + d * stride_qd
         tl.store(dst, y.to(q_out_ptr.dtype.element_ty), mask=mask)
     elif tile < NQ + NKV:
         slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -134,7 +175,7 @@ def _fused_prepare_kernel(
         y, mask = _norm_rope(row, stride_xc, (HQ + 2 * HKV) * D + h0 * DI, H - h0, iqw_ptr, pos,
                              table_ptr, eps, HT, DI, DIP, ROT, NCOARSE, FP32_ANGLES, ROPE_SCALE)
         d = tl.arange(0, DIP)[None, :]
-        dst = iq_out_ptr + t.to(tl.int64) * stride_it + (h0 + hh) * stride_ih + d * stride_id
+        dst = iq_out_ptr + t64 * stride_it + (h0 + hh) * stride_ih + d * stride_id
         tl.store(dst, saturate_to(y, iq_out_ptr.dtype.element_ty, IQ_SATURATE), mask=mask)
     else:
         slot = tl.load(index_slot_ptr + t).to(tl.int64)

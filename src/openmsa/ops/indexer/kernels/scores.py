@@ -27,6 +27,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
+from ...cache.kernels.prepare import norm_rope_rows, prepare_tile
+from ...cache.kernels.write import saturate_to
 from ...common.triton_utils import find_request, request_ok, step_well_formed
 
 
@@ -137,7 +139,8 @@ def _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, strid
                  d, DI: tl.constexpr, BLOCK: tl.constexpr, BPS: tl.constexpr,
                  CAST_K: tl.constexpr, IEEE: tl.constexpr, CAUSAL: tl.constexpr,
                  KEYS_AS_ROWS: tl.constexpr, MAX_SKIPS_NAN: tl.constexpr, num_pages,
-                 NVFP4: tl.constexpr = False, page_ptr=None):
+                 NVFP4: tl.constexpr = False, page_ptr=None, NEW_KEYS: tl.constexpr = False,
+                 prep=None):
     """Column b - b_lo of the [rows, BPS] score tile: each row's max over block b's keys.
     NVFP4: the cache is NVFP4 pages (stride_cp apart; q is 16-bit, see _nvfp4_query), and the
     page id is read from the table (page_ptr: block b's entry) as one scalar load instead of taken
@@ -160,6 +163,8 @@ def _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, strid
         k = tl.load(cache_ptr + page * stride_cp + offs[:, None] * stride_cb
                     + d[None, :] * stride_cd, mask=page_ok & (d[None, :] < DI),
                     other=0.0)  # [BLOCK, DIP]
+        if NEW_KEYS:
+            k = _with_new_keys(k, page, cache_ptr.dtype.element_ty, prep, d, BLOCK, DI)
         if CAST_K:
             k = k.to(q.dtype)
     if KEYS_AS_ROWS:
@@ -200,6 +205,96 @@ def _nvfp4_query(q):
     return q
 
 
+# The scoring launch that also runs the step's preparation (_prepare_scores_kernel) takes the
+# preparation's inputs as one tuple, `prep`:
+#   (qkv_ptr, pos_ptr, index_slot_ptr, iqw_ptr, ikw_ptr, table_ptr, eps, num_tokens,
+#    num_index_slots, stride_xt, stride_xc, iq_col0, ik_col0, init_blocks, local_blocks, topk,
+#    ROT, NCOARSE, FP32_ANGLES, ROPE_SCALE, INDEX_SATURATE, IQ_SATURATE)
+
+
+@triton.jit
+def _prepared_query(tok, head, row_ok, dtype: tl.constexpr, prep, DI: tl.constexpr,
+                    DIP: tl.constexpr):
+    """The index query of rows (tok, head) [M], prepared from the projection row as the
+    preparation's index-query tiles prepare it (norm_rope_rows, then the cast to `dtype`, the
+    index query's): [M, DIP], zero on rows outside row_ok."""
+    (qkv_ptr, pos_ptr, slot_ptr, iqw_ptr, ikw_ptr, table_ptr, eps, num_tokens, num_slots,
+     stride_xt, stride_xc, iq_col0, ik_col0, init_blocks, local_blocks, topk, ROT, NCOARSE,
+     FP32_ANGLES, ROPE_SCALE, INDEX_SATURATE, IQ_SATURATE) = prep
+    d = tl.arange(0, DIP)[None, :]
+    mask = row_ok[:, None] & (d < DI)
+    pos = tl.load(pos_ptr + tok, mask=row_ok, other=0).to(tl.int32)[:, None]
+    base = qkv_ptr + tok.to(tl.int64)[:, None] * stride_xt + (iq_col0 + head[:, None] * DI) \
+        * stride_xc
+    y = norm_rope_rows(base, stride_xc, mask, iqw_ptr, pos, table_ptr, eps, DI, DIP, ROT,
+                       NCOARSE, FP32_ANGLES, ROPE_SCALE)
+    return saturate_to(y, dtype, IQ_SATURATE)
+
+
+@triton.jit
+def _with_new_keys(k, page, cache_dtype: tl.constexpr, prep, dims, BLOCK: tl.constexpr,
+                   DI: tl.constexpr):
+    """k [BLOCK, DIP], page `page`'s keys as loaded, as they are once this launch's preparation
+    has written the step's index keys: each key whose slot lies in the page replaces its row, in
+    token order. The preparation's programs write concurrently with the scoring programs, so a
+    row the load saw there may be the old key or the new one; this makes it the new one."""
+    (qkv_ptr, pos_ptr, slot_ptr, iqw_ptr, ikw_ptr, table_ptr, eps, num_tokens, num_slots,
+     stride_xt, stride_xc, iq_col0, ik_col0, init_blocks, local_blocks, topk, ROT, NCOARSE,
+     FP32_ANGLES, ROPE_SCALE, INDEX_SATURATE, IQ_SATURATE) = prep
+    offs = tl.arange(0, BLOCK)[:, None]
+    d = dims[None, :]  # [1, DIP]
+    for t in range(0, num_tokens):
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if (slot >= 0) & (slot < num_slots) & (slot // BLOCK == page):
+            pos = tl.load(pos_ptr + t).to(tl.int32)
+            base = qkv_ptr + (tl.cast(t, tl.int64) * stride_xt + ik_col0 * stride_xc) \
+                + tl.zeros([1, 1], tl.int64)
+            key = norm_rope_rows(base, stride_xc, d < DI, ikw_ptr, pos, table_ptr, eps, DI,
+                                 dims.shape[0], ROT, NCOARSE, FP32_ANGLES,
+                                 ROPE_SCALE)  # [1, DIP]
+            k = tl.where(offs == slot % BLOCK, saturate_to(key, cache_dtype, INDEX_SATURATE), k)
+    return k
+
+
+@triton.jit
+def _rescore_written_blocks(q, cache_ptr, split_pages, tile, b_lo, b_hi, pos, row_ok,
+                            stride_cp, stride_cb, stride_cd, d, DI: tl.constexpr,
+                            BLOCK: tl.constexpr, BPS: tl.constexpr, CAST_K: tl.constexpr,
+                            IEEE: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
+                            MAX_SKIPS_NAN: tl.constexpr, num_pages, prep):
+    """The tile with the split's blocks whose page gets a key from this launch's preparation
+    scored again over the keys as written (_with_new_keys), so that the scores are those of a
+    preparation that ran first, whatever the slots. A block no row's selection reads the score
+    of is left: forced (init or local) or in a row of at most topk blocks. In a well-formed
+    decode step that is every such block (a token's key lands in its own, local block), so
+    this costs one load of the step's slots per 32 tokens and a compare per page."""
+    (qkv_ptr, pos_ptr, slot_ptr, iqw_ptr, ikw_ptr, table_ptr, eps, num_tokens, num_slots,
+     stride_xt, stride_xc, iq_col0, ik_col0, init_blocks, local_blocks, topk, ROT, NCOARSE,
+     FP32_ANGLES, ROPE_SCALE, INDEX_SATURATE, IQ_SATURATE) = prep
+    cols = tl.arange(0, BPS)
+    blk = b_lo + cols
+    pages = split_pages.to(tl.int64)
+    hit = tl.zeros([BPS], tl.int32)
+    for t0 in range(0, num_tokens, 32):
+        tt = t0 + tl.arange(0, 32)
+        slot = tl.load(slot_ptr + tt, mask=tt < num_tokens, other=-1).to(tl.int64)
+        written = (slot >= 0) & (slot < num_slots)
+        same = (pages[:, None] == slot[None, :] // BLOCK) & written[None, :]
+        hit = hit | tl.max(same.to(tl.int32), axis=1)
+    n = pos // BLOCK + 1  # [M]: each row's causal blocks
+    read = ((n[:, None] > topk) & (blk[None, :] >= init_blocks)
+            & (blk[None, :] < n[:, None] - local_blocks) & row_ok[:, None])
+    todo = (hit > 0) & (tl.max(read.to(tl.int32), axis=0) > 0) & (blk < b_hi)
+    if tl.sum(todo.to(tl.int32), axis=0) > 0:
+        for j in range(0, BPS):
+            if tl.sum(tl.where(cols == j, todo.to(tl.int32), 0), axis=0) > 0:
+                tile = _score_block(q, cache_ptr, split_pages, tile, b_lo + j, b_lo, pos,
+                                    stride_cp, stride_cb, stride_cd, d, DI, BLOCK, BPS, CAST_K,
+                                    IEEE, True, KEYS_AS_ROWS, MAX_SKIPS_NAN, num_pages,
+                                    NEW_KEYS=True, prep=prep)
+    return tile
+
+
 @triton.jit
 def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, seq_len, q_len,
                        t_req, b_lo, b_hi, num_pages, stride_qt, stride_qh, stride_qd, stride_cp,
@@ -210,12 +305,14 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
                        MAX_SKIPS_NAN: tl.constexpr, split_pages_given=0,
                        PAGES_GIVEN: tl.constexpr = False, ONE_LOOP: tl.constexpr = False,
                        NVFP4: tl.constexpr = False, cp_size=1, cp_rank=0,
-                       CP: tl.constexpr = False):
+                       CP: tl.constexpr = False, PREPARE: tl.constexpr = False, prep=None):
     """Score tokens [t_begin, t_end) (< ROWS_T of them, all of one request whose first token is
     t_req) against blocks [b_lo, b_hi) and store the tile; rows are (token, head) pairs.
     PAGES_GIVEN: the caller loaded the split's page ids (split_pages_given, [BPS]); ONE_LOOP: one
     causal-masked loop over the split instead of an unmasked loop and a masked one; NVFP4: the
-    cache is NVFP4 pages."""
+    cache is NVFP4 pages; PREPARE: the step's preparation runs in this launch (prep: see
+    _prepare_scores_kernel), so the index query is prepared here from the projection row, and
+    blocks whose keys the preparation writes are scored again (_rescore_written_blocks)."""
     M: tl.constexpr = ROWS_T * HP
     rows = tl.arange(0, M)
     tok = t_begin + rows // HP  # [M]
@@ -226,9 +323,12 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
     if CP:
         pos = _cp_local_pos(pos, cp_size, cp_rank, BLOCK)
     d = tl.arange(0, DIP)
-    q = tl.load(q_ptr + tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
-                + d[None, :] * stride_qd, mask=row_ok[:, None] & (d[None, :] < DI),
-                other=0.0)  # [M, DIP]
+    if PREPARE:
+        q = _prepared_query(tok, head, row_ok, q_ptr.dtype.element_ty, prep, DI, DIP)
+    else:
+        q = tl.load(q_ptr + tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
+                    + d[None, :] * stride_qd, mask=row_ok[:, None] & (d[None, :] < DI),
+                    other=0.0)  # [M, DIP]
     if NVFP4:
         q = _nvfp4_query(q)
     cols = tl.arange(0, BPS)
@@ -262,6 +362,11 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
                             stride_cd, d, DI, BLOCK, BPS, CAST_K, IEEE, True, KEYS_AS_ROWS,
                             MAX_SKIPS_NAN, num_pages, NVFP4, page_ptr)
         page_ptr += stride_btb
+    if PREPARE:
+        tile = _rescore_written_blocks(q, cache_ptr, split_pages, tile, b_lo, b_hi, pos, row_ok,
+                                       stride_cp, stride_cb, stride_cd, d, DI, BLOCK, BPS,
+                                       CAST_K, IEEE, KEYS_AS_ROWS, MAX_SKIPS_NAN, num_pages,
+                                       prep)
     blk = b_lo + cols
     out = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh \
         + blk.to(tl.int64)[None, :] * stride_ob
@@ -342,34 +447,112 @@ def _block_scores_kernel(q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr
                                            cp_rank=cp_rank, CP=CP)
                 r += 1
     else:
-        r = pid
-        # the split's page ids, masked by the table's width instead of the request's length, so
-        # that their load does not wait for seq_lens: one memory latency less before the first
-        # key load (entries past the request's blocks are read, never used)
-        cols = tl.arange(0, BPS)
-        pages = tl.load(bt_ptr + r.to(tl.int64) * stride_btr + (b_first + cols) * stride_btb,
-                        mask=b_first + cols < table_width, other=-1)
-        t_req = tl.load(cu_ptr + r)
-        t_next = tl.minimum(tl.load(cu_ptr + r + 1), num_tokens)
-        q_len = tl.load(cu_ptr + r + 1) - t_req
-        seq_len = tl.load(seq_lens_ptr + r)
-        if CP:
-            last_local = _cp_local_pos(seq_len - 1, cp_size, cp_rank, BLOCK)
-            b_hi = tl.minimum(b_first + BPS, tl.where(last_local < 0, 0, last_local // BLOCK + 1))
-        else:
-            b_hi = tl.minimum(b_first + BPS, tl.where(seq_len > 0, (seq_len - 1) // BLOCK + 1, 0))
-        # (request_ok bounds b_hi by the table's width; a malformed step is padding)
-        if ((q_len > 0) & (q_len <= SMALL_Q) & request_ok(q_len, seq_len, full_width, BLOCK)
-                & (b_first < b_hi) & step_well_formed(cu_ptr, num_requests, num_tokens)):
-            # NVFP4: an unmasked loop and a causal one (ONE_LOOP off): the per-key causal
-            # compare and select (~24 instructions a block) leave the loop that scans the
-            # context; only a request's last split runs the masked loop, for its last block
-            for t_begin in range(t_req, t_next, ROWS_T):
-                _score_token_range(q_ptr, cache_ptr, bt_ptr + r.to(tl.int64) * stride_btr,
-                                   out_ptr, t_begin, tl.minimum(t_begin + ROWS_T, t_next),
-                                   seq_len, q_len, t_req, b_first, b_hi, num_pages, stride_qt,
-                                   stride_qh, stride_qd, stride_cp, stride_cb, stride_cd,
-                                   stride_btb,
-                                   stride_ot, stride_oh, stride_ob, H, HP, DI, DIP, BLOCK,
-                                   ROWS_T, BPS, CAST_K, IEEE, KEYS_AS_ROWS, MAX_SKIPS_NAN,
-                                   pages, True, not NVFP4, NVFP4, cp_size, cp_rank, CP)
+        _score_request(pid, b_first, q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr,
+                       num_requests, num_tokens, num_pages, full_width, table_width, stride_qt,
+                       stride_qh, stride_qd, stride_cp, stride_cb, stride_cd, stride_btr,
+                       stride_btb, stride_ot, stride_oh, stride_ob, H, HP, DI, DIP, BLOCK, BPS,
+                       SMALL_Q, ROWS_T, CAST_K, IEEE, KEYS_AS_ROWS, MAX_SKIPS_NAN, NVFP4,
+                       cp_size, cp_rank, CP)
+
+
+@triton.jit
+def _score_request(r, b_first, q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr,
+                   num_requests, num_tokens, num_pages, full_width, table_width, stride_qt,
+                   stride_qh, stride_qd, stride_cp, stride_cb, stride_cd, stride_btr,
+                   stride_btb, stride_ot, stride_oh, stride_ob, H: tl.constexpr,
+                   HP: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr, BLOCK: tl.constexpr,
+                   BPS: tl.constexpr, SMALL_Q: tl.constexpr, ROWS_T: tl.constexpr,
+                   CAST_K: tl.constexpr, IEEE: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
+                   MAX_SKIPS_NAN: tl.constexpr, NVFP4: tl.constexpr, cp_size, cp_rank,
+                   CP: tl.constexpr, PREPARE: tl.constexpr = False, prep=None):
+    """The request launch's program (r, split starting at block b_first): every token of
+    request r (q_len <= SMALL_Q) against the split's blocks."""
+    # the split's page ids, masked by the table's width instead of the request's length, so
+    # that their load does not wait for seq_lens: one memory latency less before the first
+    # key load (entries past the request's blocks are read, never used)
+    cols = tl.arange(0, BPS)
+    pages = tl.load(bt_ptr + r.to(tl.int64) * stride_btr + (b_first + cols) * stride_btb,
+                    mask=b_first + cols < table_width, other=-1)
+    t_req = tl.load(cu_ptr + r)
+    t_next = tl.minimum(tl.load(cu_ptr + r + 1), num_tokens)
+    q_len = tl.load(cu_ptr + r + 1) - t_req
+    seq_len = tl.load(seq_lens_ptr + r)
+    if CP:
+        last_local = _cp_local_pos(seq_len - 1, cp_size, cp_rank, BLOCK)
+        b_hi = tl.minimum(b_first + BPS, tl.where(last_local < 0, 0, last_local // BLOCK + 1))
+    else:
+        b_hi = tl.minimum(b_first + BPS, tl.where(seq_len > 0, (seq_len - 1) // BLOCK + 1, 0))
+    # (request_ok bounds b_hi by the table's width; a malformed step is padding)
+    if ((q_len > 0) & (q_len <= SMALL_Q) & request_ok(q_len, seq_len, full_width, BLOCK)
+            & (b_first < b_hi) & step_well_formed(cu_ptr, num_requests, num_tokens)):
+        # NVFP4: an unmasked loop and a causal one (ONE_LOOP off): the per-key causal
+        # compare and select (~24 instructions a block) leave the loop that scans the
+        # context; only a request's last split runs the masked loop, for its last block
+        for t_begin in range(t_req, t_next, ROWS_T):
+            _score_token_range(q_ptr, cache_ptr, bt_ptr + r.to(tl.int64) * stride_btr,
+                               out_ptr, t_begin, tl.minimum(t_begin + ROWS_T, t_next),
+                               seq_len, q_len, t_req, b_first, b_hi, num_pages, stride_qt,
+                               stride_qh, stride_qd, stride_cp, stride_cb, stride_cd,
+                               stride_btb,
+                               stride_ot, stride_oh, stride_ob, H, HP, DI, DIP, BLOCK,
+                               ROWS_T, BPS, CAST_K, IEEE, KEYS_AS_ROWS, MAX_SKIPS_NAN,
+                               pages, True, not NVFP4, NVFP4, cp_size, cp_rank, CP,
+                               PREPARE, prep)
+
+
+@triton.jit
+def _prepare_scores_kernel(
+        cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr, num_requests, num_tokens, num_pages,
+        full_width, table_width, stride_cp, stride_cb, stride_cd, stride_btr, stride_btb,
+        stride_ot, stride_oh, stride_ob, init_blocks, local_blocks, topk,
+        qkv_ptr, pos_ptr, qw_ptr, kw_ptr, iqw_ptr, ikw_ptr, table_ptr,
+        k_cache_ptr, v_cache_ptr, slot_ptr, index_slot_ptr,
+        k_scale_ptr, v_scale_ptr, q_out_ptr, iq_out_ptr, eps, num_slots, num_index_slots,
+        stride_xt, stride_xc, stride_kcp, stride_kcb, stride_kch, stride_kcd,
+        stride_vcp, stride_vcb, stride_vch, stride_vcd,
+        stride_qt, stride_qh, stride_qd, stride_it, stride_ih, stride_id,
+        H: tl.constexpr, HP: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr,
+        BLOCK: tl.constexpr, BPS: tl.constexpr, SMALL_Q: tl.constexpr, ROWS_T: tl.constexpr,
+        CAST_K: tl.constexpr, IEEE: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
+        MAX_SKIPS_NAN: tl.constexpr, PDL: tl.constexpr,
+        HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+        ROT: tl.constexpr, NCOARSE: tl.constexpr, FP32_ANGLES: tl.constexpr,
+        ROPE_SCALE: tl.constexpr, KV_BLOCK: tl.constexpr, HT: tl.constexpr,
+        KV_SATURATE: tl.constexpr, INDEX_SATURATE: tl.constexpr, IQ_SATURATE: tl.constexpr,
+        HAS_SCALE: tl.constexpr, PREP_TILES: tl.constexpr):
+    """A decode step's preparation and scoring in one launch (ops/indexer/api.py,
+    prepare_and_select), grid (max(R, T), splits + PREP_TILES): programs (r, s < splits) are the
+    request launch's (_score_request) with the index query prepared from the projection row
+    (the index-query output iq_out gives its dtype); programs (i, splits + j) run tile j of the
+    preparation (cache/kernels/prepare.py) for tokens i, i + max(R, T), ... The scores are those
+    of the preparation running first: a block whose page gets a key here is scored again over
+    the key as written unless the selection ignores its score (_rescore_written_blocks)."""
+    if PDL:
+        # the selection launch may start now; it waits for this launch to finish before it
+        # reads a score (kernels/select.py)
+        gdc_launch_dependents()
+    pid = tl.program_id(0)
+    splits = tl.num_programs(1) - PREP_TILES
+    split = tl.program_id(1)
+    if split >= splits:
+        for t in range(pid, num_tokens, tl.num_programs(0)):
+            prepare_tile(t, split - splits, qkv_ptr, pos_ptr, qw_ptr, kw_ptr, iqw_ptr, ikw_ptr,
+                         table_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, cache_ptr,
+                         index_slot_ptr, k_scale_ptr, v_scale_ptr, q_out_ptr, iq_out_ptr, eps,
+                         num_slots, num_index_slots, stride_xt, stride_xc, stride_kcp,
+                         stride_kcb, stride_kch, stride_kcd, stride_vcp, stride_vcb, stride_vch,
+                         stride_vcd, stride_cp, stride_cb, stride_cd, stride_qt, stride_qh,
+                         stride_qd, stride_it, stride_ih, stride_id, HQ, HKV, H, D, DI, DP, DIP,
+                         ROT, NCOARSE, FP32_ANGLES, ROPE_SCALE, KV_BLOCK, BLOCK, HT,
+                         KV_SATURATE, INDEX_SATURATE, IQ_SATURATE, HAS_SCALE, False)
+    elif pid < num_requests:
+        prep = (qkv_ptr, pos_ptr, index_slot_ptr, iqw_ptr, ikw_ptr, table_ptr, eps, num_tokens,
+                num_index_slots, stride_xt, stride_xc, (HQ + 2 * HKV) * D, (HQ + 2 * HKV) * D
+                + H * DI, init_blocks, local_blocks, topk, ROT, NCOARSE, FP32_ANGLES,
+                ROPE_SCALE, INDEX_SATURATE, IQ_SATURATE)
+        _score_request(pid, split * BPS, iq_out_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr,
+                       out_ptr, num_requests, num_tokens, num_pages, full_width, table_width,
+                       stride_it, stride_ih, stride_id, stride_cp, stride_cb, stride_cd,
+                       stride_btr, stride_btb, stride_ot, stride_oh, stride_ob, H, HP, DI, DIP,
+                       BLOCK, BPS, SMALL_Q, ROWS_T, CAST_K, IEEE, KEYS_AS_ROWS, MAX_SKIPS_NAN,
+                       False, 1, 0, False, True, prep)

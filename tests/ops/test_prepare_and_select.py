@@ -1,0 +1,148 @@
+# SPDX-License-Identifier: Apache-2.0
+"""prepare_and_select: fused_prepare then select_blocks, which on the kernel path runs a decode
+step's preparation inside the scoring launch. It must give what the two ops give one after the
+other (bit for bit: outputs, caches, selections), also where the step's index slots land in
+blocks other rows read (the preparation's writes then change scores), and it must take the
+fused launch for decode and verify steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import openmsa
+from openmsa import reference as ref
+from openmsa.ops.indexer import api as indexer_api
+
+from helpers.steps import make_step
+
+FP8 = torch.float8_e4m3fn
+B = 16
+CFG = openmsa.MSAConfig(num_heads=8, num_kv_heads=2, head_dim=64, num_index_heads=2,
+                        index_head_dim=64, block_size=B, rotary_dim=32, rope_theta=5e6,
+                        topk_blocks=4, init_blocks=1, local_blocks=1)
+SEQ_LENS = [70, 33, 16, 120, 81]
+
+
+def _width(cfg):
+    return (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim \
+        + (cfg.num_index_heads + 1) * cfg.index_head_dim
+
+
+def _case(q_lens, index_dtype, seed=0):
+    """A step (scattered pages, a spare table column, two padding tokens) with its projection
+    rows and caches, on the CPU. The cached index keys are small (|S| ~ 0.01), the step's own
+    keys unit-RMS: a block that gets one of them scores far above the others."""
+    g = torch.Generator().manual_seed(seed)
+    step = make_step(q_lens, SEQ_LENS, block_size=B, extra_columns=1, pad_tokens=2,
+                     generator=g)
+    t = step.num_tokens
+    # a strided view of a wider buffer, as an engine's fused GEMM output
+    qkv = (torch.randn(t, _width(CFG) + 8, generator=g) * 3).to(torch.bfloat16)[:, 4:-4]
+    weights = [(torch.randn(n, generator=g) * 0.2).to(torch.bfloat16)
+               for n in (CFG.head_dim, CFG.head_dim, CFG.index_head_dim, CFG.index_head_dim)]
+    pages = step.num_pages
+    kc = torch.randn(pages, B, CFG.num_kv_heads, CFG.head_dim, generator=g).to(torch.bfloat16)
+    vc = torch.randn(pages, B, CFG.num_kv_heads, CFG.head_dim, generator=g).to(torch.bfloat16)
+    ic = (torch.randn(pages, B, CFG.index_head_dim, generator=g) * 0.01).to(index_dtype)
+    cu = step.cu_seqlens_q.tolist()
+    pos = torch.full((t,), -1, dtype=torch.int64)
+    for r, s in enumerate(SEQ_LENS):
+        for i in range(cu[r + 1] - cu[r]):
+            pos[cu[r] + i] = s - (cu[r + 1] - cu[r]) + i
+    return step, qkv, weights, kc, vc, ic, pos
+
+
+def _run(op_device, step, qkv, weights, kc, vc, ic, pos, index_slots, fused: bool):
+    """(q, index_q, indices, k_cache, v_cache, index_cache) from prepare_and_select (fused) or
+    from fused_prepare and select_blocks (each on its own caches' copies)."""
+    d = op_device
+    kc, vc, ic = kc.clone().to(d), vc.clone().to(d), ic.clone().to(d)
+    args = (qkv.to(d), pos.to(d), CFG, *[w.to(d) for w in weights], kc, vc,
+            step.slot_mapping.to(d), ic, index_slots.to(d))
+    meta = (step.cu_seqlens_q.to(d), step.seq_lens.to(d), step.block_table.to(d))
+    if fused:
+        q, iq, idx = openmsa.prepare_and_select(*args, *meta, max_q_len=4)
+    else:
+        q, iq = openmsa.fused_prepare(*args)
+        idx = openmsa.select_blocks(iq, ic, *meta, topk=CFG.topk_blocks,
+                                    init_blocks=CFG.init_blocks, local_blocks=CFG.local_blocks,
+                                    block_size=B, max_q_len=4)
+    return tuple(x.cpu() for x in (q, iq, idx, kc, vc, ic))
+
+
+def _same(a, b):
+    return torch.equal(a.float().nan_to_num(7.0), b.float().nan_to_num(7.0))
+
+
+def _hostile_slots(step, name):
+    """The step's index slots with one broken: `into_other_block` sends request 4's key into
+    a middle block of request 3 (read by its selection: neither forced nor a short row). (The
+    interpreter runs programs in grid order, request 3's scoring before request 4's
+    preparation: without the second scoring it would miss the key.)"""
+    slots = step.slot_mapping.clone()
+    first = int(step.cu_seqlens_q[4])
+    if name == "into_other_block":
+        slots[first] = int(step.block_table[3, 2]) * B + 5
+    elif name == "past_cache":
+        slots[first] = step.num_pages * B + 3
+    elif name is not None:
+        raise AssertionError(name)
+    return slots
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("index_dtype", [torch.bfloat16, FP8])
+@pytest.mark.parametrize("q_lens,hostile", [
+    ([1, 1, 1, 1, 1], None),
+    ([1, 1, 1, 1, 1], "into_other_block"),
+    ([1, 1, 1, 1, 1], "past_cache"),
+    # verify: request 4's three tokens (positions 78-80) straddle blocks 4 and 5, and block 4
+    # is neither forced nor in a short row for the token at 80: scored again with the new keys
+    ([1, 2, 0, 1, 3], None),
+])
+def test_equals_the_two_ops(kernel_device, monkeypatch, index_dtype, q_lens, hostile):
+    step, qkv, w, kc, vc, ic, pos = _case(q_lens, index_dtype)
+    slots = _hostile_slots(step, hostile)
+    want = _run(kernel_device, step, qkv, w, kc, vc, ic, pos, slots, fused=False)
+
+    def no_separate_preparation(*args, **kwargs):
+        raise AssertionError("prepare_and_select ran fused_prepare: the fused launch was not "
+                             "taken")
+    monkeypatch.setattr(indexer_api, "fused_prepare", no_separate_preparation)
+    got = _run(kernel_device, step, qkv, w, kc, vc, ic, pos, slots, fused=True)
+    for name, a, b in zip(("q", "index_q", "indices", "k_cache", "v_cache", "index_cache"),
+                          got, want):
+        assert _same(a, b), name
+    # and the reference's selection (its own preparation, in torch's order of sums)
+    r = ref.prepare_and_select(qkv, pos, CFG, *w, kc.clone(), vc.clone(), step.slot_mapping,
+                               ic.clone(), slots, step.cu_seqlens_q, step.seq_lens,
+                               step.block_table)
+    assert torch.equal(got[2], r[2])
+    if hostile == "into_other_block":
+        # the test can fail: request 3's rows chose the block that got the stray key
+        rows = got[2][int(step.cu_seqlens_q[3]):int(step.cu_seqlens_q[4])]
+        assert (rows == 2).any()
+
+
+@pytest.mark.interpret
+def test_prefill_steps_run_the_two_ops(kernel_device):
+    """A step with a long request (the prefill launch) gives the two ops' results through
+    them."""
+    step, qkv, w, kc, vc, ic, pos = _case([1, 20, 1, 1, 1], torch.bfloat16)
+    want = _run(kernel_device, step, qkv, w, kc, vc, ic, pos, step.slot_mapping, fused=False)
+    got = _run(kernel_device, step, qkv, w, kc, vc, ic, pos, step.slot_mapping, fused=True)
+    assert all(_same(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.reference
+def test_rejects_bad_arguments():
+    step, qkv, w, kc, vc, ic, pos = _case([1, 1, 1, 1, 1], torch.bfloat16)
+    args = [qkv, pos, CFG, *w, kc, vc, step.slot_mapping, ic, step.slot_mapping,
+            step.cu_seqlens_q, step.seq_lens, step.block_table]
+    with pytest.raises(TypeError, match="config"):
+        openmsa.prepare_and_select(*args[:2], {"num_heads": 8}, *args[3:])
+    with pytest.raises(ValueError, match="block_table"):
+        openmsa.prepare_and_select(*args[:-1], step.block_table[:, :1].expand(5, 1)[:4])
+    with pytest.raises(ValueError, match="qkv"):
+        openmsa.prepare_and_select(qkv[:, :-1], *args[1:])
