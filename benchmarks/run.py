@@ -1022,7 +1022,8 @@ def breakdown_by_part_us(fn, iters: int) -> dict[str, float]:
 
 def _short(name: str) -> str:
     for key, short in (("tile_plan", "attn-plan"), ("attention_tile", "attn-tile"),
-                       ("fused_prepare", "prep"), ("block_scores", "score"),
+                       ("fused_prepare", "prep"), ("prepare_scores", "prep+score"),
+                       ("block_scores", "score"),
                        ("nvfp4_decode", "score"), ("short_rows_topk", "topk"),
                        ("segment_topk", "topk"), ("merge_topk", "topk-merge"),
                        ("sparse_attention", "attn"), ("merge_splits", "attn-merge"),
@@ -1080,11 +1081,23 @@ def _layer_fns(model, k_cache, v_cache, index_cache, meta, qkv, w, batch, contex
         m.fused_prepare(qkv, meta.positions, cfg, *w, k_cache, v_cache, meta.slot_mapping,
                         index_cache, meta.index_slot_mapping, q_out=q_out, index_q_out=iq_out)
 
-    def sparse():
+    def prepare_select():
         prep()
         m.select_blocks(iq_out, index_cache, meta.cu_seqlens_q, meta.seq_lens,
                         meta.index_block_table, topk=cfg.topk_blocks, block_size=cfg.block_size,
                         out=idx)
+
+    if hasattr(m, "prepare_and_select"):
+        # (a tree with the preparation inside the scoring launch; benchmarks/ab.py's base tree
+        # may predate it)
+        def prepare_select():
+            m.prepare_and_select(qkv, meta.positions, cfg, *w, k_cache, v_cache,
+                                 meta.slot_mapping, index_cache, meta.index_slot_mapping,
+                                 meta.cu_seqlens_q, meta.seq_lens, meta.index_block_table,
+                                 q_out=q_out, index_q_out=iq_out, out=idx)
+
+    def sparse():
+        prepare_select()
         m.sparse_attention(q_out, k_cache, v_cache, idx, meta.cu_seqlens_q, meta.seq_lens,
                            meta.block_table, block_size=cfg.block_size, out=out)
     sparse.buffers = (idx, out)

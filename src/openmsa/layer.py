@@ -5,6 +5,9 @@
         -> fused_prepare (norms, RoPE, casts, main + index cache insertion; one launch)
         -> select_blocks (index branch) -> sparse_attention (main branch) -> o_proj
 
+(the first two as prepare_and_select, which runs a decode step's preparation inside the
+scoring launch, when the ops have it).
+
 Tensor parallelism: a rank holds a slice of the query, KV and index heads (index head h serves
 KV head h) and the whole one-head index key; its o_proj output is a partial sum that the engine
 all-reduces across ranks, as for any row-parallel projection.
@@ -25,7 +28,7 @@ from ._checks import check_process_group
 from .config import MSAConfig
 from .ops.attention.api import sparse_attention
 from .ops.cache.api import fused_prepare
-from .ops.indexer.api import select_blocks
+from .ops.indexer.api import prepare_and_select, select_blocks
 from .metadata import MSAMetadata
 
 __all__ = ["MSAAttention"]
@@ -40,7 +43,8 @@ TRANSFORMERS_NAMES = {"index_q_proj.weight": "indexer.q_proj.weight",
 
 # the public ops (Triton on CUDA, or on CPU under the interpreter); `reference` has the same names
 KERNEL_OPS = SimpleNamespace(fused_prepare=fused_prepare, select_blocks=select_blocks,
-                             sparse_attention=sparse_attention)
+                             sparse_attention=sparse_attention,
+                             prepare_and_select=prepare_and_select)
 _OP_NAMES = ("fused_prepare", "select_blocks", "sparse_attention")
 
 
@@ -225,21 +229,30 @@ class MSAAttention(nn.Module):
         if self.index_query_dtype is not None and self.index_query_dtype != index_cache.dtype:
             iq_out = torch.empty(num_tokens, self._iq_heads, cfg.index_head_dim,
                                  dtype=self.index_query_dtype, device=hidden.device)
-        q, index_q = ops.fused_prepare(
-            qkv, meta.positions, self._prepare_config, self.q_norm, self.k_norm, self.index_q_norm,
-            self.index_k_norm, k_cache, v_cache, meta.slot_mapping, index_cache,
-            meta.index_slot_mapping, k_scale=k_scale, v_scale=v_scale, index_q_out=iq_out)
-        cp = {} if self.cp_group is None else dict(cp_group=self.cp_group)
         # a whole (replicated) index table serves any group; a sharded one only its own rank
         if meta.cp != (1, 0) and meta.cp != self._cp:
             raise ValueError(f"meta's index cache is sharded as (cp_size, cp_rank) = "
                              f"{meta.cp}, but this layer's cp_group is "
                              f"{self._cp} (size, rank): plan with MSAPlanner(cp_size="
                              f"{self._cp[0]}, cp_rank={self._cp[1]})")
-        indices = ops.select_blocks(
-            index_q, index_cache, meta.cu_seqlens_q, meta.seq_lens, meta.index_block_table,
-            topk=cfg.topk_blocks, init_blocks=cfg.init_blocks, local_blocks=cfg.local_blocks,
-            block_size=cfg.block_size, max_q_len=meta.max_q_len, **cp)
+        prepare = (qkv, meta.positions, self._prepare_config, self.q_norm, self.k_norm,
+                   self.index_q_norm, self.index_k_norm, k_cache, v_cache, meta.slot_mapping,
+                   index_cache, meta.index_slot_mapping)
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
+        fused = getattr(ops, "prepare_and_select", None)
+        if fused is not None and self.cp_group is None:
+            # the preparation inside the scoring launch where the step allows it (decode)
+            q, index_q, indices = fused(
+                *prepare, meta.cu_seqlens_q, meta.seq_lens, meta.index_block_table,
+                max_q_len=meta.max_q_len, index_q_out=iq_out, **scales)
+        else:
+            q, index_q = ops.fused_prepare(*prepare, index_q_out=iq_out, **scales)
+            cp = {} if self.cp_group is None else dict(cp_group=self.cp_group)
+            indices = ops.select_blocks(
+                index_q, index_cache, meta.cu_seqlens_q, meta.seq_lens, meta.index_block_table,
+                topk=cfg.topk_blocks, init_blocks=cfg.init_blocks,
+                local_blocks=cfg.local_blocks, block_size=cfg.block_size,
+                max_q_len=meta.max_q_len, **cp)
         if self.cp_group is not None:
             # every head's selection came back: this rank attends with its own heads'
             h = cfg.num_index_heads

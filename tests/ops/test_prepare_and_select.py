@@ -12,8 +12,10 @@ import torch
 
 import openmsa
 from openmsa import reference as ref
+from openmsa._interpreter import INTERPRET
 from openmsa.ops.indexer import api as indexer_api
 
+from helpers.sm90 import COMPILE_SKIP, F32, I32, I64, compile_sm90
 from helpers.steps import make_step
 
 FP8 = torch.float8_e4m3fn
@@ -146,3 +148,28 @@ def test_rejects_bad_arguments():
         openmsa.prepare_and_select(*args[:-1], step.block_table[:, :1].expand(5, 1)[:4])
     with pytest.raises(ValueError, match="qkv"):
         openmsa.prepare_and_select(qkv[:, :-1], *args[1:])
+
+
+@pytest.mark.reference
+@pytest.mark.skipif(INTERPRET, reason=COMPILE_SKIP)
+@pytest.mark.parametrize("index_type", ["*fp8e4nv", "*bf16"])
+def test_kernel_compiles_for_sm90(index_type):
+    """The fused launch at M3's TP1 shapes, with the constexprs prepared_plan passes: it builds
+    for Hopper and spills nothing (the scoring programs' prologue now prepares the query)."""
+    from openmsa.ops.indexer.kernels.scores import _prepare_scores_kernel
+
+    bf16 = "*bf16"
+    pointers = dict(cache_ptr=index_type, out_ptr=F32, cu_ptr=I32, seq_lens_ptr=I32, bt_ptr=I32,
+                    qkv_ptr=bf16, pos_ptr=I64, qw_ptr=bf16, kw_ptr=bf16, iqw_ptr=bf16,
+                    ikw_ptr=bf16, table_ptr=F32, k_cache_ptr=bf16, v_cache_ptr=bf16,
+                    slot_ptr=I64, index_slot_ptr=I64, k_scale_ptr=F32, v_scale_ptr=F32,
+                    q_out_ptr=bf16, iq_out_ptr=index_type)
+    fp8 = index_type == "*fp8e4nv"
+    k = compile_sm90(_prepare_scores_kernel, pointers, dict(eps="fp32"), dict(
+        H=4, HP=4, DI=128, DIP=128, BLOCK=128, BPS=16, SMALL_Q=16, ROWS_T=4, CAST_K=False,
+        IEEE=False, KEYS_AS_ROWS=True, MAX_SKIPS_NAN=True, PDL=True, HQ=64, HKV=4, D=128,
+        DP=128, ROT=64, NCOARSE=1024, FP32_ANGLES=False, ROPE_SCALE=1.0, KV_BLOCK=128, HT=16,
+        KV_SATURATE=False, INDEX_SATURATE=fp8, IQ_SATURATE=fp8, HAS_SCALE=False, PREP_TILES=10),
+        options=dict(num_warps=4, num_stages=3))
+    assert "griddepcontrol.launch_dependents" in k.asm["ptx"]
+    assert k.metadata.shared >= 0

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
+from ...cache.geometry import ROPE_FINE, ROPE_MAX_POSITION
 from ...cache.kernels.prepare import norm_rope_rows, prepare_tile
 from ...cache.kernels.write import saturate_to
 from ...common.triton_utils import find_request, request_ok, step_well_formed
@@ -140,7 +141,8 @@ def _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, strid
                  CAST_K: tl.constexpr, IEEE: tl.constexpr, CAUSAL: tl.constexpr,
                  KEYS_AS_ROWS: tl.constexpr, MAX_SKIPS_NAN: tl.constexpr, num_pages,
                  NVFP4: tl.constexpr = False, page_ptr=None, NEW_KEYS: tl.constexpr = False,
-                 prep=None):
+                 ROT: tl.constexpr = 0, FP32_ANGLES: tl.constexpr = False,
+                 ROPE_SCALE: tl.constexpr = 1.0, prep=None):
     """Column b - b_lo of the [rows, BPS] score tile: each row's max over block b's keys.
     NVFP4: the cache is NVFP4 pages (stride_cp apart; q is 16-bit, see _nvfp4_query), and the
     page id is read from the table (page_ptr: block b's entry) as one scalar load instead of taken
@@ -164,7 +166,8 @@ def _score_block(q, cache_ptr, split_pages, tile, b, b_lo, pos, stride_cp, strid
                     + d[None, :] * stride_cd, mask=page_ok & (d[None, :] < DI),
                     other=0.0)  # [BLOCK, DIP]
         if NEW_KEYS:
-            k = _with_new_keys(k, page, cache_ptr.dtype.element_ty, prep, d, BLOCK, DI)
+            k = _with_new_keys(k, page, cache_ptr.dtype.element_ty, d, BLOCK, DI, ROT,
+                               FP32_ANGLES, ROPE_SCALE, prep)
         if CAST_K:
             k = k.to(q.dtype)
     if KEYS_AS_ROWS:
@@ -205,42 +208,45 @@ def _nvfp4_query(q):
     return q
 
 
-# The scoring launch that also runs the step's preparation (_prepare_scores_kernel) takes the
-# preparation's inputs as one tuple, `prep`:
+# The scoring launch that also runs the step's preparation (_prepare_scores_kernel) passes the
+# preparation's run-time inputs down as one tuple, `prep`, each function's last argument:
 #   (qkv_ptr, pos_ptr, index_slot_ptr, iqw_ptr, ikw_ptr, table_ptr, eps, num_tokens,
-#    num_index_slots, stride_xt, stride_xc, iq_col0, ik_col0, init_blocks, local_blocks, topk,
-#    ROT, NCOARSE, FP32_ANGLES, ROPE_SCALE, INDEX_SATURATE, IQ_SATURATE)
+#    num_index_slots, stride_xt, stride_xc, iq_col0, ik_col0, init_blocks, local_blocks, topk)
+# and RoPE's constexprs (ROT, FP32_ANGLES, ROPE_SCALE) as parameters of their own (a
+# constexpr inside a run-time tuple does not reach a callee's constexpr parameter through
+# Triton's lowering); the casts saturate for the fp8 e4m3 types, as the preparation's plan sets.
+_NCOARSE = tl.constexpr(ROPE_MAX_POSITION // ROPE_FINE)
 
 
 @triton.jit
-def _prepared_query(tok, head, row_ok, dtype: tl.constexpr, prep, DI: tl.constexpr,
-                    DIP: tl.constexpr):
+def _prepared_query(tok, head, row_ok, dtype: tl.constexpr, DI: tl.constexpr,
+                    DIP: tl.constexpr, ROT: tl.constexpr, FP32_ANGLES: tl.constexpr,
+                    ROPE_SCALE: tl.constexpr, prep):
     """The index query of rows (tok, head) [M], prepared from the projection row as the
     preparation's index-query tiles prepare it (norm_rope_rows, then the cast to `dtype`, the
     index query's): [M, DIP], zero on rows outside row_ok."""
     (qkv_ptr, pos_ptr, slot_ptr, iqw_ptr, ikw_ptr, table_ptr, eps, num_tokens, num_slots,
-     stride_xt, stride_xc, iq_col0, ik_col0, init_blocks, local_blocks, topk, ROT, NCOARSE,
-     FP32_ANGLES, ROPE_SCALE, INDEX_SATURATE, IQ_SATURATE) = prep
+     stride_xt, stride_xc, iq_col0, ik_col0, init_blocks, local_blocks, topk) = prep
     d = tl.arange(0, DIP)[None, :]
     mask = row_ok[:, None] & (d < DI)
     pos = tl.load(pos_ptr + tok, mask=row_ok, other=0).to(tl.int32)[:, None]
-    base = qkv_ptr + tok.to(tl.int64)[:, None] * stride_xt + (iq_col0 + head[:, None] * DI) \
-        * stride_xc
+    base = qkv_ptr + tok.to(tl.int64)[:, None] * stride_xt \
+        + (iq_col0 + head[:, None] * DI) * stride_xc
     y = norm_rope_rows(base, stride_xc, mask, iqw_ptr, pos, table_ptr, eps, DI, DIP, ROT,
-                       NCOARSE, FP32_ANGLES, ROPE_SCALE)
-    return saturate_to(y, dtype, IQ_SATURATE)
+                       _NCOARSE, FP32_ANGLES, ROPE_SCALE)
+    return saturate_to(y, dtype, (dtype == tl.float8e4nv) | (dtype == tl.float8e4b8))
 
 
 @triton.jit
-def _with_new_keys(k, page, cache_dtype: tl.constexpr, prep, dims, BLOCK: tl.constexpr,
-                   DI: tl.constexpr):
+def _with_new_keys(k, page, cache_dtype: tl.constexpr, dims, BLOCK: tl.constexpr,
+                   DI: tl.constexpr, ROT: tl.constexpr, FP32_ANGLES: tl.constexpr,
+                   ROPE_SCALE: tl.constexpr, prep):
     """k [BLOCK, DIP], page `page`'s keys as loaded, as they are once this launch's preparation
     has written the step's index keys: each key whose slot lies in the page replaces its row, in
     token order. The preparation's programs write concurrently with the scoring programs, so a
     row the load saw there may be the old key or the new one; this makes it the new one."""
     (qkv_ptr, pos_ptr, slot_ptr, iqw_ptr, ikw_ptr, table_ptr, eps, num_tokens, num_slots,
-     stride_xt, stride_xc, iq_col0, ik_col0, init_blocks, local_blocks, topk, ROT, NCOARSE,
-     FP32_ANGLES, ROPE_SCALE, INDEX_SATURATE, IQ_SATURATE) = prep
+     stride_xt, stride_xc, iq_col0, ik_col0, init_blocks, local_blocks, topk) = prep
     offs = tl.arange(0, BLOCK)[:, None]
     d = dims[None, :]  # [1, DIP]
     for t in range(0, num_tokens):
@@ -250,9 +256,11 @@ def _with_new_keys(k, page, cache_dtype: tl.constexpr, prep, dims, BLOCK: tl.con
             base = qkv_ptr + (tl.cast(t, tl.int64) * stride_xt + ik_col0 * stride_xc) \
                 + tl.zeros([1, 1], tl.int64)
             key = norm_rope_rows(base, stride_xc, d < DI, ikw_ptr, pos, table_ptr, eps, DI,
-                                 dims.shape[0], ROT, NCOARSE, FP32_ANGLES,
+                                 dims.shape[0], ROT, _NCOARSE, FP32_ANGLES,
                                  ROPE_SCALE)  # [1, DIP]
-            k = tl.where(offs == slot % BLOCK, saturate_to(key, cache_dtype, INDEX_SATURATE), k)
+            k = tl.where(offs == slot % BLOCK,
+                         saturate_to(key, cache_dtype, (cache_dtype == tl.float8e4nv)
+                                     | (cache_dtype == tl.float8e4b8)), k)
     return k
 
 
@@ -261,7 +269,8 @@ def _rescore_written_blocks(q, cache_ptr, split_pages, tile, b_lo, b_hi, pos, ro
                             stride_cp, stride_cb, stride_cd, d, DI: tl.constexpr,
                             BLOCK: tl.constexpr, BPS: tl.constexpr, CAST_K: tl.constexpr,
                             IEEE: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
-                            MAX_SKIPS_NAN: tl.constexpr, num_pages, prep):
+                            MAX_SKIPS_NAN: tl.constexpr, num_pages, ROT: tl.constexpr,
+                            FP32_ANGLES: tl.constexpr, ROPE_SCALE: tl.constexpr, prep):
     """The tile with the split's blocks whose page gets a key from this launch's preparation
     scored again over the keys as written (_with_new_keys), so that the scores are those of a
     preparation that ran first, whatever the slots. A block no row's selection reads the score
@@ -269,8 +278,7 @@ def _rescore_written_blocks(q, cache_ptr, split_pages, tile, b_lo, b_hi, pos, ro
     decode step that is every such block (a token's key lands in its own, local block), so
     this costs one load of the step's slots per 32 tokens and a compare per page."""
     (qkv_ptr, pos_ptr, slot_ptr, iqw_ptr, ikw_ptr, table_ptr, eps, num_tokens, num_slots,
-     stride_xt, stride_xc, iq_col0, ik_col0, init_blocks, local_blocks, topk, ROT, NCOARSE,
-     FP32_ANGLES, ROPE_SCALE, INDEX_SATURATE, IQ_SATURATE) = prep
+     stride_xt, stride_xc, iq_col0, ik_col0, init_blocks, local_blocks, topk) = prep
     cols = tl.arange(0, BPS)
     blk = b_lo + cols
     pages = split_pages.to(tl.int64)
@@ -291,7 +299,7 @@ def _rescore_written_blocks(q, cache_ptr, split_pages, tile, b_lo, b_hi, pos, ro
                 tile = _score_block(q, cache_ptr, split_pages, tile, b_lo + j, b_lo, pos,
                                     stride_cp, stride_cb, stride_cd, d, DI, BLOCK, BPS, CAST_K,
                                     IEEE, True, KEYS_AS_ROWS, MAX_SKIPS_NAN, num_pages,
-                                    NEW_KEYS=True, prep=prep)
+                                    False, None, True, ROT, FP32_ANGLES, ROPE_SCALE, prep)
     return tile
 
 
@@ -305,7 +313,9 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
                        MAX_SKIPS_NAN: tl.constexpr, split_pages_given=0,
                        PAGES_GIVEN: tl.constexpr = False, ONE_LOOP: tl.constexpr = False,
                        NVFP4: tl.constexpr = False, cp_size=1, cp_rank=0,
-                       CP: tl.constexpr = False, PREPARE: tl.constexpr = False, prep=None):
+                       CP: tl.constexpr = False, PREPARE: tl.constexpr = False,
+                       ROT: tl.constexpr = 0, FP32_ANGLES: tl.constexpr = False,
+                       ROPE_SCALE: tl.constexpr = 1.0, prep=None):
     """Score tokens [t_begin, t_end) (< ROWS_T of them, all of one request whose first token is
     t_req) against blocks [b_lo, b_hi) and store the tile; rows are (token, head) pairs.
     PAGES_GIVEN: the caller loaded the split's page ids (split_pages_given, [BPS]); ONE_LOOP: one
@@ -324,7 +334,8 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
         pos = _cp_local_pos(pos, cp_size, cp_rank, BLOCK)
     d = tl.arange(0, DIP)
     if PREPARE:
-        q = _prepared_query(tok, head, row_ok, q_ptr.dtype.element_ty, prep, DI, DIP)
+        q = _prepared_query(tok, head, row_ok, q_ptr.dtype.element_ty, DI, DIP, ROT,
+                            FP32_ANGLES, ROPE_SCALE, prep)
     else:
         q = tl.load(q_ptr + tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
                     + d[None, :] * stride_qd, mask=row_ok[:, None] & (d[None, :] < DI),
@@ -366,7 +377,7 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
         tile = _rescore_written_blocks(q, cache_ptr, split_pages, tile, b_lo, b_hi, pos, row_ok,
                                        stride_cp, stride_cb, stride_cd, d, DI, BLOCK, BPS,
                                        CAST_K, IEEE, KEYS_AS_ROWS, MAX_SKIPS_NAN, num_pages,
-                                       prep)
+                                       ROT, FP32_ANGLES, ROPE_SCALE, prep)
     blk = b_lo + cols
     out = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh \
         + blk.to(tl.int64)[None, :] * stride_ob
@@ -464,7 +475,9 @@ def _score_request(r, b_first, q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, o
                    BPS: tl.constexpr, SMALL_Q: tl.constexpr, ROWS_T: tl.constexpr,
                    CAST_K: tl.constexpr, IEEE: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
                    MAX_SKIPS_NAN: tl.constexpr, NVFP4: tl.constexpr, cp_size, cp_rank,
-                   CP: tl.constexpr, PREPARE: tl.constexpr = False, prep=None):
+                   CP: tl.constexpr, PREPARE: tl.constexpr = False,
+                   ROT: tl.constexpr = 0, FP32_ANGLES: tl.constexpr = False,
+                   ROPE_SCALE: tl.constexpr = 1.0, prep=None):
     """The request launch's program (r, split starting at block b_first): every token of
     request r (q_len <= SMALL_Q) against the split's blocks."""
     # the split's page ids, masked by the table's width instead of the request's length, so
@@ -497,14 +510,14 @@ def _score_request(r, b_first, q_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, o
                                stride_ot, stride_oh, stride_ob, H, HP, DI, DIP, BLOCK,
                                ROWS_T, BPS, CAST_K, IEEE, KEYS_AS_ROWS, MAX_SKIPS_NAN,
                                pages, True, not NVFP4, NVFP4, cp_size, cp_rank, CP,
-                               PREPARE, prep)
+                               PREPARE, ROT, FP32_ANGLES, ROPE_SCALE, prep)
 
 
 @triton.jit
 def _prepare_scores_kernel(
         cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr, num_requests, num_tokens, num_pages,
         full_width, table_width, stride_cp, stride_cb, stride_cd, stride_btr, stride_btb,
-        stride_ot, stride_oh, stride_ob, init_blocks, local_blocks, topk,
+        stride_ot, stride_oh, stride_ob, init_blocks, local_blocks, topk, iq_col0, ik_col0,
         qkv_ptr, pos_ptr, qw_ptr, kw_ptr, iqw_ptr, ikw_ptr, table_ptr,
         k_cache_ptr, v_cache_ptr, slot_ptr, index_slot_ptr,
         k_scale_ptr, v_scale_ptr, q_out_ptr, iq_out_ptr, eps, num_slots, num_index_slots,
@@ -547,12 +560,11 @@ def _prepare_scores_kernel(
                          KV_SATURATE, INDEX_SATURATE, IQ_SATURATE, HAS_SCALE, False)
     elif pid < num_requests:
         prep = (qkv_ptr, pos_ptr, index_slot_ptr, iqw_ptr, ikw_ptr, table_ptr, eps, num_tokens,
-                num_index_slots, stride_xt, stride_xc, (HQ + 2 * HKV) * D, (HQ + 2 * HKV) * D
-                + H * DI, init_blocks, local_blocks, topk, ROT, NCOARSE, FP32_ANGLES,
-                ROPE_SCALE, INDEX_SATURATE, IQ_SATURATE)
+                num_index_slots, stride_xt, stride_xc, iq_col0, ik_col0, init_blocks,
+                local_blocks, topk)
         _score_request(pid, split * BPS, iq_out_ptr, cache_ptr, cu_ptr, seq_lens_ptr, bt_ptr,
                        out_ptr, num_requests, num_tokens, num_pages, full_width, table_width,
                        stride_it, stride_ih, stride_id, stride_cp, stride_cb, stride_cd,
                        stride_btr, stride_btb, stride_ot, stride_oh, stride_ob, H, HP, DI, DIP,
                        BLOCK, BPS, SMALL_Q, ROWS_T, CAST_K, IEEE, KEYS_AS_ROWS, MAX_SKIPS_NAN,
-                       False, 1, 0, False, True, prep)
+                       False, 1, 0, False, True, ROT, FP32_ANGLES, ROPE_SCALE, prep)
