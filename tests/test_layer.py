@@ -70,11 +70,29 @@ def run_kernels_against_reference(cfg, *, dtype, kv_dtype, index_dtype, device, 
         recorded.append(out.clone())
         return out
 
+    kernel_fused = layer_mod.KERNEL_OPS.prepare_and_select
+
+    def record_fused(*args, **kw):
+        # (the layer's decode steps: the preparation inside the scoring launch)
+        q, index_q, out = kernel_fused(*args, **kw)
+        c = args[2]
+        check = dict(topk=c.topk_blocks, init_blocks=c.init_blocks, local_blocks=c.local_blocks,
+                     block_size=c.block_size)
+        scores = openmsa.reference.block_scores(index_q, args[10], *args[12:15],
+                                                 block_size=c.block_size)
+        _, pos = token_layout(args[12], args[13], index_q.shape[0])
+        assert_selection_near_optimal(out, scores, pos, **check)
+        recorded.append(out.clone())
+        return q, index_q, out
+
     kw = dict(dtype=dtype, kv_dtype=kv_dtype, index_dtype=index_dtype, device=device,
               steps=steps, layers=layers, engine=engine, hidden_size=hidden_size)
     pins.setattr(layer_mod.KERNEL_OPS, "select_blocks", record)
+    pins.setattr(layer_mod.KERNEL_OPS, "prepare_and_select", record_fused)
     got = _run(cfg, "kernels", **kw)
     replay = iter(recorded)
+    # the reference layer then runs its preparation and select_blocks apart, replaying
+    pins.delattr(openmsa.reference, "prepare_and_select")
     pins.setattr(openmsa.reference, "select_blocks", lambda *a, **k: next(replay))
     want = _run(cfg, "reference", **kw)
     assert next(replay, None) is None
