@@ -31,12 +31,12 @@ def _width(cfg):
         + (cfg.num_index_heads + 1) * cfg.index_head_dim
 
 
-def _case(q_lens, index_dtype, seed=0):
-    """A step (scattered pages, a spare table column, two padding tokens) with its projection
+def _case(q_lens, index_dtype, seed=0, pad_tokens=2):
+    """A step (scattered pages, a spare table column, padding tokens) with its projection
     rows and caches, on the CPU. The cached index keys are small (|S| ~ 0.01), the step's own
     keys unit-RMS: a block that gets one of them scores far above the others."""
     g = torch.Generator().manual_seed(seed)
-    step = make_step(q_lens, SEQ_LENS, block_size=B, extra_columns=1, pad_tokens=2,
+    step = make_step(q_lens, SEQ_LENS, block_size=B, extra_columns=1, pad_tokens=pad_tokens,
                      generator=g)
     t = step.num_tokens
     # a strided view of a wider buffer, as an engine's fused GEMM output
@@ -56,6 +56,7 @@ def _case(q_lens, index_dtype, seed=0):
 
 
 def _run(op_device, step, qkv, weights, kc, vc, ic, pos, index_slots, fused: bool):
+    max_q_len = max(step.q_lens)
     """(q, index_q, indices, k_cache, v_cache, index_cache) from prepare_and_select (fused) or
     from fused_prepare and select_blocks (each on its own caches' copies)."""
     d = op_device
@@ -64,12 +65,12 @@ def _run(op_device, step, qkv, weights, kc, vc, ic, pos, index_slots, fused: boo
             step.slot_mapping.to(d), ic, index_slots.to(d))
     meta = (step.cu_seqlens_q.to(d), step.seq_lens.to(d), step.block_table.to(d))
     if fused:
-        q, iq, idx = openmsa.prepare_and_select(*args, *meta, max_q_len=4)
+        q, iq, idx = openmsa.prepare_and_select(*args, *meta, max_q_len=max_q_len)
     else:
         q, iq = openmsa.fused_prepare(*args)
         idx = openmsa.select_blocks(iq, ic, *meta, topk=CFG.topk_blocks,
                                     init_blocks=CFG.init_blocks, local_blocks=CFG.local_blocks,
-                                    block_size=B, max_q_len=4)
+                                    block_size=B, max_q_len=max_q_len)
     return tuple(x.cpu() for x in (q, iq, idx, kc, vc, ic))
 
 
@@ -99,12 +100,16 @@ def _hostile_slots(step, name):
     ([1, 1, 1, 1, 1], None),
     ([1, 1, 1, 1, 1], "into_other_block"),
     ([1, 1, 1, 1, 1], "past_cache"),
-    # verify: request 4's three tokens (positions 78-80) straddle blocks 4 and 5, and block 4
-    # is neither forced nor in a short row for the token at 80: scored again with the new keys
-    ([1, 2, 0, 1, 3], None),
+    # three tokens for request 4 (positions 78-80), no more tokens than requests (the fused
+    # launch's steps): they straddle blocks 4 and 5, and block 4 is neither forced nor in a
+    # short row for the token at 80, so it is scored again with the new keys
+    ([1, 1, 0, 0, 3], None),
 ])
 def test_equals_the_two_ops(kernel_device, monkeypatch, index_dtype, q_lens, hostile):
-    step, qkv, w, kc, vc, ic, pos = _case(q_lens, index_dtype)
+    # (decode: two padding tokens, planned as decode by max_q_len 1; the q_len 3 step as many
+    # tokens as requests)
+    step, qkv, w, kc, vc, ic, pos = _case(q_lens, index_dtype,
+                                          pad_tokens=2 if max(q_lens) == 1 else 0)
     slots = _hostile_slots(step, hostile)
     want = _run(kernel_device, step, qkv, w, kc, vc, ic, pos, slots, fused=False)
 
@@ -128,13 +133,37 @@ def test_equals_the_two_ops(kernel_device, monkeypatch, index_dtype, q_lens, hos
 
 
 @pytest.mark.interpret
-def test_prefill_steps_run_the_two_ops(kernel_device):
-    """A step with a long request (the prefill launch) gives the two ops' results through
-    them."""
-    step, qkv, w, kc, vc, ic, pos = _case([1, 20, 1, 1, 1], torch.bfloat16)
+@pytest.mark.parametrize("q_lens", [[1, 20, 1, 1, 1], [1, 3, 1, 1, 1]])
+def test_other_steps_run_the_two_ops(kernel_device, q_lens):
+    """A step with a long request (the prefill launch), or more tokens than requests (verify),
+    gives the two ops' results through them."""
+    step, qkv, w, kc, vc, ic, pos = _case(q_lens, torch.bfloat16)
     want = _run(kernel_device, step, qkv, w, kc, vc, ic, pos, step.slot_mapping, fused=False)
     got = _run(kernel_device, step, qkv, w, kc, vc, ic, pos, step.slot_mapping, fused=True)
     assert all(_same(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.reference
+def test_plan_fuses_short_decode_steps_only():
+    from openmsa.ops.common.plan import DeviceFacts, Launch
+    from openmsa.ops.indexer.plan import IndexerShape, plan, prepared_plan
+
+    prep = Launch("fused_prepare", (8, 7), dict(INDEX_NVFP4=False, HQ=64, HKV=4, D=128, DP=128,
+                                                ROT=64, NCOARSE=16384, FP32_ANGLES=False,
+                                                ROPE_SCALE=1.0, BLOCK=128, HT=16,
+                                                KV_SATURATE=False, INDEX_SATURATE=True,
+                                                IQ_SATURATE=True, HAS_SCALE=False))
+
+    def fused(tokens, requests, blocks):
+        shape = IndexerShape(tokens, 4, 128, requests, blocks, 128, FP8, FP8, topk=16)
+        p = prepared_plan(plan(shape, DeviceFacts()), prep, shape)
+        return None if p is None else p.kernels()[0]
+    assert fused(8, 8, 256) == "prepare_scores"
+    assert fused(1, 1, 257) is None  # past decode.prepare_max_blocks
+    assert fused(9, 8, 256) is None  # more tokens than requests, no max_q_len
+    shape = IndexerShape(10, 4, 128, 8, 256, 128, FP8, FP8, max_q_len=1, topk=16)
+    assert prepared_plan(plan(shape, DeviceFacts()), prep, shape) is not None
+    assert fused(40, 1, 256) is None  # a prefill chunk
 
 
 @pytest.mark.reference

@@ -449,10 +449,9 @@ def prepare_and_select(qkv, positions, config, q_norm_weight, k_norm_weight,
         the scores the selection reads are computed from an index query and index keys
         prepared inside the scoring launch, in the same fp32 arithmetic as the preparation's).
 
-    On the kernel path a step whose scoring is the decode launch alone (q_len <= 16: decode and
-    speculative verify; not into NVFP4 pages) runs the preparation inside the scoring launch:
-    one dependent launch fewer, which is most of what a small batch's step costs
-    (docs/performance.md). Those scoring programs prepare their request's index query from
+    On the kernel path a decode step (one token per request; not into NVFP4 pages) of a short
+    table (IndexerConfig.decode.prepare_max_blocks columns) runs the preparation inside the
+    scoring launch: one dependent launch fewer (docs/performance.md). Those scoring programs prepare their request's index query from
     the projection row themselves, and a block into whose page the step writes an index key is
     scored again over the key as written, unless no row's selection reads its score (forced, as
     a decode token's own block is), so the scores are those of the preparation running first
@@ -486,7 +485,7 @@ def prepare_and_select(qkv, positions, config, q_norm_weight, k_norm_weight,
                                          block_table, config.topk_blocks, config.init_blocks,
                                          config.local_blocks, config.block_size, out, max_q_len)
         steps = plan(shape, DeviceFacts.of(qkv.device), indexer_config)
-        fused = prepared_plan(steps, prepared.launches[0], qkv.shape[0]) \
+        fused = prepared_plan(steps, prepared.launches[0], shape, indexer_config) \
             if len(prepared.launches) == 1 else None
         return fused, prepared.table
 

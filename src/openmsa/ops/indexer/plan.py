@@ -72,6 +72,12 @@ class DecodeForm:
     max_bps: int = 64
     warps: int = 4
     stages: int = 3
+    # prepare_and_select's fused launch (the preparation inside this launch) runs on steps of
+    # at most one token per request and at most this many table columns: at 32K, B = 1 it
+    # saves 1.5 of 18.4 µs on an H100; from 128K, and at q_len 4, the scoring programs'
+    # longer prologue (and the registers of the preparation's code) cost as much as the
+    # launch it saves (docs/performance.md, "Where the time goes")
+    prepare_max_blocks: int = 256
     # an NVFP4 cache's (off Hopper, or a bf16 query): a register cap under which 4 programs fit
     # an SM (16 warps, not 12), to hide the dequantization's and the block's barrier chain's
     # latency; ptxas alone takes ~155 and does not spill at 128 (docs/design.md)
@@ -374,16 +380,20 @@ def selection_plan(shape: IndexerShape, device: DeviceFacts,
     return LaunchPlan(*_selection(shape, device, config))
 
 
-def prepared_plan(steps: LaunchPlan, prepare: Launch, num_tokens: int) -> LaunchPlan | None:
-    """The plan of prepare_and_select (api.py): a step whose scoring is the Triton decode
-    launch alone, followed by the preparation's launch (`prepare`, cache/plan.py's
-    "fused_prepare"; not into NVFP4 pages), runs both as one "prepare_scores" launch of grid
+def prepared_plan(steps: LaunchPlan, prepare: Launch, shape: IndexerShape,
+                  config: IndexerConfig = DEFAULT) -> LaunchPlan | None:
+    """The plan of prepare_and_select (api.py): a step of `shape` whose scoring is the Triton
+    decode launch alone, of no more tokens than requests or max_q_len 1 (decode; padding tokens
+    allowed), and at most decode.prepare_max_blocks table columns, followed by the preparation's launch (`prepare`, cache/plan.py's "fused_prepare";
+    not into NVFP4 pages), runs both as one "prepare_scores" launch of grid
     (max(R, T), splits + the preparation's tiles) (kernels/scores.py, _prepare_scores_kernel),
     then the selection as planned. None for any other step: the two ops run apart."""
     scoring = [launch for launch in steps if launch.kernel.startswith("scores")
                or launch.kernel == "stage_nvfp4"]
     if ([launch.kernel for launch in scoring] != ["scores_decode"] or prepare.kernel
-            != "fused_prepare" or prepare.params["INDEX_NVFP4"] or scoring[0].params["NVFP4"]):
+            != "fused_prepare" or prepare.params["INDEX_NVFP4"] or scoring[0].params["NVFP4"]
+            or (shape.num_tokens > shape.num_requests and shape.max_q_len != 1)
+            or shape.max_blocks > config.decode.prepare_max_blocks):
         return None
     decode, p = scoring[0], prepare.params
     params = {k: v for k, v in decode.params.items()
@@ -395,7 +405,7 @@ def prepared_plan(steps: LaunchPlan, prepare: Launch, num_tokens: int) -> Launch
                   IQ_SATURATE=p["IQ_SATURATE"], HAS_SCALE=p["HAS_SCALE"],
                   PREP_TILES=prepare.grid[1])
     requests, splits = decode.grid
-    fused = Launch("prepare_scores", (max(requests, num_tokens), splits + prepare.grid[1]),
+    fused = Launch("prepare_scores", (max(requests, shape.num_tokens), splits + prepare.grid[1]),
                    params)
     return LaunchPlan((fused, *(launch for launch in steps if launch is not decode)),
                       steps.sizes)
