@@ -55,7 +55,8 @@ def _case(q_lens, index_dtype, seed=0, pad_tokens=2):
     return step, qkv, weights, kc, vc, ic, pos
 
 
-def _run(op_device, step, qkv, weights, kc, vc, ic, pos, index_slots, fused: bool):
+def _run(op_device, step, qkv, weights, kc, vc, ic, pos, index_slots, fused: bool,
+         meta=None):
     max_q_len = max(step.q_lens)
     """(q, index_q, indices, k_cache, v_cache, index_cache) from prepare_and_select (fused) or
     from fused_prepare and select_blocks (each on its own caches' copies)."""
@@ -63,7 +64,8 @@ def _run(op_device, step, qkv, weights, kc, vc, ic, pos, index_slots, fused: boo
     kc, vc, ic = kc.clone().to(d), vc.clone().to(d), ic.clone().to(d)
     args = (qkv.to(d), pos.to(d), CFG, *[w.to(d) for w in weights], kc, vc,
             step.slot_mapping.to(d), ic, index_slots.to(d))
-    meta = (step.cu_seqlens_q.to(d), step.seq_lens.to(d), step.block_table.to(d))
+    meta = tuple(x.to(d) for x in (meta or (step.cu_seqlens_q, step.seq_lens,
+                                            step.block_table)))
     if fused:
         q, iq, idx = openmsa.prepare_and_select(*args, *meta, max_q_len=max_q_len)
     else:
@@ -130,6 +132,39 @@ def test_equals_the_two_ops(kernel_device, monkeypatch, index_dtype, q_lens, hos
         # the test can fail: request 3's rows chose the block that got the stray key
         rows = got[2][int(step.cu_seqlens_q[3]):int(step.cu_seqlens_q[4])]
         assert (rows == 2).any()
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("name", ["page_past_cache", "negative_page", "narrow_table",
+                                  "cu_decreasing", "cu_not_from_zero", "cu_past_tokens"])
+def test_broken_metadata_gives_the_two_ops_result(kernel_device, monkeypatch, name):
+    """A decode step (the fused launch) whose table, seq_lens or cu_seqlens_q break the
+    contract (docs/spec.md, "Bounds"): the two ops' results, bit for bit, and the reference's
+    selection."""
+    step, qkv, w, kc, vc, ic, pos = _case([1, 1, 1, 1, 1], FP8)
+    cu, sl, bt = step.cu_seqlens_q.clone(), step.seq_lens.clone(), step.block_table.clone()
+    if name == "page_past_cache":
+        bt[0, 1], bt[3, 2], bt[4, 0] = step.num_pages, step.num_pages + 7, 2 ** 30
+    elif name == "negative_page":
+        bt[0, 2], bt[3, 0], bt[3, 5] = -2, -(2 ** 31), -7
+    elif name == "narrow_table":
+        sl[3] = 2000  # 125 blocks against a table of 9 columns: padding
+    elif name == "cu_decreasing":
+        cu[2] = cu[3] + 1
+    elif name == "cu_not_from_zero":
+        cu[0] = 1
+    else:
+        cu[-1] = step.num_tokens + 3
+    meta = (cu, sl, bt)
+    want = _run(kernel_device, step, qkv, w, kc, vc, ic, pos, step.slot_mapping, False, meta)
+    monkeypatch.setattr(indexer_api, "fused_prepare", None)  # (the fused launch must run)
+    got = _run(kernel_device, step, qkv, w, kc, vc, ic, pos, step.slot_mapping, True, meta)
+    for label, a, b in zip(("q", "index_q", "indices", "k_cache", "v_cache", "index_cache"),
+                           got, want):
+        assert _same(a, b), (name, label)
+    r = ref.prepare_and_select(qkv, pos, CFG, *w, kc.clone(), vc.clone(), step.slot_mapping,
+                               ic.clone(), step.slot_mapping, *meta)
+    assert torch.equal(got[2], r[2]), name
 
 
 @pytest.mark.interpret

@@ -449,13 +449,14 @@ def prepare_and_select(qkv, positions, config, q_norm_weight, k_norm_weight,
         the scores the selection reads are computed from an index query and index keys
         prepared inside the scoring launch, in the same fp32 arithmetic as the preparation's).
 
-    On the kernel path a decode step (one token per request; not into NVFP4 pages) of a short
-    table (IndexerConfig.decode.prepare_max_blocks columns) runs the preparation inside the
-    scoring launch: one dependent launch fewer (docs/performance.md). Those scoring programs prepare their request's index query from
-    the projection row themselves, and a block into whose page the step writes an index key is
-    scored again over the key as written, unless no row's selection reads its score (forced, as
-    a decode token's own block is), so the scores are those of the preparation running first
-    whatever the slots. Any other step runs the two ops one after the other.
+    On the kernel path a decode step (no more tokens than requests, or max_q_len 1; not into
+    NVFP4 pages) of a short table (IndexerConfig.decode.prepare_max_blocks columns) runs the
+    preparation inside the scoring launch: one dependent launch fewer (docs/performance.md).
+    Those scoring programs prepare their request's index query from the projection row
+    themselves, and a block into whose page the step writes an index key is scored again over
+    the key as written, unless no row's selection reads its score (forced, as a decode token's
+    own block is), so the scores are those of the preparation running first whatever the slots.
+    Any other step runs the two ops one after the other.
     """
     if not use_kernels(qkv):
         return reference.prepare_and_select(

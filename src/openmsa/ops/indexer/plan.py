@@ -72,11 +72,11 @@ class DecodeForm:
     max_bps: int = 64
     warps: int = 4
     stages: int = 3
-    # prepare_and_select's fused launch (the preparation inside this launch) runs on steps of
-    # at most one token per request and at most this many table columns: at 32K, B = 1 it
-    # saves 1.5 of 18.4 µs on an H100; from 128K, and at q_len 4, the scoring programs'
-    # longer prologue (and the registers of the preparation's code) cost as much as the
-    # launch it saves (docs/performance.md, "Where the time goes")
+    # prepare_and_select's fused launch (the preparation inside this launch) runs on decode
+    # steps of at most this many table columns: on short scans the saved launch is a large
+    # share of the step; on long ones the scoring programs' longer prologue and the registers
+    # of the preparation's code cost as much as it saves (docs/performance.md, "Where the time
+    # goes")
     prepare_max_blocks: int = 256
     # an NVFP4 cache's (off Hopper, or a bf16 query): a register cap under which 4 programs fit
     # an SM (16 warps, not 12), to hide the dequantization's and the block's barrier chain's
@@ -384,8 +384,9 @@ def prepared_plan(steps: LaunchPlan, prepare: Launch, shape: IndexerShape,
                   config: IndexerConfig = DEFAULT) -> LaunchPlan | None:
     """The plan of prepare_and_select (api.py): a step of `shape` whose scoring is the Triton
     decode launch alone, of no more tokens than requests or max_q_len 1 (decode; padding tokens
-    allowed), and at most decode.prepare_max_blocks table columns, followed by the preparation's launch (`prepare`, cache/plan.py's "fused_prepare";
-    not into NVFP4 pages), runs both as one "prepare_scores" launch of grid
+    allowed), and at most decode.prepare_max_blocks table columns, followed by the
+    preparation's launch (`prepare`, cache/plan.py's "fused_prepare"; not into NVFP4 pages),
+    runs both as one "prepare_scores" launch of grid
     (max(R, T), splits + the preparation's tiles) (kernels/scores.py, _prepare_scores_kernel),
     then the selection as planned. None for any other step: the two ops run apart."""
     scoring = [launch for launch in steps if launch.kernel.startswith("scores")

@@ -108,13 +108,14 @@ def _fused_prepare_kernel(
         KV_SATURATE: tl.constexpr, INDEX_SATURATE: tl.constexpr, IQ_SATURATE: tl.constexpr,
         HAS_SCALE: tl.constexpr, INDEX_NVFP4: tl.constexpr):
     prepare_tile(tl.program_id(0), tl.program_id(1), qkv_ptr, pos_ptr, qw_ptr, kw_ptr, iqw_ptr,
-                 ikw_ptr, table_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, index_cache_ptr, index_slot_ptr, k_scale_ptr, v_scale_ptr,
-                 q_out_ptr, iq_out_ptr, eps, num_slots, num_index_slots, stride_xt, stride_xc,
-                 stride_kcp, stride_kcb, stride_kch, stride_kcd, stride_vcp, stride_vcb,
-                 stride_vch, stride_vcd, stride_icp, stride_icb, stride_icd, stride_qt,
-                 stride_qh, stride_qd, stride_it, stride_ih, stride_id, HQ, HKV, H, D, DI, DP,
-                 DIP, ROT, NCOARSE, FP32_ANGLES, ROPE_SCALE, BLOCK, IBLOCK, HT, KV_SATURATE,
-                 INDEX_SATURATE, IQ_SATURATE, HAS_SCALE, INDEX_NVFP4)
+                 ikw_ptr, table_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, index_cache_ptr,
+                 index_slot_ptr, k_scale_ptr, v_scale_ptr, q_out_ptr, iq_out_ptr, eps, num_slots,
+                 num_index_slots, stride_xt, stride_xc, stride_kcp, stride_kcb, stride_kch,
+                 stride_kcd, stride_vcp, stride_vcb, stride_vch, stride_vcd, stride_icp,
+                 stride_icb, stride_icd, stride_qt, stride_qh, stride_qd, stride_it, stride_ih,
+                 stride_id, HQ, HKV, H, D, DI, DP, DIP, ROT, NCOARSE, FP32_ANGLES, ROPE_SCALE,
+                 BLOCK, IBLOCK, HT, KV_SATURATE, INDEX_SATURATE, IQ_SATURATE, HAS_SCALE,
+                 INDEX_NVFP4)
 
 
 @triton.jit
