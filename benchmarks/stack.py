@@ -42,10 +42,12 @@ def cache_sets(layers: int, per_set_bytes: int, free_bytes: int, reserve: float 
     return max(1, min(layers, int(free_bytes * reserve) // per_set_bytes))
 
 
-def _fi_layer(fi, layer, case):
+def _fi_layer(fi, layer, case, kv_hnd):
     """One layer on FlashInfer's calls over the case's caches, after openmsa's preparation:
-    (fn, attention output)."""
-    k_cache, v_cache, index_cache, meta, _, _ = case
+    (fn, attention output). kv_hnd: the case's K and V in FlashInfer's [P, Hkv, B, D] layout
+    (laid out once, as an engine storing its caches that way would)."""
+    _, _, index_cache, meta, _, _ = case
+    k_cache, v_cache = kv_hnd
     cu, seq = meta.cu_seqlens_q, meta.seq_lens
     q_len = 1
     nvp = ((seq - q_len) // 128 + 1).int().repeat_interleave(torch.diff(cu))
@@ -73,8 +75,11 @@ def stack_row(args, model_name, context, fi) -> dict:
     before = torch.cuda.memory_allocated()
     first = run._layer_case(model, batch, context, 1, args.dtype)
     per_set = torch.cuda.memory_allocated() - before
+    with_peer = fi is not None and args.dtype == "fp8"
+    # FlashInfer reads its own copy of each set's K/V (its layout): room for both
+    peer_bytes = first[0].nbytes + first[1].nbytes if with_peer else 0
     free, _ = torch.cuda.mem_get_info()
-    n_sets = cache_sets(layers, per_set, free + per_set)
+    n_sets = cache_sets(layers, per_set + peer_bytes, free + per_set)
     cases = [first] + [run._layer_case(model, batch, context, 1, args.dtype)
                        for _ in range(n_sets - 1)]
     ours = [run._layer_fns(model, *cases[i % n_sets], batch, context, 1)[0]
@@ -90,9 +95,11 @@ def stack_row(args, model_name, context, fi) -> dict:
     row["stack_us"] = run.graph_call_us(step, args.iters)
     row["per_layer_us"] = row["stack_us"] / layers
     row["one_layer_call_us"] = run.graph_call_us(ours[0], args.iters)
-    if fi is not None and args.dtype == "fp8":
-        peer = run.try_peer(lambda: [_fi_layer(fi, ours[i], cases[i % n_sets])
-                                     for i in range(layers)])
+    if with_peer:
+        # after the step above ran, so the copies hold this token's K/V too
+        kv_hnd = [tuple(c.permute(0, 2, 1, 3).contiguous() for c in case[:2]) for case in cases]
+        peer = run.try_peer(lambda: [_fi_layer(fi, ours[i], cases[i % n_sets],
+                                               kv_hnd[i % n_sets]) for i in range(layers)])
         if peer is not None:
             fns = [fn for fn, _ in peer]
             ok = run.try_peer(lambda: [fn() for fn in fns])
