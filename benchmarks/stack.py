@@ -45,7 +45,7 @@ def cache_sets(layers: int, per_set_bytes: int, free_bytes: int, reserve: float 
 def _fi_layer(fi, layer, case, kv_hnd):
     """One layer on FlashInfer's calls over the case's caches, after openmsa's preparation:
     (fn, attention output). kv_hnd: the case's K and V in FlashInfer's [P, Hkv, B, D] layout
-    (laid out once, as an engine storing its caches that way would)."""
+    (views of one interleaved copy, laid out once as an engine storing its caches that way would)."""
     _, _, index_cache, meta, _, _ = case
     k_cache, v_cache = kv_hnd
     cu, seq = meta.cu_seqlens_q, meta.seq_lens
@@ -97,7 +97,10 @@ def stack_row(args, model_name, context, fi) -> dict:
     row["one_layer_call_us"] = run.graph_call_us(ours[0], args.iters)
     if with_peer:
         # after the step above ran, so the copies hold this token's K/V too
-        kv_hnd = [tuple(c.permute(0, 2, 1, 3).contiguous() for c in case[:2]) for case in cases]
+        # (its sparse decode reads K and V interleaved in one [P, Hkv, B, 2D] cache)
+        d = first[0].shape[-1]
+        packed = [torch.cat([c.permute(0, 2, 1, 3) for c in case[:2]], -1) for case in cases]
+        kv_hnd = [(p[..., :d], p[..., d:]) for p in packed]
         peer = run.try_peer(lambda: [_fi_layer(fi, ours[i], cases[i % n_sets],
                                                kv_hnd[i % n_sets]) for i in range(layers)])
         if peer is not None:
