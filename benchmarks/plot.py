@@ -35,19 +35,26 @@ FIGURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 DEFAULT_BATCHES = "1,32"
 
 
+# what identifies a row across results files: a later file's row with the same values replaces
+# an earlier one's (a newer run of part of a grid beside an older whole one)
+ROW_KEY = ("section", "model", "dtype", "L", "B", "q_len", "context", "T", "selections")
+
+
 def load(paths) -> tuple[list[str], list[dict]]:
-    """(provenance lines, rows) of one or several bench.json files, in order; a section that a
-    later file holds replaces that section's rows from the earlier ones (a newer run of one
-    section beside an older whole grid)."""
-    prov, rows = [], []
-    for path in paths:
+    """(provenance lines, rows) of one or several bench.json files, in order. A later file's row
+    replaces the earlier row of the same case (ROW_KEY), in its place; every file's ceilings
+    row stays. Each row carries `_run` (its file's index in the provenance list) and `_file`."""
+    prov, rows = [], {}
+    for i, path in enumerate(paths):
         with open(path) as f:
             data = json.load(f)
         prov.append(data.get("provenance", ""))
-        new = data.get("rows", [])
-        newer = {r.get("section") for r in new} - {"ceilings"}
-        rows = [r for r in rows if r.get("section") not in newer] + new
-    return prov, rows
+        for r in data.get("rows", []):
+            key = tuple(r.get(k) for k in ROW_KEY)
+            if r.get("section") == "ceilings":
+                key += (i,)
+            rows[key] = dict(r, _run=i, _file=path)
+    return prov, list(rows.values())
 
 
 def _ok(row, peer):
@@ -83,7 +90,9 @@ def indexer_series(rows, batch, model="m3-tp1", q_len=1):
 
 
 def layer_series(rows, batch, dtypes=None):
-    """{label: [(L, speed-up)]} for layer_speedup.png (rows of `dtypes` only, when given)."""
+    """{label: [(L, speed-up)]} for layer_speedup.png (rows of `dtypes` only, when given): over
+    dense bf16 SDPA, and where the row has it over FlashInfer's dense attention reading the same
+    caches in their own dtype ("over FlashInfer's dense")."""
     out: dict[str, list] = {}
     sel = [r for r in rows if r.get("section") == "layer-decode" and r.get("B") == batch
            and r.get("speedup") and (dtypes is None or r.get("dtype") in dtypes)]
@@ -91,6 +100,9 @@ def layer_series(rows, batch, dtypes=None):
         tp = {"m3-tp1": "TP1", "m3-tp4": "TP4", "m3-tp8": "TP8"}.get(r["model"], r["model"])
         kv = {"nvfp4": "fp8 K/V, NVFP4 keys"}.get(r["dtype"], f"{r['dtype']} K/V")
         out.setdefault(f"{tp}, {kv}", []).append((r["L"], r["speedup"]))
+        if r.get("speedup_engine"):
+            out.setdefault(f"{tp}, {kv}, over FlashInfer's dense", []).append(
+                (r["L"], r["speedup_engine"]))
     return out
 
 
@@ -143,11 +155,12 @@ def plot_layer(rows, batch, path, note="", dtypes=None):
     series = layer_series(rows, batch, dtypes)
     xs = sorted({x for pts in series.values() for x, _ in pts})
     for label, pts in series.items():
-        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=label)
+        style = "--" if label.endswith("dense") else "-"
+        ax.plot([x for x, _ in pts], [y for _, y in pts], style, marker="o", label=label)
     if xs:
         _axes_log_context(ax, xs)
     ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_ylabel("speed-up over dense attention (x)")
+    ax.set_ylabel("speed-up over dense attention (x)\nsolid: bf16 SDPA; dashed: FlashInfer's")
     ax.set_title(f"one sparse layer, decode step, B = {batch}")
     if series:
         ax.legend(fontsize=8)

@@ -122,29 +122,37 @@ def test_doc_section_generated(bench, tmp_path):
     assert doc.read_text() == text
 
 
-def test_a_later_file_replaces_its_sections(bench, tmp_path):
-    # a newer run of one section beside an older whole grid: that section's rows come from the
-    # later file only, the other sections (and every run's ceilings) stay
+def test_a_later_file_replaces_the_same_cases(bench, tmp_path):
+    # a newer run of part of a grid beside an older whole one: a case both hold comes from the
+    # later file, in the earlier one's place; the other cases (and every run's ceilings) stay,
+    # each row tagged with its run
     newer = tmp_path / "newer.json"
     row = dict(section="indexer-prefill", model="m3-tp4", dtype="fp8", context=0, T=8192,
                us=19.4, tflops=443.0)
+    other = dict(section="indexer-decode", model="m3-tp4", dtype="fp8", L=32 * K, B=1,
+                 q_len=1, us=7.0)
     newer.write_text(json.dumps({"provenance": "# newer @ later",
-                                 "rows": [dict(section="ceilings", copy_tbs=4.3), row]}))
+                                 "rows": [dict(section="ceilings", copy_tbs=4.3), row, other]}))
     prov, rows = plot.load([bench, str(newer)])
     assert prov == ["# made-up GPU @ test", "# newer @ later"]
-    assert [r for r in rows if r["section"] == "indexer-prefill"] == [row]
+    pre = [r for r in rows if r["section"] == "indexer-prefill"]
+    assert [r["us"] for r in pre] == [19.4] and pre[0]["_run"] == 1
+    assert pre[0]["_file"] == str(newer)
     assert sum(r["section"] == "ceilings" for r in rows) == 2
-    assert sum(r["section"] == "indexer-decode" for r in rows) == 13
-    # in the other order the older file's section replaces the newer one's
+    decode = [r for r in rows if r["section"] == "indexer-decode"]
+    assert len(decode) == 14 and decode[-1]["us"] == 7.0
+    assert [r["section"] for r in rows].index("indexer-prefill") \
+        < [r["section"] for r in rows].index("attention-decode")
+    # in the other order the older file's row replaces the newer one's
     _, rows = plot.load([str(newer), bench])
     assert [r["us"] for r in rows if r["section"] == "indexer-prefill"] == [33.7]
 
 
 def test_readme_speed_table_from_results(tmp_path):
     # perf_doc.py --readme: one line per section and dtype, ours over each peer's time as in the
-    # rows (NVFP4 against the peer's fp8 time on the same step), a later file's rows of a
-    # section and dtype replacing an earlier one's, and the layer's speed-up; each line names
-    # its files, commits and GPU; the text between the README markers is all that changes
+    # rows (NVFP4 against the peer's fp8 time on the same step), a later file's row replacing
+    # an earlier one's of the same case, and the layer's speed-up; each line names its files,
+    # commits and GPU; the text between the README markers is all that changes
     prov = "# NVIDIA H200 (132 SMs), CUDA 13.0, torch 2.11.0, triton 3.6.0, openmsa 0.1.0 @ {}, x"
     step = dict(section="indexer-decode", model="m3-tp1", L=131072, q_len=1)
     old = dict(provenance=prov.format("aaaaaaa"), rows=[
@@ -166,10 +174,21 @@ def test_readme_speed_table_from_results(tmp_path):
     table = perf_doc.headline(paths, str(tmp_path))
     lines = {line.split(" | ")[0]: line for line in table.splitlines() if line.startswith("| ")}
     fp8 = lines["| indexer-decode, fp8 keys"]
-    # FI: the newer file's agreeing row; vLLM: the older file's, the newer one has none
-    assert "graph 0.500, device 0.800 (0.80-0.80, 1 rows)" in fp8
-    assert "device 1.000 (1.00-1.00, 1 rows)" in fp8
-    assert "(bbbbbbb, NVIDIA H200)" in fp8 and "(aaaaaaa, NVIDIA H200)" in fp8
+    # the newer file's B = 1 row replaced the older one's: FI from its agreeing row (B = 8
+    # disagrees), vLLM from none (the newer row has no vLLM time)
+    fi_cell, vllm_cell = fp8.split(" | ")[1:3]
+    assert fi_cell == "graph 0.500, device 0.800 (0.80-0.80, 1 rows)"
+    assert vllm_cell == "-"
+    assert "(bbbbbbb, H200)" in fp8 and "aaaaaaa" not in fp8
+    # a case only the older file holds stays, with the older file named
+    lone = dict(old, rows=[dict(step, dtype="bf16", B=1, us=9.0, call_us=9.0, vllm_us=10.0,
+                                vllm_ratio=0.9)])
+    with open(tmp_path / "lone.json", "w") as f:
+        json.dump(lone, f)
+    bf16 = [line for line in perf_doc.headline([str(tmp_path / "lone.json"), *paths],
+                                               str(tmp_path)).splitlines()
+            if line.startswith("| indexer-decode, bf16 keys")][0]
+    assert "device 0.900 (0.90-0.90, 1 rows)" in bf16 and "(aaaaaaa, H200)" in bf16
     assert "graph 0.250, device 0.500 (0.50-0.50, 1 rows) against its fp8 time" \
         in lines["| indexer-decode, nvfp4 keys"]
     assert "fp8 15.2x" in table.splitlines()[-3]
