@@ -105,8 +105,8 @@ def _summary(rows, peer, label):
 
 def _run_name(prov_line: str) -> str:
     """'NVIDIA H100 80GB HBM3 @ 201fc6e' from a provenance line."""
-    gpu = re.match(r"#?\s*(.+?) \(", prov_line)
-    commit = re.search(r"@ (\S+?),", prov_line)
+    gpu = re.match(r"#?\s*(.+?)(?: \(| @ |$)", prov_line)
+    commit = re.search(r"@ ([^,\s]+)", prov_line)
     return f"{gpu.group(1) if gpu else '?'} @ {commit.group(1) if commit else '?'}"
 
 

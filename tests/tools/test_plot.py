@@ -77,6 +77,13 @@ def test_series_skip_disagreeing_peers():
     # --layer-dtypes: only those rows (a row that a newer results file supersedes left out)
     layer = plot.layer_series(rows, 32, ["bf16", "fp8"])
     assert set(layer) == {f"{tp}, {kv}" for tp in ("TP1", "TP4") for kv in ("bf16 K/V", "fp8 K/V")}
+    # a row with the speed-up over FlashInfer's dense attention adds that series
+    engine = [dict(r, speedup_engine=r["speedup"] * 0.8) if r["section"] == "layer-decode"
+              and r["model"] == "m3-tp1" and r["dtype"] == "fp8" else r for r in rows]
+    layer = plot.layer_series(engine, 32, ["fp8"])
+    assert set(layer) == {"TP1, fp8 K/V", "TP4, fp8 K/V", "TP1, fp8 K/V, over FlashInfer's dense"}
+    assert [y for _, y in layer["TP1, fp8 K/V, over FlashInfer's dense"]] == pytest.approx(
+        [y * 0.8 for _, y in layer["TP1, fp8 K/V"]])
 
 
 def test_default_panels_are_in_the_run_grids():
@@ -117,6 +124,9 @@ def test_doc_section_generated(bench, tmp_path):
     assert "**40 / 3**" in text  # the disagreeing peer's check, marked
     assert "no graph" in text  # a capture that failed
     assert "not run: NotImplementedError: made up" in text
+    assert "_run=" not in text and "_file=" not in text  # the merge's tags stay out of the doc
+    # each table names the run and file its rows come from
+    assert text.count("Measured: made-up GPU @ test (`bench.json`).") == 5  # 5 sections
     # twice gives the same doc
     perf_doc.main([bench, "--doc", str(doc)])
     assert doc.read_text() == text
