@@ -28,6 +28,7 @@ from ._checks import check_process_group
 from .config import MSAConfig
 from .ops.attention.api import sparse_attention
 from .ops.cache.api import fused_prepare
+from .ops.cache.geometry import projection_widths
 from .ops.indexer.api import prepare_and_select, select_blocks
 from .metadata import MSAMetadata
 
@@ -125,7 +126,7 @@ class MSAAttention(nn.Module):
         self._prepare_config = cfg if cp_group is None else dataclasses.replace(
             cfg, num_index_heads=config.num_index_heads)
         self.iq_size = self._iq_heads * di
-        width = self.q_size + 2 * self.kv_size + self.iq_size + di
+        width = sum(projection_widths(self._prepare_config))
         kw = dict(dtype=dtype, device=device)
         # one fused projection weight: a single GEMM per step instead of five
         self.qkv_weight = nn.Parameter(torch.empty(width, hidden_size, **kw), requires_grad=False)

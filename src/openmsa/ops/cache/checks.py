@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ... import nvfp4
+from .geometry import projection_widths
 from ..._checks import FP8_TYPES, HALF, check_tensor, check_unit_stride
 
 CACHE_DTYPES = (*HALF, *FP8_TYPES, torch.float32)
@@ -67,7 +68,7 @@ def check_prepare(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_
     num_tokens = qkv.shape[0]
     hq, hkv, h = config.num_heads, config.num_kv_heads, config.num_index_heads
     d, di = config.head_dim, config.index_head_dim
-    width = (hq + 2 * hkv) * d + (h + 1) * di
+    width = sum(projection_widths(config))
     if qkv.shape[1] != width:
         raise ValueError(f"qkv must be [T, {width}] = [q {hq}x{d} | k {hkv}x{d} | v {hkv}x{d} | "
                          f"index_q {h}x{di} | index_k {di}] for this config, got "

@@ -13,6 +13,7 @@ import torch
 from ... import nvfp4, rope
 from ..._checks import FP8_TYPES, check_scale_arg, fp8_max
 from .checks import check_index_write, check_kv_write
+from .geometry import projection_widths
 
 if TYPE_CHECKING:
     from .plan import CacheConfig
@@ -143,9 +144,7 @@ def split_projection(qkv: torch.Tensor, config) -> tuple[torch.Tensor, ...]:
     q [T, Hq, D], k and v [T, Hkv, D], index_q [T, H, Di], index_k [T, Di]."""
     t = qkv.shape[0]
     d, di = config.head_dim, config.index_head_dim
-    sizes = [config.num_heads * d, config.num_kv_heads * d, config.num_kv_heads * d,
-             config.num_index_heads * di, di]
-    q, k, v, iq, ik = torch.split(qkv, sizes, dim=-1)
+    q, k, v, iq, ik = torch.split(qkv, list(projection_widths(config)), dim=-1)
     return (q.reshape(t, config.num_heads, d), k.reshape(t, config.num_kv_heads, d),
             v.reshape(t, config.num_kv_heads, d), iq.reshape(t, config.num_index_heads, di), ik)
 

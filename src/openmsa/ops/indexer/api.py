@@ -14,6 +14,7 @@ from ...nvfp4 import ALIGN as NVFP4_ALIGN
 from ...nvfp4 import check_nvfp4_cache, is_nvfp4_cache
 from ...support import indexer_unsupported_reason
 from ..cache.api import fused_prepare, prepare_outputs, prepare_plan
+from ..cache.geometry import projection_widths
 from ..common.launch import (PlanCache, call_key, launch_planned, scale_args, scale_key,
                              tma_descriptor)
 from ..common.plan import DeviceFacts, LaunchPlan, config_or_default
@@ -509,14 +510,13 @@ def prepare_and_select(qkv, positions, config, q_norm_weight, k_norm_weight,
     scores = torch.empty((num_tokens, num_heads, block_table.shape[1]), dtype=torch.float32,
                          device=qkv.device)
     _, ks, vs = scale_args(k_scale, v_scale, qkv.device, qkv)
+    widths = projection_widths(config)
     launch = fused.launches[0]
     launch.run(_prepare_scores_kernel, index_cache, cu_seqlens_q, seq_lens, block_table, scores,
                seq_lens.shape[0], num_tokens, index_cache.shape[0], block_table.shape[1],
                block_table.shape[1], *index_cache.stride(), *block_table.stride(),
                *scores.stride(), config.init_blocks, config.local_blocks, config.topk_blocks,
-               (config.num_heads + 2 * config.num_kv_heads) * config.head_dim,
-               (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
-               + config.num_index_heads * config.index_head_dim,
+               sum(widths[:3]), sum(widths[:4]),  # the index query's and key's first columns
                qkv, positions, q_norm_weight, k_norm_weight, index_q_norm_weight,
                index_k_norm_weight, table, k_cache, v_cache, slot_mapping, index_slot_mapping,
                ks, vs, q, index_q, float(config.rms_norm_eps), k_cache.shape[0] * k_cache.shape[1],
