@@ -118,6 +118,13 @@ def _measured(prov, rows) -> list[str]:
     return [f"Measured: {'; '.join(names)}.", ""] if names else []
 
 
+def _engine_cell(r):
+    """The speed-up over the engine's dense attention, with the prefill backend that ran."""
+    cell = _f(r.get("speedup_engine"), 2)
+    backend = r.get("engine_dense_backend")
+    return f"{cell} ({backend.upper()})" if backend in ("fa2", "fa3") else cell
+
+
 def render(prov, rows) -> str:
     out = [BEGIN, "", "Runs: " + "; ".join(x.lstrip("# ") for x in dict.fromkeys(prov) if x), "",
            "Check columns: selections, rows whose block sets differ from ours / of those, rows "
@@ -183,7 +190,8 @@ def render(prov, rows) -> str:
             out += [f"### {title} (against dense attention)", "",
                     "Dense bf16: the layer with SDPA over bf16 K/V. Engine dense: the layer with "
                     "FlashInfer's paged dense attention over the same caches in their own dtype "
-                    "(fp8 K/V read as fp8).", "",
+                    "(fp8 K/V read as fp8): its decode wrapper for a decode step, its prefill "
+                    "wrapper on the backend named for a chunk.", "",
                     _head(["model", "KV / keys", "B", "L", "q_len", "ours µs", "graph µs",
                            "dense bf16 µs", "speed-up", "engine dense speed-up"])]
             for r in ly:
@@ -191,7 +199,7 @@ def render(prov, rows) -> str:
                                               str(r["q_len"]), _f(r["us"]),
                                               _f(r.get("call_us")), _f(r.get("dense_bf16_us"), 0),
                                               _f(r.get("speedup"), 2),
-                                              _f(r.get("speedup_engine"), 2)]) + " |")
+                                              _engine_cell(r)]) + " |")
             out += [""] + _measured(prov, ly)
     skipped = [r for r in rows if "note" in r]
     if skipped:

@@ -1122,11 +1122,12 @@ def _median_device_us(fn, iters):
     return med(device_times_us(fn, iters))
 
 
-def _engine_dense_fn(model, k_cache, v_cache, q_out, table, batch, context, q_len):
+def _engine_dense_fn(model, k_cache, v_cache, q_out, table, batch, context, q_len,
+                     backend="fa3"):
     """The dense attention an engine runs over the same paged caches, K/V in their own dtype
     (fp8 included, which SDPA cannot read): FlashInfer's paged decode wrapper for q_len 1
-    (tensor cores: M3's 16 query heads per KV head), its prefill wrapper on the FA3 (Hopper)
-    backend for a chunk; planned once, returning (fn, out)."""
+    (tensor cores: M3's 16 query heads per KV head), its prefill wrapper on `backend` (FA3, the
+    Hopper one, or FA2) for a chunk; planned once, returning the call."""
     import flashinfer
     bs, nb = model.block_size, table.shape[1]
     dev = k_cache.device
@@ -1141,7 +1142,7 @@ def _engine_dense_fn(model, k_cache, v_cache, q_out, table, batch, context, q_le
                      kv_data_type=k_cache.dtype)
     else:
         qo = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=dev)
-        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa3")
+        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
         wrapper.plan(qo, indptr, indices, last, *heads, causal=True, q_data_type=q_out.dtype,
                      kv_data_type=k_cache.dtype)
     return lambda: wrapper.run(q_out, (k_cache, v_cache))
@@ -1172,13 +1173,17 @@ def _layer_row(section, model_name, model, dname, batch, context, q_len, args, d
         k_cache, v_cache, _, meta, _, _ = case
         q_out = torch.randn(batch * q_len, model.num_heads, model.head_dim, device="cuda",
                             dtype=torch.bfloat16)
-        engine = try_peer(lambda: _engine_dense_fn(model, k_cache, v_cache, q_out,
-                                                   meta.block_table, batch, context, q_len))
-        if engine is not None:
-            us = try_peer(functools.partial(_median_device_us, engine, iters))
+        # a chunk: FA3 where it builds and runs, else FA2 (the row says which)
+        for backend in ("decode",) if q_len == 1 else ("fa3", "fa2"):
+            engine = try_peer(lambda: _engine_dense_fn(model, k_cache, v_cache, q_out,
+                                                       meta.block_table, batch, context, q_len,
+                                                       backend))
+            us = engine and try_peer(functools.partial(_median_device_us, engine, iters))
             if us:
                 row["engine_dense_attn_us"] = us
+                row["engine_dense_backend"] = backend
                 row["speedup_engine"] = (us + row.get("prep_us", 0.0)) / row["us"]
+                break
     record(**row)
     del case, sparse, dense
     torch.cuda.empty_cache()

@@ -48,6 +48,10 @@ def _rows():
                      T=8192, selections="independent", us=800.0, tflops=140.0,
                      vllm_us=900.0, vllm_ratio=0.89, vllm_call_us=950.0, max_diff_vs_vllm=0.01,
                      vllm_agrees=True))
+    rows.append(dict(section="layer-prefill", model="m3-tp1", dtype="fp8", B=1, L=128 * K,
+                     q_len=8192, us=3900.0, dense_bf16_us=98000.0, speedup=25.1,
+                     engine_dense_attn_us=30000.0, engine_dense_backend="fa2",
+                     speedup_engine=7.7))
     for model in ("m3-tp1", "m3-tp4"):
         for L in (32 * K, 128 * K, 512 * K, 1024 * K):
             for dname in ("bf16", "fp8", "nvfp4"):
@@ -126,7 +130,8 @@ def test_doc_section_generated(bench, tmp_path):
     assert "not run: NotImplementedError: made up" in text
     assert "_run=" not in text and "_file=" not in text  # the merge's tags stay out of the doc
     # each table names the run and file its rows come from
-    assert text.count("Measured: made-up GPU @ test (`bench.json`).") == 5  # 5 sections
+    assert text.count("Measured: made-up GPU @ test (`bench.json`).") == 6  # 6 sections
+    assert "| 25.10 | 7.70 (FA2) |" in text  # the prefill backend FlashInfer's dense row ran
     # twice gives the same doc
     perf_doc.main([bench, "--doc", str(doc)])
     assert doc.read_text() == text
