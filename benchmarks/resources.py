@@ -21,6 +21,8 @@ whole 128-key blocks and 3 stages, 185 / 139 KB for bf16). Count before you meas
     python3 benchmarks/resources.py --sass nvfp4:8 nvfp4:16   # the Gluon NVFP4 decode launch
                                   # (rows a pass) and its loops over ring units (8 rows: the
                                   # blocks needing no causal mask, then the rest)
+    python3 benchmarks/resources.py prep:16 prep:4   # prepare_and_select's fused launch (the
+                                  # preparation's heads per tile) beside idec:fp8,16,64,3,4
     python3 benchmarks/resources.py --sass rows:16,4,4,1   # the short-row selection (Gluon,
                                   # select_rows.py: groups, blocks per group, threads per row,
                                   # warps[, sort: rows sorted, not
@@ -182,15 +184,39 @@ def nvfp4_resources(np_rows: int, sass: bool = False):
                     maxnreg=form.maxnreg_8_rows if np_rows == 8 else None)
 
 
+def prepare_scores_resources(ht: int, sass: bool = False):
+    """The fused preparation + decode scoring launch (`prepare_and_select` on a short decode
+    step: kernels/scores.py's _prepare_scores_kernel) for M3 at TP1 (64 q / 4 kv / 4 index
+    heads, bf16 projection and K/V, fp8 index cache), `ht` heads per preparation tile, with
+    the decode launch's constexprs (16 rows, 64 blocks a program, PDL) and unit strides."""
+    from openmsa.ops.indexer.kernels.scores import _prepare_scores_kernel
+    fp8, bf16 = "*fp8e4nv", "*bf16"
+    pointers = dict(cache_ptr=fp8, out_ptr="*fp32", cu_ptr="*i32", seq_lens_ptr="*i32",
+                    bt_ptr="*i32", qkv_ptr=bf16, pos_ptr="*i64", qw_ptr=bf16, kw_ptr=bf16,
+                    iqw_ptr=bf16, ikw_ptr=bf16, table_ptr="*fp32", k_cache_ptr=bf16,
+                    v_cache_ptr=bf16, slot_ptr="*i64", index_slot_ptr="*i64",
+                    k_scale_ptr="*fp32", v_scale_ptr="*fp32", q_out_ptr=bf16, iq_out_ptr=fp8)
+    constexprs = dict(H=4, HP=4, DI=128, DIP=128, BLOCK=128, BPS=64, SMALL_Q=16, ROWS_T=4,
+                      CAST_K=False, IEEE=False, KEYS_AS_ROWS=True, MAX_SKIPS_NAN=True, PDL=True,
+                      HQ=64, HKV=4, D=128, DP=128, ROT=64, NCOARSE=16384,
+                      FP32_ANGLES=False, ROPE_SCALE=1.0, KV_BLOCK=128, HT=ht,
+                      KV_SATURATE=False, INDEX_SATURATE=True, IQ_SATURATE=True, HAS_SCALE=False,
+                      PREP_TILES=7, stride_cd=1, stride_btb=1, stride_ob=1, stride_xc=1,
+                      stride_id=1, stride_qd=1, stride_kcd=1, stride_vcd=1)
+    return _compile(_prepare_scores_kernel, constexprs, pointers, 3, 4, sass,
+                    scalars=dict(eps="fp32"))
+
+
 def _compile(fn, constexprs, pointers, stages, warps, sass, marker=r"\b[HQ]?G?MMA",
-             gluon=False, maxnreg=None):
+             gluon=False, maxnreg=None, scalars=None):
     # maxnreg: the launch's own register cap (MAXNREG in the environment overrides it)
     # constexpr parameters left out take their defaults (as in a launch that does not pass
     # them), not a run-time int
     constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default},
                   **constexprs}
     signature = {name: "constexpr" if name in constexprs
-                 else pointers.get(name, "fp32" if name == "sm_scale" else "i32")
+                 else pointers.get(name) or (scalars or {}).get(name)
+                 or ("fp32" if name == "sm_scale" else "i32")
                  for name in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
              if name not in constexprs and (name in pointers or name.startswith("stride"))}
@@ -254,6 +280,13 @@ if __name__ == "__main__":
                                                               decode=arg.startswith("idec:"))
             print(f"{arg[:4]:6s} {kv:5s} rows {rows} bps {bps} {stages:>6s} {warps:>5s}  {regs:9d} "
                   f"{spills:11d} {smem / 1024:7.1f} {per_sm:12d}", flush=True)
+            _print_loops(mix)
+            continue
+        if arg.startswith("prep:"):
+            ht = int(arg.split(":")[1])
+            regs, spills, smem, per_sm, mix = prepare_scores_resources(ht, sass=want_sass)
+            print(f"prep   fp8   HT {ht:<3d} {3:>8d} {4:>5d}  {regs:9d} {spills:11d} "
+                  f"{smem / 1024:7.1f} {min(per_sm, 32):12d}", flush=True)
             _print_loops(mix)
             continue
         if arg.startswith("nvfp4:"):
