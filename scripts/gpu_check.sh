@@ -23,6 +23,10 @@
 # The peers: FlashInfer 0.7.4 from the machine's Python, and vLLM 0.34's MiniMax-M3 kernels from
 # .peers-vllm (made by the shared tool prepare-vllm-peer.sh; name .peers-vllm in the call's
 # carry): this script puts it first on PYTHONPATH. Without it the vLLM columns read "absent".
+#   bash scripts/gpu_check.sh extras           # the pass's rest: stack.py, host_cost.py,
+#                                              # transformers_memory.py (into $OUT)
+# FlashInfer: a first call installs it (`bash .peers/install.sh`, see docs/contributing.md);
+# later calls on the same machine find it in /tmp/peers and put it on the path themselves.
 #   bash scripts/gpu_check.sh nvfp4 [cases...]  # issue 41: the NVFP4 GPU tests, then
 #                                              # profile_case.py --breakdown of NVFP4 decode
 #                                              # cases beside fp8 (or the cases named)
@@ -57,6 +61,14 @@ trap 'OUT="$OUT" bash "$(dirname "$0")/pack_out.sh"' EXIT
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
 [ -d .peers-vllm ] && export PYTHONPATH=$PWD/.peers-vllm:$PYTHONPATH
+# FlashInfer, once a call has installed it on this machine (.peers/install.sh): on the path, with
+# its dense attention sources where .peers-fi-dense came along
+if [ -d /tmp/peers/flashinfer ]; then
+  [ -d .peers-fi-dense ] && [ ! -f /tmp/peers/flashinfer/data/csrc/batch_prefill.cu ] \
+    && bash .peers-fi-dense/install.sh
+  . "$(dirname "$0")/../.peers/env.sh" 2>/dev/null \
+    || export PYTHONPATH=/tmp/peers:/tmp/peers/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+fi
 export PYTHONUNBUFFERED=1
 [ -f REVISION ] && export OPENMSA_REVISION=$(cat REVISION)
 what=${1:-tests}
@@ -99,6 +111,14 @@ case "$what" in
       --iters 20 2>&1 | tee "$OUT/large/ab.log" ;;
   bench)
     python3 benchmarks/run.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" ;;
+  extras)
+    # the full pass's rest, one call (~90 s warm): the 57-layer stack at B = 1 beside
+    # FlashInfer's, the host cost, transformers' model on openmsa up to 1M
+    python3 benchmarks/stack.py --contexts 131072,1048576 --batch 1 --model m3-tp1 --dtype fp8 \
+      --out "$OUT" 2>&1 | tee "$OUT/stack.log"
+    python3 benchmarks/host_cost.py --out "$OUT/host.json" 2>&1 | tee "$OUT/host.log" | tail -20
+    python3 benchmarks/transformers_memory.py --out "$OUT/transformers.json" \
+      --lengths 8192,32768,131072,1048576 2>&1 | tee "$OUT/transformers.log" ;;
   bench-part)
     part=${1:?bench-part needs a part number, 1-4}; shift
     case "$part" in
