@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from ... import nvfp4
-from .geometry import projection_widths
 from ..._checks import FP8_TYPES, HALF, check_tensor, check_unit_stride
+from .geometry import projection_widths
 
 CACHE_DTYPES = (*HALF, *FP8_TYPES, torch.float32)
 # an index cache may also hold NVFP4 pages (uint8, openmsa.nvfp4)
