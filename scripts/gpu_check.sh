@@ -37,6 +37,9 @@
 #                                              # under compute-sanitizer memcheck (Firecracker
 #                                              # machines; gVisor refuses the device)
 #   bash scripts/gpu_check.sh tune [args...]   # benchmarks/tune.py with args (appends tune.log)
+#   bash scripts/gpu_check.sh step-ab [args...]  # issue 57: the decode step as one launch
+#                                              # (ops/step) against the separate launches: its
+#                                              # tests on the GPU, then benchmarks/step_ab.py
 #   bash scripts/gpu_check.sh ab [args...]     # benchmarks/ab.py: this tree against .ab's base
 #                                              # (python3 benchmarks/prepare_ab.py REV first)
 #   bash scripts/gpu_check.sh layer-ab         # issue 57's A/B in one call (~2 min warm): the
@@ -109,6 +112,10 @@ case "$what" in
     python3 benchmarks/ab.py --base .ab --out "$OUT/large" --sections indexer-decode,layer-decode \
       --models m3-tp1 --dtypes fp8 --batches 32,128 --contexts 131072,1048576 --q-lens 1 \
       --iters 20 2>&1 | tee "$OUT/large/ab.log" ;;
+  step-ab)
+    python3 -m pytest -q -p no:cacheprovider tests/ops/test_decode_step.py 2>&1 \
+      | tee "$OUT/step-tests.log" | tail -5
+    python3 benchmarks/step_ab.py --out "$OUT/step-ab.json" "$@" 2>&1 | tee "$OUT/step-ab.log" ;;
   bench)
     python3 benchmarks/run.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" ;;
   extras)

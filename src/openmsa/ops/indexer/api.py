@@ -414,7 +414,7 @@ def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, 
                     block_size, max_q_len, topk, init_blocks, local_blocks, config)
 
     def make():
-        shape = _checked_selection_shape(index_q, index_cache, cu_seqlens_q, seq_lens,
+        shape = checked_selection_shape(index_q, index_cache, cu_seqlens_q, seq_lens,
                                          block_table, topk, init_blocks, local_blocks,
                                          block_size, out, max_q_len)
         return plan(shape, DeviceFacts.of(index_q.device), config)
@@ -483,7 +483,7 @@ def prepare_and_select(qkv, positions, config, q_norm_weight, k_norm_weight,
                                 q_out, index_q_out, cache_config)
         # (the index query as the preparation would return it, for the selection's checks)
         _, index_q = prepare_outputs(qkv, config, index_cache, q_out, index_q_out)
-        shape = _checked_selection_shape(index_q, index_cache, cu_seqlens_q, seq_lens,
+        shape = checked_selection_shape(index_q, index_cache, cu_seqlens_q, seq_lens,
                                          block_table, config.topk_blocks, config.init_blocks,
                                          config.local_blocks, config.block_size, out, max_q_len)
         steps = plan(shape, DeviceFacts.of(qkv.device), indexer_config)
@@ -527,7 +527,7 @@ def prepare_and_select(qkv, positions, config, q_norm_weight, k_norm_weight,
     return q, index_q, out
 
 
-def _checked_selection_shape(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, topk,
+def checked_selection_shape(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, topk,
                              init_blocks, local_blocks, block_size, out, max_q_len):
     """A selection call's argument checks (once per call key), then the step's shape."""
     check_select_args(topk, init_blocks, local_blocks)
@@ -557,7 +557,7 @@ def _select_blocks_cp(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
 
     def make():
         # (the merge sorts W * topk candidates in one program: the kernels' topk bound holds)
-        shape = _checked_selection_shape(index_q, index_cache, cu_seqlens_q, seq_lens,
+        shape = checked_selection_shape(index_q, index_cache, cu_seqlens_q, seq_lens,
                                          block_table, topk, init_blocks, local_blocks,
                                          block_size, out, max_q_len)
         return cp_plan(shape, DeviceFacts.of(index_q.device), config, world, rank)

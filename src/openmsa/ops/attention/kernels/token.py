@@ -75,8 +75,6 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
         gdc_launch_dependents()
     t = tl.program_id(0)
     g = tl.program_id(1)
-    # (64-bit: a head-major cache view can put the head offset past 2^31 elements)
-    g64 = g.to(tl.int64)
     split = tl.program_id(2)
     if WAIT_TILES:
         # launched as a programmatic dependent of the Gluon tile launch (plan.py),
@@ -90,6 +88,34 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
         # -1): nothing to do here
         if tl.load(tile_blocks_ptr + (t // TILE_QT) * NUM_KV_HEADS + g) >= 0:
             return
+    attend_split(t, g, split, tl.num_programs(0), q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr,
+                 seq_lens_ptr, bt_ptr, out_ptr, lse_ptr, part_out_ptr, counter_ptr, k_scale_ptr,
+                 v_scale_ptr, sm_scale, num_requests, table_width, num_pages, stride_qt,
+                 stride_qh, stride_qd, stride_kp, stride_kb, stride_kh, stride_kd, stride_vp,
+                 stride_vb, stride_vh, stride_vd, stride_it, stride_ih, stride_ik, stride_btr,
+                 stride_btb, stride_ot, stride_oh, stride_od, stride_lt, stride_lh, NUM_HEADS,
+                 NUM_KV_HEADS, NUM_INDEX_HEADS, G, M, D, BLOCK, TOPK, KP, SUB, STEPS, SPLITS,
+                 HAS_SCALE, IEEE, F16_COMPUTE, FUSED_MERGE, V_PAIRS, PTX, SP, STORE_LSE, LAZY_SUM)
+
+
+@triton.jit
+def attend_split(t, g, split, num_tokens, q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
+                 bt_ptr, out_ptr, lse_ptr, part_out_ptr, counter_ptr, k_scale_ptr, v_scale_ptr,
+                 sm_scale, num_requests, table_width, num_pages, stride_qt, stride_qh,
+                 stride_qd, stride_kp, stride_kb, stride_kh, stride_kd, stride_vp, stride_vb,
+                 stride_vh, stride_vd, stride_it, stride_ih, stride_ik, stride_btr, stride_btb,
+                 stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
+                 NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                 NUM_INDEX_HEADS: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
+                 D: tl.constexpr, BLOCK: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr,
+                 SUB: tl.constexpr, STEPS: tl.constexpr, SPLITS: tl.constexpr,
+                 HAS_SCALE: tl.constexpr, IEEE: tl.constexpr, F16_COMPUTE: tl.constexpr,
+                 FUSED_MERGE: tl.constexpr, V_PAIRS: tl.constexpr, PTX: tl.constexpr,
+                 SP: tl.constexpr, STORE_LSE: tl.constexpr, LAZY_SUM: tl.constexpr):
+    """Program (t, g, split) of the split launch (the module's docstring) for a step of
+    num_tokens tokens; the decode-step launch (ops/step) runs it from its own program ids."""
+    # (64-bit: a head-major cache view can put the head offset past 2^31 elements)
+    g64 = g.to(tl.int64)
     rows = tl.arange(0, M)
     head_ok = rows < G
     head = g * G + rows
@@ -109,10 +135,9 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
 
     # the token's request, position and causal block count (0 for padding, which includes every
     # token of a malformed step or request: docs/spec.md, "Bounds"); requests of equal q_len
-    # hold token t in request t * R // T, checked before the search (find_request). The grid's
-    # first dimension is T.
-    guess = (t.to(tl.int64) * num_requests // tl.num_programs(0)).to(tl.int32)
-    r, pos = token_position(cu_ptr, seq_lens_ptr, num_requests, tl.num_programs(0), table_width,
+    # hold token t in request t * R // T, checked before the search (find_request).
+    guess = (t.to(tl.int64) * num_requests // num_tokens).to(tl.int32)
+    r, pos = token_position(cu_ptr, seq_lens_ptr, num_requests, num_tokens, table_width,
                             t, guess, BLOCK)
     n = tl.where(pos >= 0, pos // BLOCK + 1, 0)
     r_safe = tl.minimum(r, num_requests - 1).to(tl.int64)
@@ -231,7 +256,7 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
             tl.store(lse_ptr + t.to(tl.int64) * stride_lt + head * stride_lh, lse, mask=head_ok)
     else:
         # workspace [T, Hq, SPLITS, D] then [T, Hq, SPLITS], contiguous, in one allocation
-        part_lse_ptr = part_out_ptr + tl.num_programs(0).to(tl.int64) * NUM_HEADS * SPLITS * D
+        part_lse_ptr = part_out_ptr + tl.cast(num_tokens, tl.int64) * NUM_HEADS * SPLITS * D
         row = t.to(tl.int64) * NUM_HEADS + head  # [M]
         tl.store(part_out_ptr + (row * SPLITS + split)[:, None] * D + d[None, :], o,
                  mask=head_ok[:, None])
@@ -278,13 +303,21 @@ def _merge_splits_kernel(part_out_ptr, out_ptr, lse_ptr, stride_ot, stride_oh,
                          stride_od, stride_lt, stride_lh, NUM_HEADS: tl.constexpr,
                          D: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr,
                          PDL: tl.constexpr = False, STORE_LSE: tl.constexpr = True):
-    """out = sum_s exp(lse_s - lse) * out_s with lse = logsumexp_s lse_s; all -inf gives 0."""
     if PDL:
         gdc_wait()  # launched before the split programs finished: wait for their partials
-    t = tl.program_id(0)
-    h = tl.program_id(1)
+    merge_splits(tl.program_id(0), tl.program_id(1), tl.num_programs(0), part_out_ptr, out_ptr,
+                 lse_ptr, stride_ot, stride_oh, stride_od, stride_lt, stride_lh, NUM_HEADS, D,
+                 SPLITS, SP, STORE_LSE)
+
+
+@triton.jit
+def merge_splits(t, h, num_tokens, part_out_ptr, out_ptr, lse_ptr, stride_ot, stride_oh,
+                 stride_od, stride_lt, stride_lh, NUM_HEADS: tl.constexpr, D: tl.constexpr,
+                 SPLITS: tl.constexpr, SP: tl.constexpr, STORE_LSE: tl.constexpr):
+    """Head h of token t: out = sum_s exp(lse_s - lse) * out_s with lse = logsumexp_s lse_s;
+    all -inf gives 0."""
     # the partial LSEs follow the T * Hq * SPLITS * D partial outputs (one allocation)
-    part_lse_ptr = part_out_ptr + tl.num_programs(0).to(tl.int64) * NUM_HEADS * SPLITS * D
+    part_lse_ptr = part_out_ptr + tl.cast(num_tokens, tl.int64) * NUM_HEADS * SPLITS * D
     s = tl.arange(0, SP)
     d = tl.arange(0, D)
     base = (t.to(tl.int64) * NUM_HEADS + h) * SPLITS

@@ -35,12 +35,13 @@ DEAD_KEY = tl.constexpr(-(2 ** 31))
 
 
 @triton.jit
-def _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, table_width, t, BLOCK: tl.constexpr):
-    """n = p // B + 1 for token t (program_id(0) of a grid of the step's T tokens); 0 for
-    padding (so n <= table_width, the score rows' width). Requests of equal q_len hold token t
-    in request t * R // T (see find_request)."""
-    guess = (t.to(tl.int64) * num_requests // tl.num_programs(0)).to(tl.int32)
-    _, pos = token_position(cu_ptr, seq_lens_ptr, num_requests, tl.num_programs(0), table_width,
+def _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, table_width, t, BLOCK: tl.constexpr,
+                   num_tokens):
+    """n = p // B + 1 for token t of the step's num_tokens tokens; 0 for padding (so n <=
+    table_width, the score rows' width). Requests of equal q_len hold token t in request
+    t * R // T (see find_request)."""
+    guess = (t.to(tl.int64) * num_requests // num_tokens).to(tl.int32)
+    _, pos = token_position(cu_ptr, seq_lens_ptr, num_requests, num_tokens, table_width,
                             t, guess, BLOCK)
     return tl.where(pos >= 0, pos // BLOCK + 1, 0)
 
@@ -238,11 +239,25 @@ def _segment_topk_kernel(scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, cand_ptr, sc
                          SEG: tl.constexpr, SINGLE: tl.constexpr, BY_SORT: tl.constexpr,
                          CAP: tl.constexpr, NG: tl.constexpr, PDL: tl.constexpr = False,
                          CH: tl.constexpr = 0):
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    seg = tl.program_id(2)
-    num_heads = tl.num_programs(1)
-    n = _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, table_width, t, BLOCK)
+    segment_topk(tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0),
+                 tl.num_programs(1), scores_ptr, cu_ptr, seq_lens_ptr, out_ptr, cand_ptr,
+                 scratch_ptr, num_requests, table_width, num_segments, stride_st, stride_sh,
+                 stride_sb, stride_ot, stride_oh, stride_ok, TOPK, KP, INIT, LOCAL, BLOCK, SEG,
+                 SINGLE, BY_SORT, CAP, NG, PDL, CH)
+
+
+@triton.jit
+def segment_topk(t, h, seg, num_tokens, num_heads, scores_ptr, cu_ptr, seq_lens_ptr, out_ptr,
+                 cand_ptr, scratch_ptr, num_requests, table_width, num_segments, stride_st,
+                 stride_sh, stride_sb, stride_ot, stride_oh, stride_ok, TOPK: tl.constexpr,
+                 KP: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
+                 BLOCK: tl.constexpr, SEG: tl.constexpr, SINGLE: tl.constexpr,
+                 BY_SORT: tl.constexpr, CAP: tl.constexpr, NG: tl.constexpr,
+                 PDL: tl.constexpr, CH: tl.constexpr):
+    """Program (t, h, seg) of the segment launch (the module's docstring) for a step of
+    num_tokens tokens and num_heads index heads; the decode-step launch (ops/step) runs it from
+    its own program ids."""
+    n = _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, table_width, t, BLOCK, num_tokens)
     if PDL:
         # launched while the scoring launch was still running (programmatic dependent launch):
         # the step's offsets above are inputs, but the scores (and every write) wait until that
@@ -310,10 +325,19 @@ def _merge_topk_kernel(cand_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_requests, ta
                        KP: tl.constexpr,
                        BLOCK: tl.constexpr, SEG: tl.constexpr, CANDP: tl.constexpr,
                        BY_SORT: tl.constexpr, PDL: tl.constexpr = False):
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    num_heads = tl.num_programs(1)
-    n = _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, table_width, t, BLOCK)
+    merge_topk(tl.program_id(0), tl.program_id(1), tl.num_programs(0), tl.num_programs(1),
+               cand_ptr, cu_ptr, seq_lens_ptr, out_ptr, num_requests, table_width,
+               num_segments, stride_ot, stride_oh, stride_ok, TOPK, KP, BLOCK, SEG, CANDP,
+               BY_SORT, PDL)
+
+
+@triton.jit
+def merge_topk(t, h, num_tokens, num_heads, cand_ptr, cu_ptr, seq_lens_ptr, out_ptr,
+               num_requests, table_width, num_segments, stride_ot, stride_oh, stride_ok,
+               TOPK: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, SEG: tl.constexpr,
+               CANDP: tl.constexpr, BY_SORT: tl.constexpr, PDL: tl.constexpr):
+    """Row (t, h) of the merge launch: the best TOPK of the row's segments' candidates."""
+    n = _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, table_width, t, BLOCK, num_tokens)
     if PDL:
         gdc_wait()  # the segment launch's candidates (see _segment_topk_kernel)
     if n > TOPK:
@@ -356,7 +380,8 @@ def _group_max_kernel(scores_ptr, cu_ptr, seq_lens_ptr, gmax_ptr, num_requests, 
     of at most TOPK blocks are skipped (every block is picked, nothing is read)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
-    n = _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, table_width, t, BLOCK)
+    n = _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, table_width, t, BLOCK,
+                       tl.num_programs(0))
     g = tl.program_id(2) * GB + tl.arange(0, GB)
     if (n > TOPK) & (tl.program_id(2) * GB * GS < n):
         b = g[:, None] * GS + tl.arange(0, GS)[None, :]
@@ -379,7 +404,8 @@ def _group_bound_select_kernel(scores_ptr, cu_ptr, seq_lens_ptr, gmax_ptr, out_p
     t = tl.program_id(0)
     h = tl.program_id(1)
     num_heads = tl.num_programs(1)
-    n = _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, table_width, t, BLOCK)
+    n = _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, table_width, t, BLOCK,
+                       tl.num_programs(0))
     out_row = out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh
     slots = tl.arange(0, KP)
     if n <= TOPK:

@@ -1,0 +1,111 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The decode step as one launch (openmsa.ops.step's decode_step) against the separate launches
+that MSAAttention runs (prepare_and_select, then sparse_attention), in one process, on the same
+caches and step: M3 at TP1 (or --model), q_len 1, B and context from the grid, the caches of
+run.py's layer rows of the same dtype (fp8: fp8 K/V and index keys). Per row: both
+sides' outputs compared (selections and attention output bit for bit), the graph-replayed call
+(run.graph_call_us, L2 flushed) and the device time (the profiler, the two sides' calls
+interleaved), medians.
+
+    python3 benchmarks/step_ab.py --out step.json              # the grid below
+    python3 benchmarks/step_ab.py --batches 1 --contexts 32768 --kv bf16
+
+Writes one JSON row per case (see --out) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import run  # noqa: E402
+import shapes  # noqa: E402
+
+import openmsa  # noqa: E402
+from openmsa.ops.step.api import StepConfig, decode_step  # noqa: E402
+
+
+def _one_launch(model, k_cache, v_cache, index_cache, meta, qkv, w, config):
+    t = qkv.shape[0]
+    iq = torch.empty(t, model.num_index_heads, model.index_head_dim, dtype=index_cache.dtype,
+                     device="cuda")
+    out = torch.empty(t, model.num_heads, model.head_dim, dtype=torch.bfloat16, device="cuda")
+    result = {}
+
+    def step():
+        result["r"] = decode_step(qkv, meta.positions, model, *w, k_cache, v_cache,
+                                  meta.slot_mapping, index_cache, meta.index_slot_mapping,
+                                  meta.cu_seqlens_q, meta.seq_lens, meta.index_block_table,
+                                  meta.block_table, max_q_len=1, index_q_out=iq, out=out,
+                                  step_config=config)
+    step.result = result
+    return step
+
+
+def case(model_name, model, batch, context, kv, iters, config):
+    k_cache, v_cache, index_cache, meta, qkv, w = run._layer_case(model, batch, context, 1, kv)
+    apart, _ = run._layer_fns(model, k_cache, v_cache, index_cache, meta, qkv, w, batch,
+                              context, 1)
+    one = _one_launch(model, k_cache, v_cache, index_cache, meta, qkv, w, config)
+    apart()
+    one()
+    torch.cuda.synchronize()
+    idx_a, out_a = apart.buffers
+    _, _, idx_b, out_b = one.result["r"]
+    same_idx = torch.equal(idx_a, idx_b)
+    same_out = torch.equal(out_a, out_b)
+    dev = run.interleaved_device_times_us([apart, one], iters)
+    row = dict(section="step-ab", model=model_name, batch=batch,
+               context=context, dtype=kv,
+               same_selection=same_idx, same_output=same_out,
+               apart_device_us=statistics.median(dev[0]), one_device_us=statistics.median(dev[1]),
+               apart_graph_us=run.graph_call_us(apart, iters),
+               one_graph_us=run.graph_call_us(one, iters),
+               step_config=dict(max_tokens=config.max_tokens, num_warps=config.num_warps,
+                                num_stages=config.num_stages))
+    row["one_over_apart_graph"] = row["one_graph_us"] / row["apart_graph_us"]
+    row["one_over_apart_device"] = row["one_device_us"] / row["apart_device_us"]
+    return row
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="m3-tp1", help="a model of benchmarks/shapes.py")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--contexts", default="32768,131072,1048576")
+    p.add_argument("--kv", default="fp8", choices=("fp8", "bf16"),
+                   help="the caches' dtype (run.py's layer rows: K/V and index keys)")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--warps", type=int, default=StepConfig().num_warps)
+    p.add_argument("--stages", type=int, default=StepConfig().num_stages)
+    p.add_argument("--out", default=None, help="JSON file of the rows")
+    args = p.parse_args()
+    model = shapes.MODELS[args.model]
+    config = StepConfig(max_tokens=max(int(b) for b in args.batches.split(",")),
+                        num_warps=args.warps, num_stages=args.stages)
+    rows = []
+    print(f"{'B':>3} {'context':>8} {'apart graph':>11} {'one graph':>9} {'ratio':>6} "
+          f"{'apart dev':>9} {'one dev':>8} same")
+    for b in (int(x) for x in args.batches.split(",")):
+        for c in (int(x) for x in args.contexts.split(",")):
+            r = case(args.model, model, b, c, args.kv, args.iters, config)
+            rows.append(r)
+            print(f"{b:>3} {c:>8} {r['apart_graph_us']:>11.1f} {r['one_graph_us']:>9.1f} "
+                  f"{r['one_over_apart_graph']:>6.3f} {r['apart_device_us']:>9.1f} "
+                  f"{r['one_device_us']:>8.1f} {r['same_selection'] and r['same_output']}",
+                  flush=True)
+            torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"provenance": run.provenance(), "command": " ".join(sys.argv),
+                       "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
