@@ -47,10 +47,14 @@ MERGE_COUNTERS: tl.constexpr = tl.constexpr(HEAD_COUNTERS)
 def _wait(counters_ptr, phase: tl.constexpr, target, SPIN: tl.constexpr):
     """Until counter `phase` reaches target (SPIN: the GPU), or flag the error (interpreter)."""
     if SPIN:
+        # polled by plain (volatile) loads, which do not queue behind the producers' adds
         while tl.load(counters_ptr + phase, volatile=True) < target:
             pass
-        # acquire: the producers' stores, released with their adds, are visible from here
-        tl.atomic_add(counters_ptr + phase, 0, sem="acquire", scope="gpu")
+        # then acquired: the producers' stores, released with their adds, are visible from
+        # here. (A loop on the add's value, which is already complete: an add of 0 whose
+        # result nothing reads is removed by the compiler, and its acquire with it.)
+        while tl.atomic_add(counters_ptr + phase, 0, sem="acquire", scope="gpu") < target:
+            pass
     else:
         short = tl.load(counters_ptr + phase) < target
         tl.atomic_or(counters_ptr + ERROR, short.to(tl.int32))
