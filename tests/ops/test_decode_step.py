@@ -254,7 +254,8 @@ def test_rejects_bad_arguments():
 @pytest.mark.parametrize("batch,context", [(1, 32 * 1024), (1, 128 * 1024), (8, 1024 * 1024)])
 def test_kernel_compiles_for_sm90(batch, context):
     """The one launch at M3's TP1 shapes with the plan's constexprs (fp8 index keys, bf16
-    K/V) builds for Hopper; at B = 1 ptxas spills nothing."""
+    K/V) builds for Hopper with its counters' release and acquire; at B = 1 ptxas spills
+    nothing."""
     from openmsa.ops.attention.plan import AttentionShape
     from openmsa.ops.attention.plan import plan as attention_plan
     from openmsa.ops.cache.plan import PrepareShape
@@ -285,5 +286,9 @@ def test_kernel_compiles_for_sm90(batch, context):
     options = dict(num_warps=params.pop("num_warps"), num_stages=params.pop("num_stages"))
     k = compile_sm90(_decode_step_kernel, pointers, dict(eps="fp32", sm_scale="fp32"), params,
                      options=options)
+    ptx = k.asm["ptx"]
+    # the phases' hand-off: release adds after the stores, and acquire loads after the spin (an
+    # acquire whose value nothing reads is compiled away)
+    assert "atom.global.gpu.release.add" in ptx and "ld.global.gpu.acquire" in ptx
     if batch == 1:
-        assert_no_spills(k.asm["ptx"])
+        assert_no_spills(ptx)
