@@ -236,6 +236,8 @@ def test_plan_takes_decode_steps_it_can_run():
     assert step(16, 16, 32 * 1024, config=StepConfig(max_tokens=8)) is None
     assert step(2048, 1, 32 * 1024, max_q_len=2048) is None  # a prefill chunk
     assert step(1, 1, 32 * 1024, index_dtype=torch.uint8) is None  # NVFP4 pages
+    dev = DeviceFacts(hip=True, capability=(9, 4), gluon_hopper=False)
+    assert step(1, 1, 32 * 1024) is None  # ROCm: never built or run there
 
 
 @pytest.mark.reference
@@ -269,7 +271,7 @@ def test_kernel_compiles_for_sm90(batch, context):
     dev, bf16 = DeviceFacts(), torch.bfloat16
     shape = IndexerShape(batch, 4, 128, batch, context // 128, 128, FP8, FP8, max_q_len=1,
                          tma_rows=True, topk=16)
-    launch, _ = plan(batch, batch, 1,
+    launch, sizes = plan(batch, batch, 1,
                      prepare_plan(PrepareShape(batch, 64, 4, 4, 128, 128, 64, 128, 128, bf16,
                                                FP8, FP8, False), dev),
                      indexer_plan(shape, dev),
@@ -284,6 +286,9 @@ def test_kernel_compiles_for_sm90(batch, context):
                     scratch_ptr=I64, out_ptr=b, part_ptr=F32, counters_ptr=I32)
     params = dict(launch.params)
     options = dict(num_warps=params.pop("num_warps"), num_stages=params.pop("num_stages"))
+    # the launcher specializes an int argument of 1 as a constexpr: the counts of a B = 1 step
+    ones = dict(num_tokens=batch, num_requests=batch, num_segments=sizes["segments"])
+    params.update({k: 1 for k, v in ones.items() if v == 1})
     k = compile_sm90(_decode_step_kernel, pointers, dict(eps="fp32", sm_scale="fp32"), params,
                      options=options)
     ptx = k.asm["ptx"]

@@ -58,10 +58,13 @@ def plan(num_tokens: int, num_requests: int, max_q_len: int | None, prepare: Lau
     """(the launch, its phase ends and buffer sizes) for a decode step whose separate plans
     are: one preparation launch (not into NVFP4 pages); the Triton decode scoring launch, the
     segment selection and its merge if any; the attention's split launch (no prefill tiles)
-    and its merge if any. None otherwise. On a GPU the phases wait by spinning (SPIN); the
-    interpreter, which runs programs in order, checks instead."""
+    and its merge if any, on an NVIDIA GPU or the interpreter. None otherwise. On the GPU the
+    phases wait by spinning (SPIN); the interpreter, which runs programs in order, checks
+    instead."""
     decode = max_q_len == 1 or num_tokens <= num_requests
-    if not (0 < num_tokens <= config.max_tokens and decode):
+    # (NVIDIA only: on ROCm the one launch has never been built or run)
+    if not (0 < num_tokens <= config.max_tokens and decode
+            and (device.nvidia or not device.cuda)):
         return None
     if prepare.kernels() != ("fused_prepare",) or prepare.launches[0].params["INDEX_NVFP4"]:
         return None
