@@ -1,11 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """The decode step as one launch (openmsa.ops.step's decode_step) against the separate launches
 that MSAAttention runs (prepare_and_select, then sparse_attention), in one process, on the same
-caches and step: M3 at TP1 (or --model), q_len 1, B and context from the grid, the caches of
-run.py's layer rows of the same dtype (fp8: fp8 K/V and index keys). Per row: both
-sides' outputs compared (selections and attention output bit for bit), the graph-replayed call
-(run.graph_call_us, L2 flushed) and the device time (the profiler, the two sides' calls
-interleaved), medians.
+caches and step: M3 at TP1 (or --model), q_len 1 (or --q-lens), B and context from the grid,
+the caches of run.py's layer rows of the same dtype (fp8: fp8 K/V and index keys). Per row:
+both sides' outputs compared (selections and attention output bit for bit), the
+graph-replayed call (run.graph_call_us, L2 flushed) and the device time (the profiler, the two
+sides' calls interleaved), medians.
 
     python3 benchmarks/step_ab.py --out step.json              # the grid below
     python3 benchmarks/step_ab.py --batches 1 --contexts 32768 --kv bf16
@@ -16,6 +16,7 @@ Writes one JSON row per case (see --out) and prints a table.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -31,7 +32,7 @@ import openmsa  # noqa: E402
 from openmsa.ops.step.api import StepConfig, decode_step  # noqa: E402
 
 
-def _one_launch(model, k_cache, v_cache, index_cache, meta, qkv, w, config):
+def _one_launch(model, k_cache, v_cache, index_cache, meta, qkv, w, config, q_len=1):
     t = qkv.shape[0]
     iq = torch.empty(t, model.num_index_heads, model.index_head_dim, dtype=index_cache.dtype,
                      device="cuda")
@@ -42,7 +43,7 @@ def _one_launch(model, k_cache, v_cache, index_cache, meta, qkv, w, config):
         result["r"] = decode_step(qkv, meta.positions, model, *w, k_cache, v_cache,
                                   meta.slot_mapping, index_cache, meta.index_slot_mapping,
                                   meta.cu_seqlens_q, meta.seq_lens, meta.index_block_table,
-                                  meta.block_table, max_q_len=1, index_q_out=iq, out=out,
+                                  meta.block_table, max_q_len=q_len, index_q_out=iq, out=out,
                                   step_config=config)
     step.result = result
     return step
@@ -61,11 +62,12 @@ def warm_capture(fn):
     del g
 
 
-def case(model_name, model, batch, context, kv, iters, config):
-    k_cache, v_cache, index_cache, meta, qkv, w = run._layer_case(model, batch, context, 1, kv)
+def case(model_name, model, batch, context, q_len, kv, iters, config):
+    k_cache, v_cache, index_cache, meta, qkv, w = run._layer_case(model, batch, context, q_len,
+                                                                  kv)
     apart, _ = run._layer_fns(model, k_cache, v_cache, index_cache, meta, qkv, w, batch,
-                              context, 1)
-    one = _one_launch(model, k_cache, v_cache, index_cache, meta, qkv, w, config)
+                              context, q_len)
+    one = _one_launch(model, k_cache, v_cache, index_cache, meta, qkv, w, config, q_len)
     warm_capture(apart)
     warm_capture(one)
     idx_a, out_a = apart.buffers
@@ -73,8 +75,8 @@ def case(model_name, model, batch, context, kv, iters, config):
     same_idx = torch.equal(idx_a, idx_b)
     same_out = torch.equal(out_a, out_b)
     dev = run.interleaved_device_times_us([apart, one], iters)
-    row = dict(section="step-ab", model=model_name, batch=batch,
-               context=context, dtype=kv,
+    row = dict(section="step-ab", model=model_name, batch=batch, context=context,
+               q_len=q_len, dtype=kv,
                same_selection=same_idx, same_output=same_out,
                apart_device_us=statistics.median(dev[0]), one_device_us=statistics.median(dev[1]),
                apart_graph_us=run.graph_call_us(apart, iters),
@@ -91,6 +93,7 @@ def main():
     p.add_argument("--model", default="m3-tp1", help="a model of benchmarks/shapes.py")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--contexts", default="32768,131072,1048576")
+    p.add_argument("--q-lens", default="1", help="tokens a request (4: a verify step)")
     p.add_argument("--kv", default="fp8", choices=("fp8", "bf16"),
                    help="the caches' dtype (run.py's layer rows: K/V and index keys)")
     p.add_argument("--iters", type=int, default=50)
@@ -99,16 +102,17 @@ def main():
     p.add_argument("--out", default=None, help="JSON file of the rows")
     args = p.parse_args()
     model = shapes.MODELS[args.model]
-    config = StepConfig(max_tokens=max(int(b) for b in args.batches.split(",")),
+    q_lens = [int(q) for q in args.q_lens.split(",")]
+    config = StepConfig(max_tokens=max(int(b) for b in args.batches.split(",")) * max(q_lens),
                         num_warps=args.warps, num_stages=args.stages)
     rows = []
-    print(f"{'B':>3} {'context':>8} {'apart graph':>11} {'one graph':>9} {'ratio':>6} "
+    print(f"{'B':>3} {'q':>2} {'context':>8} {'apart graph':>11} {'one graph':>9} {'ratio':>6} "
           f"{'apart dev':>9} {'one dev':>8} same")
-    for b in (int(x) for x in args.batches.split(",")):
+    for b, q in itertools.product((int(x) for x in args.batches.split(",")), q_lens):
         for c in (int(x) for x in args.contexts.split(",")):
-            r = case(args.model, model, b, c, args.kv, args.iters, config)
+            r = case(args.model, model, b, c, q, args.kv, args.iters, config)
             rows.append(r)
-            print(f"{b:>3} {c:>8} {r['apart_graph_us']:>11.1f} {r['one_graph_us']:>9.1f} "
+            print(f"{b:>3} {q:>2} {c:>8} {r['apart_graph_us']:>11.1f} {r['one_graph_us']:>9.1f} "
                   f"{r['one_over_apart_graph']:>6.3f} {r['apart_device_us']:>9.1f} "
                   f"{r['one_device_us']:>8.1f} {r['same_selection'] and r['same_output']}",
                   flush=True)

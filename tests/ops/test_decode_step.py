@@ -51,12 +51,12 @@ FORMS = {
 }
 
 
-def _case(index_dtype, kv_dtype, seed=0):
-    """A decode step of the five requests (scattered pages, a spare table column, two padding
-    tokens) with its projection rows and caches, on the CPU."""
+def _case(index_dtype, kv_dtype, seed=0, q_lens=(1, 1, 1, 1, 1)):
+    """A step of the five requests (scattered pages, a spare table column, two padding tokens)
+    with its projection rows and caches, on the CPU: decode, or verify with longer q_lens."""
     g = torch.Generator().manual_seed(seed)
-    step = make_step([1] * len(SEQ_LENS), SEQ_LENS, block_size=B, extra_columns=1,
-                     pad_tokens=2, generator=g)
+    step = make_step(list(q_lens), SEQ_LENS, block_size=B, extra_columns=1, pad_tokens=2,
+                     generator=g)
     t = step.num_tokens
     width = (CFG.num_heads + 2 * CFG.num_kv_heads) * CFG.head_dim \
         + (CFG.num_index_heads + 1) * CFG.index_head_dim
@@ -68,8 +68,10 @@ def _case(index_dtype, kv_dtype, seed=0):
     vc = torch.randn(pages, B, CFG.num_kv_heads, CFG.head_dim, generator=g).to(kv_dtype)
     ic = (torch.randn(pages, B, CFG.index_head_dim, generator=g) * 0.5).to(index_dtype)
     pos = torch.full((t,), -1, dtype=torch.int64)
+    cu = step.cu_seqlens_q.tolist()
     for r, s in enumerate(SEQ_LENS):
-        pos[r] = s - 1
+        for i in range(cu[r + 1] - cu[r]):
+            pos[cu[r] + i] = s - (cu[r + 1] - cu[r]) + i
     return step, qkv, w, kc, vc, ic, pos
 
 
@@ -82,7 +84,8 @@ def _run(fn, device, case, meta=None, **kw):
     scales = dict(k_scale=0.5, v_scale=2.0) if kc.dtype == FP8 else {}
     got = fn(qkv.to(device), pos.to(device), cfg, *[x.to(device) for x in w], kc, vc,
              step.slot_mapping.to(device), ic, step.slot_mapping.to(device), cu.to(device),
-             sl.to(device), bt.to(device), bt.to(device), max_q_len=1, **scales, **kw)
+             sl.to(device), bt.to(device), bt.to(device), max_q_len=max(step.q_lens), **scales,
+             **kw)
     return tuple(x.cpu() for x in (*got, kc, vc, ic))
 
 
@@ -132,6 +135,21 @@ def test_equals_the_ops_apart(kernel_device, one_launches, index_dtype, kv_dtype
     r = _run(ref_decode_step, "cpu", case, cfg=FORMS[form].get("cfg", CFG))
     assert torch.equal(got[2], r[2])
     assert (got[3].float() - r[3].float()).abs().max() < 2e-2
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("q_lens", [(1, 3, 1, 1, 1), (2, 2, 0, 4, 2)])
+def test_verify_steps_equal_the_ops_apart(kernel_device, one_launches, q_lens):
+    """Verify steps (several draft tokens a request, a request with none): each token's own
+    causal cut, and the step's new keys (several in one block) scored as written."""
+    case = _case(FP8, torch.float16, q_lens=q_lens)
+    want = _run(decode_step, kernel_device, case, step_config=APART)
+    got = _run(decode_step, kernel_device, case, step_config=ONE)
+    assert len(one_launches) == 1
+    for name, a, b in zip(NAMES, got, want):
+        assert _same(a, b), name
+    r = _run(ref_decode_step, "cpu", case)
+    assert torch.equal(got[2], r[2])
 
 
 @pytest.mark.interpret
@@ -215,6 +233,7 @@ def test_plan_takes_decode_steps_it_can_run():
     dev = DeviceFacts(num_sms=132)
 
     def step(tokens, requests, context, max_q_len=1, index_dtype=FP8, config=ONE):
+        # (max_q_len: the hint the indexer's plan reads)
         shape = IndexerShape(tokens, 4, 128, requests, context // 128, 128,
                              FP8 if index_dtype == torch.uint8 else index_dtype, index_dtype,
                              max_q_len=max_q_len, tma_rows=True, topk=16)
@@ -222,8 +241,7 @@ def test_plan_takes_decode_steps_it_can_run():
                                             torch.bfloat16), dev, AttentionConfig())
         prep = prepare_plan(PrepareShape(tokens, 64, 4, 4, 128, 128, 64, 128, 128,
                                          torch.bfloat16, index_dtype, FP8, False), dev)
-        return plan(tokens, requests, max_q_len, prep, indexer_plan(shape, dev), att, dev,
-                    config)
+        return plan(tokens, requests, prep, indexer_plan(shape, dev), att, dev, config)
 
     # M3 at TP1, B = 1, 128K: 7 preparation tiles, 256 scoring splits, 4 x 4 segments and
     # 4 merges, 4 x 16 attention splits, then 64 heads' merges
@@ -232,7 +250,9 @@ def test_plan_takes_decode_steps_it_can_run():
     assert launch.params["SPIN"] and launch.params["num_warps"] == ONE.num_warps
     assert step(8, 8, 32 * 1024) is not None
     assert step(9, 8, 32 * 1024) is not None            # padding tokens of a decode step
-    assert step(9, 8, 32 * 1024, max_q_len=4) is None   # verify
+    assert step(8, 2, 32 * 1024, max_q_len=4) is not None  # verify
+    # a request past the decode scoring launch's q_len (the prefill launch scores it)
+    assert step(17, 1, 32 * 1024, max_q_len=17, config=StepConfig(max_tokens=64)) is None
     assert step(16, 16, 32 * 1024, config=StepConfig(max_tokens=8)) is None
     assert step(2048, 1, 32 * 1024, max_q_len=2048) is None  # a prefill chunk
     assert step(1, 1, 32 * 1024, index_dtype=torch.uint8) is None  # NVFP4 pages
@@ -271,7 +291,7 @@ def test_kernel_compiles_for_sm90(batch, context):
     dev, bf16 = DeviceFacts(), torch.bfloat16
     shape = IndexerShape(batch, 4, 128, batch, context // 128, 128, FP8, FP8, max_q_len=1,
                          tma_rows=True, topk=16)
-    launch, sizes = plan(batch, batch, 1,
+    launch, sizes = plan(batch, batch,
                      prepare_plan(PrepareShape(batch, 64, 4, 4, 128, 128, 64, 128, 128, bf16,
                                                FP8, FP8, False), dev),
                      indexer_plan(shape, dev),

@@ -48,9 +48,10 @@ def decode_step(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_no
     Returns:
         (q, index_q, indices, out), each as the separate ops return it, bit for bit.
 
-    On the kernel path a decode step of at most `step_config.max_tokens` tokens whose separate
-    launches are of the kinds the one launch runs (step/plan.py: not into NVFP4 pages, no
-    prefill forms) runs as one launch (kernels/step.py); any other step runs the ops.
+    On the kernel path a decode or verify step of at most `step_config.max_tokens` tokens
+    whose separate launches are of the kinds the one launch runs (step/plan.py: not into NVFP4
+    pages, no prefill forms) runs as one launch (kernels/step.py); any other step runs the
+    ops.
     """
     step_config = config_or_default(step_config, DEFAULT, "step_config")
     if not use_kernels(qkv):
@@ -100,7 +101,7 @@ def decode_step(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_no
                                               has_scale=k_scale is not None
                                               or v_scale is not None),
                                    device, attention_config)
-        fused = step_plan(qkv.shape[0], seq_lens.shape[0], max_q_len,
+        fused = step_plan(qkv.shape[0], seq_lens.shape[0],
                           LaunchPlan(prepared.launches), indexer_plan(shape, device,
                                                                       indexer_config),
                           attention, device, step_config)

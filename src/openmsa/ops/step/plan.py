@@ -27,8 +27,8 @@ _DROPPED = {"PDL", "WAIT_PRIOR", "WAIT_TILES", "TILE_MODE", "TILE_QT", "NVFP4", 
 class StepConfig:
     """The one-launch decode step's knobs.
 
-    max_tokens: steps of at most this many tokens, every request a decode (q_len 1) or padding,
-    run as one launch; larger steps, prefill and verify steps run the ops apart.
+    max_tokens: decode and verify steps of at most this many tokens run as one launch; larger
+    steps and prefill chunks run the ops apart.
     num_warps, num_stages: the launch's (one value for every phase). The phases' registers add
     up to ptxas's limit (255) at M3's shapes; 8 warps leave no spills at B = 1 (4 warps spill
     up to ~1 KB a thread), at the price of one program an SM."""
@@ -52,19 +52,19 @@ def _prefixed(prefix: str, launch: Launch) -> dict:
             if k.isupper() and k not in _DROPPED}
 
 
-def plan(num_tokens: int, num_requests: int, max_q_len: int | None, prepare: LaunchPlan,
+def plan(num_tokens: int, num_requests: int, prepare: LaunchPlan,
          indexer: LaunchPlan, attention: LaunchPlan, device: DeviceFacts,
          config: StepConfig = DEFAULT) -> tuple[Launch, dict] | None:
-    """(the launch, its phase ends and buffer sizes) for a decode step whose separate plans
-    are: one preparation launch (not into NVFP4 pages); the Triton decode scoring launch, the
-    segment selection and its merge if any; the attention's split launch (no prefill tiles)
-    and its merge if any, on an NVIDIA GPU or the interpreter. None otherwise. On the GPU the
-    phases wait by spinning (SPIN); the interpreter, which runs programs in order, checks
-    instead."""
-    decode = max_q_len == 1 or num_tokens <= num_requests
+    """(the launch, its phase ends and buffer sizes) for a step of at most config.max_tokens
+    tokens whose separate plans are: one preparation launch (not into NVFP4 pages); the Triton
+    decode scoring launch alone (every request of at most its SMALL_Q tokens: decode and
+    verify steps; the scan waits for the preparation, so a verify token's new keys are scored
+    as written), the segment selection and its merge if any; the attention's split launch (no
+    prefill tiles) and its merge if any; on an NVIDIA GPU or the interpreter. None otherwise.
+    On the GPU the phases wait by spinning (SPIN); the interpreter, which runs programs in
+    order, checks instead."""
     # (NVIDIA only: on ROCm the one launch has never been built or run)
-    if not (0 < num_tokens <= config.max_tokens and decode
-            and (device.nvidia or not device.cuda)):
+    if not (0 < num_tokens <= config.max_tokens and (device.nvidia or not device.cuda)):
         return None
     if prepare.kernels() != ("fused_prepare",) or prepare.launches[0].params["INDEX_NVFP4"]:
         return None
