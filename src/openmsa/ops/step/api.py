@@ -8,7 +8,7 @@ import torch
 
 from ..._dispatch import on_tensor_device, use_kernels
 from ...support import attention_unsupported_reason
-from ..attention.api import sparse_attention, step_shape
+from ..attention.api import _aligned, sparse_attention, step_shape
 from ..attention.checks import check_attention_args
 from ..attention.plan import DEFAULT as ATTENTION_DEFAULT
 from ..attention.plan import plan as attention_plan
@@ -69,7 +69,14 @@ def decode_step(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_no
                index_k_norm_weight, k_cache, v_cache, slot_mapping, index_cache,
                index_slot_mapping, cu_seqlens_q, seq_lens, index_block_table, block_table)
     given = tuple(t for t in (index_q_out, out) if t is not None)
+    # (V's address parity and the caches' alignment: the attention's plan reads them, as
+    # sparse_attention's key says)
     key = call_key(tensors + given, ("decode_step", config, index_q_out is None, out is None,
+                                     v_cache.data_ptr() & 1 if isinstance(v_cache, torch.Tensor)
+                                     else None,
+                                     _aligned(k_cache, v_cache)
+                                     if isinstance(k_cache, torch.Tensor)
+                                     and isinstance(v_cache, torch.Tensor) else None,
                                      scale_key(k_scale), scale_key(v_scale), cache_config,
                                      indexer_config, attention_config, step_config, max_q_len))
 

@@ -29,12 +29,15 @@ class StepConfig:
 
     max_tokens: decode and verify steps of at most this many tokens run as one launch; larger
     steps and prefill chunks run the ops apart.
-    num_warps, num_stages: the launch's (one value for every phase). The phases' registers add
-    up to ptxas's limit (255) at M3's shapes; 8 warps leave no spills at B = 1 (4 warps spill
-    up to ~1 KB a thread), at the price of one program an SM."""
+    num_warps, num_stages: the launch's, one value for every phase. A reduction's order
+    follows the warps, so the plan takes only steps whose preparation, scoring and selection
+    launches run this many warps (4 at M3's shapes): their results, the selection included,
+    are then bit-identical to the ops apart; the attention's, whose own launch may use other
+    warps (8 at B <= 2), can differ in rounding. At M3's shapes the phases' registers reach
+    ptxas's limit (255) and 4 warps spill up to ~1 KB a thread."""
 
     max_tokens: int = 8
-    num_warps: int = 8
+    num_warps: int = 4
     num_stages: int = 3
 
     def __post_init__(self):
@@ -79,6 +82,9 @@ def plan(num_tokens: int, num_requests: int, prepare: LaunchPlan,
             or attention.launches[0].params["TILE_QT"]:
         return None
     prep, token = prepare.launches[0], attention.launches[0]
+    if any(launch.params.get("num_warps", 4) != config.num_warps
+           for launch in (prep, *indexer.launches)):
+        return None
     heads, kv_heads, q_heads = (segments.grid[1], token.grid[1],
                                 token.params["NUM_HEADS"])
     ends = [num_tokens * prep.grid[1]]
