@@ -82,8 +82,9 @@ def plan(num_tokens: int, num_requests: int, prepare: LaunchPlan,
             or attention.launches[0].params["TILE_QT"]:
         return None
     prep, token = prepare.launches[0], attention.launches[0]
-    if any(launch.params.get("num_warps", 4) != config.num_warps
-           for launch in (prep, *indexer.launches)):
+    # (the interpreter's reductions do not depend on the warps)
+    if device.cuda and any(launch.params.get("num_warps", 4) != config.num_warps
+                           for launch in (prep, *indexer.launches)):
         return None
     heads, kv_heads, q_heads = (segments.grid[1], token.grid[1],
                                 token.params["NUM_HEADS"])
