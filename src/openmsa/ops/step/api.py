@@ -46,7 +46,9 @@ def decode_step(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_no
         step_config: `StepConfig` (None: the default).
 
     Returns:
-        (q, index_q, indices, out), each as the separate ops return it, bit for bit.
+        (q, index_q, indices, out), as the separate ops return them: bit for bit, except
+        that the attention output may differ in rounding where the attention's own launch runs
+        other warps than the one launch (StepConfig.num_warps).
 
     On the kernel path a decode or verify step of at most `step_config.max_tokens` tokens
     whose separate launches are of the kinds the one launch runs (step/plan.py: not into NVFP4
