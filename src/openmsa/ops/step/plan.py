@@ -33,8 +33,7 @@ class StepConfig:
     follows the warps, so the plan takes only steps whose preparation, scoring and selection
     launches run this many warps (4 at M3's shapes): their results, the selection included,
     are then bit-identical to the ops apart; the attention's, whose own launch may use other
-    warps (8 at B <= 2), can differ in rounding. At M3's shapes the phases' registers reach
-    ptxas's limit (255) and 4 warps spill up to ~1 KB a thread."""
+    warps (8 at B <= 2), can differ in rounding."""
 
     max_tokens: int = 8
     num_warps: int = 4
