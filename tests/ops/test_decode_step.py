@@ -299,6 +299,15 @@ def test_plan_takes_decode_steps_it_can_run():
 
 
 @pytest.mark.reference
+def test_reference_has_the_same_signature():
+    import inspect
+
+    def params(fn):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+    assert params(decode_step.__wrapped__) == params(ref_decode_step)
+
+
+@pytest.mark.reference
 def test_rejects_bad_arguments():
     case = _case(FP8, torch.float16)
     with pytest.raises(TypeError, match="step_config"):

@@ -11,9 +11,10 @@ launches' programs are ranges of one grid's program ids, in step order:
 
 and each program runs the same function its own launch would (prepare_tile, _score_request,
 segment_topk, merge_topk, attend_split, merge_splits) with the same constexprs, so every output
-is the separate ops' bit for bit where the launch runs the same warps as theirs (step/plan.py). A program of a phase first waits until every program of the
-phase before has bumped that phase's counter; programs bump it after their last store (a CTA
-barrier, then a release add at GPU scope; the waiter's acquire makes those stores visible).
+is the separate ops' bit for bit where the launch runs the same warps as theirs (step/plan.py).
+A program of a phase first waits until every program of the phase before has bumped that
+phase's counter; programs bump it after their last store (a CTA barrier, then a release add at
+GPU scope; the waiter's acquire makes those stores visible).
 
 Program ids in the order the GPU starts programs, not the grid's: each program takes a ticket
 (an atomic add) as its id. A program then waits only on programs with lower tickets, which have
