@@ -307,11 +307,23 @@ def test_reference_has_the_same_signature():
     assert params(decode_step.__wrapped__) == params(ref_decode_step)
 
 
-@pytest.mark.reference
-def test_rejects_bad_arguments():
+@pytest.mark.interpret
+def test_rejects_bad_arguments(kernel_device):
     case = _case(FP8, torch.float16)
+    d = kernel_device
     with pytest.raises(TypeError, match="step_config"):
-        _run(decode_step, "cpu", case, step_config={"max_tokens": 8})
+        _run(decode_step, d, case, step_config={"max_tokens": 8})
+    # each table and slot mapping named as decode_step names it
+    slots, table = case[0].slot_mapping, case[0].block_table
+    with pytest.raises(TypeError, match="^index_block_table must have dtype int32"):
+        _run(decode_step, d, case, index_side=(slots, table.float()), step_config=ONE)
+    with pytest.raises(TypeError, match="^block_table must have dtype int32"):
+        _run(decode_step, d, case, (case[0].cu_seqlens_q, case[0].seq_lens, table.float()),
+             index_side=(slots, table), step_config=ONE)
+    with pytest.raises(TypeError, match="^index_slot_mapping"):
+        _run(decode_step, d, case, index_side=(slots.float(), table), step_config=ONE)
+    with pytest.raises(ValueError, match="^out must have shape"):
+        _run(decode_step, d, case, out=torch.empty(3, 3, device=d), step_config=ONE)
     with pytest.raises(ValueError, match="StepConfig.num_warps"):
         StepConfig(num_warps=0)
     with pytest.raises(TypeError, match="StepConfig.max_tokens"):

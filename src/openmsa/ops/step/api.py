@@ -92,7 +92,8 @@ def decode_step(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_no
         shape = checked_selection_shape(index_q, index_cache, cu_seqlens_q, seq_lens,
                                         index_block_table, config.topk_blocks,
                                         config.init_blocks, config.local_blocks,
-                                        config.block_size, None, max_q_len)
+                                        config.block_size, None, max_q_len,
+                                        table_name="index_block_table")
         indices = torch.empty(index_q.shape[:2] + (config.topk_blocks,), dtype=torch.int32,
                               device=qkv.device)
         check_attention_args(q, k_cache, v_cache, indices, cu_seqlens_q, seq_lens, block_table,
