@@ -16,6 +16,7 @@ Writes one JSON row per case (see --out) and prints a table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -88,8 +89,7 @@ def case(model_name, model, batch, context, q_len, kv, iters, config):
                apart_device_us=statistics.median(dev[0]), one_device_us=statistics.median(dev[1]),
                apart_graph_us=run.graph_call_us(apart, iters),
                one_graph_us=run.graph_call_us(one, iters),
-               step_config=dict(max_tokens=config.max_tokens, num_warps=config.num_warps,
-                                num_stages=config.num_stages))
+               step_config=dataclasses.asdict(config))
     row["one_over_apart_graph"] = row["one_graph_us"] / row["apart_graph_us"]
     row["one_over_apart_device"] = row["one_device_us"] / row["apart_device_us"]
     return row
@@ -106,12 +106,15 @@ def main():
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warps", type=int, default=StepConfig().num_warps)
     p.add_argument("--stages", type=int, default=StepConfig().num_stages)
+    p.add_argument("--sleep-ns", type=int, default=StepConfig().sleep_ns,
+                   help="a waiting program's pause between polls (StepConfig.sleep_ns)")
     p.add_argument("--out", default=None, help="JSON file of the rows")
     args = p.parse_args()
     model = shapes.MODELS[args.model]
     q_lens = [int(q) for q in args.q_lens.split(",")]
     config = StepConfig(max_tokens=max(int(b) for b in args.batches.split(",")) * max(q_lens),
-                        num_warps=args.warps, num_stages=args.stages)
+                        num_warps=args.warps, num_stages=args.stages,
+                        sleep_ns=args.sleep_ns)
     rows = []
     print(f"{'B':>3} {'q':>2} {'context':>8} {'apart graph':>11} {'one graph':>9} {'ratio':>6} "
           f"{'apart dev':>9} {'one dev':>8} same-selection out-diff")

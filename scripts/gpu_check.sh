@@ -121,7 +121,12 @@ case "$what" in
     python3 benchmarks/step_ab.py --out "$OUT/step-ab-verify.json" --batches 1 --q-lens 4 \
       --contexts 131072 "$@" 2>&1 | tee -a "$OUT/step-ab.log"
     python3 benchmarks/step_ab.py --out "$OUT/step-ab-tp4.json" --model m3-tp4 --batches 1 \
-      --contexts 131072 "$@" 2>&1 | tee -a "$OUT/step-ab.log" ;;
+      --contexts 131072 "$@" 2>&1 | tee -a "$OUT/step-ab.log"
+    # the waiting programs' pause between polls (StepConfig.sleep_ns), B = 1
+    for ns in 0 512; do
+      python3 benchmarks/step_ab.py --out "$OUT/step-ab-sleep$ns.json" --batches 1 \
+        --contexts 32768,131072 --sleep-ns $ns "$@" 2>&1 | tee -a "$OUT/step-ab.log"
+    done ;;
   bench)
     python3 benchmarks/run.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" ;;
   extras)

@@ -328,6 +328,9 @@ def test_rejects_bad_arguments(kernel_device):
         StepConfig(num_warps=0)
     with pytest.raises(TypeError, match="StepConfig.max_tokens"):
         StepConfig(max_tokens=1.5)
+    for ns in (-1, 1_000_001):
+        with pytest.raises(ValueError, match="StepConfig.sleep_ns"):
+            StepConfig(sleep_ns=ns)
 
 
 @pytest.mark.reference
@@ -372,4 +375,5 @@ def test_kernel_compiles_for_sm90(batch, context):
     ptx = k.asm["ptx"]
     # the phases' hand-off: release adds after the stores, and acquire loads after the spin (an
     # acquire whose value nothing reads is compiled away)
-    assert "atom.global.gpu.release.add" in ptx and "ld.global.gpu.acquire" in ptx
+    assert "atom.global.gpu.release.add" in ptx and "ld.acquire.gpu.global.b32" in ptx
+    assert "nanosleep.u32" in ptx

@@ -33,14 +33,20 @@ class StepConfig:
     follows the warps, so the plan takes only steps whose preparation, scoring and selection
     launches run this many warps (4 at M3's shapes): their results, the selection included,
     are then bit-identical to the ops apart; the attention's, whose own launch may use other
-    warps (8 at B <= 2), can differ in rounding."""
+    warps (8 at B <= 2), can differ in rounding.
+    sleep_ns: a waiting program's pause between two polls of the counter it waits on (0: none,
+    nanoseconds; the GPU rounds it)."""
 
     max_tokens: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    sleep_ns: int = 64
 
     def __post_init__(self):
         check_form(self, positive=("num_warps", "num_stages"))
+        if self.sleep_ns > 1_000_000:
+            # (PTX's nanosleep sleeps at most a millisecond)
+            raise ValueError(f"StepConfig.sleep_ns must be at most 1000000, got {self.sleep_ns}")
 
     __hash__ = cached_hash
     __getstate__ = state_without_hash
@@ -102,7 +108,7 @@ def plan(num_tokens: int, num_requests: int, prepare: LaunchPlan,
         params.update(M_CANDP=merge["CANDP"], M_BY_SORT=merge["BY_SORT"])
     else:
         params.update(M_CANDP=0, M_BY_SORT=False)
-    params.update(SPIN=device.cuda, num_warps=config.num_warps,
+    params.update(SPIN=device.cuda, SLEEP_NS=config.sleep_ns, num_warps=config.num_warps,
                   num_stages=config.num_stages)
     sizes = dict(ends=tuple(ends), segments=indexer.sizes["segments"],
                  candidates=indexer.sizes["candidates"], scratch=indexer.sizes["scratch"],

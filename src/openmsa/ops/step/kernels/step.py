@@ -44,18 +44,45 @@ ERROR: tl.constexpr = tl.constexpr(ERROR_SLOT)
 MERGE_COUNTERS: tl.constexpr = tl.constexpr(HEAD_COUNTERS)
 
 
+# the GPU's wait: thread 0 polls the counter with acquire loads (a nanosleep between polls, so
+# that hundreds of waiting programs do not crowd the counter's cache line that the producers'
+# adds go to); the CTA barrier after it passes the acquired stores on to every thread, as a
+# grid-wide sync does. (Labels inside braces are local to the block: the asm may be inlined at
+# every wait.)
+_POLL = """{
+.reg .pred msa_p;
+.reg .b32 msa_t;
+mov.u32 msa_t, %tid.x;
+setp.ne.u32 msa_p, msa_t, 0;
+@msa_p bra MSA_DONE;
+MSA_POLL:
+ld.acquire.gpu.global.b32 msa_t, [$1];
+setp.ge.s32 msa_p, msa_t, $2;
+@msa_p bra MSA_DONE;
+SLEEP
+bra MSA_POLL;
+MSA_DONE:
+mov.u32 $0, 0;
+}"""
+_SPIN: tl.constexpr = tl.constexpr(_POLL.replace("SLEEP", ""))
+_SPIN_SLEEP: tl.constexpr = tl.constexpr(_POLL.replace("SLEEP", "nanosleep.u32 $3;"))
+
+
 @triton.jit
-def _wait(counters_ptr, phase: tl.constexpr, target, SPIN: tl.constexpr):
+def _wait(counters_ptr, phase: tl.constexpr, target, SPIN: tl.constexpr,
+          SLEEP_NS: tl.constexpr):
     """Until counter `phase` reaches target (SPIN: the GPU), or flag the error (interpreter)."""
     if SPIN:
-        # polled by plain (volatile) loads, which do not queue behind the producers' adds
-        while tl.load(counters_ptr + phase, volatile=True) < target:
-            pass
-        # then acquired: the producers' stores, released with their adds, are visible from
-        # here. (A loop on the add's value, which is already complete: an add of 0 whose
-        # result nothing reads is removed by the compiler, and its acquire with it.)
-        while tl.atomic_add(counters_ptr + phase, 0, sem="acquire", scope="gpu") < target:
-            pass
+        # (target may be a launcher-specialised constant: the asm takes tensors)
+        zero = tl.zeros([], dtype=tl.int32)
+        if SLEEP_NS > 0:
+            tl.inline_asm_elementwise(_SPIN_SLEEP, "=r,l,r,r",
+                                      [counters_ptr + phase, zero + target, zero + SLEEP_NS],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            tl.inline_asm_elementwise(_SPIN, "=r,l,r", [counters_ptr + phase, zero + target],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+        tl.debug_barrier()
     else:
         short = tl.load(counters_ptr + phase) < target
         tl.atomic_or(counters_ptr + ERROR, short.to(tl.int32))
@@ -107,7 +134,8 @@ def _decode_step_kernel(
         A_SUB: tl.constexpr, A_STEPS: tl.constexpr, A_SPLITS: tl.constexpr,
         A_HAS_SCALE: tl.constexpr, A_IEEE: tl.constexpr, A_F16_COMPUTE: tl.constexpr,
         A_FUSED_MERGE: tl.constexpr, A_V_PAIRS: tl.constexpr, A_PTX: tl.constexpr,
-        A_SP: tl.constexpr, A_LAZY_SUM: tl.constexpr, SPIN: tl.constexpr):
+        A_SP: tl.constexpr, A_LAZY_SUM: tl.constexpr, SPIN: tl.constexpr,
+        SLEEP_NS: tl.constexpr):
     """Grid (the phases' programs,): prepare, score, segments, select merge, attend, attend
     merge (its programs past e_att)."""
     vid = tl.atomic_add(counters_ptr + TICKET, 1, sem="relaxed", scope="gpu")
@@ -123,7 +151,7 @@ def _decode_step_kernel(
                      P_KV_SATURATE, P_INDEX_SATURATE, P_IQ_SATURATE, P_HAS_SCALE, False)
         _arrive(counters_ptr, 1)
     elif vid < e_score:
-        _wait(counters_ptr, 1, e_prep, SPIN)
+        _wait(counters_ptr, 1, e_prep, SPIN, SLEEP_NS)
         i = vid - e_prep
         _score_request(i // S_SPLITS, (i % S_SPLITS) * S_BPS, iq_ptr, index_cache_ptr, cu_ptr,
                        seq_lens_ptr, ibt_ptr, scores_ptr, num_requests, num_tokens,
@@ -134,7 +162,7 @@ def _decode_step_kernel(
                        False)
         _arrive(counters_ptr, 2)
     elif vid < e_seg:
-        _wait(counters_ptr, 2, e_score - e_prep, SPIN)
+        _wait(counters_ptr, 2, e_score - e_prep, SPIN, SLEEP_NS)
         i = vid - e_score
         per_token = S_H * num_segments
         segment_topk(i // per_token, (i // num_segments) % S_H, i % num_segments, num_tokens,
@@ -146,7 +174,7 @@ def _decode_step_kernel(
     elif vid < e_smerge:
         # (M_CANDP 0: no merge phase, whose program range is then empty)
         if M_CANDP > 0:
-            _wait(counters_ptr, 3, e_seg - e_score, SPIN)
+            _wait(counters_ptr, 3, e_seg - e_score, SPIN, SLEEP_NS)
             i = vid - e_seg
             merge_topk(i // S_H, i % S_H, num_tokens, S_H, cand_ptr, cu_ptr, seq_lens_ptr,
                        idx_ptr, num_requests, width, num_segments, stride_xit, stride_xih,
@@ -155,9 +183,9 @@ def _decode_step_kernel(
     elif vid < e_att:
         # the selection's last phase: the merge where there is one, else the segments
         if e_smerge > e_seg:
-            _wait(counters_ptr, 4, e_smerge - e_seg, SPIN)
+            _wait(counters_ptr, 4, e_smerge - e_seg, SPIN, SLEEP_NS)
         else:
-            _wait(counters_ptr, 3, e_seg - e_score, SPIN)
+            _wait(counters_ptr, 3, e_seg - e_score, SPIN, SLEEP_NS)
         i = vid - e_smerge
         per_token = A_NUM_KV_HEADS * A_SPLITS
         attend_split(i // per_token, (i // A_SPLITS) % A_NUM_KV_HEADS, i % A_SPLITS,
@@ -173,7 +201,7 @@ def _decode_step_kernel(
                      A_PTX, A_SP, False, A_LAZY_SUM)
         _arrive(counters_ptr, 5)
     else:
-        _wait(counters_ptr, 5, e_att - e_smerge, SPIN)
+        _wait(counters_ptr, 5, e_att - e_smerge, SPIN, SLEEP_NS)
         i = vid - e_att
         merge_splits(i // A_NUM_HEADS, i % A_NUM_HEADS, num_tokens, part_ptr, out_ptr, out_ptr,
                      stride_ot, stride_oh, stride_od, 0, 0, A_NUM_HEADS, A_D, A_SPLITS, A_SP,
