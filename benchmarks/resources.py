@@ -256,7 +256,7 @@ def step_resources(batch: int, context: int, sass: bool = False):
                     part_ptr="*fp32", counters_ptr="*i32")
     params = dict(launch.params)
     warps, stages = params.pop("num_warps"), params.pop("num_stages")
-    params.update(stride_xc=1, stride_kcd=1, stride_vcd=1, stride_icd=1, stride_qd=1,
+    params.update(trace_ptr=None, stride_xc=1, stride_kcd=1, stride_vcd=1, stride_icd=1, stride_qd=1,
                   stride_id=1, stride_ibb=1, stride_btb=1, stride_sb=1, stride_xik=1,
                   stride_od=1)
     ones = dict(num_tokens=batch, num_requests=batch, num_segments=sizes["segments"])

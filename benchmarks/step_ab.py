@@ -5,7 +5,9 @@ caches and step: M3 at TP1 (or --model), q_len 1 (or --q-lens), B and context fr
 the caches of run.py's layer rows of the same dtype (fp8: fp8 K/V and index keys). Per row:
 both sides' outputs compared (the selections bit for bit, the attention output's largest
 difference), the graph-replayed call (run.graph_call_us, L2 flushed) and the device time (the
-profiler, the two sides' calls interleaved), medians.
+profiler, the two sides' calls interleaved), medians; and the one launch's trace: per phase,
+when its first program started and its last ended, its programs' median wait and work
+(trace_phases).
 
     python3 benchmarks/step_ab.py --out step.json              # the grid below
     python3 benchmarks/step_ab.py --batches 1 --contexts 32768 --kv bf16
@@ -30,7 +32,45 @@ import run  # noqa: E402
 import shapes  # noqa: E402
 
 import openmsa  # noqa: E402
+from openmsa.ops.step import api as step_api  # noqa: E402
 from openmsa.ops.step.api import StepConfig, decode_step  # noqa: E402
+
+
+PHASES = ("prepare", "score", "segments", "select merge", "attend", "attend merge")
+
+
+def trace_phases(model, k_cache, v_cache, index_cache, meta, qkv, w, config, q_len, runs=20):
+    """Where the one launch's time goes: its per-program trace (decode_step's trace=) over
+    `runs` eager calls, L2 flushed before each; per phase, medians over the runs of the first
+    program's start, the last program's end (µs from the launch's first start), and of the
+    programs' median wait and work (µs)."""
+    one = _one_launch(model, k_cache, v_cache, index_cache, meta, qkv, w, config, q_len)
+    trace = torch.full((1 << 14, 4), -1, dtype=torch.int64, device="cuda")
+    phase_ends = _phase_ends(one)
+    per_run = []
+    for _ in range(runs):
+        trace.fill_(-1)
+        run.flush_l2()
+        one(trace=trace)
+        torch.cuda.synchronize()
+        rows = trace[(trace[:, 0] >= 0)].cpu().double()
+        t0, t1, t2 = rows[:, 0], rows[:, 1], rows[:, 2]
+        origin = float(t0.min())
+        ends = (0,) + phase_ends + (rows.shape[0],)
+        phases = {}
+        for name, a, b in zip(PHASES, ends, ends[1:]):
+            if b > a:
+                phases[name] = dict(programs=b - a,
+                                    first_start=(float(t0[a:b].min()) - origin) / 1e3,
+                                    last_end=(float(t2[a:b].max()) - origin) / 1e3,
+                                    wait=float((t1[a:b] - t0[a:b]).median()) / 1e3,
+                                    work=float((t2[a:b] - t1[a:b]).median()) / 1e3)
+        phases["launch"] = dict(programs=rows.shape[0], last_end=(float(t2.max()) - origin) / 1e3,
+                                sms=int(rows[:, 3].unique().numel()))
+        per_run.append(phases)
+    return {name: {k: (v if k in ("programs", "sms") else
+                       statistics.median(r[name][k] for r in per_run))
+                   for k, v in per_run[0][name].items()} for name in per_run[0]}
 
 
 def _one_launch(model, k_cache, v_cache, index_cache, meta, qkv, w, config, q_len=1):
@@ -40,14 +80,29 @@ def _one_launch(model, k_cache, v_cache, index_cache, meta, qkv, w, config, q_le
     out = torch.empty(t, model.num_heads, model.head_dim, dtype=torch.bfloat16, device="cuda")
     result = {}
 
-    def step():
+    def step(trace=None):
         result["r"] = decode_step(qkv, meta.positions, model, *w, k_cache, v_cache,
                                   meta.slot_mapping, index_cache, meta.index_slot_mapping,
                                   meta.cu_seqlens_q, meta.seq_lens, meta.index_block_table,
                                   meta.block_table, max_q_len=q_len, index_q_out=iq, out=out,
-                                  step_config=config)
+                                  step_config=config, trace=trace)
     step.result = result
     return step
+
+
+def _phase_ends(fn):
+    """The phases' ends in ticket order of the one launch that fn runs (its plan's)."""
+    seen, plain = [], step_api._run
+
+    def recording(launch, sizes, *args):
+        seen.append(sizes["ends"])
+        return plain(launch, sizes, *args)
+    step_api._run = recording
+    try:
+        fn()
+    finally:
+        step_api._run = plain
+    return seen[-1]
 
 
 def warm_capture(fn):
@@ -63,7 +118,7 @@ def warm_capture(fn):
     del g
 
 
-def case(model_name, model, batch, context, q_len, kv, iters, config):
+def case(model_name, model, batch, context, q_len, kv, iters, config, trace=True):
     k_cache, v_cache, index_cache, meta, qkv, w = run._layer_case(model, batch, context, q_len,
                                                                   kv)
     apart, _ = run._layer_fns(model, k_cache, v_cache, index_cache, meta, qkv, w, batch,
@@ -92,6 +147,10 @@ def case(model_name, model, batch, context, q_len, kv, iters, config):
                step_config=dataclasses.asdict(config))
     row["one_over_apart_graph"] = row["one_graph_us"] / row["apart_graph_us"]
     row["one_over_apart_device"] = row["one_device_us"] / row["apart_device_us"]
+    if trace:
+        # (a traced launch is its own build, with the timer reads and the trace's stores)
+        row["trace"] = trace_phases(model, k_cache, v_cache, index_cache, meta, qkv, w, config,
+                                    q_len)
     return row
 
 
@@ -108,6 +167,8 @@ def main():
     p.add_argument("--stages", type=int, default=StepConfig().num_stages)
     p.add_argument("--sleep-ns", type=int, default=StepConfig().sleep_ns,
                    help="a waiting program's pause between polls (StepConfig.sleep_ns)")
+    p.add_argument("--no-trace", action="store_true",
+                   help="leave out the one launch's per-phase trace (trace_phases)")
     p.add_argument("--out", default=None, help="JSON file of the rows")
     args = p.parse_args()
     model = shapes.MODELS[args.model]
@@ -120,12 +181,19 @@ def main():
           f"{'apart dev':>9} {'one dev':>8} same-selection out-diff")
     for b, q in itertools.product((int(x) for x in args.batches.split(",")), q_lens):
         for c in (int(x) for x in args.contexts.split(",")):
-            r = case(args.model, model, b, c, q, args.kv, args.iters, config)
+            r = case(args.model, model, b, c, q, args.kv, args.iters, config,
+                     not args.no_trace)
             rows.append(r)
             print(f"{b:>3} {q:>2} {c:>8} {r['apart_graph_us']:>11.1f} {r['one_graph_us']:>9.1f} "
                   f"{r['one_over_apart_graph']:>6.3f} {r['apart_device_us']:>9.1f} "
                   f"{r['one_device_us']:>8.1f} {r['same_selection']} {r['output_max_diff']:.2e}",
                   flush=True)
+            for name, ph in r.get("trace", {}).items():
+                print(f"    {name:>12}: {ph['programs']:>4} programs"
+                      + (f", start {ph['first_start']:6.2f}" if "first_start" in ph else "")
+                      + f", end {ph['last_end']:6.2f} us"
+                      + (f", wait {ph['wait']:5.2f}, work {ph['work']:5.2f} (medians)"
+                         if "wait" in ph else f", {ph['sms']} SMs"), flush=True)
             torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:

@@ -237,13 +237,42 @@ def test_counters_return_to_zero(kernel_device, monkeypatch, one_launches):
     assert all(_same(a, b) for a, b in zip(first, second))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_trace_records_every_program_in_phase_order(one_launches):
+    """The trace has a row for each program (its ticket) with start <= end of wait <= end on
+    the global timer and its SM; the rows past the grid are untouched; the step's results are
+    those of the untraced launch."""
+    case = _case(FP8, torch.float16)
+    plain = _run(decode_step, "cuda", case, step_config=ONE)
+    trace = torch.full((4096, 4), -1, dtype=torch.int64, device="cuda")
+    traced = _run(decode_step, "cuda", case, step_config=ONE, trace=trace)
+    assert all(_same(a, b) for a, b in zip(plain, traced))
+    (launch, sizes), _ = one_launches
+    programs = launch.grid[0]
+    rows = trace[:programs].cpu()
+    assert bool((trace[programs:] == -1).all())
+    t0, t1, t2, sm = rows.unbind(1)
+    assert bool(((t0 <= t1) & (t1 <= t2)).all())
+    assert bool(((sm >= 0) & (sm < torch.cuda.get_device_properties(0).multi_processor_count))
+                .all())
+    # a phase's programs end their wait no earlier than the first producer of the phase before
+    # started
+    ends = (0,) + sizes["ends"] + (programs,)
+    phases = [(a, b) for a, b in zip(ends, ends[1:]) if b > a]
+    for (a, b), (c, d) in zip(phases, phases[1:]):
+        assert int(t1[c:d].min()) >= int(t0[a:b].min())
+    with pytest.raises(ValueError, match="^trace must have at least"):
+        _run(decode_step, "cuda", case, step_config=ONE, trace=trace[:2])
+
+
 @triton.jit
 def _two_phases(counters_ptr, producers, target):
     """Programs below `producers` arrive at counter 1, the rest wait for `target` arrivals."""
     if tl.program_id(0) < producers:
         _arrive(counters_ptr, 1)
     else:
-        _wait(counters_ptr, 1, target, False)
+        _wait(counters_ptr, 1, target, False, 0)
 
 
 @pytest.mark.interpret
@@ -328,6 +357,12 @@ def test_rejects_bad_arguments(kernel_device):
         StepConfig(num_warps=0)
     with pytest.raises(TypeError, match="StepConfig.max_tokens"):
         StepConfig(max_tokens=1.5)
+    # trace: the GPU's one launch only
+    with pytest.raises(TypeError, match="^trace must be a torch.Tensor"):
+        _run(decode_step, d, case, step_config=ONE, trace=[0] * 4096)
+    with pytest.raises(ValueError, match="^trace must be on the step's GPU"):
+        _run(decode_step, d, case, step_config=ONE,
+             trace=torch.zeros(4096, dtype=torch.int64))
     for ns in (-1, 1_000_001):
         with pytest.raises(ValueError, match="StepConfig.sleep_ns"):
             StepConfig(sleep_ns=ns)
@@ -370,10 +405,17 @@ def test_kernel_compiles_for_sm90(batch, context):
     # the launcher specializes an int argument of 1 as a constexpr: the counts of a B = 1 step
     ones = dict(num_tokens=batch, num_requests=batch, num_segments=sizes["segments"])
     params.update({k: 1 for k, v in ones.items() if v == 1})
+    # (B = 1 at 32K: with a trace, whose timestamps are the GPU's global timer)
+    traced = (batch, context) == (1, 32 * 1024)
+    if traced:
+        pointers["trace_ptr"] = I64
+    else:
+        params["trace_ptr"] = None
     k = compile_sm90(_decode_step_kernel, pointers, dict(eps="fp32", sm_scale="fp32"), params,
                      options=options)
     ptx = k.asm["ptx"]
-    # the phases' hand-off: release adds after the stores, and acquire loads after the spin (an
-    # acquire whose value nothing reads is compiled away)
+    # the phases' hand-off: release adds after the stores; thread 0's acquire loads, with a
+    # pause between polls
     assert "atom.global.gpu.release.add" in ptx and "ld.acquire.gpu.global.b32" in ptx
     assert "nanosleep.u32" in ptx
+    assert ("%globaltimer" in ptx) == traced

@@ -35,7 +35,7 @@ def decode_step(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_no
                 index_slot_mapping, cu_seqlens_q, seq_lens, index_block_table, block_table, *,
                 max_q_len=None, k_scale=None, v_scale=None, index_q_out=None, out=None,
                 cache_config=None, indexer_config=None, attention_config=None,
-                step_config: StepConfig | None = None):
+                step_config: StepConfig | None = None, trace=None):
     """`prepare_and_select`, then `sparse_attention` over the blocks it selected: a sparse
     layer's step between its two projections.
 
@@ -44,6 +44,11 @@ def decode_step(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_no
         indexer_config), then sparse_attention's (`block_table`: the K/V cache's table; `out`;
         `attention_config`, its config); the softmax scale is head_dim ** -0.5.
         step_config: `StepConfig` (None: the default).
+        trace: None, or a contiguous int64 CUDA tensor of at least 4 * programs elements, for
+            a step that runs as one launch: row p (p's ticket) gets the program's start, the
+            end of its wait for the phase before and its end (the GPU's global timer, ns), and
+            its SM; the rows past the launch's programs are left as they were. A diagnostic of
+            where the launch's time goes (benchmarks/step_ab.py --trace).
 
     Returns:
         (q, index_q, indices, out), as the separate ops return them: bit for bit, except
@@ -63,7 +68,7 @@ def decode_step(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_no
             cu_seqlens_q, seq_lens, index_block_table, block_table, max_q_len=max_q_len,
             k_scale=k_scale, v_scale=v_scale, index_q_out=index_q_out, out=out,
             cache_config=cache_config, indexer_config=indexer_config,
-            attention_config=attention_config)
+            attention_config=attention_config, trace=trace)
     indexer_config = config_or_default(indexer_config, INDEXER_DEFAULT, "indexer_config")
     attention_config = config_or_default(attention_config, ATTENTION_DEFAULT,
                                          "attention_config")
@@ -80,7 +85,8 @@ def decode_step(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_no
                                      if isinstance(k_cache, torch.Tensor)
                                      and isinstance(v_cache, torch.Tensor) else None,
                                      scale_key(k_scale), scale_key(v_scale), cache_config,
-                                     indexer_config, attention_config, step_config, max_q_len))
+                                     indexer_config, attention_config, step_config, max_q_len,
+                                     trace is None))
 
     def make():
         prepared = prepare_plan(qkv, positions, config, q_norm_weight, k_norm_weight,
@@ -118,6 +124,8 @@ def decode_step(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_no
         return fused, prepared.table
 
     fused, table = _PLANS.get_or_plan(key, make)
+    if trace is not None:
+        _check_trace(trace, fused, qkv.device)
     if fused is None:
         q, index_q, indices = prepare_and_select(
             qkv, positions, config, q_norm_weight, k_norm_weight, index_q_norm_weight,
@@ -133,13 +141,30 @@ def decode_step(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_no
     return _run(launch, sizes, table, qkv, positions, config, q_norm_weight, k_norm_weight,
                 index_q_norm_weight, index_k_norm_weight, k_cache, v_cache, slot_mapping,
                 index_cache, index_slot_mapping, cu_seqlens_q, seq_lens, index_block_table,
-                block_table, k_scale, v_scale, index_q_out, out)
+                block_table, k_scale, v_scale, index_q_out, out, trace)
+
+
+def _check_trace(trace, fused, device):
+    if not isinstance(trace, torch.Tensor):
+        raise TypeError(f"trace must be a torch.Tensor or None, got {type(trace).__name__}")
+    if device.type != "cuda" or trace.device != device:
+        raise ValueError(f"trace must be on the step's GPU ({device}), got {trace.device}: the "
+                         "timer it records is the GPU's")
+    if trace.dtype != torch.int64 or not trace.is_contiguous():
+        raise ValueError(f"trace must be a contiguous int64 tensor, got {trace.dtype}"
+                         f"{'' if trace.is_contiguous() else ', not contiguous'}")
+    if fused is None:
+        raise ValueError("trace: this step runs the ops apart, not as one launch")
+    programs = fused[0].grid[0]
+    if trace.numel() < 4 * programs:
+        raise ValueError(f"trace must have at least {4 * programs} elements (4 for each of the "
+                         f"launch's {programs} programs), got {trace.numel()}")
 
 
 def _run(launch, sizes, table, qkv, positions, config, q_norm_weight, k_norm_weight,
          index_q_norm_weight, index_k_norm_weight, k_cache, v_cache, slot_mapping, index_cache,
          index_slot_mapping, cu_seqlens_q, seq_lens, index_block_table, block_table, k_scale,
-         v_scale, index_q_out, out):
+         v_scale, index_q_out, out, trace):
     """The one launch with the call's tensors and its workspaces."""
     device = qkv.device
     q, index_q = prepare_outputs(qkv, config, index_cache, None, index_q_out)
@@ -175,7 +200,7 @@ def _run(launch, sizes, table, qkv, positions, config, q_norm_weight, k_norm_wei
                scores, indices, cand, scratch, width, segments, *scores.stride(),
                *indices.stride(),
                out, part, head_dim ** -0.5, block_table.shape[1], *out.stride(),
-               e_prep, e_score, e_seg, e_smerge, e_att, counters)
+               e_prep, e_score, e_seg, e_smerge, e_att, counters, trace)
     if device.type != "cuda" and int(counters[ERROR_SLOT]):
         raise RuntimeError("decode_step: a phase of the one launch ran before the phase it "
                            "reads had finished (kernels/step.py's program order)")

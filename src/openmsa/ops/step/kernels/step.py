@@ -89,6 +89,21 @@ def _wait(counters_ptr, phase: tl.constexpr, target, SPIN: tl.constexpr,
 
 
 @triton.jit
+def _clock():
+    """The GPU's global timer, in nanoseconds (a trace's timestamps)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r",
+                                     [tl.zeros([], dtype=tl.int32)], dtype=tl.int64,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _sm_id():
+    return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r",
+                                     [tl.zeros([], dtype=tl.int32)], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
 def _arrive(counters_ptr, phase: tl.constexpr):
     """Counter `phase` += 1 after every thread's stores of this program."""
     tl.debug_barrier()
@@ -114,6 +129,9 @@ def _decode_step_kernel(
         # the ends of the phases in ticket order (an absent phase ends where the one before it
         # does), and the counters (the module's docstring)
         e_prep, e_score, e_seg, e_smerge, e_att, counters_ptr,
+        # None, or int64 (programs, 4): each program's start, end of its wait and end (the GPU's
+        # global timer, ns) and SM, by ticket
+        trace_ptr,
         P_HQ: tl.constexpr, P_HKV: tl.constexpr, P_H: tl.constexpr, P_D: tl.constexpr,
         P_DI: tl.constexpr, P_DP: tl.constexpr, P_DIP: tl.constexpr, P_ROT: tl.constexpr,
         P_NCOARSE: tl.constexpr, P_FP32_ANGLES: tl.constexpr, P_ROPE_SCALE: tl.constexpr,
@@ -138,7 +156,11 @@ def _decode_step_kernel(
         SLEEP_NS: tl.constexpr):
     """Grid (the phases' programs,): prepare, score, segments, select merge, attend, attend
     merge (its programs past e_att)."""
+    if trace_ptr is not None:
+        t0 = _clock()
     vid = tl.atomic_add(counters_ptr + TICKET, 1, sem="relaxed", scope="gpu")
+    if trace_ptr is not None:
+        t1 = t0
     if vid < e_prep:
         prepare_tile(vid // P_TILES, vid % P_TILES, qkv_ptr, pos_ptr, qw_ptr, kw_ptr, iqw_ptr,
                      ikw_ptr, rope_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, index_cache_ptr,
@@ -152,6 +174,8 @@ def _decode_step_kernel(
         _arrive(counters_ptr, 1)
     elif vid < e_score:
         _wait(counters_ptr, 1, e_prep, SPIN, SLEEP_NS)
+        if trace_ptr is not None:
+            t1 = _clock()
         i = vid - e_prep
         _score_request(i // S_SPLITS, (i % S_SPLITS) * S_BPS, iq_ptr, index_cache_ptr, cu_ptr,
                        seq_lens_ptr, ibt_ptr, scores_ptr, num_requests, num_tokens,
@@ -163,6 +187,8 @@ def _decode_step_kernel(
         _arrive(counters_ptr, 2)
     elif vid < e_seg:
         _wait(counters_ptr, 2, e_score - e_prep, SPIN, SLEEP_NS)
+        if trace_ptr is not None:
+            t1 = _clock()
         i = vid - e_score
         per_token = S_H * num_segments
         segment_topk(i // per_token, (i // num_segments) % S_H, i % num_segments, num_tokens,
@@ -175,6 +201,8 @@ def _decode_step_kernel(
         # (M_CANDP 0: no merge phase, whose program range is then empty)
         if M_CANDP > 0:
             _wait(counters_ptr, 3, e_seg - e_score, SPIN, SLEEP_NS)
+            if trace_ptr is not None:
+                t1 = _clock()
             i = vid - e_seg
             merge_topk(i // S_H, i % S_H, num_tokens, S_H, cand_ptr, cu_ptr, seq_lens_ptr,
                        idx_ptr, num_requests, width, num_segments, stride_xit, stride_xih,
@@ -184,8 +212,12 @@ def _decode_step_kernel(
         # the selection's last phase: the merge where there is one, else the segments
         if e_smerge > e_seg:
             _wait(counters_ptr, 4, e_smerge - e_seg, SPIN, SLEEP_NS)
+            if trace_ptr is not None:
+                t1 = _clock()
         else:
             _wait(counters_ptr, 3, e_seg - e_score, SPIN, SLEEP_NS)
+            if trace_ptr is not None:
+                t1 = _clock()
         i = vid - e_smerge
         per_token = A_NUM_KV_HEADS * A_SPLITS
         attend_split(i // per_token, (i // A_SPLITS) % A_NUM_KV_HEADS, i % A_SPLITS,
@@ -202,10 +234,18 @@ def _decode_step_kernel(
         _arrive(counters_ptr, 5)
     else:
         _wait(counters_ptr, 5, e_att - e_smerge, SPIN, SLEEP_NS)
+        if trace_ptr is not None:
+            t1 = _clock()
         i = vid - e_att
         merge_splits(i // A_NUM_HEADS, i % A_NUM_HEADS, num_tokens, part_ptr, out_ptr, out_ptr,
                      stride_ot, stride_oh, stride_od, 0, 0, A_NUM_HEADS, A_D, A_SPLITS, A_SP,
                      False)
+    if trace_ptr is not None:
+        t2 = _clock()
+        tl.store(trace_ptr + vid * 4, t0)
+        tl.store(trace_ptr + vid * 4 + 1, t1)
+        tl.store(trace_ptr + vid * 4 + 2, t2)
+        tl.store(trace_ptr + vid * 4 + 3, _sm_id().to(tl.int64))
     # the last program to finish resets the counters for the next launch or graph replay
     done = tl.atomic_add(counters_ptr + FINISHED, 1, sem="acq_rel", scope="gpu")
     if done == tl.num_programs(0) - 1:
