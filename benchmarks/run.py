@@ -152,14 +152,26 @@ def _union_length(spans: list[tuple[float, float]]) -> float:
     return total
 
 
+def warm_capture(fn):
+    """Capture fn once and drop the graph: the arrival counters an op makes for the capture
+    stream (ops/common/counters.py) then exist before a timed capture, which would otherwise
+    make them inside its graph and replay their zero fill with every call."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    del g
+
+
 def graph_call_us(fn, iters: int) -> float:
     """What one call costs inside a captured step: graphs of (flush, fn) and of (flush) alone are
     each replayed `iters` times back to back between two events (the host queues replays ahead,
     so the GPU never idles between them, as inside an engine's step graph); the per-replay
     difference, median of 5 such batches. (Timing each replay alone, synchronised, measured a
     GPU that idled before every replay: medians moved by 10-18 µs between identical configs.)"""
-    fn()
-    torch.cuda.synchronize()
+    warm_capture(fn)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):

@@ -105,7 +105,7 @@ def stack_row(args, model_name, context, fi) -> dict:
         def one_step():
             for layer in one:
                 layer()
-        step_ab.warm_capture(one[0])
+        run.warm_capture(one[0])
         ours[0]()
         one[0]()
         torch.cuda.synchronize()

@@ -105,27 +105,14 @@ def _phase_ends(fn):
     return seen[-1]
 
 
-def warm_capture(fn):
-    """Capture fn once and drop the graph: the arrival counters an op makes for the capture
-    stream (ops/common/counters.py) then exist before a timed capture, which would otherwise
-    make them inside its graph and replay their zero fill with every call."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    del g
-
-
 def case(model_name, model, batch, context, q_len, kv, iters, config, trace=True):
     k_cache, v_cache, index_cache, meta, qkv, w = run._layer_case(model, batch, context, q_len,
                                                                   kv)
     apart, _ = run._layer_fns(model, k_cache, v_cache, index_cache, meta, qkv, w, batch,
                               context, q_len)
     one = _one_launch(model, k_cache, v_cache, index_cache, meta, qkv, w, config, q_len)
-    warm_capture(apart)
-    warm_capture(one)
+    run.warm_capture(apart)
+    run.warm_capture(one)
     # (eager calls last: a capture leaves one.result holding the captured call's tensors)
     apart()
     one()
