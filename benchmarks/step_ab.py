@@ -182,10 +182,11 @@ def main():
                       + (f", wait {ph['wait']:5.2f}, work {ph['work']:5.2f} (medians)"
                          if "wait" in ph else f", {ph['sms']} SMs"), flush=True)
             torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"provenance": run.provenance(), "command": " ".join(sys.argv),
-                       "rows": rows}, f, indent=1)
+            # (after every row: a call cut short by its time limit keeps the rows it measured)
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump({"provenance": run.provenance(), "command": " ".join(sys.argv),
+                               "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
