@@ -114,14 +114,14 @@ case "$what" in
       --iters 20 2>&1 | tee "$OUT/large/ab.log" ;;
   step-ab)
     # issue 57's rows: TP1 B = 1 and 8 at 32K / 128K / 1M (each compares the selections bit
-    # for bit), the tests on the GPU, then a q_len 4 verify step and TP4 at B = 1, 128K
+    # for bit), a q_len 4 verify step and TP4 at B = 1, 128K, then the tests on the GPU
     python3 benchmarks/step_ab.py --out "$OUT/step-ab.json" "$@" 2>&1 | tee "$OUT/step-ab.log"
-    python3 -m pytest -q -p no:cacheprovider tests/ops/test_decode_step.py 2>&1 \
-      | tee "$OUT/step-tests.log" | tail -5
     python3 benchmarks/step_ab.py --out "$OUT/step-ab-verify.json" --batches 1 --q-lens 4 \
       --contexts 131072 "$@" 2>&1 | tee -a "$OUT/step-ab.log"
     python3 benchmarks/step_ab.py --out "$OUT/step-ab-tp4.json" --model m3-tp4 --batches 1 \
       --contexts 131072 "$@" 2>&1 | tee -a "$OUT/step-ab.log"
+    python3 -m pytest -q -p no:cacheprovider tests/ops/test_decode_step.py 2>&1 \
+      | tee "$OUT/step-tests.log" | tail -5
     # the waiting programs' pause between polls (StepConfig.sleep_ns), B = 1
     for ns in 0 512; do
       python3 benchmarks/step_ab.py --out "$OUT/step-ab-sleep$ns.json" --batches 1 \
