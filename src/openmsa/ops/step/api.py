@@ -48,7 +48,7 @@ def decode_step(qkv, positions, config, q_norm_weight, k_norm_weight, index_q_no
             a step that runs as one launch: row p (p's ticket) gets the program's start, the
             end of its wait for the phase before and its end (the GPU's global timer, ns), and
             its SM; the rows past the launch's programs are left as they were. A diagnostic of
-            where the launch's time goes (benchmarks/step_ab.py --trace).
+            where the launch's time goes (benchmarks/step_ab.py records it per phase).
 
     Returns:
         (q, index_q, indices, out), as the separate ops return them: bit for bit, except
