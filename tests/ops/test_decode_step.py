@@ -272,7 +272,7 @@ def _two_phases(counters_ptr, producers, target):
     if tl.program_id(0) < producers:
         _arrive(counters_ptr, 1)
     else:
-        _wait(counters_ptr, 1, target, False, 0)
+        _wait(counters_ptr, 1, target, False, 0, False)
 
 
 @pytest.mark.interpret

@@ -70,8 +70,9 @@ _SPIN_SLEEP: tl.constexpr = tl.constexpr(_POLL.replace("SLEEP", "nanosleep.u32 $
 
 @triton.jit
 def _wait(counters_ptr, phase: tl.constexpr, target, SPIN: tl.constexpr,
-          SLEEP_NS: tl.constexpr):
-    """Until counter `phase` reaches target (SPIN: the GPU), or flag the error (interpreter)."""
+          SLEEP_NS: tl.constexpr, TRACE: tl.constexpr):
+    """Until counter `phase` reaches target (SPIN: the GPU), or flag the error (interpreter);
+    returns the time it ended (`_now`)."""
     if SPIN:
         # (target may be a launcher-specialised constant: the asm takes tensors)
         zero = tl.zeros([], dtype=tl.int32)
@@ -86,14 +87,19 @@ def _wait(counters_ptr, phase: tl.constexpr, target, SPIN: tl.constexpr,
     else:
         short = tl.load(counters_ptr + phase) < target
         tl.atomic_or(counters_ptr + ERROR, short.to(tl.int32))
+    return _now(TRACE)
 
 
 @triton.jit
-def _clock():
-    """The GPU's global timer, in nanoseconds (a trace's timestamps)."""
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r",
-                                     [tl.zeros([], dtype=tl.int32)], dtype=tl.int64,
-                                     is_pure=False, pack=1)
+def _now(TRACE: tl.constexpr):
+    """The GPU's global timer in nanoseconds (a trace's timestamps); 0 in an untraced build,
+    which then reads no timer."""
+    t = tl.zeros([], dtype=tl.int64)
+    if TRACE:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r",
+                                      [tl.zeros([], dtype=tl.int32)], dtype=tl.int64,
+                                      is_pure=False, pack=1)
+    return t
 
 
 @triton.jit
@@ -156,11 +162,10 @@ def _decode_step_kernel(
         SLEEP_NS: tl.constexpr):
     """Grid (the phases' programs,): prepare, score, segments, select merge, attend, attend
     merge (its programs past e_att)."""
-    if trace_ptr is not None:
-        t0 = _clock()
+    TRACE: tl.constexpr = trace_ptr is not None
+    t0 = _now(TRACE)
     vid = tl.atomic_add(counters_ptr + TICKET, 1, sem="relaxed", scope="gpu")
-    if trace_ptr is not None:
-        t1 = t0
+    t1 = t0
     if vid < e_prep:
         prepare_tile(vid // P_TILES, vid % P_TILES, qkv_ptr, pos_ptr, qw_ptr, kw_ptr, iqw_ptr,
                      ikw_ptr, rope_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, index_cache_ptr,
@@ -173,9 +178,7 @@ def _decode_step_kernel(
                      P_KV_SATURATE, P_INDEX_SATURATE, P_IQ_SATURATE, P_HAS_SCALE, False)
         _arrive(counters_ptr, 1)
     elif vid < e_score:
-        _wait(counters_ptr, 1, e_prep, SPIN, SLEEP_NS)
-        if trace_ptr is not None:
-            t1 = _clock()
+        t1 = _wait(counters_ptr, 1, e_prep, SPIN, SLEEP_NS, TRACE)
         i = vid - e_prep
         _score_request(i // S_SPLITS, (i % S_SPLITS) * S_BPS, iq_ptr, index_cache_ptr, cu_ptr,
                        seq_lens_ptr, ibt_ptr, scores_ptr, num_requests, num_tokens,
@@ -186,9 +189,7 @@ def _decode_step_kernel(
                        False)
         _arrive(counters_ptr, 2)
     elif vid < e_seg:
-        _wait(counters_ptr, 2, e_score - e_prep, SPIN, SLEEP_NS)
-        if trace_ptr is not None:
-            t1 = _clock()
+        t1 = _wait(counters_ptr, 2, e_score - e_prep, SPIN, SLEEP_NS, TRACE)
         i = vid - e_score
         per_token = S_H * num_segments
         segment_topk(i // per_token, (i // num_segments) % S_H, i % num_segments, num_tokens,
@@ -200,9 +201,7 @@ def _decode_step_kernel(
     elif vid < e_smerge:
         # (M_CANDP 0: no merge phase, whose program range is then empty)
         if M_CANDP > 0:
-            _wait(counters_ptr, 3, e_seg - e_score, SPIN, SLEEP_NS)
-            if trace_ptr is not None:
-                t1 = _clock()
+            t1 = _wait(counters_ptr, 3, e_seg - e_score, SPIN, SLEEP_NS, TRACE)
             i = vid - e_seg
             merge_topk(i // S_H, i % S_H, num_tokens, S_H, cand_ptr, cu_ptr, seq_lens_ptr,
                        idx_ptr, num_requests, width, num_segments, stride_xit, stride_xih,
@@ -211,13 +210,9 @@ def _decode_step_kernel(
     elif vid < e_att:
         # the selection's last phase: the merge where there is one, else the segments
         if e_smerge > e_seg:
-            _wait(counters_ptr, 4, e_smerge - e_seg, SPIN, SLEEP_NS)
-            if trace_ptr is not None:
-                t1 = _clock()
+            t1 = _wait(counters_ptr, 4, e_smerge - e_seg, SPIN, SLEEP_NS, TRACE)
         else:
-            _wait(counters_ptr, 3, e_seg - e_score, SPIN, SLEEP_NS)
-            if trace_ptr is not None:
-                t1 = _clock()
+            t1 = _wait(counters_ptr, 3, e_seg - e_score, SPIN, SLEEP_NS, TRACE)
         i = vid - e_smerge
         per_token = A_NUM_KV_HEADS * A_SPLITS
         attend_split(i // per_token, (i // A_SPLITS) % A_NUM_KV_HEADS, i % A_SPLITS,
@@ -233,15 +228,13 @@ def _decode_step_kernel(
                      A_PTX, A_SP, False, A_LAZY_SUM)
         _arrive(counters_ptr, 5)
     else:
-        _wait(counters_ptr, 5, e_att - e_smerge, SPIN, SLEEP_NS)
-        if trace_ptr is not None:
-            t1 = _clock()
+        t1 = _wait(counters_ptr, 5, e_att - e_smerge, SPIN, SLEEP_NS, TRACE)
         i = vid - e_att
         merge_splits(i // A_NUM_HEADS, i % A_NUM_HEADS, num_tokens, part_ptr, out_ptr, out_ptr,
                      stride_ot, stride_oh, stride_od, 0, 0, A_NUM_HEADS, A_D, A_SPLITS, A_SP,
                      False)
-    if trace_ptr is not None:
-        t2 = _clock()
+    if TRACE:
+        t2 = _now(TRACE)
         tl.store(trace_ptr + vid * 4, t0)
         tl.store(trace_ptr + vid * 4 + 1, t1)
         tl.store(trace_ptr + vid * 4 + 2, t2)
