@@ -23,9 +23,6 @@ whole 128-key blocks and 3 stages, 185 / 139 KB for bf16). Count before you meas
                                   # blocks needing no causal mask, then the rest)
     python3 benchmarks/resources.py prep:16 prep:4   # prepare_and_select's fused launch (the
                                   # preparation's heads per tile) beside idec:fp8,16,64,3,4
-    python3 benchmarks/resources.py step:1,131072 step:8,1048576   # the one-launch decode
-                                  # step (ops/step) as planned for M3 at TP1 on an H100/H200
-                                  # (B, context; fp8 index keys, bf16 K/V)
     python3 benchmarks/resources.py --sass rows:16,4,4,1   # the short-row selection (Gluon,
                                   # select_rows.py: groups, blocks per group, threads per row,
                                   # warps[, sort: rows sorted, not
@@ -210,61 +207,6 @@ def prepare_scores_resources(ht: int, sass: bool = False):
                     scalars=dict(eps="fp32"))
 
 
-def step_resources(batch: int, context: int, sass: bool = False):
-    """The one-launch decode step (ops/step's _decode_step_kernel) with the constexprs its plan
-    gives a TP1 M3 decode step of `batch` requests of `context` tokens on an H100/H200 (fp8
-    index keys, bf16 K/V and projection), unit strides specialised and B = 1's counts as the
-    launcher's constexpr 1. Its registers and shared memory are the largest any phase needs:
-    every phase's programs run at that occupancy."""
-    from openmsa import MSAConfig
-    from openmsa.ops.attention.plan import AttentionConfig, AttentionShape
-    from openmsa.ops.attention.plan import plan as attention_plan
-    from openmsa.ops.cache.plan import PrepareShape
-    from openmsa.ops.cache.plan import plan as prepare_plan
-    from openmsa.ops.common.plan import DeviceFacts
-    from openmsa.ops.indexer.plan import IndexerShape
-    from openmsa.ops.indexer.plan import plan as indexer_plan
-    from openmsa.ops.step.kernels.step import _decode_step_kernel
-    from openmsa.ops.step.plan import StepConfig
-    from openmsa.ops.step.plan import plan as step_plan
-
-    import torch
-    m, dev, fp8, bf16 = MSAConfig(), DeviceFacts(), torch.float8_e4m3fn, torch.bfloat16
-    shape = IndexerShape(batch, m.num_index_heads, m.index_head_dim, batch,
-                         context // m.block_size, m.block_size, fp8, fp8, max_q_len=1,
-                         tma_rows=True, topk=m.topk_blocks)
-    planned = step_plan(
-        batch, batch,
-        prepare_plan(PrepareShape(batch, m.num_heads, m.num_kv_heads, m.num_index_heads,
-                                  m.head_dim, m.index_head_dim, m.rotary_dim, m.block_size,
-                                  m.block_size, bf16, fp8, fp8, False), dev),
-        indexer_plan(shape, dev),
-        attention_plan(AttentionShape(batch, m.num_heads, m.num_kv_heads, m.head_dim,
-                                      m.num_index_heads, m.topk_blocks, m.block_size, bf16,
-                                      bf16), dev, AttentionConfig()),
-        dev, StepConfig(max_tokens=max(batch, 1)))
-    if planned is None:
-        raise SystemExit(f"step:{batch},{context}: the plan runs this step's ops apart")
-    launch, sizes = planned
-    b, f8 = "*bf16", "*fp8e4nv"
-    pointers = dict(qkv_ptr=b, pos_ptr="*i64", qw_ptr=b, kw_ptr=b, iqw_ptr=b, ikw_ptr=b,
-                    rope_ptr="*fp32", k_cache_ptr=b, v_cache_ptr=b, slot_ptr="*i64",
-                    index_cache_ptr=f8, index_slot_ptr="*i64", k_scale_ptr="*fp32",
-                    v_scale_ptr="*fp32", q_ptr=b, iq_ptr=f8, cu_ptr="*i32",
-                    seq_lens_ptr="*i32", ibt_ptr="*i32", bt_ptr="*i32", scores_ptr="*fp32",
-                    idx_ptr="*i32", cand_ptr="*i64", scratch_ptr="*i64", out_ptr=b,
-                    part_ptr="*fp32", counters_ptr="*i32")
-    params = dict(launch.params)
-    warps, stages = params.pop("num_warps"), params.pop("num_stages")
-    params.update(trace_ptr=None, stride_xc=1, stride_kcd=1, stride_vcd=1, stride_icd=1, stride_qd=1,
-                  stride_id=1, stride_ibb=1, stride_btb=1, stride_sb=1, stride_xik=1,
-                  stride_od=1)
-    ones = dict(num_tokens=batch, num_requests=batch, num_segments=sizes["segments"])
-    params.update({k: 1 for k, v in ones.items() if v == 1})
-    return _compile(_decode_step_kernel, params, pointers, stages, warps, sass,
-                    scalars=dict(eps="fp32", sm_scale="fp32")), warps, stages
-
-
 def _compile(fn, constexprs, pointers, stages, warps, sass, marker=r"\b[HQ]?G?MMA",
              gluon=False, maxnreg=None, scalars=None):
     # maxnreg: the launch's own register cap (MAXNREG in the environment overrides it)
@@ -345,14 +287,6 @@ if __name__ == "__main__":
             regs, spills, smem, per_sm, mix = prepare_scores_resources(ht, sass=want_sass)
             print(f"prep   fp8   HT {ht:<3d} {3:>8d} {4:>5d}  {regs:9d} {spills:11d} "
                   f"{smem / 1024:7.1f} {min(per_sm, 32):12d}", flush=True)
-            _print_loops(mix)
-            continue
-        if arg.startswith("step:"):
-            batch, context = (int(x) for x in arg.split(":")[1].split(","))
-            (regs, spills, smem, per_sm, mix), warps, stages = step_resources(
-                batch, context, sass=want_sass)
-            print(f"step   B {batch} L {context} {stages:>4d} {warps:>5d}  {regs:9d} "
-                  f"{spills:11d} {smem / 1024:7.1f} {min(per_sm, 32):12d}", flush=True)
             _print_loops(mix)
             continue
         if arg.startswith("nvfp4:"):

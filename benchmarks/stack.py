@@ -8,9 +8,7 @@ reuse: several times the L2 at 128K and beyond). Beside it, the same stack on Fl
 (its indexer, `msa_proxy_score` + `msa_topk_select`, the selection transposed to its layout,
 and `msa_sparse_decode_attention`, after openmsa's preparation: FlashInfer has no fused
 preparation), fp8 K/V only (FlashInfer's sparse attention's), and one layer's graph-replayed
-call times the layer count. And the stack of openmsa's one-launch decode step (ops/step's
-decode_step, benchmarks/step_ab.py; steps of up to 8 tokens), its first layer's output
-compared with the separate launches'.
+call times the layer count.
 
     python benchmarks/stack.py [--contexts 131072,1048576] [--batch 1] [--layers 57]
         [--model m3-tp1] [--dtype fp8] [--no-peers] [--iters 20] [--out DIR]
@@ -31,7 +29,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import run  # noqa: E402
 import shapes  # noqa: E402
-import step_ab  # noqa: E402
 
 # M3's sparse layers (its config's layer types: every layer but the few full-attention ones)
 M3_SPARSE_LAYERS = 57
@@ -98,22 +95,6 @@ def stack_row(args, model_name, context, fi) -> dict:
     row["stack_us"] = run.graph_call_us(step, args.iters)
     row["per_layer_us"] = row["stack_us"] / layers
     row["one_layer_call_us"] = run.graph_call_us(ours[0], args.iters)
-    if batch <= step_ab.StepConfig().max_tokens:
-        config = step_ab.StepConfig()
-        one = [step_ab._one_launch(model, *cases[i % n_sets], config) for i in range(layers)]
-
-        def one_step():
-            for layer in one:
-                layer()
-        run.warm_capture(one[0])
-        ours[0]()
-        one[0]()
-        torch.cuda.synchronize()
-        row["one_launch_same_output"] = torch.equal(ours[0].buffers[1],
-                                                    one[0].result["r"][3])
-        row["one_launch_stack_us"] = run.graph_call_us(one_step, args.iters)
-        row["one_launch_per_layer_us"] = row["one_launch_stack_us"] / layers
-        del one
     if with_peer:
         # after the step above ran, so the copies hold this token's K/V too
         # (its sparse decode reads K and V interleaved in one [P, Hkv, B, 2D] cache)

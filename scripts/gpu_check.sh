@@ -37,9 +37,6 @@
 #                                              # under compute-sanitizer memcheck (Firecracker
 #                                              # machines; gVisor refuses the device)
 #   bash scripts/gpu_check.sh tune [args...]   # benchmarks/tune.py with args (appends tune.log)
-#   bash scripts/gpu_check.sh step-ab [args...]  # issue 57: the decode step as one launch
-#                                              # (ops/step) against the separate launches: its
-#                                              # tests on the GPU, then benchmarks/step_ab.py
 #   bash scripts/gpu_check.sh ab [args...]     # benchmarks/ab.py: this tree against .ab's base
 #                                              # (python3 benchmarks/prepare_ab.py REV first)
 #   bash scripts/gpu_check.sh layer-ab         # issue 57's A/B in one call (~2 min warm): the
@@ -112,21 +109,6 @@ case "$what" in
     python3 benchmarks/ab.py --base .ab --out "$OUT/large" --sections indexer-decode,layer-decode \
       --models m3-tp1 --dtypes fp8 --batches 32,128 --contexts 131072,1048576 --q-lens 1 \
       --iters 20 2>&1 | tee "$OUT/large/ab.log" ;;
-  step-ab)
-    # issue 57's rows: TP1 B = 1 and 8 at 32K / 128K / 1M (each compares the selections bit
-    # for bit), a q_len 4 verify step and TP4 at B = 1, 128K, then the tests on the GPU
-    python3 benchmarks/step_ab.py --out "$OUT/step-ab.json" "$@" 2>&1 | tee "$OUT/step-ab.log"
-    python3 benchmarks/step_ab.py --out "$OUT/step-ab-verify.json" --batches 1 --q-lens 4 \
-      --contexts 131072 "$@" 2>&1 | tee -a "$OUT/step-ab.log"
-    python3 benchmarks/step_ab.py --out "$OUT/step-ab-tp4.json" --model m3-tp4 --batches 1 \
-      --contexts 131072 "$@" 2>&1 | tee -a "$OUT/step-ab.log"
-    python3 -m pytest -q -p no:cacheprovider tests/ops/test_decode_step.py 2>&1 \
-      | tee "$OUT/step-tests.log" | tail -5
-    # the waiting programs' pause between polls (StepConfig.sleep_ns), B = 1
-    for ns in 0 512; do
-      python3 benchmarks/step_ab.py --out "$OUT/step-ab-sleep$ns.json" --batches 1 \
-        --contexts 32768,131072 --sleep-ns $ns "$@" 2>&1 | tee -a "$OUT/step-ab.log"
-    done ;;
   bench)
     python3 benchmarks/run.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" ;;
   extras)

@@ -63,13 +63,11 @@ def check_block_size(block_size) -> None:
         raise ValueError(f"block_size must be a positive power of two, got {block_size!r}")
 
 
-def check_step(cu_seqlens_q, seq_lens, block_table, device: torch.device,
-               table_name: str = "block_table") -> int:
-    """The step's metadata tensors (the table named table_name in errors); returns the request
-    count R."""
+def check_step(cu_seqlens_q, seq_lens, block_table, device: torch.device) -> int:
+    """The step's metadata tensors; returns the request count R."""
     check_int_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, device=device)
     check_int_tensor("seq_lens", seq_lens, ndim=1, device=device)
-    check_int_tensor(table_name, block_table, ndim=2, device=device)
+    check_int_tensor("block_table", block_table, ndim=2, device=device)
     num_requests = seq_lens.shape[0]
     check_unit_stride("cu_seqlens_q", cu_seqlens_q)
     check_unit_stride("seq_lens", seq_lens)
@@ -77,7 +75,7 @@ def check_step(cu_seqlens_q, seq_lens, block_table, device: torch.device,
         raise ValueError(f"cu_seqlens_q must have len(seq_lens) + 1 = {num_requests + 1} entries, "
                          f"got {cu_seqlens_q.shape[0]}")
     if block_table.shape[0] < num_requests:
-        raise ValueError(f"{table_name} must have a row per request ({num_requests}), got "
+        raise ValueError(f"block_table must have a row per request ({num_requests}), got "
                          f"{block_table.shape[0]} rows")
     return num_requests
 

@@ -414,9 +414,9 @@ def select_blocks(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, 
                     block_size, max_q_len, topk, init_blocks, local_blocks, config)
 
     def make():
-        shape = checked_selection_shape(index_q, index_cache, cu_seqlens_q, seq_lens,
-                                        block_table, topk, init_blocks, local_blocks,
-                                        block_size, out, max_q_len)
+        shape = _checked_selection_shape(index_q, index_cache, cu_seqlens_q, seq_lens,
+                                         block_table, topk, init_blocks, local_blocks,
+                                         block_size, out, max_q_len)
         return plan(shape, DeviceFacts.of(index_q.device), config)
     launches = _PLANS.get_or_plan(key, make)
     num_tokens, num_heads, _ = index_q.shape
@@ -483,9 +483,9 @@ def prepare_and_select(qkv, positions, config, q_norm_weight, k_norm_weight,
                                 q_out, index_q_out, cache_config)
         # (the index query as the preparation would return it, for the selection's checks)
         _, index_q = prepare_outputs(qkv, config, index_cache, q_out, index_q_out)
-        shape = checked_selection_shape(index_q, index_cache, cu_seqlens_q, seq_lens,
-                                        block_table, config.topk_blocks, config.init_blocks,
-                                        config.local_blocks, config.block_size, out, max_q_len)
+        shape = _checked_selection_shape(index_q, index_cache, cu_seqlens_q, seq_lens,
+                                         block_table, config.topk_blocks, config.init_blocks,
+                                         config.local_blocks, config.block_size, out, max_q_len)
         steps = plan(shape, DeviceFacts.of(qkv.device), indexer_config)
         fused = prepared_plan(steps, prepared.launches[0], shape, indexer_config) \
             if len(prepared.launches) == 1 else None
@@ -527,15 +527,13 @@ def prepare_and_select(qkv, positions, config, q_norm_weight, k_norm_weight,
     return q, index_q, out
 
 
-def checked_selection_shape(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, topk,
-                            init_blocks, local_blocks, block_size, out, max_q_len,
-                            table_name="block_table"):
-    """A selection call's argument checks (once per call key; table_name: the block table's
-    name in errors), then the step's shape."""
+def _checked_selection_shape(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, topk,
+                             init_blocks, local_blocks, block_size, out, max_q_len):
+    """A selection call's argument checks (once per call key), then the step's shape."""
     check_select_args(topk, init_blocks, local_blocks)
     check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
                        block_size=block_size, out=out, out_width=topk, out_dtype=torch.int32,
-                       max_q_len=max_q_len, table_name=table_name)
+                       max_q_len=max_q_len)
     _raise_if_unsupported(index_q, index_cache, block_size, topk)
     return _shape(index_q, index_cache, seq_lens, block_table, block_size, max_q_len, topk,
                   init_blocks, local_blocks)
@@ -559,9 +557,9 @@ def _select_blocks_cp(index_q, index_cache, cu_seqlens_q, seq_lens, block_table,
 
     def make():
         # (the merge sorts W * topk candidates in one program: the kernels' topk bound holds)
-        shape = checked_selection_shape(index_q, index_cache, cu_seqlens_q, seq_lens,
-                                        block_table, topk, init_blocks, local_blocks,
-                                        block_size, out, max_q_len)
+        shape = _checked_selection_shape(index_q, index_cache, cu_seqlens_q, seq_lens,
+                                         block_table, topk, init_blocks, local_blocks,
+                                         block_size, out, max_q_len)
         return cp_plan(shape, DeviceFacts.of(index_q.device), config, world, rank)
     launches = _PLANS.get_or_plan(key, make)
     sizes = launches.sizes

@@ -9,10 +9,9 @@ from ...nvfp4 import check_nvfp4_cache, is_nvfp4_cache
 
 
 def check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table, *, block_size,
-                       out, out_width, out_dtype, max_q_len=None,
-                       table_name: str = "block_table") -> None:
+                       out, out_width, out_dtype, max_q_len=None) -> None:
     """out must be [T, H, out_width] of out_dtype (out_width None: the block table's width);
-    max_q_len None or an int >= 0; table_name: the block table's name in errors."""
+    max_q_len None or an int >= 0."""
     if max_q_len is not None:
         check_positive_int("max_q_len", max_q_len, minimum=0)
     check_tensor("index_q", index_q, ndim=3)
@@ -32,7 +31,7 @@ def check_indexer_args(index_q, index_cache, cu_seqlens_q, seq_lens, block_table
                              f"index_q's index_head_dim ({index_q.shape[2]})")
     if index_q.shape[1] < 1:
         raise ValueError("index_q must have at least one index head")
-    check_step(cu_seqlens_q, seq_lens, block_table, device, table_name)
+    check_step(cu_seqlens_q, seq_lens, block_table, device)
     if out is not None:
         width = block_table.shape[1] if out_width is None else out_width
         check_out("out", out, (*index_q.shape[:2], width), out_dtype, device)

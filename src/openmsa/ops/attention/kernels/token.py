@@ -113,7 +113,7 @@ def attend_split(t, g, split, num_tokens, q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, 
                  FUSED_MERGE: tl.constexpr, V_PAIRS: tl.constexpr, PTX: tl.constexpr,
                  SP: tl.constexpr, STORE_LSE: tl.constexpr, LAZY_SUM: tl.constexpr):
     """Program (t, g, split) of the split launch (the module's docstring) for a step of
-    num_tokens tokens; the decode-step launch (ops/step) runs it from its own program ids."""
+    num_tokens tokens."""
     # (64-bit: a head-major cache view can put the head offset past 2^31 elements)
     g64 = g.to(tl.int64)
     rows = tl.arange(0, M)

@@ -255,8 +255,7 @@ def segment_topk(t, h, seg, num_tokens, num_heads, scores_ptr, cu_ptr, seq_lens_
                  BY_SORT: tl.constexpr, CAP: tl.constexpr, NG: tl.constexpr,
                  PDL: tl.constexpr, CH: tl.constexpr):
     """Program (t, h, seg) of the segment launch (the module's docstring) for a step of
-    num_tokens tokens and num_heads index heads; the decode-step launch (ops/step) runs it from
-    its own program ids."""
+    num_tokens tokens and num_heads index heads."""
     n = _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, table_width, t, BLOCK, num_tokens)
     if PDL:
         # launched while the scoring launch was still running (programmatic dependent launch):
