@@ -252,15 +252,27 @@ def load_flashinfer():
         return None
 
 
-def try_peer(fn):
-    """A peer call (or a dense timing) that returns its result; None, with the reason printed,
-    when it cannot run this shape."""
+def failure_reason(e: BaseException, limit: int = 400) -> str:
+    """An exception in one line: its first line, then the lines of its text that name an error
+    (a JIT build's compiler errors come after a first line that says only that the build
+    failed), cut to `limit` characters."""
+    lines = [ln.strip() for ln in f"{type(e).__name__}: {e}".splitlines() if ln.strip()]
+    errors = [ln for ln in lines[1:] if "error" in ln.lower()][:3]
+    return " | ".join(lines[:1] + errors)[:limit]
+
+
+def try_peer(fn, reasons: dict | None = None, key: str | None = None):
+    """A peer call (or a dense timing) that returns its result; None, with the reason printed
+    (and, given `reasons`, kept there under `key`), when it cannot run this shape."""
     try:
         out = fn()
         torch.cuda.synchronize()
         return out
     except Exception as e:  # noqa: BLE001
-        print(f"#   not run: {type(e).__name__}: {e}".splitlines()[0][:180])
+        why = failure_reason(e)
+        print(f"#   not run: {why}"[:400])
+        if reasons is not None:
+            reasons[key] = why
         return None
 
 
@@ -1185,12 +1197,15 @@ def _layer_row(section, model_name, model, dname, batch, context, q_len, args, d
         k_cache, v_cache, _, meta, _, _ = case
         q_out = torch.randn(batch * q_len, model.num_heads, model.head_dim, device="cuda",
                             dtype=torch.bfloat16)
-        # a chunk: FA3 where it builds and runs, else FA2 (the row says which)
+        # a chunk: FA3 where it builds and runs, else FA2 (the row says which, and why a
+        # backend before it did not run: engine_dense_<backend>_failed)
         for backend in ("decode",) if q_len == 1 else ("fa3", "fa2"):
+            failed = f"engine_dense_{backend}_failed"
             engine = try_peer(lambda: _engine_dense_fn(model, k_cache, v_cache, q_out,
                                                        meta.block_table, batch, context, q_len,
-                                                       backend))
-            us = engine and try_peer(functools.partial(_median_device_us, engine, iters))
+                                                       backend), row, failed)
+            us = engine and try_peer(functools.partial(_median_device_us, engine, iters), row,
+                                     failed)
             if us:
                 # the engine's layer: the preparation, then its dense attention (where the
                 # step's preparation runs inside the scoring launch, timed alone here)

@@ -201,3 +201,16 @@ def test_kernel_columns_follow_the_kernel_names():
     for kernel, column in columns.items():
         name = getattr(kernel, "__name__", None) or kernel.fn.__name__
         assert run._short(name) == column, name
+
+
+def test_failure_reason_keeps_the_compiler_errors():
+    """A JIT build's failure says only 'build failed' on its first line: the reason a row keeps
+    (engine_dense_<backend>_failed) takes the error lines after it, on one line."""
+    e = RuntimeError("Ninja build failed. Ninja output:\n[1/3] nvcc -c a.cu\n"
+                     "a.cu(12): error: identifier \"x\" is undefined\n\n"
+                     "1 error detected in the compilation of \"a.cu\".\nninja: build stopped")
+    why = run.failure_reason(e)
+    assert why == ('RuntimeError: Ninja build failed. Ninja output: | a.cu(12): error: '
+                   'identifier "x" is undefined | 1 error detected in the compilation of "a.cu".')
+    assert run.failure_reason(ValueError("bad shape")) == "ValueError: bad shape"
+    assert len(run.failure_reason(RuntimeError("error " * 200))) == 400
