@@ -23,6 +23,8 @@ whole 128-key blocks and 3 stages, 185 / 139 KB for bf16). Count before you meas
                                   # blocks needing no causal mask, then the rest)
     python3 benchmarks/resources.py prep:16 prep:4   # prepare_and_select's fused launch (the
                                   # preparation's heads per tile) beside idec:fp8,16,64,3,4
+    python3 benchmarks/resources.py amerge:8 tmerge:search tmerge:sort   # the merge launches
+                                  # (the attention's partials; the indexer's candidates)
     python3 benchmarks/resources.py --sass rows:16,4,4,1   # the short-row selection (Gluon,
                                   # select_rows.py: groups, blocks per group, threads per row,
                                   # warps[, sort: rows sorted, not
@@ -151,6 +153,24 @@ def select_resources(path: str, seg: int, cap: int, warps: int, chunk: int = 0,
                       BY_SORT=path == "sort", CAP=cap, NG=64, PDL=False, stride_sb=1,
                       stride_ok=1, CH=chunk)
     return _compile(_segment_topk_kernel, constexprs, ptrs, 1, warps, sass, marker=r"\bREDUX")
+
+
+def merge_resources(which: str, arg: str, sass: bool = False):
+    """The merge launches after a split: the attention's (`amerge`, SPLITS partials of 64 heads,
+    under PDL) and the indexer's top-k merge (`tmerge`, segments' candidates, 'sort' or
+    'search' path, under PDL)."""
+    if which == "amerge":
+        from openmsa.ops.attention.kernels.token import _merge_splits_kernel
+        splits = int(arg)
+        constexprs = dict(NUM_HEADS=64, D=128, SPLITS=splits, SP=1 << (splits - 1).bit_length(),
+                          PDL=True, STORE_LSE=False, stride_od=1, stride_lh=1)
+        ptrs = dict(part_out_ptr="*fp32", out_ptr="*bf16", lse_ptr="*fp32")
+        return _compile(_merge_splits_kernel, constexprs, ptrs, 1, 4, sass)
+    from openmsa.ops.indexer.kernels.select import _merge_topk_kernel
+    constexprs = dict(TOPK=16, KP=16, BLOCK=128, SEG=256, CANDP=64, BY_SORT=arg == "sort",
+                      PDL=True, stride_ok=1)
+    ptrs = dict(cand_ptr="*i64", cu_ptr="*i32", seq_lens_ptr="*i32", out_ptr="*i32")
+    return _compile(_merge_topk_kernel, constexprs, ptrs, 1, 4, sass)
 
 
 def short_rows_resources(g: int, w: int, tpr: int, warps: int, sass: bool = False,
@@ -302,6 +322,13 @@ if __name__ == "__main__":
                 int(g), int(w), int(tpr), int(warps), sass=want_sass,
                 sort=bool(more) and more[0] == "sort")
             print(f"rows   G {g} W {w} tpr {tpr} {warps:>5s}  {regs:9d} {spills:11d} "
+                  f"{smem / 1024:7.1f} {min(per_sm, 32):12d}", flush=True)
+            _print_loops(mix)
+            continue
+        if arg.startswith(("amerge:", "tmerge:")):
+            which, what = arg.split(":")
+            regs, spills, smem, per_sm, mix = merge_resources(which, what, sass=want_sass)
+            print(f"{which:6s} {what:15s} {1:>5d} {4:>5d}  {regs:9d} {spills:11d} "
                   f"{smem / 1024:7.1f} {min(per_sm, 32):12d}", flush=True)
             _print_loops(mix)
             continue

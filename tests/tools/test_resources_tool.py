@@ -3,6 +3,9 @@
 sm_90 compile tests are in tests/ops/, through tests/helpers/sm90.py)."""
 
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -37,3 +40,25 @@ def test_resources_tool():
     assert (bars_u, bars_m) == (4, 2) and masked < unmasked < 2 * masked
     regs, spills, _, per_sm, loops = resources.nvfp4_resources(16, sass=True)
     assert spills == 0 and per_sm >= 15 and len(loops) == 1
+
+
+def test_sass_diff(tmp_path):
+    """benchmarks/sass_diff.py (the evidence that a change moved kernel code without changing
+    what runs) finds this tree's merge launch identical to itself and tells a one-constant
+    change apart."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    src, tool = os.path.join(root, "src"), os.path.join(root, "benchmarks", "sass_diff.py")
+    same = subprocess.run([sys.executable, tool, "--base", src, "amerge:4"],
+                          capture_output=True, text=True)
+    assert same.returncode == 0 and "amerge:4" in same.stdout and "identical" in same.stdout
+    base = tmp_path / "src"
+    shutil.copytree(src, base, ignore=shutil.ignore_patterns("__pycache__"))
+    token = base / "openmsa" / "ops" / "attention" / "kernels" / "token.py"
+    text = token.read_text()
+    # the merge's shift for a row whose partials are all -inf: 0.0 -> 1.0
+    old = 'shift = tl.where(m == float("-inf"), 0.0, m)'
+    assert text.count(old) == 1
+    token.write_text(text.replace(old, old.replace("0.0", "1.0")))
+    differs = subprocess.run([sys.executable, tool, "--base", str(base), "amerge:4"],
+                             capture_output=True, text=True)
+    assert differs.returncode == 1 and "DIFFERS" in differs.stdout
