@@ -1151,7 +1151,9 @@ def _engine_dense_fn(model, k_cache, v_cache, q_out, table, batch, context, q_le
     """The dense attention an engine runs over the same paged caches, K/V in their own dtype
     (fp8 included, which SDPA cannot read): FlashInfer's paged decode wrapper for q_len 1
     (tensor cores: M3's 16 query heads per KV head), its prefill wrapper on `backend` (FA3, the
-    Hopper one, or FA2) for a chunk; planned once, returning the call."""
+    Hopper one, or FA2) for a chunk; planned once, returning the call. FA3 multiplies in one
+    dtype: over fp8 K/V it takes the queries in fp8 too, as an engine's fp8 attention does (the
+    queries are cast here, outside the timed call; FA2 reads bf16 queries beside fp8 K/V)."""
     import flashinfer
     bs, nb = model.block_size, table.shape[1]
     dev = k_cache.device
@@ -1166,9 +1168,11 @@ def _engine_dense_fn(model, k_cache, v_cache, q_out, table, batch, context, q_le
                      kv_data_type=k_cache.dtype)
     else:
         qo = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=dev)
+        if backend == "fa3" and k_cache.element_size() == 1:
+            q_out = q_out.to(k_cache.dtype)
         wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
         wrapper.plan(qo, indptr, indices, last, *heads, causal=True, q_data_type=q_out.dtype,
-                     kv_data_type=k_cache.dtype)
+                     kv_data_type=k_cache.dtype, o_data_type=torch.bfloat16)
     return lambda: wrapper.run(q_out, (k_cache, v_cache))
 
 
