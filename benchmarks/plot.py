@@ -42,8 +42,9 @@ ROW_KEY = ("section", "model", "dtype", "L", "B", "q_len", "context", "T", "sele
 
 def load(paths) -> tuple[list[str], list[dict]]:
     """(provenance lines, rows) of one or several bench.json files, in order. A later file's row
-    replaces the earlier row of the same case (ROW_KEY), in its place; every file's ceilings
-    row stays. Each row carries `_run` (its file's index in the provenance list) and `_file`."""
+    replaces the earlier row of the same case (ROW_KEY), in its place, unless it did not run (a
+    `note`) where the earlier one did; every file's ceilings row stays. Each row carries `_run`
+    (its file's index in the provenance list) and `_file`."""
     prov, rows = [], {}
     for i, path in enumerate(paths):
         with open(path) as f:
@@ -53,6 +54,8 @@ def load(paths) -> tuple[list[str], list[dict]]:
             key = tuple(r.get(k) for k in ROW_KEY)
             if r.get("section") == "ceilings":
                 key += (i,)
+            if "note" in r and key in rows and "note" not in rows[key]:
+                continue  # a case a later call ran out of time for keeps its measurement
             rows[key] = dict(r, _run=i, _file=path)
     return prov, list(rows.values())
 

@@ -161,6 +161,14 @@ def test_a_later_file_replaces_the_same_cases(bench, tmp_path):
     # in the other order the older file's row replaces the newer one's
     _, rows = plot.load([str(newer), bench])
     assert [r["us"] for r in rows if r["section"] == "indexer-prefill"] == [33.7]
+    # a later call that did not get to a case leaves the earlier measurement in place
+    skipped = tmp_path / "skipped.json"
+    skipped.write_text(json.dumps({"provenance": "# cut short", "rows": [
+        {k: row[k] for k in ("section", "model", "dtype", "context", "T")}
+        | dict(note="not run: budget")]}))
+    _, rows = plot.load([str(newer), str(skipped)])
+    pre = [r for r in rows if r["section"] == "indexer-prefill"]
+    assert [r["us"] for r in pre] == [19.4] and pre[0]["_run"] == 0
 
 
 def test_readme_speed_table_from_results(tmp_path):
