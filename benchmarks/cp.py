@@ -190,7 +190,8 @@ def main():
     if not args.no_layer:
         rows += layer_estimate(args)
     with open(os.path.join(args.out, "cp.json"), "w") as f:
-        json.dump({"assumptions": dict(nccl_latency_us=NCCL_LATENCY_US,
+        json.dump({"provenance": bench.provenance(),
+                   "assumptions": dict(nccl_latency_us=NCCL_LATENCY_US,
                                        nvlink_gbps=NVLINK_GBPS),
                    "rows": rows}, f, indent=1)
     print("\nper-rank device time, rank 0 of W (scan + candidates + merge) vs today's per-rank "
