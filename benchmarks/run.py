@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import shapes  # noqa: E402
 
 import openmsa  # noqa: E402
+from openmsa.ops.cache.geometry import projection_widths  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 DTYPES = {"bf16": torch.bfloat16, "fp8": FP8}
@@ -1062,7 +1063,7 @@ def _layer_case(model, batch, context, q_len, dname):
     dense path can read the same K/V as one [B, Hkv, L, D] view), a planned step, and the
     layer's inputs (the fused projection output and norm weights)."""
     bs, d, di = model.block_size, model.head_dim, model.index_head_dim
-    hkv, hq, h = model.num_kv_heads, model.num_heads, model.num_index_heads
+    hkv = model.num_kv_heads
     nb = -(-context // bs)
     pages = batch * nb
     # "nvfp4": fp8 K/V and an NVFP4 index cache (openmsa.nvfp4, 72 bytes a token)
@@ -1081,8 +1082,8 @@ def _layer_case(model, batch, context, q_len, dname):
     planner = openmsa.MSAPlanner(model, max_requests=batch, max_tokens=batch * q_len,
                                  max_blocks=nb, device="cuda")
     meta = planner.plan([q_len] * batch, [context] * batch, table)
-    width = (hq + 2 * hkv) * d + (h + 1) * di
-    qkv = torch.randn(batch * q_len, width, device="cuda", dtype=torch.bfloat16)
+    qkv = torch.randn(batch * q_len, sum(projection_widths(model)), device="cuda",
+                      dtype=torch.bfloat16)
     w = [torch.randn(n, device="cuda", dtype=torch.bfloat16) * 0.1 for n in (d, d, di, di)]
     return k_cache, v_cache, index_cache, meta, qkv, w
 

@@ -22,6 +22,7 @@ import run  # noqa: E402
 import shapes  # noqa: E402
 
 import openmsa  # noqa: E402
+from openmsa.ops.cache.geometry import projection_widths  # noqa: E402
 from openmsa.ops.indexer import api as indexer_api  # noqa: E402
 from openmsa.ops.indexer.plan import DEFAULT as INDEXER_DEFAULT  # noqa: E402
 
@@ -131,11 +132,10 @@ def _cache_prepare(args):
 def _prepare_case(cfg, dtype, tokens):
     """A function of a CacheConfig running one fused_prepare of `tokens` tokens into caches of
     `dtype` (one page per token block, slots in order); returns q."""
-    hq, hkv, h = cfg.num_heads, cfg.num_kv_heads, cfg.num_index_heads
+    hkv = cfg.num_kv_heads
     d, di, bs = cfg.head_dim, cfg.index_head_dim, cfg.block_size
     pages = -(-tokens // bs)
-    qkv = torch.randn(tokens, (hq + 2 * hkv) * d + (h + 1) * di, device="cuda",
-                      dtype=torch.bfloat16)
+    qkv = torch.randn(tokens, sum(projection_widths(cfg)), device="cuda", dtype=torch.bfloat16)
     w = [torch.randn(n, device="cuda", dtype=torch.bfloat16) * 0.1 for n in (d, d, di, di)]
     k_cache = torch.empty(pages, bs, hkv, d, device="cuda", dtype=dtype)
     v_cache = torch.empty_like(k_cache)
