@@ -179,6 +179,13 @@ CASES = {
     "idx-fp8-b1-32k": lambda: _indexer("fp8", 1, 32768, 1, 4),
     "idx-fp8-b32-32k": lambda: _indexer("fp8", 32, 32768, 1, 4),
     "layer-fp8-tp1-b8-32k": lambda: _layer("m3-tp1", "fp8", 8, 32768),
+    # issue 57's rows: the B = 1 step's kernels one after another (--offsets)
+    "layer-fp8-tp1-b1-32k": lambda: _layer("m3-tp1", "fp8", 1, 32768),
+    "layer-fp8-tp1-b1-128k": lambda: _layer("m3-tp1", "fp8", 1, 131072),
+    "layer-fp8-tp1-b1-512k": lambda: _layer("m3-tp1", "fp8", 1, 1 << 19),
+    "layer-fp8-tp1-b1-1m": lambda: _layer("m3-tp1", "fp8", 1, 1 << 20),
+    "layer-fp8-tp4-b1-1m": lambda: _layer("m3-tp4", "fp8", 1, 1 << 20),
+    "layer-fp8-tp1-b8-128k": lambda: _layer("m3-tp1", "fp8", 8, 131072),
     "layer-fp8-tp4-b64-32k": lambda: _layer("m3-tp4", "fp8", 64, 32768),
     # with b32-32k and b32-128k: time against blocks per program (B = 32 launches 256 programs
     # at every L, so the per-program block count is L / 1K: 8 / 16 / 32 / 128); b8-128k and
@@ -263,7 +270,7 @@ if __name__ == "__main__":
     if sys.argv[1] == "--offsets":
         for name in sys.argv[2:]:
             parts = kernel_offsets_us(CASES[name]())
-            print(f"{name}: " + ", ".join(f"{k} start +{a:.1f} for {d:.1f}"
+            print(f"{name}: " + ", ".join(f"{k} start +{a:.1f} for {d:.1f} (end +{a + d:.1f})"
                                           for k, (a, d) in parts.items()), flush=True)
         sys.exit(0)
     if sys.argv[1] == "--breakdown":

@@ -45,6 +45,11 @@
 #                                              # large rows that may lose no more than 2%
 #                                              # (indexer and layer, B = 32 / 128, 128K and 1M)
 #   bash scripts/gpu_check.sh host [cases...]  # benchmarks/host_cost.py (eager calls' host time)
+#   bash scripts/gpu_check.sh latency          # issue 57's where-the-time-goes, one call (~4 min):
+#                                              # benchmarks/launch_floor.py (a chain of empty
+#                                              # launches), profile_case.py --offsets of the
+#                                              # B = 1 layer steps, and Nsight Compute over each
+#                                              # kernel of the 32K and 128K steps (alone, cold)
 #   bash scripts/gpu_check.sh multigpu [args...]  # issue 43, on 2-4 GPUs (nvidia-h200-x2/-x4):
 #                                              # tests/test_multigpu.py (NCCL, world 2 and 4),
 #                                              # then benchmarks/cp_multigpu.py at W = 2 and, with
@@ -139,6 +144,26 @@ case "$what" in
     python3 benchmarks/profile_case.py --breakdown "$@" 2>&1 | tee "$OUT/nvfp4-breakdown.log" ;;
   tune)
     python3 benchmarks/tune.py "$@" 2>&1 | tee -a "$OUT/tune.log" ;;
+  latency)
+    python3 benchmarks/launch_floor.py --json "$OUT/launch_floor.json" 2>&1 \
+      | tee "$OUT/launch_floor.log"
+    python3 benchmarks/profile_case.py --offsets layer-fp8-tp1-b1-32k layer-fp8-tp1-b1-128k \
+      layer-fp8-tp1-b1-512k layer-fp8-tp1-b1-1m layer-fp8-tp4-b1-1m layer-fp8-tp1-b8-128k 2>&1 \
+      | tee "$OUT/offsets.log"
+    # each kernel of one call (the case's first call skipped), alone and L2-flushed (ncu's
+    # default cache control); $2 of each pair: the call's launches
+    kernels='regex:_prepare_scores|_block_scores|_fused_prepare|_segment_topk|_merge_topk|_sparse_attention_kernel|_merge_splits'
+    for spec in layer-fp8-tp1-b1-32k:4 layer-fp8-tp1-b1-128k:6; do
+      IFS=: read -r name n <<< "$spec"
+      ncu --clock-control none -k "$kernels" --launch-skip "$n" --launch-count "$n" \
+          --section SpeedOfLight --section LaunchStats --section Occupancy \
+          --section WarpStateStats -f -o "$OUT/ncu-$name" \
+          python3 benchmarks/profile_case.py "$name" 3 > "$OUT/ncu-$name.log" 2>&1
+      ncu -i "$OUT/ncu-$name.ncu-rep" --page details > "$OUT/ncu-$name.txt" 2>&1
+      rm -f "$OUT/ncu-$name.ncu-rep"
+      grep -E "^  _|Duration|Registers Per|Grid Size|Stall Long|Warp Cycles Per Issued" \
+        "$OUT/ncu-$name.txt" | head -60
+    done ;;
   host)
     python3 benchmarks/host_cost.py --out "$OUT/host.json" "$@" 2>&1 | tee -a "$OUT/host.log" ;;
   multigpu|multigpu-tests|multigpu-bench)
