@@ -236,7 +236,4 @@ def test_kernel_compiles_for_sm90(index_type):
         KV_SATURATE=False, INDEX_SATURATE=fp8, IQ_SATURATE=fp8, HAS_SCALE=False, PREP_TILES=10),
         options=dict(num_warps=4, num_stages=3))
     assert "griddepcontrol.launch_dependents" in k.asm["ptx"]
-    # the split's first keys are prefetched into L2 before the query is prepared
-    ptx = k.asm["ptx"]
-    assert "prefetch.global.L2" in ptx
     assert k.metadata.shared >= 0

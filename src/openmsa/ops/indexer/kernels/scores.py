@@ -30,7 +30,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from ...cache.geometry import ROPE_FINE, ROPE_MAX_POSITION
 from ...cache.kernels.prepare import norm_rope_rows, prepare_tile
 from ...cache.kernels.write import saturate_to
-from ...common.triton_utils import find_request, prefetch_l2, request_ok, step_well_formed
+from ...common.triton_utils import find_request, request_ok, step_well_formed
 
 
 @triton.jit
@@ -304,23 +304,6 @@ def _rescore_written_blocks(q, cache_ptr, split_pages, tile, b_lo, b_hi, pos, ro
 
 
 @triton.jit
-def _prefetch_first_keys(cache_ptr, pages, num_pages, stride_cp, stride_cb, stride_cd,
-                         DI: tl.constexpr, DIP: tl.constexpr, BLOCK: tl.constexpr):
-    """prefetch_l2 of the 128-byte lines of the keys of the first of `pages` (the split's [BPS]
-    page ids: the loop's software pipeline fetches the later ones while it scores), or of page
-    0 where it names no page of the cache (every address lies inside the cache)."""
-    PER_LINE: tl.constexpr = 1024 // cache_ptr.dtype.element_ty.primitive_bitwidth
-    LINES: tl.constexpr = (DIP + PER_LINE - 1) // PER_LINE
-    first = tl.sum(tl.where(tl.arange(0, pages.shape[0]) == 0, pages, 0), axis=0)
-    page = tl.where((first >= 0) & (first < num_pages), first, 0).to(tl.int64)
-    key = tl.arange(0, BLOCK)
-    col = tl.arange(0, LINES) * PER_LINE
-    col = tl.where(col < DI, col, 0)
-    prefetch_l2(cache_ptr + page * stride_cp
-                + (key[:, None] * stride_cb + col[None, :] * stride_cd))
-
-
-@triton.jit
 def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, seq_len, q_len,
                        t_req, b_lo, b_hi, num_pages, stride_qt, stride_qh, stride_qd, stride_cp,
                        stride_cb, stride_cd, stride_btb, stride_ot, stride_oh, stride_ob,
@@ -350,21 +333,7 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
     if CP:
         pos = _cp_local_pos(pos, cp_size, cp_rank, BLOCK)
     d = tl.arange(0, DIP)
-    cols = tl.arange(0, BPS)
-    # the split's page ids up front: the loop then issues only key loads with addresses from
-    # registers, which the software pipeline prefetches (no block-table -> key load chain)
-    if PAGES_GIVEN:
-        split_pages = split_pages_given
-    else:
-        split_pages = tl.load(bt_row_ptr + (b_lo + cols) * stride_btb, mask=b_lo + cols < b_hi,
-                              other=-1)  # [BPS]
     if PREPARE:
-        if MAX_SKIPS_NAN and not NVFP4:
-            # (an NVIDIA GPU) the split's first keys come into L2 while the query is
-            # prepared: its two dependent loads (the position, then the RoPE table) would
-            # otherwise come before the loop's first key load
-            _prefetch_first_keys(cache_ptr, split_pages, num_pages, stride_cp, stride_cb,
-                                 stride_cd, DI, DIP, BLOCK)
         q = _prepared_query(tok, head, row_ok, q_ptr.dtype.element_ty, DI, DIP, ROT,
                             FP32_ANGLES, ROPE_SCALE, prep)
     else:
@@ -373,6 +342,14 @@ def _score_token_range(q_ptr, cache_ptr, bt_row_ptr, out_ptr, t_begin, t_end, se
                     other=0.0)  # [M, DIP]
     if NVFP4:
         q = _nvfp4_query(q)
+    cols = tl.arange(0, BPS)
+    # the split's page ids up front: the loop then issues only key loads with addresses from
+    # registers, which the software pipeline prefetches (no block-table -> key load chain)
+    if PAGES_GIVEN:
+        split_pages = split_pages_given
+    else:
+        split_pages = tl.load(bt_row_ptr + (b_lo + cols) * stride_btb, mask=b_lo + cols < b_hi,
+                              other=-1)  # [BPS]
     tile = tl.full([M, BPS], float("-inf"), tl.float32)
     # blocks wholly at or before the earliest row's position need no causal mask: only the
     # last one or two blocks of a tile pay for it
