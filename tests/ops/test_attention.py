@@ -194,28 +194,6 @@ def test_first_launch_waits_for_the_kernel_before():
 
 
 @pytest.mark.reference
-def test_one_round_decode_warms_l2_before_its_wait():
-    """A decode step whose programs all fit on the GPU at once (PREFETCH) prefetches its step
-    rows into L2 before griddepcontrol.wait, and reads nothing into registers before it but
-    the seq_len that bounds the table row (through L2 only, .cg); a step of several rounds
-    does not prefetch."""
-    sm90 = _sm90()
-    from openmsa.ops.attention.kernels.token import _sparse_attention_kernel
-    small = plan(_m3_shape(1, kv_dtype=FP8, has_scale=True), H200, DEFAULT).find("token")
-    large = plan(_m3_shape(512, kv_dtype=FP8, has_scale=True), H200, DEFAULT).find("token")
-    assert small.params["PREFETCH"] and small.params["WAIT_PRIOR"]
-    assert large.params["WAIT_PRIOR"] and not large.params["PREFETCH"]
-    constexprs, options = _constexprs(small)
-    ptx = sm90.compile_sm90(_sparse_attention_kernel,
-                            dict(TOKEN_POINTERS, k_ptr="*fp8e4nv", v_ptr="*fp8e4nv"),
-                            dict(sm_scale="fp32"), constexprs, options=options).asm["ptx"]
-    before = ptx[:ptx.index("griddepcontrol.wait")]
-    assert "prefetch.global.L2" in before
-    loads = [line.split()[0] for line in before.splitlines() if "ld.global" in line]
-    assert loads and all(".cg" in op for op in loads), loads
-
-
-@pytest.mark.reference
 @pytest.mark.parametrize("kv_dtype, tokens, heads, topk", [
     (FP8, 8192, (64, 4), 16), (torch.bfloat16, 8192, (64, 4), 16), (FP8, 128, (64, 4), 16),
     (FP8, 1, (64, 4), 16), (torch.bfloat16, 64, (16, 1), 16), (FP8, 8192, (32, 8), 16),

@@ -361,11 +361,6 @@ def plan(shape: AttentionShape, device: DeviceFacts, config: AttentionConfig) ->
         # the call's first launch: a programmatic dependent of the kernel before it on the
         # stream, so its launch latency hides behind that kernel's last programs
         token.update(WAIT_PRIOR=True, launch_pdl=True)
-        # when every program is resident at once (one round), they all start while that
-        # kernel runs and warm L2 with the step rows their prologue reads (token.py's
-        # _prefetch_step); programs of later rounds would start after it and only add the
-        # prefetches to their own time
-        token["PREFETCH"] = t * hkv * splits <= (form.resident or decode.resident) * device.num_sms
     if (form.maxnreg is not None and prefill and v_pairs and device.nvidia and gp <= 16
             and sub == 128 and form.warps == 4):
         # the elementwise row sum's [16, SUB] tile would take the 128-key, 4-warp program past

@@ -104,16 +104,6 @@ def tile_position(cu_seqlens_ptr, seq_lens_ptr, num_requests, num_tokens, table_
 
 
 @triton.jit
-def prefetch_l2(ptrs):
-    """`prefetch.global.L2` at each address (NVIDIA only): the line comes into L2 and nothing
-    into registers or this SM's L1. So a program may issue it before its griddepcontrol.wait,
-    whatever the kernel before it writes: L2 is where the GPU's stores meet, and a load after
-    the wait sees that kernel's stores."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def score_key(score):
     """An int32 per score whose integer order is the score's order: NaN ranks as -inf, -0.0 as 0,
     and -inf's key (0x807FFFFF) stays above -2**31, which callers keep for absent blocks."""

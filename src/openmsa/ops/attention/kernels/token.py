@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ...common.triton_utils import prefetch_l2, split_e4m3_pairs, token_position
+from ...common.triton_utils import split_e4m3_pairs, token_position
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -62,24 +62,20 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
                              SP: tl.constexpr = 1,
                              PDL: tl.constexpr = False, STORE_LSE: tl.constexpr = True,
                              LAZY_SUM: tl.constexpr = False, WAIT_TILES: tl.constexpr = False,
-                             WAIT_PRIOR: tl.constexpr = False, PREFETCH: tl.constexpr = False):
-    t = tl.program_id(0)
-    g = tl.program_id(1)
-    split = tl.program_id(2)
+                             WAIT_PRIOR: tl.constexpr = False):
     if WAIT_PRIOR:
         # a decode step's only (or first) launch, made a programmatic dependent of whatever
         # kernel precedes the call on the stream (plan.py): its programs may start
         # while that kernel's last ones finish, which hides this launch's own latency; nothing
         # is read or written before that kernel has finished and its writes are visible
-        if PREFETCH:
-            _prefetch_step(t, g * SPLITS + split, NUM_KV_HEADS * SPLITS, cu_ptr, seq_lens_ptr,
-                           bt_ptr, num_requests, tl.num_programs(0), table_width, stride_btr,
-                           stride_btb, BLOCK)
         gdc_wait()
     if PDL:
         # the merge launch may start now (programmatic dependent launch); it waits for this
         # launch to finish before it reads a partial
         gdc_launch_dependents()
+    t = tl.program_id(0)
+    g = tl.program_id(1)
+    split = tl.program_id(2)
     if WAIT_TILES:
         # launched as a programmatic dependent of the Gluon tile launch (plan.py),
         # which may still run: the two write disjoint tokens and nothing here reads its
@@ -100,30 +96,6 @@ def _sparse_attention_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cu_ptr, seq_lens_ptr,
                  stride_btb, stride_ot, stride_oh, stride_od, stride_lt, stride_lh, NUM_HEADS,
                  NUM_KV_HEADS, NUM_INDEX_HEADS, G, M, D, BLOCK, TOPK, KP, SUB, STEPS, SPLITS,
                  HAS_SCALE, IEEE, F16_COMPUTE, FUSED_MERGE, V_PAIRS, PTX, SP, STORE_LSE, LAZY_SUM)
-
-
-@triton.jit
-def _prefetch_step(t, p, num_p, cu_ptr, seq_lens_ptr, bt_ptr, num_requests, num_tokens,
-                   table_width, stride_btr, stride_btb, BLOCK: tl.constexpr):
-    """Program p of the num_p programs of token t, before it waits for the kernel before it:
-    the step's offsets, the request's seq_len and its block table row, which the prologue reads
-    one after another after the wait, come into L2 (prefetch_l2), so that chain's HBM round
-    trips overlap that kernel. The request is token_position's guess (t * R // T) and the row
-    is bounded by a seq_len read past L1 (.cg, so no line of it stays there to be read stale);
-    a stale or malformed value only sends prefetches elsewhere inside the tensors."""
-    if num_requests > 0:
-        r = tl.minimum(t.to(tl.int64) * num_requests // num_tokens, num_requests - 1)
-        ends = tl.arange(0, 4)
-        prefetch_l2(cu_ptr + tl.where(ends < 2, r + ends, tl.where(ends == 2, 0, num_requests)))
-        seq_len = tl.load(seq_lens_ptr + r, cache_modifier=".cg")
-        n = tl.minimum(tl.maximum(seq_len, 1) // BLOCK + 1, table_width)
-        # the row's 128-byte lines (32 entries when it is contiguous) striped over the programs
-        LINES: tl.constexpr = 8
-        lane = tl.arange(0, LINES)
-        row = bt_ptr + r * stride_btr
-        for first in range(0, n, LINES * num_p * 32):
-            e = first + (lane * num_p + p) * 32
-            prefetch_l2(row + tl.where(e < n, e, 0) * stride_btb)
 
 
 @triton.jit

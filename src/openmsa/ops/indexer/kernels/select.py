@@ -339,9 +339,6 @@ def merge_topk(t, h, num_tokens, num_heads, cand_ptr, cu_ptr, seq_lens_ptr, out_
     n = _causal_blocks(cu_ptr, seq_lens_ptr, num_requests, table_width, t, BLOCK, num_tokens)
     if PDL:
         gdc_wait()  # the segment launch's candidates (see _segment_topk_kernel)
-        # the launch after this one may start now (the attention of a decode step waits for
-        # this launch before it reads a selection, and warms L2 until then)
-        gdc_launch_dependents()
     if n > TOPK:
         # segments past the row's causal blocks wrote nothing: read only those that exist. On
         # the threshold path the candidates are in ascending block order (segments in order,
