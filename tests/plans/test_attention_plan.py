@@ -95,12 +95,12 @@ def test_decode_step_is_one_programmatic_dependent_launch():
 
 
 def test_small_steps_take_finer_steps_and_a_merge_launch():
-    """B = 1 decode (4 (token, KV head) pairs): 64-key steps on 8 warps, 16 splits, merged by
+    """B = 1 decode (4 (token, KV head) pairs): 64-key steps on 4 warps, 16 splits, merged by
     a second launch that starts early (PDL)."""
     p = plan(shape(1), H200, DEFAULT)
     assert p.kernels() == ("token", "merge")
     token, merge = p.find("token").params, p.find("merge").params
-    assert (token["SUB"], token["num_warps"], token["SPLITS"]) == (64, 8, 16)
+    assert (token["SUB"], token["num_warps"], token["SPLITS"]) == (64, 4, 16)
     assert token["PDL"] and not token["FUSED_MERGE"] and token["SP"] == 16
     assert merge["PDL"] and merge["launch_pdl"] and p.find("merge").grid == (1, 64)
 
