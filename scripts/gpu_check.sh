@@ -45,6 +45,12 @@
 #                                              # large rows that may lose no more than 2%
 #                                              # (indexer and layer, B = 32 / 128, 128K and 1M)
 #   bash scripts/gpu_check.sh host [cases...]  # benchmarks/host_cost.py (eager calls' host time)
+#   bash scripts/gpu_check.sh small-steps      # issue 57's before/after in one call (~6 min):
+#                                              # .ab's base against this tree, the layer step
+#                                              # (TP1 and TP4 fp8, B = 1 and 8) and the
+#                                              # attention alone (TP1-TP8, bf16 and fp8, B = 1
+#                                              # and 8), then the 57-layer stack at B = 1 beside
+#                                              # FlashInfer's calls (needs .peers)
 #   bash scripts/gpu_check.sh latency          # issue 57's where-the-time-goes, one call (~4 min):
 #                                              # benchmarks/launch_floor.py (a chain of empty
 #                                              # launches), profile_case.py --offsets of the
@@ -144,6 +150,14 @@ case "$what" in
     python3 benchmarks/profile_case.py --breakdown "$@" 2>&1 | tee "$OUT/nvfp4-breakdown.log" ;;
   tune)
     python3 benchmarks/tune.py "$@" 2>&1 | tee -a "$OUT/tune.log" ;;
+  small-steps)
+    mkdir -p "$OUT/layer" "$OUT/attention"
+    python3 benchmarks/ab.py --base .ab --out "$OUT/layer" --sections layer-decode \
+      --models m3-tp1,m3-tp4 --dtypes fp8 --batches 1,8 --iters 30 2>&1 | tee "$OUT/layer/ab.log"
+    python3 benchmarks/ab.py --base .ab --out "$OUT/attention" --sections attention-decode \
+      --dtypes bf16,fp8 --batches 1,8 --iters 30 2>&1 | tee "$OUT/attention/ab.log"
+    python3 benchmarks/stack.py --contexts 131072,1048576 --batch 1 --model m3-tp1 --dtype fp8 \
+      --out "$OUT" 2>&1 | tee "$OUT/stack.log" ;;
   latency)
     python3 benchmarks/launch_floor.py --json "$OUT/launch_floor.json" 2>&1 \
       | tee "$OUT/launch_floor.log"
