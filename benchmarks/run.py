@@ -1017,8 +1017,9 @@ def _dense_prefill_us(model, context, chunk, args):
 # attention over the whole context
 
 def kernel_breakdown_us(fn, iters: int) -> dict[str, float]:
-    """Median device time of each kernel (by name) over `iters` calls, L2 flushed before each
-    (a programmatic dependent launch's time includes its wait for the launch before it)."""
+    """Median time each kernel (by name) adds to a call's device time over `iters` calls, L2
+    flushed before each (added_by_kernel: a programmatic dependent's wait for the launch before
+    it counts as that launch's time, and the parts add up to the call's device time)."""
     fn()
     flush_l2()  # allocates the flush buffer outside the profiled loop
     torch.cuda.synchronize()
@@ -1028,13 +1029,31 @@ def kernel_breakdown_us(fn, iters: int) -> dict[str, float]:
             flush_l2()
             fn()
         torch.cuda.synchronize()
-    per: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0 \
-                and "_bench_l2_flush_kernel" not in e.name:
-            per.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
-    # a kernel launched n times per call contributes n entries per call
-    return {k: med(v) * len(v) / iters for k, v in per.items()}
+    calls = added_by_kernel([(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                             if e.device_type == torch.autograd.DeviceType.CUDA
+                             and e.device_time_total > 0])
+    names = {name for call in calls for name in call}
+    return {name: med([call.get(name, 0.0) for call in calls]) for name in sorted(names)}
+
+
+def added_by_kernel(kernels) -> list[dict[str, float]]:
+    """(start, end, name) device events -> per call (each after a flush kernel) the time each
+    kernel name adds to the call's union of intervals: from its start, or from the latest end
+    before it when that is later, to its end. A kernel launched early that waits for the one
+    before it adds only what runs past that one's end; the parts of a call add up to its
+    device time (split_calls' union)."""
+    calls, parts, end = [], None, float("-inf")
+    for a, b, name in sorted(kernels):
+        if "_bench_l2_flush_kernel" in name:
+            if parts is not None:
+                calls.append(parts)
+            parts, end = {}, float("-inf")
+        elif parts is not None:
+            parts[name] = parts.get(name, 0.0) + max(0.0, b - max(a, end))
+            end = max(end, b)
+    if parts is not None:
+        calls.append(parts)
+    return calls
 
 
 def breakdown_by_part_us(fn, iters: int) -> dict[str, float]:

@@ -36,6 +36,21 @@ def test_split_calls_alternating_functions():
     assert run.split_calls(events, 1) == [[11, 12, 9, 0]]
 
 
+def test_parts_add_up_to_the_call():
+    """A dependent launch that starts early and waits adds only what runs past its
+    predecessor's end; a kernel inside another adds nothing; a kernel launched twice sums; each
+    call's parts add up to its union (split_calls)."""
+    events = [
+        (0, 60, FLUSH), (61, 70, "scores"), (62, 74, "select"), (75, 80, "attn"),
+        (76, 78, "inside"), (81, 83, "merge"), (84, 85, "merge"),
+        (90, 150, FLUSH), (151, 160, "scores"), (161, 163, "select"),
+    ]
+    first, second = run.added_by_kernel(events)
+    assert first == {"scores": 9, "select": 4, "attn": 5, "inside": 0, "merge": 3}
+    assert second == {"scores": 9, "select": 2}
+    assert [sum(c.values()) for c in (first, second)] == run.split_calls(events, 1)[0]
+
+
 def test_sm_clock_reads_nvidia_smi(monkeypatch):
     """The prefill rows' clock column: nvidia-smi's SM clock for torch's device, None where
     nvidia-smi is missing or says something else."""
