@@ -165,7 +165,7 @@ case "$what" in
       layer-fp8-tp1-b1-512k layer-fp8-tp1-b1-1m layer-fp8-tp4-b1-1m layer-fp8-tp1-b8-128k 2>&1 \
       | tee "$OUT/offsets.log"
     # each kernel of one call (the case's first call skipped), alone and L2-flushed (ncu's
-    # default cache control); $2 of each pair: the call's launches
+    # default cache control); each spec is case:launches per call
     kernels='regex:_prepare_scores|_block_scores|_fused_prepare|_segment_topk|_merge_topk|_sparse_attention_kernel|_merge_splits'
     for spec in layer-fp8-tp1-b1-32k:4 layer-fp8-tp1-b1-128k:6; do
       IFS=: read -r name n <<< "$spec"

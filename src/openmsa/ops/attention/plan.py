@@ -141,8 +141,8 @@ class AttentionConfig:
     decode_fp8: TokenForm = TokenForm(sub=128, resident=2)
     # decode/verify steps with 16- or 32-bit K/V (128-key steps hold 136 KB: 1 program per SM)
     decode_16: TokenForm = TokenForm(sub=128, resident=1)
-    # decode steps of at most small_pairs pairs: finer splits, on 4 warps (8 ran each small
-    # step measured on an H100 slower, docs/performance.md)
+    # decode steps of at most small_pairs pairs: finer splits, on 4 warps (on 8 these few,
+    # latency-bound programs ran slower)
     small: TokenForm = TokenForm(sub=64)
     # fp8 (V read in pairs) decode grids of more than one round of decode_fp8 programs: a finer
     # grain (107 registers, 4 per SM) that leaves a shorter last round
