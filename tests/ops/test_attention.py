@@ -107,7 +107,8 @@ def test_config_is_frozen_and_hashable():
         DEFAULT.tiles = False
     assert hash(_config(tiles=False)) != hash(DEFAULT) or _config(tiles=False) != DEFAULT
     # a small config: the numbers of one launch grouped into a form, not fields of their own
-    assert len(dataclasses.fields(AttentionConfig)) <= 16
+    # (a form per K/V dtype family where the measured best differs: decode, small, prefill)
+    assert len(dataclasses.fields(AttentionConfig)) <= 17
 
 
 @pytest.mark.reference
@@ -359,7 +360,8 @@ def _attention_dtype(device):
 def _sub_config(sub):
     """Every per-token form with `sub` keys per step."""
     return _config(**{name: dataclasses.replace(getattr(DEFAULT, name), sub=sub) for name in (
-        "decode_fp8", "decode_16", "small", "rounds_fp8", "prefill_fp8", "prefill_16")})
+        "decode_fp8", "decode_16", "small_fp8", "small_16", "rounds_fp8", "prefill_fp8",
+        "prefill_16")})
 
 
 @pytest.mark.interpret

@@ -95,14 +95,15 @@ def test_decode_step_is_one_programmatic_dependent_launch():
 
 
 def test_small_steps_take_finer_steps_and_a_merge_launch():
-    """B = 1 decode (4 (token, KV head) pairs): 64-key steps on 4 warps, 16 splits, merged by
-    a second launch that starts early (PDL)."""
-    p = plan(shape(1), H200, DEFAULT)
-    assert p.kernels() == ("token", "merge")
-    token, merge = p.find("token").params, p.find("merge").params
-    assert (token["SUB"], token["num_warps"], token["SPLITS"]) == (64, 4, 16)
-    assert token["PDL"] and not token["FUSED_MERGE"] and token["SP"] == 16
-    assert merge["PDL"] and merge["launch_pdl"] and p.find("merge").grid == (1, 64)
+    """B = 1 decode (4 (token, KV head) pairs): 64-key steps, on 4 warps with fp8 K/V and 8
+    with bf16, 16 splits, merged by a second launch that starts early (PDL)."""
+    for kv_dtype, warps in ((FP8, 4), (BF16, 8)):
+        p = plan(shape(1, kv_dtype=kv_dtype), H200, DEFAULT)
+        assert p.kernels() == ("token", "merge")
+        token, merge = p.find("token").params, p.find("merge").params
+        assert (token["SUB"], token["num_warps"], token["SPLITS"]) == (64, warps, 16)
+        assert token["PDL"] and not token["FUSED_MERGE"] and token["SP"] == 16
+        assert merge["PDL"] and merge["launch_pdl"] and p.find("merge").grid == (1, 64)
 
 
 def test_fp8_grids_of_more_than_one_round_take_64_key_steps():

@@ -141,9 +141,10 @@ class AttentionConfig:
     decode_fp8: TokenForm = TokenForm(sub=128, resident=2)
     # decode/verify steps with 16- or 32-bit K/V (128-key steps hold 136 KB: 1 program per SM)
     decode_16: TokenForm = TokenForm(sub=128, resident=1)
-    # decode steps of at most small_pairs pairs: finer splits, on 4 warps (on 8 these few,
-    # latency-bound programs ran slower)
-    small: TokenForm = TokenForm(sub=64)
+    # decode steps of at most small_pairs pairs: finer splits; fp8 K/V on 4 warps, 16-bit on 8
+    # (the other count ran these few, latency-bound programs slower)
+    small_fp8: TokenForm = TokenForm(sub=64)
+    small_16: TokenForm = TokenForm(sub=64, warps=8)
     # fp8 (V read in pairs) decode grids of more than one round of decode_fp8 programs: a finer
     # grain (107 registers, 4 per SM) that leaves a shorter last round
     rounds_fp8: TokenForm = TokenForm(sub=64, resident=4)
@@ -280,7 +281,8 @@ def plan(shape: AttentionShape, device: DeviceFacts, config: AttentionConfig) ->
     prefill = t >= c.prefill_min_tokens
     small = t * hkv <= c.small_pairs
     decode = c.decode_fp8 if fp8 else c.decode_16
-    form = (c.prefill_fp8 if fp8 else c.prefill_16) if prefill else c.small if small else decode
+    form = ((c.prefill_fp8 if fp8 else c.prefill_16) if prefill
+            else (c.small_fp8 if fp8 else c.small_16) if small else decode)
     resident = form.resident or decode.resident
     sub = min(s.block_size, form.sub)
     steps = s.topk * (s.block_size // sub)
