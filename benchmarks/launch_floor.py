@@ -31,7 +31,8 @@ COLD_STRIDE = 1 << 12
 
 
 @triton.jit
-def _link(src_ptr, dst_ptr, cold_ptr, link, PDL: tl.constexpr, COLD: tl.constexpr):
+def _link(src_ptr, dst_ptr, cold_ptr, link, PDL: tl.constexpr, COLD: tl.constexpr,
+          STRIDE: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -39,7 +40,7 @@ def _link(src_ptr, dst_ptr, cold_ptr, link, PDL: tl.constexpr, COLD: tl.constexp
     v = tl.load(src_ptr + pid)
     if COLD:
         # the address depends on v, so this load waits for the one above: two round trips
-        v = v + tl.load(cold_ptr + ((link * tl.num_programs(0) + pid) * 4096 + (v & 7)))
+        v = v + tl.load(cold_ptr + ((link * tl.num_programs(0) + pid) * STRIDE + (v & 7)))
     tl.store(dst_ptr + pid, v + 1)
 
 
@@ -51,7 +52,7 @@ def chain(links: int, pdl: bool, cold: bool):
     def call():
         for i in range(links):
             _link[(PROGRAMS,)](bufs[i], bufs[i + 1], cold_buf, i, PDL=pdl, COLD=cold,
-                               num_warps=4, launch_pdl=pdl)
+                               STRIDE=COLD_STRIDE, num_warps=4, launch_pdl=pdl)
     call.result = bufs[-1]
     return call
 

@@ -129,17 +129,9 @@ def interleaved_device_times_us(fns, iters: int) -> list[list[float]]:
 
 def split_calls(kernels, n: int) -> list[list[float]]:
     """(start, end, name) device events -> per function (calls alternate over n functions, each
-    after a flush kernel) the union length of each call's events."""
-    calls, spans = [], None
-    for a, b, name in sorted(kernels):
-        if "_bench_l2_flush_kernel" in name:
-            if spans is not None:
-                calls.append(_union_length(spans))
-            spans = []
-        elif spans is not None:
-            spans.append((a, b))
-    if spans is not None:
-        calls.append(_union_length(spans))
+    after a flush kernel) the union length of each call's events (the sum of the parts
+    added_by_kernel gives them)."""
+    calls = [sum(parts.values()) for parts in added_by_kernel(kernels)]
     return [calls[i::n] for i in range(n)]
 
 
