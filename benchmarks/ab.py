@@ -84,7 +84,7 @@ def indexer_decode(base, args):
                         _row(args.out, section="indexer-decode", model=model_name, dtype=dname,
                              L=context, B=batch, q_len=q_len, identical=same,
                              **_time(*fns, args.iters, graph=True))
-                    del q, cache, table
+                    q = cache = table = None  # free before the next case
                     torch.cuda.empty_cache()
 
 
@@ -111,7 +111,7 @@ def indexer_prefill(base, args):
                 _row(args.out, section="indexer-prefill", model=model_name, dtype=dname,
                      context=context, T=chunk, identical=same,
                      **_time(*fns, max(5, args.iters // 2), graph=False))
-                del q, cache, table
+                q = cache = table = None  # free before the next case
                 torch.cuda.empty_cache()
 
 

@@ -16,7 +16,6 @@ with their reasons. No number is written by hand.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re

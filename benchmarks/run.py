@@ -918,7 +918,7 @@ def attention_prefill(args, fi):
                     row["dense_us"] = try_peer(lambda: _dense_prefill_us(model, context, chunk,
                                                                           args))
                 record(**row)
-                del q, packed, idx
+                q = packed = idx = None  # (the lambdas above hold them; freed before the next case)
                 torch.cuda.empty_cache()
 
 
@@ -1117,20 +1117,20 @@ def _layer_fns(model, k_cache, v_cache, index_cache, meta, qkv, w, batch, contex
         m.fused_prepare(qkv, meta.positions, cfg, *w, k_cache, v_cache, meta.slot_mapping,
                         index_cache, meta.index_slot_mapping, q_out=q_out, index_q_out=iq_out)
 
-    def prepare_select():
-        prep()
-        m.select_blocks(iq_out, index_cache, meta.cu_seqlens_q, meta.seq_lens,
-                        meta.index_block_table, topk=cfg.topk_blocks, block_size=cfg.block_size,
-                        out=idx)
-
     if hasattr(m, "prepare_and_select"):
-        # (a tree with the preparation inside the scoring launch; benchmarks/ab.py's base tree
-        # may predate it)
         def prepare_select():
             m.prepare_and_select(qkv, meta.positions, cfg, *w, k_cache, v_cache,
                                  meta.slot_mapping, index_cache, meta.index_slot_mapping,
                                  meta.cu_seqlens_q, meta.seq_lens, meta.index_block_table,
                                  q_out=q_out, index_q_out=iq_out, out=idx)
+    else:
+        # (a tree without the preparation inside the scoring launch: benchmarks/ab.py's base
+        # tree may predate it)
+        def prepare_select():
+            prep()
+            m.select_blocks(iq_out, index_cache, meta.cu_seqlens_q, meta.seq_lens,
+                            meta.index_block_table, topk=cfg.topk_blocks,
+                            block_size=cfg.block_size, out=idx)
 
     def sparse():
         prepare_select()
@@ -1139,8 +1139,9 @@ def _layer_fns(model, k_cache, v_cache, index_cache, meta, qkv, w, batch, contex
     sparse.buffers = (idx, out)
     sparse.prep, sparse.q_out, sparse.index_q_out = prep, q_out, iq_out
 
-    dense = None
-    if k_cache.dtype == torch.bfloat16:
+    if k_cache.dtype != torch.bfloat16:
+        dense = None
+    else:
         from torch.nn.attention.bias import causal_lower_right
         kk = k_cache.view(batch, -1, cfg.num_kv_heads, cfg.head_dim)[:, :context].transpose(1, 2)
         vv = v_cache.view(batch, -1, cfg.num_kv_heads, cfg.head_dim)[:, :context].transpose(1, 2)

@@ -122,7 +122,7 @@ def stack_row(args, model_name, context, fi) -> dict:
                 row["fi"] = "not run"
         else:
             row["fi"] = "not run"
-    del ours, cases, first
+    ours = cases = first = None  # free this context's caches before the next one's
     torch.cuda.empty_cache()
     return row
 
