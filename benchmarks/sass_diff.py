@@ -21,7 +21,7 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT = ["fp8,128,3,4", "bf16,64,3,4", "fp8,64,3,8", "tile:bf16,64,3,4",
+DEFAULT = ["fp8,128,3,4", "bf16,64,3,4", "fp8,64,3,4", "bf16,64,3,8", "tile:bf16,64,3,4",
            "idec:fp8,16,32,3,4", "idec:bf16,16,32,3,4", "index:fp8,128,32,3,4",
            "sel:search,1024,64,1", "sel:sort,256,0,4", "prep:16", "prep:4",
            "amerge:8", "tmerge:search", "tmerge:sort"]
